@@ -1,0 +1,306 @@
+"""The capability catalog: what each capability name means on the wire, and matching calls to names.
+
+A catalog is parsed from YAML text (reading the file is the caller's job), validated strictly (unknown
+keys are refused, every error names the file, the capability and the field) and hashed over its
+canonical JSON form so a grant can name the exact catalog it was issued against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import yaml
+
+from .errors import CatalogError, UnknownCapability
+
+TIERS = ("direct", "approval", "absent")
+GRANTED_TIERS = ("direct", "approval")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_METHOD = re.compile(r"^[A-Z]{1,16}$")
+_HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
+_TOP_KEYS = {"capabilities", "roles", "version"}
+_CAP_KEYS = {"http", "mcp", "description"}
+_HTTP_KEYS = {"host", "port", "methods", "path"}
+_MCP_KEYS = {"url", "tool"}
+
+
+def _glob_regex(glob: str) -> re.Pattern[str]:
+    """``*`` matches any run of characters, ``/`` included; everything else is literal."""
+    return re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)
+
+
+def _default_port(scheme: str) -> int:
+    return 443 if scheme == "https" else 80
+
+
+def normalize_url(url: str) -> str:
+    """``scheme://host:port/path`` with the default port made explicit, no query, no trailing slash."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    port = parts.port or _default_port(scheme)
+    path = parts.path.rstrip("/") or "/"
+    return f"{scheme}://{host}:{port}{path}"
+
+
+def safe_path(path: str) -> str | None:
+    """The path with its query removed, or None when it could mean something else to the server.
+
+    Dot segments (``..``, ``.``, in any percent-encoding), encoded slashes and backslashes would let a
+    path that matches a glob reach a resource outside it once the server normalizes it. Fail closed.
+    """
+    path = path.split("?", 1)[0].split("#", 1)[0]
+    if not path.startswith("/"):
+        return None
+    lowered = path.lower()
+    if "\\" in path or any(enc in lowered for enc in ("%2f", "%5c", "%00", "%252f", "%255c")):
+        return None
+    decoded = unquote(unquote(path))
+    if any(segment in (".", "..") for segment in decoded.split("/")):
+        return None
+    return path
+
+
+@dataclass(frozen=True)
+class HttpMatch:
+    host: str
+    methods: tuple[str, ...]
+    path: str
+    port: int | None = None
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_regex", _glob_regex(self.path))
+
+    def matches(self, host: str, port: int, method: str, path: str) -> bool:
+        return (
+            host == self.host
+            and (self.port is None or port == self.port)
+            and method in self.methods
+            and self._regex.fullmatch(path) is not None
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"host": self.host, "methods": list(self.methods), "path": self.path}
+        if self.port is not None:
+            d["port"] = self.port
+        return d
+
+
+@dataclass(frozen=True)
+class McpMatch:
+    url: str
+    tool: str
+
+    @property
+    def server(self) -> str:
+        return normalize_url(self.url)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "tool": self.tool}
+
+
+@dataclass(frozen=True)
+class Capability:
+    name: str
+    http: HttpMatch | None = None
+    mcp: McpMatch | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Catalog:
+    capabilities: Mapping[str, Capability]
+    roles: Mapping[str, Mapping[str, str]]
+    hash: str
+    source: str = "<catalog>"
+
+    # -- queries ---------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self.capabilities)
+
+    def require(self, names: Iterable[str]) -> None:
+        unknown = sorted(set(names) - set(self.capabilities))
+        if unknown:
+            raise UnknownCapability(
+                f"capability {', '.join(unknown)} is not in the catalog {self.source} "
+                f"(known: {', '.join(sorted(self.capabilities)) or 'none'})",
+                capability=unknown[0],
+            )
+
+    def match_http(self, host: str, port: int, method: str, path: str) -> list[str]:
+        """Every HTTP capability that this request falls under, in catalog order (often one)."""
+        clean = safe_path(path)
+        if clean is None:
+            return []
+        host = host.lower().rstrip(".")
+        method = method.upper()
+        return [
+            c.name
+            for c in self.capabilities.values()
+            if c.http is not None and c.http.matches(host, port, method, clean)
+        ]
+
+    def mcp_server(self, url: str) -> str | None:
+        """The normalized endpoint when ``url`` is one of the catalog's MCP servers."""
+        normalized = normalize_url(url)
+        for c in self.capabilities.values():
+            if c.mcp is not None and c.mcp.server == normalized:
+                return normalized
+        return None
+
+    def match_mcp(self, server: str, tool: str) -> list[str]:
+        return [
+            c.name
+            for c in self.capabilities.values()
+            if c.mcp is not None and c.mcp.server == server and c.mcp.tool == tool
+        ]
+
+    def mcp_tools(self, server: str) -> dict[str, list[str]]:
+        """tool name -> capability names, for one MCP server."""
+        out: dict[str, list[str]] = {}
+        for c in self.capabilities.values():
+            if c.mcp is not None and c.mcp.server == server:
+                out.setdefault(c.mcp.tool, []).append(c.name)
+        return out
+
+    def knows_host(self, host: str, port: int) -> bool:
+        """True when some capability could be reached at host:port (used to refuse CONNECTs early)."""
+        host = host.lower().rstrip(".")
+        for c in self.capabilities.values():
+            if c.http is not None and c.http.host == host and c.http.port in (None, port):
+                return True
+            if c.mcp is not None:
+                parts = urlsplit(c.mcp.server)
+                if parts.hostname == host and parts.port == port:
+                    return True
+        return False
+
+    def role(self, name: str) -> dict[str, str]:
+        if name not in self.roles:
+            raise UnknownCapability(
+                f"role {name!r} is not in the catalog {self.source} "
+                f"(known: {', '.join(sorted(self.roles)) or 'none'})",
+                role=name,
+            )
+        return dict(self.roles[name])
+
+    def to_dict(self) -> dict[str, Any]:
+        caps: dict[str, Any] = {}
+        for c in self.capabilities.values():
+            entry: dict[str, Any] = {}
+            if c.http is not None:
+                entry["http"] = c.http.to_dict()
+            if c.mcp is not None:
+                entry["mcp"] = c.mcp.to_dict()
+            if c.description:
+                entry["description"] = c.description
+            caps[c.name] = entry
+        return {"capabilities": caps, "roles": {k: dict(v) for k, v in self.roles.items()}}
+
+
+# -- parsing ----------------------------------------------------------------------------------------
+def _fail(source: str, where: str, message: str) -> CatalogError:
+    return CatalogError(f"{source}: {where}: {message}", source=source, where=where)
+
+
+def _check_keys(source: str, where: str, value: Any, allowed: set[str], required: set[str]) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(source, where, f"expected a mapping, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise _fail(source, where, f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+    missing = sorted(required - set(value))
+    if missing:
+        raise _fail(source, where, f"missing required key {missing[0]!r}")
+    return value
+
+
+def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
+    raw = _check_keys(source, where, raw, _HTTP_KEYS, {"host", "methods", "path"})
+    host = raw["host"]
+    if not isinstance(host, str) or not _HOST.match(host.lower()):
+        raise _fail(source, f"{where}.host", f"not a host name: {host!r}")
+    port = raw.get("port")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise _fail(source, f"{where}.port", f"not a TCP port: {port!r}")
+    methods = raw["methods"]
+    if not isinstance(methods, list) or not methods:
+        raise _fail(source, f"{where}.methods", "expected a non-empty list of HTTP methods")
+    for m in methods:
+        if not isinstance(m, str) or not _METHOD.match(m):
+            raise _fail(source, f"{where}.methods", f"not an upper-case HTTP method: {m!r}")
+    path = raw["path"]
+    if not isinstance(path, str) or not path.startswith("/") or "?" in path:
+        raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
+    return HttpMatch(host=host.lower(), methods=tuple(methods), path=path, port=port)
+
+
+def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
+    raw = _check_keys(source, where, raw, _MCP_KEYS, {"url", "tool"})
+    url, tool = raw["url"], raw["tool"]
+    if not isinstance(url, str):
+        raise _fail(source, f"{where}.url", f"expected an http(s) URL, got {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise _fail(source, f"{where}.url", f"expected an http(s) URL without a query, got {url!r}")
+    if not isinstance(tool, str) or not tool:
+        raise _fail(source, f"{where}.tool", f"expected a tool name, got {tool!r}")
+    return McpMatch(url=url, tool=tool)
+
+
+def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
+    """Parse and validate catalog YAML. Raises CatalogError naming the file, capability and field."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise _fail(source, "yaml", f"not valid YAML: {exc}") from None
+    raw = _check_keys(source, "top level", raw, _TOP_KEYS, {"capabilities"})
+    caps_raw = raw["capabilities"]
+    if not isinstance(caps_raw, dict) or not caps_raw:
+        raise _fail(source, "capabilities", "expected a non-empty mapping of capability names")
+    caps: dict[str, Capability] = {}
+    for name, spec in caps_raw.items():
+        where = f"capability {name!r}"
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _fail(source, where, "capability names are letters, digits and . _ : -")
+        spec = _check_keys(source, where, spec, _CAP_KEYS, set())
+        kinds = [k for k in ("http", "mcp") if k in spec]
+        if len(kinds) != 1:
+            raise _fail(source, where, "needs exactly one match: 'http' or 'mcp'")
+        description = spec.get("description", "")
+        if not isinstance(description, str):
+            raise _fail(source, f"{where}.description", "expected a string")
+        if kinds[0] == "http":
+            caps[name] = Capability(name, http=_parse_http(source, f"{where}.http", spec["http"]),
+                                    description=description)
+        else:
+            caps[name] = Capability(name, mcp=_parse_mcp(source, f"{where}.mcp", spec["mcp"]),
+                                    description=description)
+    roles_raw = raw.get("roles") or {}
+    if not isinstance(roles_raw, dict):
+        raise _fail(source, "roles", "expected a mapping of role name -> {capability: tier}")
+    roles: dict[str, dict[str, str]] = {}
+    for role, grants in roles_raw.items():
+        where = f"role {role!r}"
+        if not isinstance(grants, dict):
+            raise _fail(source, where, "expected a mapping of capability -> tier")
+        for cap, tier in grants.items():
+            if cap not in caps:
+                raise _fail(source, f"{where}.{cap}", "names a capability that is not in the catalog")
+            if tier not in TIERS:
+                raise _fail(source, f"{where}.{cap}", f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        roles[str(role)] = {str(k): str(v) for k, v in grants.items()}
+    catalog = Catalog(capabilities=caps, roles=roles, hash="", source=source)
+    digest = hashlib.sha256(canonical_json(catalog.to_dict())).hexdigest()
+    return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source)
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

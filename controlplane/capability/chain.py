@@ -1,0 +1,461 @@
+"""Grant links and capability chains (DESIGN.md section 4).
+
+A link is a compact JWS (``typ: tether-grant+jwt``, ``alg: EdDSA`` only). A chain is its links, root
+first. Minting refuses to produce a link that could not verify; verification checks every rule and
+raises a ChainError whose ``reason`` names the rule. Time is always passed in.
+
+Verification is cached at two levels: a link whose signature was checked under a given key is not
+checked again (keyed by the link's hash), and a whole chain whose structure verified is kept by its
+wire form, so a warm call pays only for the time window and the revocation lookups.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jwt
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from . import keys
+from .catalog import GRANTED_TIERS, TIERS, Catalog
+from .errors import ChainExpired, ChainInvalid, ChainRevoked, KeyError_
+
+GRANT_TYP = "tether-grant+jwt"
+ALG = "EdDSA"
+MAX_LINKS = 16
+MAX_LINK_BYTES = 8 * 1024
+MAX_CHAIN_BYTES = 64 * 1024
+LEEWAY_S = 30
+CONTROLPLANE_PRINCIPAL = "tether:controlplane"
+
+
+def link_hash(compact: str) -> str:
+    """SHA-256 of the link's wire form, base64url: the value a child's ``prf`` names."""
+    return keys.b64url(hashlib.sha256(compact.encode("ascii")).digest())
+
+
+def new_jti() -> str:
+    return os.urandom(16).hex()
+
+
+@dataclass(frozen=True)
+class Link:
+    compact: str
+    hash: str
+    claims: Mapping[str, Any]
+    signing_input: bytes
+    signature: bytes
+    key: Ed25519PublicKey  # cnf.jwk: the subject's key, which signs the next link
+
+    @property
+    def iss(self) -> str:
+        return self.claims["iss"]
+
+    @property
+    def sub(self) -> str:
+        return self.claims["sub"]
+
+    @property
+    def jti(self) -> str:
+        return self.claims["jti"]
+
+    @property
+    def nbf(self) -> float:
+        return self.claims["nbf"]
+
+    @property
+    def exp(self) -> float:
+        return self.claims["exp"]
+
+    @property
+    def iat(self) -> float:
+        return self.claims["iat"]
+
+    @property
+    def prf(self) -> str | None:
+        return self.claims.get("prf")
+
+    @property
+    def caps(self) -> Mapping[str, str]:
+        return self.claims["caps"]
+
+    @property
+    def dpth(self) -> int:
+        return self.claims["dpth"]
+
+    @property
+    def cat(self) -> str:
+        return self.claims["cat"]
+
+    @property
+    def key_raw(self) -> bytes:
+        return keys.raw_public(self.key)
+
+
+@dataclass(frozen=True)
+class VerifiedChain:
+    """A chain whose structure and signatures verified. Time and revocation are checked per use."""
+
+    links: tuple[Link, ...]
+    nbf: float
+    exp: float
+
+    @property
+    def leaf(self) -> Link:
+        return self.links[-1]
+
+    @property
+    def root(self) -> Link:
+        return self.links[0]
+
+    @property
+    def agent(self) -> str:
+        return self.leaf.sub
+
+    @property
+    def caps(self) -> Mapping[str, str]:
+        return self.leaf.caps
+
+    @property
+    def jtis(self) -> tuple[str, ...]:
+        return tuple(link.jti for link in self.links)
+
+    @property
+    def wire(self) -> str:
+        return ",".join(link.compact for link in self.links)
+
+    def check(self, now: float, revoked: Container[str] = (), leeway: float = LEEWAY_S) -> None:
+        """Raise ChainRevoked or ChainExpired if the chain may not be used at ``now``."""
+        for index, link in enumerate(self.links):
+            if link.jti in revoked:
+                raise ChainRevoked(
+                    f"link {index} (jti {link.jti}, issued to {link.sub}) has been revoked; "
+                    "ask the issuer for a new grant",
+                    link=index,
+                    jti=link.jti,
+                )
+        if now + leeway < self.nbf:
+            raise ChainExpired("not_yet_valid", f"the chain is not valid before {self.nbf:.0f}")
+        if now - leeway >= self.exp:
+            raise ChainExpired("expired", f"the chain expired at {self.exp:.0f}; ask for a fresh grant")
+
+    def tier(self, capability: str) -> str:
+        return self.caps.get(capability, "absent")
+
+
+# -- minting ---------------------------------------------------------------------------------------
+def _normalize_caps(caps: Mapping[str, str], catalog: Catalog | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, tier in caps.items():
+        if tier not in TIERS:
+            raise ChainInvalid("malformed", f"capability {name}: tier must be one of {', '.join(TIERS)}")
+        if tier != "absent":
+            out[name] = tier
+    if catalog is not None:
+        catalog.require(out)
+    return out
+
+
+def _sign(claims: dict[str, Any], key: Ed25519PrivateKey) -> str:
+    return jwt.encode(claims, key, algorithm=ALG, headers={"typ": GRANT_TYP})
+
+
+def mint_root(
+    signing_key: Ed25519PrivateKey,
+    *,
+    agent: str,
+    subject_key: Ed25519PublicKey,
+    caps: Mapping[str, str],
+    now: float,
+    ttl_s: float,
+    depth: int,
+    catalog: Catalog,
+    issuer: str = CONTROLPLANE_PRINCIPAL,
+    jti: str | None = None,
+) -> str:
+    if depth < 0:
+        raise ChainInvalid("malformed", "depth must be 0 or more")
+    if ttl_s <= 0:
+        raise ChainInvalid("malformed", "ttl must be positive")
+    _check_principal(agent)
+    claims = {
+        "iss": issuer,
+        "sub": agent,
+        "jti": jti or new_jti(),
+        "iat": int(now),
+        "nbf": int(now),
+        "exp": int(now + ttl_s),
+        "cnf": {"jwk": keys.to_jwk(subject_key)},
+        "caps": _normalize_caps(caps, catalog),
+        "dpth": int(depth),
+        "cat": catalog.hash,
+    }
+    return _sign(claims, signing_key)
+
+
+def mint_child(
+    parent: Link,
+    parent_key: Ed25519PrivateKey,
+    *,
+    agent: str,
+    subject_key: Ed25519PublicKey,
+    caps: Mapping[str, str],
+    now: float,
+    ttl_s: float,
+    depth: int | None = None,
+    catalog: Catalog | None = None,
+    jti: str | None = None,
+) -> str:
+    """Delegate a narrower link under ``parent``. Refuses (ChainInvalid) anything that would not verify."""
+    if keys.raw_public(parent_key.public_key()) != parent.key_raw:
+        raise ChainInvalid(
+            "wrong_key", f"the key given does not belong to {parent.sub}, the subject of the parent link"
+        )
+    _check_principal(agent)
+    child_caps = _normalize_caps(caps, catalog)
+    _check_narrowing(parent, child_caps, index=None)
+    if parent.dpth <= 0:
+        raise ChainInvalid("depth_exhausted", f"{parent.sub}'s grant does not allow further delegation")
+    child_depth = parent.dpth - 1 if depth is None else depth
+    if not 0 <= child_depth < parent.dpth:
+        raise ChainInvalid("depth_not_decreasing", f"depth must be below the parent's ({parent.dpth})")
+    if ttl_s <= 0:
+        raise ChainInvalid("malformed", "ttl must be positive")
+    nbf = max(int(now), int(parent.nbf))
+    exp = min(int(now + ttl_s), int(parent.exp))
+    if exp <= nbf:
+        raise ChainExpired("expired", f"the parent grant of {parent.sub} has expired; nothing to delegate")
+    claims = {
+        "iss": parent.sub,
+        "sub": agent,
+        "jti": jti or new_jti(),
+        "iat": int(now),
+        "nbf": nbf,
+        "exp": exp,
+        "prf": parent.hash,
+        "cnf": {"jwk": keys.to_jwk(subject_key)},
+        "caps": child_caps,
+        "dpth": child_depth,
+        "cat": parent.cat,
+    }
+    return _sign(claims, parent_key)
+
+
+def _check_principal(agent: str) -> None:
+    if not isinstance(agent, str) or not 0 < len(agent) <= 128 or any(c in agent for c in ",/ \t\n\r"):
+        raise ChainInvalid("malformed", f"agent id {agent!r} must be 1-128 characters without , / or spaces")
+
+
+def _check_narrowing(parent: Link, caps: Mapping[str, str], index: int | None) -> None:
+    for name, tier in caps.items():
+        parent_tier = parent.caps.get(name)
+        if parent_tier is None:
+            raise ChainInvalid(
+                "widened_capability",
+                f"{name} is not granted to {parent.sub}, so it cannot be delegated",
+                link=index,
+                capability=name,
+            )
+        if parent_tier == "approval" and tier == "direct":
+            raise ChainInvalid(
+                "tier_weakened",
+                f"{name} is 'approval' for {parent.sub}; a delegate cannot hold it 'direct'",
+                link=index,
+                capability=name,
+            )
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+def _malformed(index: int, what: str) -> ChainInvalid:
+    return ChainInvalid("malformed", f"link {index}: {what}", link=index)
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**41
+
+
+def parse_link(compact: str, index: int = 0) -> Link:
+    """Decode one link and check its form (not its signature). Raises ChainInvalid."""
+    if not isinstance(compact, str) or not compact or len(compact) > MAX_LINK_BYTES:
+        raise _malformed(index, f"a link is a compact JWS of at most {MAX_LINK_BYTES} bytes")
+    parts = compact.split(".")
+    if len(parts) != 3 or not all(parts):
+        raise _malformed(index, "a link is a compact JWS: three base64url parts joined by '.'")
+    try:
+        compact.encode("ascii")
+        header = json.loads(keys.b64url_decode(parts[0]))
+        claims = json.loads(keys.b64url_decode(parts[1]))
+        signature = keys.b64url_decode(parts[2])
+    except (ValueError, binascii.Error, UnicodeError):
+        raise _malformed(index, "not base64url-encoded JSON") from None
+    if not isinstance(header, dict) or not isinstance(claims, dict):
+        raise _malformed(index, "header and claims must be JSON objects")
+    if header.get("alg") != ALG:
+        raise ChainInvalid(
+            "alg_not_allowed", f"link {index}: alg {header.get('alg')!r} is refused; only EdDSA", link=index
+        )
+    if header.get("typ") != GRANT_TYP:
+        raise ChainInvalid("wrong_typ", f"link {index}: typ must be {GRANT_TYP!r}", link=index)
+    if "crit" in header:
+        raise _malformed(index, "critical header extensions are not supported")
+    if len(signature) != 64:
+        raise ChainInvalid("bad_signature", f"link {index}: an Ed25519 signature is 64 bytes", link=index)
+    for name in ("iss", "sub", "jti", "cat"):
+        if not isinstance(claims.get(name), str) or not claims[name]:
+            raise _malformed(index, f"claim {name!r} must be a non-empty string")
+    if not 16 <= len(claims["jti"]) <= 128:
+        raise _malformed(index, "claim 'jti' must carry at least 128 bits")
+    for name in ("iat", "nbf", "exp"):
+        if not _is_time(claims.get(name)):
+            raise _malformed(index, f"claim {name!r} must be a NumericDate")
+    if claims["nbf"] > claims["exp"]:
+        raise _malformed(index, "nbf is after exp")
+    if not isinstance(claims.get("dpth"), int) or isinstance(claims["dpth"], bool) or claims["dpth"] < 0:
+        raise _malformed(index, "claim 'dpth' must be a non-negative integer")
+    if "prf" in claims and not isinstance(claims["prf"], str):
+        raise _malformed(index, "claim 'prf' must be a string")
+    caps = claims.get("caps")
+    if not isinstance(caps, dict) or not all(
+        isinstance(k, str) and v in GRANTED_TIERS for k, v in caps.items()
+    ):
+        raise _malformed(index, "claim 'caps' must map capability names to 'direct' or 'approval'")
+    cnf = claims.get("cnf")
+    if not isinstance(cnf, dict):
+        raise _malformed(index, "claim 'cnf' must hold the subject's jwk")
+    try:
+        key = keys.from_jwk(cnf.get("jwk"))
+    except KeyError_ as exc:
+        raise _malformed(index, exc.message) from None
+    signing_input = f"{parts[0]}.{parts[1]}".encode("ascii")
+    return Link(compact, link_hash(compact), claims, signing_input, signature, key)
+
+
+def split_chain(wire: str) -> list[str]:
+    if not isinstance(wire, str) or not wire.strip():
+        raise ChainInvalid("malformed", "the chain is empty")
+    if len(wire) > MAX_CHAIN_BYTES:
+        raise ChainInvalid("too_large", f"a chain is at most {MAX_CHAIN_BYTES} bytes")
+    links = [part.strip() for part in wire.split(",")]
+    if len(links) > MAX_LINKS:
+        raise ChainInvalid("too_long", f"a chain has at most {MAX_LINKS} links, got {len(links)}")
+    return links
+
+
+# -- verification ----------------------------------------------------------------------------------
+class Verifier:
+    """Verifies chains against the control plane's public key, with bounded caches."""
+
+    def __init__(
+        self,
+        trust: Ed25519PublicKey,
+        *,
+        catalog_hash: str | None = None,
+        leeway: float = LEEWAY_S,
+        cache_size: int = 4096,
+    ) -> None:
+        self.trust_raw = keys.raw_public(trust)
+        self.trust = trust
+        self.catalog_hash = catalog_hash
+        self.leeway = leeway
+        self.cache_size = cache_size
+        self._links: OrderedDict[str, tuple[Link, bytes]] = OrderedDict()
+        self._chains: OrderedDict[str, VerifiedChain] = OrderedDict()
+
+    def verify(
+        self, chain: str | Sequence[str], *, now: float, revoked: Container[str] = ()
+    ) -> VerifiedChain:
+        """Full verification: structure and signatures (cached), then revocation and time (always)."""
+        verified = self.structure(chain)
+        verified.check(now, revoked, self.leeway)
+        return verified
+
+    def structure(self, chain: str | Sequence[str]) -> VerifiedChain:
+        wire = chain if isinstance(chain, str) else ",".join(chain)
+        cached = self._chains.get(wire)
+        if cached is not None:
+            return cached
+        verified = self._verify_structure(split_chain(wire))
+        self._remember(self._chains, wire, verified)
+        return verified
+
+    def _remember(self, cache: OrderedDict, key: str, value: Any) -> None:
+        cache[key] = value
+        if len(cache) > self.cache_size:
+            cache.popitem(last=False)
+
+    def _signed_link(self, compact: str, index: int, key: Ed25519PublicKey, key_raw: bytes) -> Link:
+        digest = link_hash(compact) if len(compact) <= MAX_LINK_BYTES else ""
+        cached = self._links.get(digest)
+        if cached is not None and cached[1] == key_raw:
+            return cached[0]
+        link = parse_link(compact, index)
+        try:
+            key.verify(link.signature, link.signing_input)
+        except InvalidSignature:
+            who = "the control plane's key" if index == 0 else f"the key of link {index - 1}'s subject"
+            raise ChainInvalid(
+                "bad_signature", f"link {index}: signature does not verify under {who}", link=index
+            ) from None
+        self._remember(self._links, link.hash, (link, key_raw))
+        return link
+
+    def _verify_structure(self, compacts: list[str]) -> VerifiedChain:
+        links: list[Link] = []
+        seen: set[str] = set()
+        for index, compact in enumerate(compacts):
+            if index == 0:
+                link = self._signed_link(compact, 0, self.trust, self.trust_raw)
+                if link.prf is not None:
+                    raise ChainInvalid("broken_prf", "link 0 is a root link and must not carry prf", link=0)
+                if self.catalog_hash is not None and link.cat != self.catalog_hash:
+                    raise ChainInvalid(
+                        "catalog_mismatch",
+                        f"the chain was issued against catalog {link.cat}, this deployment runs "
+                        f"{self.catalog_hash}; re-issue it",
+                        link=0,
+                    )
+            else:
+                parent = links[-1]
+                link = self._signed_link(compact, index, parent.key, parent.key_raw)
+                _check_link(parent, link, index)
+            if link.jti in seen:
+                raise ChainInvalid("duplicate_link", f"link {index}: jti appears twice in the chain", link=index)
+            seen.add(link.jti)
+            links.append(link)
+        nbf = max(link.nbf for link in links)
+        exp = min(link.exp for link in links)
+        return VerifiedChain(tuple(links), nbf=nbf, exp=exp)
+
+
+def _check_link(parent: Link, link: Link, index: int) -> None:
+    if link.iss != parent.sub:
+        raise ChainInvalid(
+            "issuer_mismatch", f"link {index}: iss {link.iss!r} is not the parent's subject {parent.sub!r}",
+            link=index,
+        )
+    if link.prf != parent.hash:
+        raise ChainInvalid("broken_prf", f"link {index}: prf does not name the parent link's hash", link=index)
+    if link.cat != parent.cat:
+        raise ChainInvalid("catalog_mismatch", f"link {index}: issued against another catalog", link=index)
+    _check_narrowing(parent, link.caps, index)
+    if link.nbf < parent.nbf:
+        raise ChainInvalid("nbf_before_parent", f"link {index}: nbf is before the parent's", link=index)
+    if link.exp > parent.exp:
+        raise ChainInvalid("exp_exceeds_parent", f"link {index}: outlives its parent link", link=index)
+    if link.dpth >= parent.dpth:
+        reason = "depth_exhausted" if parent.dpth == 0 else "depth_not_decreasing"
+        raise ChainInvalid(reason, f"link {index}: delegation depth must decrease and stay >= 0", link=index)
+
+
+def parse_chain_unverified(wire: str | Sequence[str]) -> list[Link]:
+    """Decode a chain's links without checking signatures (for display and lookups only)."""
+    compacts = split_chain(wire if isinstance(wire, str) else ",".join(wire))
+    return [parse_link(c, i) for i, c in enumerate(compacts)]

@@ -1,0 +1,108 @@
+"""Every refusal tether can make, as a typed exception with a stable code.
+
+Codes are part of the contract (DESIGN.md section 5): outside checks match on them, so a code never
+changes once shipped. Chain failures carry a sub-reason (``bad_signature``, ``widened_capability`` ...)
+that says which rule broke.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Codes a sidecar answers with (DESIGN.md section 5).
+CAPABILITY_ABSENT = "tether.capability_absent"
+UNKNOWN_DESTINATION = "tether.unknown_destination"
+CHAIN_INVALID = "tether.chain_invalid"
+CHAIN_REVOKED = "tether.chain_revoked"
+CHAIN_EXPIRED = "tether.chain_expired"
+LEASE_EXPIRED = "tether.lease_expired"
+DRAINING = "tether.draining"
+TERMINATED = "tether.terminated"
+APPROVAL_DENIED = "tether.approval_denied"
+APPROVAL_TIMEOUT = "tether.approval_timeout"
+CAPTURE_UNAVAILABLE = "tether.capture_unavailable"
+
+# Codes of our own, for input that is not a call (catalog files, API requests, CLI arguments).
+CATALOG_INVALID = "tether.catalog_invalid"
+UNKNOWN_CAPABILITY = "tether.unknown_capability"
+BAD_REQUEST = "tether.bad_request"
+UNAUTHORIZED = "tether.unauthorized"
+FORBIDDEN = "tether.forbidden"
+NOT_FOUND = "tether.not_found"
+CONFLICT = "tether.conflict"
+STORE_UNAVAILABLE = "tether.store_unavailable"
+KEY_INVALID = "tether.key_invalid"
+
+
+class TetherError(Exception):
+    """Base of every tether refusal. ``code`` is stable; ``message`` says what to do about it."""
+
+    code: str = "tether.error"
+    http_status: int = 400
+
+    def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        body.update({k: v for k, v in self.details.items() if v is not None})
+        return body
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class CatalogError(TetherError):
+    """The catalog file is not valid; the message names the file, the capability and the field."""
+
+    code = CATALOG_INVALID
+
+
+class UnknownCapability(TetherError):
+    code = UNKNOWN_CAPABILITY
+
+
+class KeyError_(TetherError):
+    code = KEY_INVALID
+
+
+class ChainError(TetherError):
+    """A chain that must not be trusted. ``reason`` names the rule that failed; ``link`` its index."""
+
+    code = CHAIN_INVALID
+    http_status = 403
+
+    def __init__(self, reason: str, message: str, *, link: int | None = None, **details: Any) -> None:
+        super().__init__(message, reason=reason, link=link, **details)
+        self.reason = reason
+        self.link = link
+
+
+class ChainInvalid(ChainError):
+    code = CHAIN_INVALID
+
+
+class ChainRevoked(ChainError):
+    code = CHAIN_REVOKED
+
+    def __init__(self, message: str, *, link: int | None = None, jti: str | None = None) -> None:
+        super().__init__("revoked", message, link=link, jti=jti)
+
+
+class ChainExpired(ChainError):
+    code = CHAIN_EXPIRED
+
+    def __init__(self, reason: str, message: str, *, link: int | None = None) -> None:
+        super().__init__(reason, message, link=link)
+
+
+class ApiError(TetherError):
+    """An HTTP API refusal from the control plane."""
+
+    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+        super().__init__(message, code=code, **details)
+        self.http_status = status

@@ -1,0 +1,93 @@
+"""Ed25519 keys: generation, PEM and JWK forms, thumbprints. Bytes in, bytes out; no files here."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Any
+
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .errors import KeyError_
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def b64url_decode(text: str) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError("expected base64url text")
+    pad = "=" * (-len(text) % 4)
+    return base64.urlsafe_b64decode(text + pad)
+
+
+def generate() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def private_pem(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def public_pem(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def raw_public(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def load_private(data: bytes, source: str = "key") -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise KeyError_(f"{source}: not a PEM private key ({exc})", source=source) from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyError_(f"{source}: not an Ed25519 key; tether signs with Ed25519 only", source=source)
+    return key
+
+
+def load_public(data: bytes, source: str = "public key") -> Ed25519PublicKey:
+    """A public key from PEM, or from JWK JSON (``{"kty":"OKP","crv":"Ed25519","x":...}``)."""
+    text = data.strip()
+    if text.startswith(b"{"):
+        try:
+            return from_jwk(json.loads(text))
+        except (ValueError, KeyError_) as exc:
+            raise KeyError_(f"{source}: not an Ed25519 JWK ({exc})", source=source) from None
+    try:
+        key = serialization.load_pem_public_key(text)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise KeyError_(f"{source}: not a PEM public key ({exc})", source=source) from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise KeyError_(f"{source}: not an Ed25519 key; tether accepts Ed25519 only", source=source)
+    return key
+
+
+def to_jwk(key: Ed25519PublicKey) -> dict[str, str]:
+    return {"kty": "OKP", "crv": "Ed25519", "x": b64url(raw_public(key))}
+
+
+def from_jwk(jwk: Any) -> Ed25519PublicKey:
+    if not isinstance(jwk, dict) or jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
+        raise KeyError_("cnf.jwk must be an OKP Ed25519 JWK")
+    try:
+        raw = b64url_decode(jwk["x"])
+        if len(raw) != 32:
+            raise ValueError("x must be 32 bytes")
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise KeyError_(f"cnf.jwk is not a valid Ed25519 key ({exc})") from None
+
+
+def thumbprint(key: Ed25519PublicKey) -> str:
+    """RFC 7638 JWK thumbprint: a stable short name for a key."""
+    jwk = to_jwk(key)
+    canonical = json.dumps({k: jwk[k] for k in ("crv", "kty", "x")}, separators=(",", ":"))
+    return b64url(hashlib.sha256(canonical.encode()).digest())

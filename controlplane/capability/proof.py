@@ -1,0 +1,108 @@
+"""Proof of possession: a request signed with a chain's key (sidecars, ancestor principals).
+
+A proof is a compact JWS (``typ: tether-proof+jwt``, EdDSA) over the request's method, path and body
+hash, fresh to within ``max_age`` seconds, with a unique ``jti`` the server remembers to stop replays.
+It travels in the ``Tether-Proof`` header. Pure: the caller supplies the time and the key to check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jwt
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from . import keys
+from .errors import UNAUTHORIZED, ApiError
+
+PROOF_TYP = "tether-proof+jwt"
+MAX_AGE_S = 60
+
+
+def body_hash(body: bytes) -> str:
+    return keys.b64url(hashlib.sha256(body).digest())
+
+
+def make_proof(
+    key: Ed25519PrivateKey, *, agent: str, method: str, path: str, body: bytes, now: float,
+    link: str | None = None,
+) -> str:
+    """Sign a request. ``link`` is the hash of the link whose ``cnf`` is ``key``'s public half."""
+    claims: dict[str, Any] = {
+        "sub": agent,
+        "htm": method.upper(),
+        "htu": path,
+        "bh": body_hash(body),
+        "iat": round(now, 3),
+        "jti": os.urandom(12).hex(),
+    }
+    if link is not None:
+        claims["lnk"] = link
+    return jwt.encode(claims, key, algorithm="EdDSA", headers={"typ": PROOF_TYP})
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, UNAUTHORIZED, message)
+
+
+@dataclass(frozen=True)
+class Proof:
+    claims: dict[str, Any]
+    signing_input: bytes
+    signature: bytes
+
+    @property
+    def agent(self) -> str:
+        return self.claims["sub"]
+
+    @property
+    def link(self) -> str | None:
+        return self.claims.get("lnk")
+
+    @property
+    def jti(self) -> str:
+        return self.claims["jti"]
+
+
+def read_proof(compact: str) -> Proof:
+    """Decode a proof's form without checking its signature."""
+    try:
+        h, p, s = compact.split(".")
+        header = json.loads(keys.b64url_decode(h))
+        claims = json.loads(keys.b64url_decode(p))
+        signature = keys.b64url_decode(s)
+    except (ValueError, TypeError):
+        raise _unauthorized("Tether-Proof is not a compact JWS") from None
+    if not isinstance(header, dict) or header.get("alg") != "EdDSA" or header.get("typ") != PROOF_TYP:
+        raise _unauthorized(f"Tether-Proof must be an EdDSA JWS of typ {PROOF_TYP}")
+    if not isinstance(claims, dict) or not all(
+        isinstance(claims.get(k), str) for k in ("sub", "htm", "htu", "bh", "jti")
+    ) or not isinstance(claims.get("iat"), int | float):
+        raise _unauthorized("Tether-Proof lacks sub, htm, htu, bh, iat or jti")
+    return Proof(claims, f"{h}.{p}".encode("ascii"), signature)
+
+
+def check_proof(
+    proof: Proof, key: Ed25519PublicKey, *, method: str, path: str, body: bytes, now: float,
+    max_age: float = MAX_AGE_S,
+) -> None:
+    """Raise ApiError(401) unless ``proof`` signs exactly this request with ``key``, recently."""
+    try:
+        key.verify(proof.signature, proof.signing_input)
+    except InvalidSignature:
+        raise _unauthorized("Tether-Proof signature does not verify under the key of the chain") from None
+    c = proof.claims
+    if c["htm"] != method.upper() or c["htu"] != path:
+        raise _unauthorized("Tether-Proof was made for another request")
+    if c["bh"] != body_hash(body):
+        raise _unauthorized("Tether-Proof does not match the request body")
+    if abs(now - c["iat"]) > max_age:
+        raise _unauthorized(f"Tether-Proof is older than {max_age:.0f}s (or the clocks disagree)")
+
+
+__all__ = ["MAX_AGE_S", "Proof", "body_hash", "check_proof", "make_proof", "read_proof"]
