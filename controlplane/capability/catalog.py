@@ -225,7 +225,7 @@ def _check_keys(source: str, where: str, value: Any, allowed: set[str], required
 def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
     raw = _check_keys(source, where, raw, _HTTP_KEYS, {"host", "methods", "path"})
     host = raw["host"]
-    if not isinstance(host, str) or not _HOST.match(host.lower()):
+    if not isinstance(host, str) or not _HOST.fullmatch(host.lower()):
         raise _fail(source, f"{where}.host", f"not a host name: {host!r}")
     port = raw.get("port")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
@@ -234,7 +234,7 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
     if not isinstance(methods, list) or not methods:
         raise _fail(source, f"{where}.methods", "expected a non-empty list of HTTP methods")
     for m in methods:
-        if not isinstance(m, str) or not _METHOD.match(m):
+        if not isinstance(m, str) or not _METHOD.fullmatch(m):
             raise _fail(source, f"{where}.methods", f"not an upper-case HTTP method: {m!r}")
     path = raw["path"]
     if not isinstance(path, str) or not path.startswith("/") or "?" in path:
@@ -247,7 +247,11 @@ def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
     url, tool = raw["url"], raw["tool"]
     if not isinstance(url, str):
         raise _fail(source, f"{where}.url", f"expected an http(s) URL, got {url!r}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not 0-65535
+    except ValueError as exc:
+        raise _fail(source, f"{where}.url", f"not a valid URL ({exc}): {url!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
         raise _fail(source, f"{where}.url", f"expected an http(s) URL without a query, got {url!r}")
     if not isinstance(tool, str) or not tool:
@@ -268,7 +272,7 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
     caps: dict[str, Capability] = {}
     for name, spec in caps_raw.items():
         where = f"capability {name!r}"
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise _fail(source, where, "capability names are letters, digits and . _ : -")
         spec = _check_keys(source, where, spec, _CAP_KEYS, set())
         kinds = [k for k in ("http", "mcp") if k in spec]

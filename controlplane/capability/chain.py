@@ -294,7 +294,7 @@ def parse_link(compact: str, index: int = 0) -> Link:
         header = json.loads(keys.b64url_decode(parts[0]))
         claims = json.loads(keys.b64url_decode(parts[1]))
         signature = keys.b64url_decode(parts[2])
-    except (ValueError, binascii.Error, UnicodeError):
+    except (ValueError, binascii.Error, UnicodeError, RecursionError):
         raise _malformed(index, "not base64url-encoded JSON") from None
     if not isinstance(header, dict) or not isinstance(claims, dict):
         raise _malformed(index, "header and claims must be JSON objects")
@@ -308,6 +308,10 @@ def parse_link(compact: str, index: int = 0) -> Link:
         raise _malformed(index, "critical header extensions are not supported")
     if len(signature) != 64:
         raise ChainInvalid("bad_signature", f"link {index}: an Ed25519 signature is 64 bytes", link=index)
+    if keys.b64url(signature) != parts[2]:
+        # The lenient decoder skips stray characters and ignores trailing bits, so one signature has many
+        # spellings; each would give the same link another hash. Accept only the canonical one.
+        raise _malformed(index, "the signature is not canonical unpadded base64url")
     for name in ("iss", "sub", "jti", "cat"):
         if not isinstance(claims.get(name), str) or not claims[name]:
             raise _malformed(index, f"claim {name!r} must be a non-empty string")
@@ -341,12 +345,14 @@ def parse_link(compact: str, index: int = 0) -> Link:
 def split_chain(wire: str) -> list[str]:
     if not isinstance(wire, str) or not wire.strip():
         raise ChainInvalid("malformed", "the chain is empty")
+    # Count before measuring: a long chain of real links is over the byte limit too, and "too many
+    # links" is the more useful answer. Both checks run before anything is split or decoded.
+    count = wire.count(",") + 1
+    if count > MAX_LINKS:
+        raise ChainInvalid("too_long", f"a chain has at most {MAX_LINKS} links, got {count}")
     if len(wire) > MAX_CHAIN_BYTES:
         raise ChainInvalid("too_large", f"a chain is at most {MAX_CHAIN_BYTES} bytes")
-    links = [part.strip() for part in wire.split(",")]
-    if len(links) > MAX_LINKS:
-        raise ChainInvalid("too_long", f"a chain has at most {MAX_LINKS} links, got {len(links)}")
-    return links
+    return [part.strip() for part in wire.split(",")]
 
 
 # -- verification ----------------------------------------------------------------------------------
@@ -392,7 +398,8 @@ class Verifier:
             cache.popitem(last=False)
 
     def _signed_link(self, compact: str, index: int, key: Ed25519PublicKey, key_raw: bytes) -> Link:
-        digest = link_hash(compact) if len(compact) <= MAX_LINK_BYTES else ""
+        # Only a well-formed (ASCII, bounded) link can be a cache hit; parse_link refuses the rest.
+        digest = link_hash(compact) if len(compact) <= MAX_LINK_BYTES and compact.isascii() else ""
         cached = self._links.get(digest)
         if cached is not None and cached[1] == key_raw:
             return cached[0]

@@ -76,7 +76,7 @@ def read_proof(compact: str) -> Proof:
         header = json.loads(keys.b64url_decode(h))
         claims = json.loads(keys.b64url_decode(p))
         signature = keys.b64url_decode(s)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise _unauthorized("Tether-Proof is not a compact JWS") from None
     if not isinstance(header, dict) or header.get("alg") != "EdDSA" or header.get("typ") != PROOF_TYP:
         raise _unauthorized(f"Tether-Proof must be an EdDSA JWS of typ {PROOF_TYP}")
@@ -101,7 +101,8 @@ def check_proof(
         raise _unauthorized("Tether-Proof was made for another request")
     if c["bh"] != body_hash(body):
         raise _unauthorized("Tether-Proof does not match the request body")
-    if abs(now - c["iat"]) > max_age:
+    # Written so that a NaN iat (JSON allows it) is stale rather than forever fresh.
+    if not abs(now - c["iat"]) <= max_age:
         raise _unauthorized(f"Tether-Proof is older than {max_age:.0f}s (or the clocks disagree)")
 
 

@@ -1,0 +1,83 @@
+"""Who is calling the control plane: an admin (bearer token) or a chain holder (signed proof).
+
+Admin tokens compare in constant time. A proof names the link whose ``cnf`` key signed it; the server
+checks that key, the request it signs, its freshness, and that its ``jti`` was not seen before.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import OrderedDict
+
+from aiohttp import web
+
+from .capability import keys
+from .capability.errors import FORBIDDEN, UNAUTHORIZED, ApiError
+from .capability.proof import MAX_AGE_S, Proof, check_proof, read_proof
+from .store import Doc, Store
+
+PROOF_HEADER = "Tether-Proof"
+
+
+class ReplayCache:
+    """Proof jtis seen within the freshness window. Bounded; oldest forgotten first."""
+
+    def __init__(self, window_s: float = 2 * MAX_AGE_S, max_entries: int = 200_000) -> None:
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def first_use(self, jti: str, now: float) -> bool:
+        while self._seen:
+            _oldest, at = next(iter(self._seen.items()))
+            if at >= now - self.window_s and len(self._seen) < self.max_entries:
+                break
+            self._seen.popitem(last=False)
+        if jti in self._seen:
+            return False
+        self._seen[jti] = now
+        return True
+
+
+class Authenticator:
+    def __init__(self, store: Store, admin_token: str, clock=time.time) -> None:
+        self.store = store
+        self.admin_token = admin_token.encode()
+        self.clock = clock
+        self.replays = ReplayCache()
+
+    def is_admin(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not self.admin_token:
+            return False
+        return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self.admin_token)
+
+    def require_admin(self, request: web.Request) -> None:
+        if not self.is_admin(request):
+            if "Authorization" in request.headers:
+                raise ApiError(403, FORBIDDEN, "the bearer token is not the admin token")
+            raise ApiError(401, UNAUTHORIZED, "admin only: send Authorization: Bearer $TETHER_ADMIN_TOKEN")
+
+    def proof_of(self, request: web.Request) -> Proof | None:
+        header = request.headers.get(PROOF_HEADER)
+        return read_proof(header) if header else None
+
+    def check(self, request: web.Request, proof: Proof, key_jwk: dict, body: bytes) -> None:
+        now = self.clock()
+        check_proof(proof, keys.from_jwk(key_jwk), method=request.method, path=request.path_qs, body=body, now=now)
+        if not self.replays.first_use(proof.jti, now):
+            raise ApiError(401, UNAUTHORIZED, "Tether-Proof was already used; sign each request afresh")
+
+    async def sidecar(self, request: web.Request, body: bytes) -> tuple[str, Doc]:
+        """Authenticate a chain holder by its registered leaf link. Returns (agent, link doc)."""
+        proof = self.proof_of(request)
+        if proof is None or not proof.link:
+            raise ApiError(401, UNAUTHORIZED, f"sign the request with your chain's key ({PROOF_HEADER} header)")
+        link = await self.store.get_link(proof.link)
+        if link is None:
+            raise ApiError(401, UNAUTHORIZED, "the link named by the proof is not registered; register the chain first")
+        if link["sub"] != proof.agent:
+            raise ApiError(401, UNAUTHORIZED, "the proof's subject does not hold the link it names")
+        self.check(request, proof, link["claims"]["cnf"]["jwk"], body)
+        return proof.agent, link

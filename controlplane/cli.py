@@ -1,0 +1,531 @@
+"""The ``tether`` command line. Each subcommand is a thin shell over the model, the client or a runner.
+
+Exit codes: 0 success, 1 a negative verdict (invalid chain, widening found, termination incomplete),
+2 bad input or a refusal from the control plane (the stable code is printed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .capability import keys
+from .capability.catalog import TIERS
+from .capability.chain import (
+    LEEWAY_S,
+    Verifier,
+    mint_child,
+    mint_root,
+    parse_chain_unverified,
+)
+from .capability.errors import BAD_REQUEST, ChainError, TetherError
+from .client import Client, Signer
+
+Command = Callable[[argparse.Namespace], int]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def read_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise TetherError(f"cannot read {what} {path}: {exc.strerror}", code=BAD_REQUEST) from None
+
+
+def read_chain(path: str) -> str:
+    text = read_file(path, "chain").decode("ascii", "replace").strip()
+    return ",".join(part.strip() for part in text.replace("\n", ",").split(",") if part.strip())
+
+
+def write_secret(path: str, data: bytes) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists():
+        p.unlink()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def parse_caps(values: Sequence[str] | None) -> dict[str, str]:
+    caps: dict[str, str] = {}
+    for value in values or []:
+        name, sep, tier = value.partition("=")
+        if not sep or not name or tier not in TIERS:
+            raise TetherError(
+                f"--cap {value}: expected NAME=TIER with TIER one of {', '.join(TIERS)}", code=BAD_REQUEST
+            )
+        caps[name] = tier
+    return caps
+
+
+def client(args: argparse.Namespace) -> Client:
+    return Client(getattr(args, "controlplane", None))
+
+
+def signer_from(chain_path: str, key_path: str) -> Signer:
+    links = parse_chain_unverified(read_chain(chain_path))
+    key = keys.load_private(read_file(key_path, "key"), key_path)
+    return Signer(agent=links[-1].sub, link=links[-1].hash, key=key)
+
+
+def emit(args: argparse.Namespace, value: Any, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(value, indent=2, sort_keys=True))
+    else:
+        print(text)
+
+
+def ago(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    delta = time.time() - ts
+    return f"{delta:.0f}s ago" if delta >= 0 else f"in {-delta:.0f}s"
+
+
+# -- keys and grants -----------------------------------------------------------------------------------
+def cmd_keygen(args: argparse.Namespace) -> int:
+    key = keys.generate()
+    write_secret(args.out, keys.private_pem(key))
+    Path(f"{args.out}.pub").write_bytes(keys.public_pem(key.public_key()))
+    print(f"wrote {args.out} (private, mode 600) and {args.out}.pub; key id {keys.thumbprint(key.public_key())}")
+    return 0
+
+
+def _output_chain(args: argparse.Namespace, wire: str) -> None:
+    if args.out:
+        Path(args.out).write_text(wire + "\n")
+        links = parse_chain_unverified(wire)
+        print(
+            f"wrote {args.out}: {len(links)}-link chain for {links[-1].sub}, leaf jti {links[-1].jti}", file=sys.stderr
+        )
+    else:
+        print(wire)
+
+
+def cmd_grant_issue(args: argparse.Namespace) -> int:
+    from .serve import load_catalog
+
+    subject = keys.load_public(read_file(args.subject_key, "subject key"), args.subject_key)
+    caps = parse_caps(args.cap)
+    if args.signing_key:
+        catalog = load_catalog(args.catalog)
+        if args.role:
+            caps = {**catalog.role(args.role), **caps}
+        signing = keys.load_private(read_file(args.signing_key, "signing key"), args.signing_key)
+        wire = mint_root(
+            signing,
+            agent=args.agent,
+            subject_key=subject,
+            caps=caps,
+            now=time.time(),
+            ttl_s=args.ttl,
+            depth=args.depth,
+            catalog=catalog,
+        )
+    else:
+        body = {
+            "agent": args.agent,
+            "subject_key": keys.to_jwk(subject),
+            "caps": caps,
+            "ttl_s": args.ttl,
+            "depth": args.depth,
+            "role": args.role,
+        }
+        wire = ",".join(client(args).request("POST", "/v1/grants", body)["chain"])
+    _output_chain(args, wire)
+    return 0
+
+
+def cmd_grant_delegate(args: argparse.Namespace) -> int:
+    parent_wire = read_chain(args.chain)
+    links = parse_chain_unverified(parent_wire)
+    key = keys.load_private(read_file(args.key, "key"), args.key)
+    subject = keys.load_public(read_file(args.subject_key, "subject key"), args.subject_key)
+    catalog = None
+    if args.catalog:
+        from .serve import load_catalog
+
+        catalog = load_catalog(args.catalog)
+    child = mint_child(
+        links[-1],
+        key,
+        agent=args.agent,
+        subject_key=subject,
+        caps=parse_caps(args.cap),
+        now=time.time(),
+        ttl_s=args.ttl,
+        depth=args.depth,
+        catalog=catalog,
+    )
+    _output_chain(args, f"{parent_wire},{child}")
+    return 0
+
+
+def cmd_grant_register(args: argparse.Namespace) -> int:
+    wire = read_chain(args.chain)
+    result = client(args).request(
+        "POST", "/v1/chains/register", {"chain": wire}, signer=signer_from(args.chain, args.key)
+    )
+    print(f"registered {result['agent']}'s chain ({len(result['jtis'])} links, {result['new']} new)")
+    return 0
+
+
+def cmd_grant_verify(args: argparse.Namespace) -> int:
+    wire = read_chain(args.chain)
+    if args.controlplane and not args.trust:
+        result = client(args).request("POST", "/v1/chains/verify", {"chain": wire}, admin=False)
+        if not result["valid"]:
+            err = result["error"]
+            print(f"invalid: {err['code']} ({err.get('reason', '')}): {err['message']}")
+            return 1
+        print(
+            f"valid: {result['agent']} holds {_caps_text(result['caps'])}; "
+            f"registered: {'yes' if result['registered'] else 'no'}"
+        )
+        return 0
+    if not args.trust:
+        raise TetherError("give --trust CONTROLPLANE.pub (offline) or --controlplane URL", code=BAD_REQUEST)
+    trust = keys.load_public(read_file(args.trust, "trust key"), args.trust)
+    try:
+        verified = Verifier(trust).verify(wire, now=time.time(), revoked=set(args.revoked or []))
+    except ChainError as exc:
+        print(f"invalid: {exc.code} ({exc.reason}): {exc.message}")
+        return 1
+    print(
+        f"valid: {verified.agent} holds {_caps_text(verified.caps)}; expires in {verified.exp - time.time():.0f}s "
+        f"(leeway {LEEWAY_S}s)"
+    )
+    return 0
+
+
+def _caps_text(caps: dict[str, str]) -> str:
+    return ", ".join(f"{c}={t}" for c, t in sorted(caps.items())) or "nothing"
+
+
+# -- control plane -------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from .serve import admin_token_from_env, build, parse_listen, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host, port = parse_listen(args.listen, 7000)
+    cp = build(
+        args.store,
+        args.catalog,
+        args.signing_key,
+        admin_token_from_env(),
+        lease_ttl_s=args.lease_ttl,
+        grace_s=args.grace,
+    )
+    asyncio.run(serve(cp, host, port))
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    c = client(args)
+    if args.agent:
+        result = c.request("POST", f"/v1/agents/{args.agent}/revoke", {"reason": args.reason})
+        for doc in result["revoked"]:
+            print(f"revoked {doc['jti']} ({doc['agent']}) at {doc['at']:.0f} by {doc['by']}")
+        return 0
+    if not args.jti:
+        raise TetherError("give a JTI or --agent ID", code=BAD_REQUEST)
+    signer = signer_from(args.chain, args.key) if args.chain else None
+    if args.chain and not args.key:
+        raise TetherError("--chain needs --key (the principal's private key)", code=BAD_REQUEST)
+    doc = c.request("POST", f"/v1/grants/{args.jti}/revoke", {"reason": args.reason}, signer=signer)
+    print(f"revoked {doc['jti']} ({doc['agent']}) by {doc['by']}; cut off: {', '.join(doc['agents_cut_off'])}")
+    return 0
+
+
+def cmd_agents(args: argparse.Namespace) -> int:
+    data = client(args).request("GET", "/v1/agents")
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    if not data["agents"]:
+        print("no agents registered")
+        return 0
+    if args.tree:
+        for i, root in enumerate(data["tree"]):
+            _print_tree(root, "", i == len(data["tree"]) - 1, top=True)
+        return 0
+    print(f"{'AGENT':<20} {'STATUS':<8} {'JTI':<34} {'SIDECAR':<22} CAPABILITIES")
+    for a in data["agents"]:
+        print(
+            f"{a['agent']:<20} {a['status']:<8} {a['jti']:<34} {_sidecar_text(a['sidecar']):<22} "
+            f"{_caps_text(a['caps'])}"
+        )
+    return 0
+
+
+def _sidecar_text(sidecar: dict | None) -> str:
+    if not sidecar:
+        return "no sidecar"
+    return f"{sidecar['state']}, lease {sidecar['lease']}"
+
+
+def _print_tree(node: dict, prefix: str, last: bool, top: bool = False) -> None:
+    branch = "" if top else ("└── " if last else "├── ")
+    status = node["status"].upper() if node["status"] != "active" else "active"
+    print(
+        f"{prefix}{branch}{node['agent']}  [{status}] jti {node['jti'][:12]}…  "
+        f"{_caps_text(node['caps'])}  ({_sidecar_text(node['sidecar'])})"
+    )
+    child_prefix = prefix + ("" if top else ("    " if last else "│   "))
+    for i, child in enumerate(node["children"]):
+        _print_tree(child, child_prefix, i == len(node["children"]) - 1)
+
+
+def cmd_audit_surface(args: argparse.Namespace) -> int:
+    path = "/v1/audit/surface" + (f"?agent={args.agent}" if args.agent else "")
+    data = client(args).request("GET", path)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    print(f"catalog {data['catalog']}")
+    for agent, caps in sorted(data["agents"].items()):
+        print(f"{agent}:")
+        for cap, tier in sorted(caps.items()):
+            print(f"  {cap:<40} {tier}")
+    return 0
+
+
+def cmd_audit_diff(args: argparse.Namespace) -> int:
+    from .graph import widenings
+
+    docs = []
+    for path in (args.old, args.new):
+        try:
+            doc = json.loads(read_file(path, "surface"))
+            if not isinstance(doc, dict) or not isinstance(doc.get("agents"), dict):
+                raise ValueError("missing 'agents'")
+        except ValueError as exc:
+            raise TetherError(
+                f"{path}: not a `tether audit surface --json` document ({exc})", code=BAD_REQUEST
+            ) from None
+        docs.append(doc)
+    found = widenings(docs[0], docs[1])
+    if docs[0].get("catalog") != docs[1].get("catalog"):
+        print(f"note: catalog changed {docs[0].get('catalog')} -> {docs[1].get('catalog')}")
+    for line in found:
+        print(f"WIDENED {line}")
+    if found:
+        print(f"{len(found)} widening(s): review before release")
+        return 1
+    print("no capability widened")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------------
+def _cp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--controlplane",
+        default=os.environ.get("TETHER_CONTROLPLANE"),
+        help="control plane URL (default $TETHER_CONTROLPLANE or http://127.0.0.1:7000)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tether", description="Make a fleet of AI agents stoppable.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the whole story on an embedded store, no setup")
+    p.add_argument("--dir", default=None, help="where to keep the demo's files (default: a temp dir)")
+    p.add_argument("--fast", action="store_true", help="shorter pauses")
+    p.set_defaults(func=_lazy("controlplane.demo", "cmd_demo"))
+
+    p = sub.add_parser("keygen", help="write an Ed25519 key pair (F and F.pub)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_keygen)
+
+    grant = sub.add_parser("grant", help="issue, delegate, register and verify grants").add_subparsers(
+        dest="grant_command", required=True, metavar="ACTION"
+    )
+    p = grant.add_parser("issue", help="issue a root grant (offline with --signing-key, else via the control plane)")
+    p.add_argument("--signing-key")
+    p.add_argument("--catalog", default="catalog.yaml")
+    p.add_argument("--agent", required=True)
+    p.add_argument("--subject-key", required=True)
+    p.add_argument("--cap", action="append", metavar="NAME=TIER")
+    p.add_argument("--role", help="start from a catalog role's capabilities")
+    p.add_argument("--ttl", type=float, default=3600.0)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--out", help="write the chain here instead of stdout")
+    _cp_arg(p)
+    p.set_defaults(func=cmd_grant_issue)
+    p = grant.add_parser("delegate", help="delegate a narrower child link under a chain you hold")
+    p.add_argument("--chain", required=True)
+    p.add_argument("--key", required=True)
+    p.add_argument("--agent", required=True)
+    p.add_argument("--subject-key", required=True)
+    p.add_argument("--cap", action="append", metavar="NAME=TIER")
+    p.add_argument("--ttl", type=float, default=3600.0)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--catalog", help="check capability names against this catalog")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_grant_delegate)
+    p = grant.add_parser("register", help="register a chain with the control plane (proved by its key)")
+    p.add_argument("--chain", required=True)
+    p.add_argument("--key", required=True)
+    _cp_arg(p)
+    p.set_defaults(func=cmd_grant_register)
+    p = grant.add_parser("verify", help="verify a chain: exit 0 valid, 1 invalid (code printed)")
+    p.add_argument("--chain", required=True)
+    p.add_argument("--trust")
+    p.add_argument("--revoked", nargs="*")
+    _cp_arg(p)
+    p.set_defaults(func=cmd_grant_verify)
+
+    cp = sub.add_parser("controlplane", help="run the control plane").add_subparsers(
+        dest="cp_command", required=True, metavar="ACTION"
+    )
+    p = cp.add_parser("serve", help="serve the control plane API")
+    p.add_argument("--store", default="sqlite:///tether.db")
+    p.add_argument("--listen", default="127.0.0.1:7000")
+    p.add_argument("--catalog", default="catalog.yaml")
+    p.add_argument("--signing-key", default="tether-signing.key")
+    p.add_argument("--lease-ttl", type=float, default=15.0, help="seconds a sidecar may go without contact")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds past a drain window before reconciling")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("sidecar", help="run one agent's sidecar proxy")
+    _cp_arg(p)
+    p.add_argument("--chain", required=True)
+    p.add_argument("--key", required=True)
+    p.add_argument("--listen", default="127.0.0.1:8080")
+    p.add_argument("--catalog", default=None, help="the catalog (default: fetched from the control plane)")
+    p.add_argument("--state-dir", default=None, help="spool, captures and CA (default ./.tether/AGENT)")
+    p.add_argument("--upstream-ca", help="trust this CA bundle for upstream TLS (besides the system's)")
+    p.add_argument("--redact-field", action="append", default=[], help="JSON field to redact in captures")
+    p.add_argument("--approval-timeout", type=float, default=120.0)
+    p.add_argument("--allow-uncaptured", action="store_true", help="forward calls whose capture fails")
+    p.add_argument("--ready-file", help="write the proxy address here once serving")
+    p.set_defaults(func=_lazy("proxy.runner", "cmd_sidecar"))
+
+    p = sub.add_parser("run", help="run a command under a sidecar")
+    _cp_arg(p)
+    p.add_argument("--chain")
+    p.add_argument("--key")
+    p.add_argument("--parent-chain")
+    p.add_argument("--parent-key")
+    p.add_argument("--agent", help="the child's agent id (with --parent-chain)")
+    p.add_argument("--cap", action="append", metavar="NAME=TIER")
+    p.add_argument("--ttl", type=float, default=3600.0)
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--state-dir", default=None)
+    p.add_argument("--upstream-ca")
+    p.add_argument("--approval-timeout", type=float, default=120.0)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
+    p.set_defaults(func=_lazy("proxy.run", "cmd_run"))
+
+    p = sub.add_parser("revoke", help="revoke a link (as admin, or as an ancestor principal with --chain/--key)")
+    _cp_arg(p)
+    p.add_argument("jti", nargs="?")
+    p.add_argument("--agent")
+    p.add_argument("--chain", help="act as the principal holding this chain")
+    p.add_argument("--key")
+    p.add_argument("--reason", default="")
+    p.set_defaults(func=cmd_revoke)
+
+    p = sub.add_parser("agents", help="list registered agents")
+    _cp_arg(p)
+    p.add_argument("--tree", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_agents)
+
+    p = sub.add_parser("terminate", help="terminate an agent and its whole subtree")
+    _cp_arg(p)
+    p.add_argument("agent")
+    p.add_argument("--mode", choices=["drain", "abort"], default="drain")
+    p.add_argument("--window", type=float, default=30.0)
+    p.add_argument("--reason", default="")
+    p.add_argument("--chain", help="act as an ancestor principal holding this chain")
+    p.add_argument("--key")
+    p.add_argument("--wait", action="store_true", help="wait until terminated and print the record")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_terminate"))
+
+    p = sub.add_parser("terminations", help="show terminations")
+    _cp_arg(p)
+    p.add_argument("id", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_terminations"))
+
+    p = sub.add_parser("approvals", help="list, approve or deny held calls")
+    _cp_arg(p)
+    p.add_argument("action", nargs="?", choices=["list", "approve", "deny"], default="list")
+    p.add_argument("id", nargs="?")
+    p.add_argument("--all", action="store_true", help="list decided ones too")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_approvals"))
+
+    p = sub.add_parser("records", help="reconciliation records")
+    _cp_arg(p)
+    p.add_argument("action", nargs="?", choices=["list", "show", "verify"], default="list")
+    p.add_argument("id", nargs="?")
+    p.add_argument("--trust", help="control plane public key (default: fetched from the control plane)")
+    p.add_argument("--file", help="verify a JSON list of records saved from /v1/records instead")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_records"))
+
+    audit = sub.add_parser("audit", help="capability surface and release gates").add_subparsers(
+        dest="audit_command", required=True, metavar="ACTION"
+    )
+    p = audit.add_parser("surface", help="effective capability list per agent")
+    _cp_arg(p)
+    p.add_argument("--agent")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_audit_surface)
+    p = audit.add_parser("diff", help="exit 1 when any capability widened from OLD to NEW")
+    p.add_argument("old")
+    p.add_argument("new")
+    p.set_defaults(func=cmd_audit_diff)
+
+    capture = sub.add_parser("capture", help="traffic captures").add_subparsers(
+        dest="capture_command", required=True, metavar="ACTION"
+    )
+    p = capture.add_parser("export", help="export captured flows as HAR")
+    _cp_arg(p)
+    p.add_argument("--agent")
+    p.add_argument("--termination")
+    p.add_argument("--har", required=True)
+    p.add_argument("--captures", default=".tether", help="where sidecars keep their state dirs")
+    p.set_defaults(func=_lazy("proxy.capture", "cmd_export"))
+    return parser
+
+
+def _lazy(module: str, name: str) -> Command:
+    """Import heavy subcommands (mitmproxy) only when they run."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TetherError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

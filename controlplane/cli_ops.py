@@ -1,0 +1,166 @@
+"""CLI commands for operators: terminate, terminations, approvals, records."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from .capability import keys
+from .capability.errors import BAD_REQUEST, TetherError
+from .cli import ago, client, read_file, signer_from
+from .termination import verify_records
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def cmd_terminate(args: argparse.Namespace) -> int:
+    c = client(args)
+    signer = None
+    if args.chain:
+        if not args.key:
+            raise TetherError("--chain needs --key", code=BAD_REQUEST)
+        signer = signer_from(args.chain, args.key)
+    body = {"mode": args.mode, "window_s": args.window, "reason": args.reason}
+    doc = c.request("POST", f"/v1/agents/{args.agent}/terminate", body, signer=signer)
+    tid = doc["termination_id"]
+    if not args.wait:
+        if args.json:
+            _print_json(doc)
+        else:
+            print(f"termination {tid}: {args.mode} {args.agent} and {len(doc['agents']) - 1} descendant(s) "
+                  f"({', '.join(doc['agents'])}); window {args.window:g}s")
+            print(f"follow it with: tether terminations {tid}")
+        return 0
+    state = doc["state"]
+    while state != "terminated":
+        time.sleep(0.3)
+        doc = c.request("GET", f"/v1/terminations/{tid}")
+        if doc["state"] != state and not args.json:
+            print(f"  {tid}: {doc['state']}")
+        state = doc["state"]
+    record = c.request("GET", f"/v1/records/{tid}")
+    if args.json:
+        _print_json(record)
+    else:
+        print_record_summary(record)
+    return 0 if not record["agents_unaccounted"] else 1
+
+
+def cmd_terminations(args: argparse.Namespace) -> int:
+    c = client(args)
+    if args.id:
+        doc = c.request("GET", f"/v1/terminations/{args.id}")
+        if args.json:
+            _print_json(doc)
+            return 0
+        print(f"{doc['id']}: {doc['state']} ({doc['mode']} of {doc['subject']}, window {doc['window_s']:g}s)")
+        for step in doc["history"]:
+            print(f"  {_when(step['at'])}  {step['state']}")
+        print(f"  agents: {', '.join(doc['agents'])}")
+        print(f"  acknowledged: {', '.join(doc['acknowledged']) or 'none yet'}")
+        if doc["waiting_for"] and doc["state"] != "terminated":
+            print(f"  waiting for: {', '.join(doc['waiting_for'])}")
+        if doc.get("record_id"):
+            print(f"  record: {doc['record_id']}  (tether records show {doc['record_id']})")
+        return 0
+    docs = c.request("GET", "/v1/terminations")
+    if args.json:
+        _print_json(docs)
+        return 0
+    for doc in docs:
+        print(f"{doc['id']}  {doc['state']:<12} {doc['mode']:<6} {doc['subject']:<20} {_when(doc['requested_at'])}")
+    if not docs:
+        print("no terminations")
+    return 0
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    c = client(args)
+    if args.action in ("approve", "deny"):
+        if not args.id:
+            raise TetherError(f"tether approvals {args.action} ID", code=BAD_REQUEST)
+        doc = c.request("POST", f"/v1/approvals/{args.id}/{args.action}", {})
+        print(f"{doc['id']}: {doc['status']} ({doc['agent']} {doc['method']} {doc['url']})")
+        return 0
+    docs = c.request("GET", "/v1/approvals" + ("" if args.all else "?status=pending"))
+    if args.json:
+        _print_json(docs)
+        return 0
+    if not docs:
+        print("no pending approvals" if not args.all else "no approvals")
+    for d in docs:
+        print(f"{d['id']}  {d['status']:<9} {d['agent']:<16} {d['capability']:<28} {d['method']} {d['url']}  "
+              f"(asked {ago(d['requested_at'])})")
+    return 0
+
+
+def print_record_summary(record: dict) -> None:
+    counts: dict[str, int] = {}
+    for call in record["calls"]:
+        counts[call["resolution"]] = counts.get(call["resolution"], 0) + 1
+    print(f"record {record['record_id']} for termination {record['termination_id']}")
+    print(f"  {record['mode']} of {record['subject']}, requested by {record['requested_by']} at "
+          f"{_when(record['requested_at'])}, completed {_when(record['completed_at'])}")
+    print(f"  calls: {len(record['calls'])} ("
+          + ", ".join(f"{n} {r}" for r, n in sorted(counts.items())) + ")")
+    for call in record["calls"]:
+        status = f" {call['status']}" if call.get("status") is not None else ""
+        print(f"    {call['agent']:<14} {call['resolution']:<18}{status:<5} {call['method']} {call['url']}")
+    print(f"  agents terminated (acknowledged): {', '.join(record['agents_terminated']) or 'none'}")
+    if record["agents_unaccounted"]:
+        print("  agents UNACCOUNTED (no acknowledgement):")
+        for a in record["agents_unaccounted"]:
+            print(f"    {a['agent']}: last seen {_when(a['last_seen'])}, "
+                  f"{len(a['calls_in_flight_last_known'])} call(s) last known in flight, "
+                  f"lease expires {_when(a.get('lease_expires_at'))}")
+    revoked = sum(1 for lease in record["leases"] if "revoked_at" in lease)
+    print(f"  leases: {revoked} revoked, {len(record['leases']) - revoked} expired")
+    print(f"  hash {record['hash']}  prev {record['prev_hash'] or '(first)'}")
+
+
+def cmd_records(args: argparse.Namespace) -> int:
+    c = client(args)
+    if args.action == "verify":
+        if args.file:
+            records = json.loads(read_file(args.file, "records"))
+        else:
+            records = c.request("GET", "/v1/records")
+        if args.trust:
+            public = keys.load_public(read_file(args.trust, "trust key"), args.trust)
+        else:
+            public = keys.from_jwk(c.request("GET", "/v1/trust", admin=False)["jwk"])
+        result = verify_records(records, public)
+        for problem in result.problems:
+            print(f"FAIL {problem}")
+        if result.ok:
+            print(f"ok: {result.count} record(s), hash chain intact, every signature valid")
+            return 0
+        print(f"the record log does not verify ({len(result.problems)} problem(s))")
+        return 1
+    if args.action == "show":
+        if not args.id:
+            raise TetherError("tether records show ID", code=BAD_REQUEST)
+        record = c.request("GET", f"/v1/records/{args.id}")
+        if args.json:
+            _print_json(record)
+        else:
+            print_record_summary(record)
+        return 0
+    records = c.request("GET", "/v1/records")
+    if args.json:
+        _print_json(records)
+        return 0
+    if not records:
+        print("no records")
+    for r in records:
+        print(f"{r['record_id']}  {r['termination_id']}  {r['mode']:<6} {r['subject']:<18} "
+              f"calls {len(r['calls']):<4} unaccounted {len(r['agents_unaccounted'])}  {_when(r['completed_at'])}")
+    return 0

@@ -1,0 +1,107 @@
+"""Wiring a control plane from files and flags, and serving it (``tether controlplane serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from .capability import keys
+from .capability.catalog import Catalog, parse_catalog
+from .capability.errors import BAD_REQUEST, TetherError
+from .server import ControlPlane
+from .store import open_store_url
+
+log = logging.getLogger("tether.controlplane")
+
+
+def parse_listen(value: str, default_port: int) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host:
+        host, port = value, str(default_port)
+    try:
+        number = int(port)
+    except ValueError:
+        raise TetherError(f"--listen {value}: expected HOST:PORT", code=BAD_REQUEST) from None
+    if not 0 <= number < 65536:
+        raise TetherError(f"--listen {value}: port out of range", code=BAD_REQUEST)
+    return host.strip("[]"), number
+
+
+def load_catalog(path: str) -> Catalog:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TetherError(f"cannot read the catalog {path}: {exc.strerror}", code="tether.catalog_invalid") from None
+    return parse_catalog(text, path)
+
+
+def load_or_create_signing_key(path: str) -> keys.Ed25519PrivateKey:
+    p = Path(path)
+    if p.exists():
+        return keys.load_private(p.read_bytes(), path)
+    key = keys.generate()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(keys.private_pem(key))
+    Path(f"{path}.pub").write_bytes(keys.public_pem(key.public_key()))
+    print(f"tether: created signing key {path} (public half {path}.pub)", file=sys.stderr)
+    return key
+
+
+def admin_token_from_env() -> str:
+    token = os.environ.get("TETHER_ADMIN_TOKEN", "")
+    if token:
+        return token
+    token = secrets.token_urlsafe(24)
+    print(
+        f"tether: TETHER_ADMIN_TOKEN is not set; this run's admin token is\n    export TETHER_ADMIN_TOKEN={token}",
+        file=sys.stderr,
+    )
+    return token
+
+
+def build(store_url: str, catalog_path: str, signing_key_path: str, admin_token: str, **options: float) -> ControlPlane:
+    from .termination_service import install
+
+    cp = ControlPlane(
+        open_store_url(store_url),
+        load_or_create_signing_key(signing_key_path),
+        load_catalog(catalog_path),
+        admin_token,
+        **options,
+    )
+    install(cp)
+    return cp
+
+
+async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    runner = web.AppRunner(cp.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    print(
+        f"tether: control plane {cp.replica} listening on http://{host}:{port} (store {cp.store.url}, "
+        f"catalog {cp.catalog.hash[:19]}…)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

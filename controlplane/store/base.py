@@ -1,0 +1,127 @@
+"""The store interface: everything the control plane must not lose, behind one async contract.
+
+Two implementations run the same contract tests: SQLite (embedded default) and Redis (several replicas).
+Entities are JSON documents with a few indexed fields, so both back ends stay simple and equal.
+Every method is idempotent where the API is (links by hash, reports by call id, revocations by jti).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+Doc = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    kind: str  # "revoke" | "command" | "approval"
+    target: str | None  # agent id, or None for everyone concerned
+    payload: Doc
+    at: float
+
+    def to_dict(self) -> Doc:
+        return {"seq": self.seq, "kind": self.kind, "target": self.target, "payload": self.payload, "at": self.at}
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached; the API answers 503 tether.store_unavailable and accepts nothing."""
+
+
+class Store(abc.ABC):
+    url: str
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect and create the schema."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abc.abstractmethod
+    async def healthy(self) -> bool: ...
+
+    # -- links: every registered grant link, the agent graph's edges -----------------------------------
+    @abc.abstractmethod
+    async def put_links(self, links: list[Doc]) -> int:
+        """Store link docs (keys: hash, jti, iss, sub, prf, compact, claims, registered_at); returns how many
+        were new. A link already present is left as it was."""
+
+    @abc.abstractmethod
+    async def get_link(self, link_hash: str) -> Doc | None: ...
+
+    @abc.abstractmethod
+    async def link_by_jti(self, jti: str) -> Doc | None: ...
+
+    @abc.abstractmethod
+    async def all_links(self) -> list[Doc]: ...
+
+    # -- revocations --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def revoke(self, jti: str, doc: Doc) -> bool:
+        """Record a revocation (doc: jti, by, at, reason, termination_id?). False if already revoked."""
+
+    @abc.abstractmethod
+    async def revocations(self) -> dict[str, Doc]: ...
+
+    # -- the event log sidecars follow ---------------------------------------------------------------
+    @abc.abstractmethod
+    async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
+        """Append and return the new sequence number (strictly increasing, shared by all replicas)."""
+
+    @abc.abstractmethod
+    async def events_after(self, seq: int, limit: int = 500) -> list[Event]: ...
+
+    @abc.abstractmethod
+    async def event_bounds(self) -> tuple[int, int]:
+        """(oldest retained seq, newest seq); (0, 0) when empty. Older events are trimmed."""
+
+    async def wait_events(self, after: int, timeout: float) -> None:  # noqa: B027 - optional hook
+        """Return early when an event newer than ``after`` may exist (backends that can be notified)."""
+
+    # -- sidecars and their leases -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_sidecar(self, agent: str, doc: Doc) -> None: ...
+
+    @abc.abstractmethod
+    async def get_sidecar(self, agent: str) -> Doc | None: ...
+
+    @abc.abstractmethod
+    async def all_sidecars(self) -> dict[str, Doc]: ...
+
+    # -- call reports ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
+        """Store final call reports, idempotent on call_id: returns (new, duplicates)."""
+
+    @abc.abstractmethod
+    async def reports(self, agents: list[str] | None = None) -> list[Doc]: ...
+
+    # -- approvals, terminations: small documents by id ----------------------------------------------
+    @abc.abstractmethod
+    async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None: ...
+
+    @abc.abstractmethod
+    async def get_doc(self, kind: str, doc_id: str) -> Doc | None: ...
+
+    @abc.abstractmethod
+    async def list_docs(self, kind: str) -> list[Doc]: ...
+
+    @abc.abstractmethod
+    async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
+        """Replace doc only if its ``version`` field still equals expect_version (0: must not exist)."""
+
+    # -- reconciliation records: one hash chain -------------------------------------------------------
+    @abc.abstractmethod
+    async def append_record(self, record: Doc) -> bool:
+        """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
+        False when another writer got there first: the caller rebuilds on the new head."""
+
+    @abc.abstractmethod
+    async def records(self) -> list[Doc]: ...
+
+    # -- leases on work that exactly one replica may drive ----------------------------------------------
+    @abc.abstractmethod
+    async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
+        """Take or renew the named lease for owner; False while another owner holds it."""

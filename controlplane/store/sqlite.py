@@ -1,0 +1,250 @@
+"""The embedded store: one SQLite file in WAL mode, durable across restarts.
+
+Statements are short and local, so they run on the event loop thread; every write is its own
+transaction, committed before the API answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from typing import Any
+
+from .base import Doc, Event, Store, StoreUnavailable
+
+EVENT_RETENTION = 10_000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS links (hash TEXT PRIMARY KEY, jti TEXT UNIQUE NOT NULL, sub TEXT NOT NULL,
+    prf TEXT, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS links_sub ON links(sub);
+CREATE TABLE IF NOT EXISTS revocations (jti TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, target TEXT,
+    payload TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS sidecars (agent TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS reports (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS reports_agent ON reports(agent);
+CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, id TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
+    PRIMARY KEY (kind, id));
+CREATE TABLE IF NOT EXISTS records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT UNIQUE NOT NULL,
+    prev_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
+"""
+
+
+def _dump(doc: Any) -> str:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+class SqliteStore(Store):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.url = f"sqlite:///{path}"
+        self._db: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA busy_timeout=5000")
+        db.executescript(_SCHEMA)
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreUnavailable("the SQLite store is not open")
+        return self._db
+
+    async def healthy(self) -> bool:
+        try:
+            self.db.execute("SELECT 1").fetchone()
+            return True
+        except (sqlite3.Error, StoreUnavailable):
+            return False
+
+    def _tx(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    # -- links ---------------------------------------------------------------------------------------
+    async def put_links(self, links: list[Doc]) -> int:
+        db = self._tx()
+        try:
+            new = 0
+            for link in links:
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO links (hash, jti, sub, prf, doc) VALUES (?, ?, ?, ?, ?)",
+                    (link["hash"], link["jti"], link["sub"], link.get("prf"), _dump(link)),
+                )
+                new += cur.rowcount
+            db.execute("COMMIT")
+            return new
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def get_link(self, link_hash: str) -> Doc | None:
+        row = self.db.execute("SELECT doc FROM links WHERE hash = ?", (link_hash,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    async def link_by_jti(self, jti: str) -> Doc | None:
+        row = self.db.execute("SELECT doc FROM links WHERE jti = ?", (jti,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    async def all_links(self) -> list[Doc]:
+        return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links ORDER BY rowid")]
+
+    # -- revocations -----------------------------------------------------------------------------------
+    async def revoke(self, jti: str, doc: Doc) -> bool:
+        cur = self.db.execute("INSERT OR IGNORE INTO revocations (jti, doc) VALUES (?, ?)", (jti, _dump(doc)))
+        return cur.rowcount == 1
+
+    async def revocations(self) -> dict[str, Doc]:
+        return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT jti, doc FROM revocations")}
+
+    # -- events ----------------------------------------------------------------------------------------
+    async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
+        db = self._tx()
+        try:
+            cur = db.execute(
+                "INSERT INTO events (kind, target, payload, at) VALUES (?, ?, ?, ?)", (kind, target, _dump(payload), at)
+            )
+            seq = int(cur.lastrowid or 0)
+            db.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENT_RETENTION,))
+            db.execute("COMMIT")
+            return seq
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def events_after(self, seq: int, limit: int = 500) -> list[Event]:
+        rows = self.db.execute(
+            "SELECT seq, kind, target, payload, at FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+        )
+        return [Event(r[0], r[1], r[2], json.loads(r[3]), r[4]) for r in rows]
+
+    async def event_bounds(self) -> tuple[int, int]:
+        low, high = self.db.execute("SELECT MIN(seq), MAX(seq) FROM events").fetchone()
+        if high is None:
+            row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+            last = int(row[0]) if row else 0
+            return (last + 1, last)
+        return (int(low), int(high))
+
+    # -- sidecars --------------------------------------------------------------------------------------
+    async def put_sidecar(self, agent: str, doc: Doc) -> None:
+        self.db.execute("INSERT OR REPLACE INTO sidecars (agent, doc) VALUES (?, ?)", (agent, _dump(doc)))
+
+    async def get_sidecar(self, agent: str) -> Doc | None:
+        row = self.db.execute("SELECT doc FROM sidecars WHERE agent = ?", (agent,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    async def all_sidecars(self) -> dict[str, Doc]:
+        return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT agent, doc FROM sidecars")}
+
+    # -- reports ---------------------------------------------------------------------------------------
+    async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
+        db = self._tx()
+        try:
+            new = 0
+            for report in reports:
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO reports (call_id, agent, doc) VALUES (?, ?, ?)",
+                    (report["call_id"], report["agent"], _dump(report)),
+                )
+                new += cur.rowcount
+            db.execute("COMMIT")
+            return new, len(reports) - new
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def reports(self, agents: list[str] | None = None) -> list[Doc]:
+        if agents is None:
+            rows = self.db.execute("SELECT doc FROM reports ORDER BY rowid")
+        else:
+            marks = ",".join("?" * len(agents))
+            rows = self.db.execute(f"SELECT doc FROM reports WHERE agent IN ({marks}) ORDER BY rowid", agents)
+        return [json.loads(r[0]) for r in rows]
+
+    # -- documents -----------------------------------------------------------------------------------
+    async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO docs (kind, id, version, doc) VALUES (?, ?, ?, ?)",
+            (kind, doc_id, int(doc.get("version", 0)), _dump(doc)),
+        )
+
+    async def get_doc(self, kind: str, doc_id: str) -> Doc | None:
+        row = self.db.execute("SELECT doc FROM docs WHERE kind = ? AND id = ?", (kind, doc_id)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    async def list_docs(self, kind: str) -> list[Doc]:
+        return [
+            json.loads(r[0]) for r in self.db.execute("SELECT doc FROM docs WHERE kind = ? ORDER BY rowid", (kind,))
+        ]
+
+    async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
+        db = self._tx()
+        try:
+            row = db.execute("SELECT version FROM docs WHERE kind = ? AND id = ?", (kind, doc_id)).fetchone()
+            current = int(row[0]) if row else 0
+            if current != expect_version:
+                db.execute("ROLLBACK")
+                return False
+            db.execute(
+                "INSERT OR REPLACE INTO docs (kind, id, version, doc) VALUES (?, ?, ?, ?)",
+                (kind, doc_id, int(doc["version"]), _dump(doc)),
+            )
+            db.execute("COMMIT")
+            return True
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    # -- records ---------------------------------------------------------------------------------------
+    async def append_record(self, record: Doc) -> bool:
+        db = self._tx()
+        try:
+            row = db.execute("SELECT hash FROM records ORDER BY pos DESC LIMIT 1").fetchone()
+            head = row[0] if row else ""
+            if record["prev_hash"] != head:
+                db.execute("ROLLBACK")
+                return False
+            db.execute(
+                "INSERT INTO records (hash, prev_hash, doc) VALUES (?, ?, ?)",
+                (record["hash"], record["prev_hash"], _dump(record)),
+            )
+            db.execute("COMMIT")
+            return True
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def records(self) -> list[Doc]:
+        return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM records ORDER BY pos")]
+
+    # -- leases ---------------------------------------------------------------------------------------
+    async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
+        db = self._tx()
+        try:
+            row = db.execute("SELECT owner, expires FROM leases WHERE name = ?", (name,)).fetchone()
+            if row and row[0] != owner and row[1] > now:
+                db.execute("ROLLBACK")
+                return False
+            db.execute(
+                "INSERT OR REPLACE INTO leases (name, owner, expires) VALUES (?, ?, ?)", (name, owner, now + ttl_s)
+            )
+            db.execute("COMMIT")
+            return True
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise

@@ -1,0 +1,257 @@
+"""The termination protocol as a pure state machine, and the reconciliation record it ends in.
+
+States (DESIGN.md section 6)::
+
+    requested -> draining  -> reconciling -> terminated
+    requested -> aborting  -> reconciling -> terminated
+
+``advance`` takes the termination document and the facts the server observed (who acknowledged
+quiescence, the time) and returns the next document plus the actions the server must carry out. Every
+action is idempotent, so a control plane that dies between an action and the state change simply
+repeats it after restart and the protocol still ends in exactly one record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .capability import keys
+
+Doc = dict[str, Any]
+
+REQUESTED, DRAINING, ABORTING, RECONCILING, TERMINATED = (
+    "requested",
+    "draining",
+    "aborting",
+    "reconciling",
+    "terminated",
+)
+MODES = ("drain", "abort")
+TRANSITIONS: Mapping[str, tuple[str, ...]] = {
+    REQUESTED: (DRAINING, ABORTING),
+    DRAINING: (RECONCILING,),
+    ABORTING: (RECONCILING,),
+    RECONCILING: (TERMINATED,),
+    TERMINATED: (),
+}
+RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
+
+# Actions the driver performs, each idempotent.
+REVOKE_SUBTREE = "revoke_subtree"
+DENY_APPROVALS = "deny_approvals"
+SEND_COMMANDS = "send_commands"
+WRITE_RECORD = "write_record"
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Step:
+    doc: Doc
+    actions: tuple[str, ...]
+
+
+def new_termination(
+    termination_id: str,
+    subject: str,
+    mode: str,
+    window_s: float,
+    reason: str,
+    requested_by: str,
+    now: float,
+    agents: Iterable[str],
+    grace_s: float,
+) -> Doc:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}")
+    if not 0 <= window_s <= 24 * 3600:
+        raise ValueError("window_s must be between 0 and 86400")
+    return {
+        "id": termination_id,
+        "subject": subject,
+        "mode": mode,
+        "window_s": float(window_s),
+        "reason": reason,
+        "requested_by": requested_by,
+        "requested_at": now,
+        "grace_s": float(grace_s),
+        "deadline": now + float(window_s),
+        "agents": sorted(set(agents)),
+        "state": REQUESTED,
+        "history": [{"state": REQUESTED, "at": now}],
+        "completed_at": None,
+        "record_id": None,
+        "version": 1,
+    }
+
+
+def _moved(doc: Doc, state: str, now: float, **changes: Any) -> Doc:
+    if state not in TRANSITIONS[doc["state"]]:
+        raise IllegalTransition(f"{doc['state']} -> {state}")
+    return {
+        **doc,
+        **changes,
+        "state": state,
+        "version": doc["version"] + 1,
+        "history": [*doc["history"], {"state": state, "at": now}],
+    }
+
+
+def advance(doc: Doc, acked: Iterable[str], now: float) -> Step:
+    """One step of the protocol. ``acked``: agents whose sidecar acknowledged quiescence."""
+    state = doc["state"]
+    if state == REQUESTED:
+        nxt = DRAINING if doc["mode"] == "drain" else ABORTING
+        return Step(_moved(doc, nxt, now), (REVOKE_SUBTREE, DENY_APPROVALS, SEND_COMMANDS))
+    if state in (DRAINING, ABORTING):
+        waiting = set(doc["agents"]) - set(acked)
+        if not waiting or now >= doc["deadline"] + doc["grace_s"]:
+            return Step(_moved(doc, RECONCILING, now), (WRITE_RECORD,))
+        return Step(doc, ())
+    if state == RECONCILING:
+        return Step(doc, (WRITE_RECORD,))
+    return Step(doc, ())
+
+
+def finish(doc: Doc, record_id: str, now: float) -> Doc:
+    return _moved(doc, TERMINATED, now, completed_at=now, record_id=record_id)
+
+
+# -- the reconciliation record -----------------------------------------------------------------------
+def canonical(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def record_hash(record: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
+    return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()
+
+
+_CALL_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status", "capture_ref")
+
+
+def build_record(
+    termination: Doc,
+    *,
+    record_id: str,
+    reports: list[Doc],
+    links: list[Doc],
+    revocations: Mapping[str, Doc],
+    sidecars: Mapping[str, Doc],
+    acked: Mapping[str, Doc],
+    prev_hash: str,
+    now: float,
+) -> Doc:
+    """Assemble (unsigned) what became of every call and agent in the subtree."""
+    calls: list[Doc] = []
+    seen: set[str] = set()
+    for report in sorted(reports, key=lambda r: (r.get("started_at") or 0, r["call_id"])):
+        seen.add(report["call_id"])
+        entry = {f: report.get(f) for f in _CALL_FIELDS}
+        for extra in ("ended_at", "code", "termination_id"):
+            if report.get(extra) is not None:
+                entry[extra] = report[extra]
+        calls.append(entry)
+    terminated = sorted(a for a in termination["agents"] if a in acked)
+    unaccounted: list[Doc] = []
+    for agent in termination["agents"]:
+        if agent in acked:
+            continue
+        sidecar = sidecars.get(agent) or {}
+        inflight = [c for c in sidecar.get("inflight", []) if c.get("call_id") not in seen]
+        unaccounted.append(
+            {
+                "agent": agent,
+                "last_seen": sidecar.get("last_seen"),
+                "calls_in_flight_last_known": inflight,
+                "lease_expires_at": sidecar.get("lease_expires"),
+            }
+        )
+        for call in inflight:
+            # A call we last saw in flight and never heard of again: its outcome is not known.
+            calls.append(
+                {
+                    **{f: call.get(f) for f in _CALL_FIELDS},
+                    "agent": agent,
+                    "resolution": "unknown",
+                    "status": None,
+                    "reported": False,
+                }
+            )
+    leases: list[Doc] = []
+    for link in sorted(links, key=lambda item: (item.get("registered_at", 0), item["jti"])):
+        entry: Doc = {"jti": link["jti"], "agent": link["sub"]}
+        revocation = revocations.get(link["jti"])
+        exp = link["claims"]["exp"]
+        if revocation is not None and revocation["at"] < exp:
+            entry["revoked_at"] = revocation["at"]
+        else:
+            entry["expired_at"] = exp
+        sidecar = sidecars.get(link["sub"])
+        if sidecar and link["sub"] not in acked:
+            entry["sidecar_lease_expires_at"] = sidecar.get("lease_expires")
+        leases.append(entry)
+    return {
+        "record_id": record_id,
+        "termination_id": termination["id"],
+        "subject": termination["subject"],
+        "mode": termination["mode"],
+        "requested_by": termination["requested_by"],
+        "requested_at": termination["requested_at"],
+        "completed_at": now,
+        "window_s": termination["window_s"],
+        "reason": termination.get("reason", ""),
+        "calls": calls,
+        "leases": leases,
+        "agents_terminated": terminated,
+        "agents_unaccounted": unaccounted,
+        "prev_hash": prev_hash,
+    }
+
+
+def seal(record: Doc, signing_key: Any) -> Doc:
+    """Hash the record and sign the hash with the control plane's key."""
+    digest = record_hash(record)
+    signature = keys.b64url(signing_key.sign(digest.encode("ascii")))
+    return {**record, "hash": digest, "signature": signature}
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    ok: bool
+    count: int
+    problems: tuple[str, ...]
+
+
+def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
+    """Check the whole log: each hash, each signature, and each link to the previous record."""
+    from cryptography.exceptions import InvalidSignature
+
+    problems: list[str] = []
+    prev = ""
+    seen_ids: set[str] = set()
+    for index, record in enumerate(records):
+        rid = record.get("record_id", f"#{index}")
+        if rid in seen_ids:
+            problems.append(f"record {index} ({rid}): appears twice")
+        seen_ids.add(rid)
+        if record.get("prev_hash") != prev:
+            problems.append(
+                f"record {index} ({rid}): prev_hash does not name record {index - 1} "
+                "(a record was removed, inserted or reordered)"
+            )
+        digest = record_hash(record)
+        if record.get("hash") != digest:
+            problems.append(f"record {index} ({rid}): content does not match its hash (edited)")
+        try:
+            public_key.verify(keys.b64url_decode(record.get("signature", "")), str(record.get("hash", "")).encode())
+        except (InvalidSignature, ValueError):
+            problems.append(f"record {index} ({rid}): signature does not verify under the control plane key")
+        prev = record.get("hash", "")
+    return VerifyResult(not problems, len(records), tuple(problems))

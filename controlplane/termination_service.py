@@ -1,0 +1,283 @@
+"""The control plane's side of termination: the API, the driver loop, and the record log.
+
+The pure protocol lives in ``termination.py``; this module performs its actions against the store and
+the sidecars' event stream. One replica at a time drives a given termination (a store lease), and a
+restarted control plane picks up every termination that is not ``terminated``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+from aiohttp import web
+
+from . import termination as proto
+from .capability import keys
+from .capability.errors import CONFLICT, NOT_FOUND, ApiError
+from .server import ControlPlane, _bad, read_json
+from .store import Doc, StoreUnavailable
+
+log = logging.getLogger("tether.termination")
+DRIVE_INTERVAL_S = 0.25
+LEASE_S = 5.0
+
+
+class TerminationService:
+    def __init__(self, cp: ControlPlane, grace_s: float) -> None:
+        self.cp = cp
+        self.grace_s = grace_s
+        self._wake = asyncio.Event()
+
+    # -- API ------------------------------------------------------------------------------------------
+    async def h_terminate(self, request: web.Request) -> web.Response:
+        agent = request.match_info["agent"]
+        body, raw = await read_json(request)
+        if not isinstance(body, dict):
+            raise _bad("body must be an object: {mode, window_s, reason}")
+        mode = body.get("mode", "drain")
+        try:
+            window_s = float(body.get("window_s", 30))
+        except (TypeError, ValueError):
+            raise _bad("'window_s' must be a number of seconds") from None
+        if mode not in proto.MODES:
+            raise _bad("'mode' must be 'drain' or 'abort'")
+        if not 0 <= window_s <= 86400:
+            raise _bad("'window_s' must be between 0 and 86400")
+        graph = await self.cp.graph()
+        links = graph.links_of(agent)
+        if not links:
+            raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
+        requested_by = await self._authorize(request, links, raw)
+        agents = sorted({link["sub"] for link in graph.subtree(agent)})
+        tid = "term-" + os.urandom(8).hex()
+        doc = proto.new_termination(
+            tid, agent, mode, window_s, str(body.get("reason", "")), requested_by, self.cp.clock(), agents, self.grace_s
+        )
+        if not await self.cp.store.cas_doc("termination", tid, 0, doc):
+            raise ApiError(409, CONFLICT, "termination id collision; retry")
+        self.cp.metrics.inc("tether_terminations_requested_total")
+        log.info(
+            "termination %s of %s (%s, window %ss) requested by %s: %s",
+            tid,
+            agent,
+            mode,
+            window_s,
+            requested_by,
+            ", ".join(agents),
+        )
+        self.wake()
+        return web.json_response({"termination_id": tid, **doc}, status=202)
+
+    async def _authorize(self, request: web.Request, links: list[Doc], raw: bytes) -> str:
+        last: ApiError | None = None
+        for link in links:
+            try:
+                return await self.cp.may_act_as_ancestor(request, link, raw)
+            except ApiError as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    async def h_get(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        doc = await self.cp.store.get_doc("termination", request.match_info["id"])
+        if doc is None:
+            raise ApiError(404, NOT_FOUND, f"no termination {request.match_info['id']}")
+        acked = await self._acks(doc)
+        return web.json_response(
+            {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked))}
+        )
+
+    async def h_list(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        return web.json_response(await self.cp.store.list_docs("termination"))
+
+    async def h_quiesced(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        agent, _ = await self.cp.auth.sidecar(request, raw)
+        try:
+            body = json.loads(raw)
+            tid = body["termination_id"]
+        except (ValueError, KeyError, TypeError):
+            raise _bad("body needs 'termination_id'") from None
+        term = await self.cp.store.get_doc("termination", tid)
+        if term is None or agent not in term["agents"]:
+            raise ApiError(404, NOT_FOUND, f"{agent} is not part of termination {tid}")
+        reports = body.get("reports") or []
+        if reports:
+            clean = [
+                {**r, "agent": agent, "received_at": self.cp.clock()}
+                for r in reports
+                if isinstance(r, dict) and isinstance(r.get("call_id"), str)
+            ]
+            await self.cp.store.put_reports(clean)
+        ack = {
+            "agent": agent,
+            "termination_id": tid,
+            "at": self.cp.clock(),
+            "calls": body.get("calls"),
+            "state": body.get("state", "terminated"),
+        }
+        await self.cp.store.put_doc("ack", f"{tid}:{agent}", ack)
+        self.wake()
+        return web.json_response({"ok": True})
+
+    async def h_records(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        return web.json_response(await self.cp.store.records())
+
+    async def h_record(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        rid = request.match_info["id"]
+        for record in await self.cp.store.records():
+            if rid in (record["record_id"], record["termination_id"]):
+                return web.json_response(record)
+        raise ApiError(404, NOT_FOUND, f"no record {rid}")
+
+    async def h_trust(self, request: web.Request) -> web.Response:
+        public = self.cp.signing_key.public_key()
+        return web.json_response(
+            {
+                "public_key": keys.public_pem(public).decode(),
+                "jwk": keys.to_jwk(public),
+                "catalog": self.cp.catalog.hash,
+            }
+        )
+
+    async def h_catalog(self, request: web.Request) -> web.Response:
+        return web.json_response({"hash": self.cp.catalog.hash, "catalog": self.cp.catalog.to_dict()})
+
+    # -- driver ---------------------------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.drive_all()
+            except (StoreUnavailable, ConnectionError, OSError) as exc:
+                log.warning("termination driver: store unavailable (%s); retrying", exc)
+            except Exception:  # the driver must outlive any one bad termination
+                log.exception("termination driver step failed; retrying")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), DRIVE_INTERVAL_S)
+            except TimeoutError:
+                pass
+
+    async def drive_all(self) -> None:
+        for doc in await self.cp.store.list_docs("termination"):
+            if doc["state"] == proto.TERMINATED:
+                continue
+            if not await self.cp.store.try_lease(f"termination:{doc['id']}", self.cp.replica, LEASE_S, self.cp.clock()):
+                continue
+            await self.drive(doc)
+
+    async def _acks(self, doc: Doc) -> dict[str, Doc]:
+        acks: dict[str, Doc] = {}
+        for agent in doc["agents"]:
+            ack = await self.cp.store.get_doc("ack", f"{doc['id']}:{agent}")
+            if ack is not None:
+                acks[agent] = ack
+        return acks
+
+    async def drive(self, doc: Doc) -> None:
+        acks = await self._acks(doc)
+        step = proto.advance(doc, acks, self.cp.clock())
+        for action in step.actions:
+            if action == proto.WRITE_RECORD:
+                record_id = await self.write_record(step.doc, acks)
+                final = proto.finish(step.doc, record_id, self.cp.clock())
+                await self._save(doc, final)
+                self.cp.metrics.inc("tether_terminations_completed_total")
+                log.info("termination %s: terminated, record %s", doc["id"], record_id)
+                return
+            await self.perform(action, step.doc)
+        if step.doc is not doc:
+            await self._save(doc, step.doc)
+            log.info("termination %s: %s", doc["id"], step.doc["state"])
+
+    async def _save(self, old: Doc, new: Doc) -> None:
+        if not await self.cp.store.cas_doc("termination", old["id"], old["version"], new):
+            log.info("termination %s changed under us; re-reading", old["id"])
+
+    async def perform(self, action: str, doc: Doc) -> None:
+        if action == proto.REVOKE_SUBTREE:
+            graph = await self.cp.graph()
+            for link in graph.subtree(doc["subject"]):
+                await self.cp.revoke_link(link, f"termination:{doc['id']}", doc.get("reason", ""), doc["id"])
+        elif action == proto.DENY_APPROVALS:
+            for approval in await self.cp.store.list_docs("approval"):
+                if approval["agent"] in doc["agents"] and approval["status"] == "pending":
+                    try:
+                        await self.cp.decide(approval["id"], "denied", f"termination:{doc['id']}")
+                    except ApiError:
+                        pass  # decided meanwhile: nothing to deny
+        elif action == proto.SEND_COMMANDS:
+            command = {
+                "termination_id": doc["id"],
+                "mode": doc["mode"],
+                "window_s": doc["window_s"],
+                "deadline": doc["deadline"],
+                "issued_at": self.cp.clock(),
+            }
+            for agent in doc["agents"]:
+                await self.cp.store.put_doc("command", agent, {**command, "agent": agent})
+                await self.cp.publish("command", agent, command)
+
+    async def write_record(self, doc: Doc, acks: dict[str, Doc]) -> str:
+        store = self.cp.store
+        while True:
+            records = await store.records()
+            for record in records:
+                if record["termination_id"] == doc["id"]:
+                    return record["record_id"]  # written before a restart: never a second record
+            graph = await self.cp.graph()
+            links = graph.subtree(doc["subject"])
+            record = proto.build_record(
+                doc,
+                record_id="rec-" + os.urandom(8).hex(),
+                reports=await store.reports(doc["agents"]),
+                links=links,
+                revocations=await store.revocations(),
+                sidecars=await store.all_sidecars(),
+                acked=acks,
+                prev_hash=records[-1]["hash"] if records else "",
+                now=self.cp.clock(),
+            )
+            sealed = proto.seal(record, self.cp.signing_key)
+            if await store.append_record(sealed):
+                return sealed["record_id"]
+
+
+def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationService:
+    service = TerminationService(cp, grace_s if grace_s is not None else cp.grace_s)
+    r = cp.route
+    r(
+        "POST",
+        "/v1/agents/{agent}/terminate",
+        service.h_terminate,
+        "Terminate an agent and its subtree",
+        "admin-or-ancestor",
+        "termination",
+    )
+    r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination")
+    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin", "termination")
+    r(
+        "POST",
+        "/v1/sidecars/quiesced",
+        service.h_quiesced,
+        "A sidecar acknowledges quiescence",
+        "sidecar",
+        "termination",
+    )
+    r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records")
+    r("GET", "/v1/records/{id}", service.h_record, "One record (by record or termination id)", "admin", "records")
+    r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops")
+    r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops")
+    cp.background.append(service.run)
+    cp.terminations = service
+    return service
