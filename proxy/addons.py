@@ -1,0 +1,340 @@
+"""tether's behaviour inside mitmproxy, as addons with one concern each (STYLE.md).
+
+Order matters and is fixed by ``proxy.sidecar``: Tracker (every call from arrival to resolution),
+Enforcer (match, check, hold, refuse), ToolsFilter (hide ungranted MCP tools), Streamer (no buffering
+of SSE and large bodies), Capture (redacted flows on disk). They share one ``Call`` per flow, kept in
+``flow.metadata``; nothing else reaches into them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from mitmproxy import http
+
+from controlplane.capability import errors as codes
+
+from . import mcp
+from .state import Call, Refusal, error_resolution
+
+if TYPE_CHECKING:
+    from .sidecar import Sidecar
+
+log = logging.getLogger("tether.sidecar")
+
+CALL = "tether.call"
+REFUSED = "tether.refused"
+OUTCOME = "tether.outcome"  # resolution override for refusals that are really cancellations
+ABORTED = "tether.aborted"
+MCP_SERVER = "tether.mcp_server"
+MCP_PARSED = "tether.mcp_parsed"
+NO_STREAM = "tether.no_stream"
+STREAM_THRESHOLD = 1024 * 1024
+
+
+def call_of(flow: http.HTTPFlow) -> Call | None:
+    return flow.metadata.get(CALL)
+
+
+def refuse(flow: http.HTTPFlow, refusal: Refusal, *, outcome: str = "refused") -> None:
+    """Answer the client from the sidecar; nothing leaves for the upstream."""
+    call = call_of(flow)
+    error = {"code": refusal.code, "message": refusal.message,
+             "call_id": call.call_id if call else None, "capability": call.capability if call else None}
+    error.update({k: v for k, v in refusal.details.items() if v is not None})
+    parsed = flow.metadata.get(MCP_PARSED)
+    if flow.metadata.get(MCP_SERVER) and flow.request.method == "POST":
+        body = mcp.error_body(parsed, mcp.request_id(flow.request.content or b""), refusal.message, error)
+    else:
+        body = json.dumps({"error": error}).encode()
+    flow.response = http.Response.make(
+        refusal.http_status, body,
+        {"Content-Type": "application/json", "Tether-Error": refusal.code, "Cache-Control": "no-store"},
+    )
+    flow.metadata[REFUSED] = refusal.code
+    flow.metadata[OUTCOME] = outcome
+
+
+class Tracker:
+    """The in-flight table's edge: opens a Call per request and resolves it exactly once."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        call = Call(call_id=str(uuid.uuid4()), agent=self.sidecar.agent, method=req.method,
+                    url=f"{req.scheme}://{req.host}:{req.port}{req.path.split('?', 1)[0]}", started_at=time.time())
+        flow.metadata[CALL] = call
+        self.sidecar.track(call, flow)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is not None and REFUSED not in flow.metadata:
+            call.phase = "forwarded"
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None:
+            return
+        if REFUSED in flow.metadata:
+            self.sidecar.resolve(call, flow.metadata.get(OUTCOME, "refused"), code=flow.metadata[REFUSED])
+        else:
+            self.sidecar.resolve(call, "completed", status=flow.response.status_code if flow.response else None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None:
+            return
+        conn = flow.server_conn
+        connected = conn.timestamp_tcp_setup is not None and (
+            flow.request.scheme == "http" or conn.timestamp_tls_setup is not None)
+        sent = flow.response is not None
+        resolution = error_resolution(connected=connected, sent=sent, aborted=bool(flow.metadata.get(ABORTED)))
+        detail = flow.error.msg if flow.error else None
+        self.sidecar.resolve(call, resolution, detail=detail, code=flow.metadata.get(ABORTED))
+
+
+class Enforcer:
+    """Absence, not gates: match every call to a capability and forward only what the chain grants."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        host, port = flow.request.host, flow.request.port
+        if not self.sidecar.catalog.knows_host(host, port):
+            call = Call(call_id=str(uuid.uuid4()), agent=self.sidecar.agent, method="CONNECT",
+                        url=f"{host}:{port}", started_at=time.time())
+            flow.metadata[CALL] = call
+            self.sidecar.track(call, flow)
+            refuse(flow, Refusal(codes.UNKNOWN_DESTINATION,
+                                 f"{host}:{port} is not a destination in the capability catalog"))
+            self.sidecar.resolve(call, "refused", code=codes.UNKNOWN_DESTINATION)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None or flow.response is not None:
+            return
+        try:
+            await self._decide_headers(flow, call)
+        except Refusal as refusal:
+            refuse(flow, refusal, outcome=flow.metadata.get(OUTCOME, "refused"))
+
+    async def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> None:
+        req = flow.request
+        sc = self.sidecar
+        sc.state.admit(time.time(), time.monotonic())
+        foreign = req.headers.get("Tether-Chain")
+        if foreign is not None:
+            if foreign.strip() != sc.wire:
+                raise Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
+                              "an agent cannot borrow another chain", reason="foreign_chain")
+            del req.headers["Tether-Chain"]
+        host_header = req.host_header
+        if host_header:
+            name = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
+            if name.strip("[]").lower().rstrip(".") != req.host.lower().rstrip("."):
+                raise Refusal(codes.UNKNOWN_DESTINATION,
+                              f"Host header {host_header!r} does not name the destination {req.host}")
+        server = sc.catalog.mcp_server(call.url)
+        if server is not None:
+            flow.metadata[MCP_SERVER] = server
+            if req.method == "POST":
+                return  # the JSON-RPC body decides; see request()
+            self._mcp_plumbing(server, call, req.method)
+            return
+        names = sc.catalog.match_http(req.host, req.port, req.method, req.path)
+        if not names:
+            if not sc.catalog.knows_host(req.host, req.port):
+                raise Refusal(codes.UNKNOWN_DESTINATION,
+                              f"{req.host}:{req.port} is not a destination in the capability catalog")
+            raise Refusal(codes.CAPABILITY_ABSENT, f"no capability covers {req.method} {req.path} on {req.host}")
+        call.capability, call.tier = self._best(names)
+        if call.tier == "absent":
+            raise Refusal(codes.CAPABILITY_ABSENT, f"{call.capability} is not granted to {sc.agent}")
+        await self._hold_if_needed(flow, call)
+        length = req.headers.get("content-length")
+        if (length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
+                "transfer-encoding", ""):
+            req.stream = True  # large uploads pass through; the decision above is final
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None or flow.response is not None or flow.request.stream:
+            return
+        try:
+            server = flow.metadata.get(MCP_SERVER)
+            if server is not None and flow.request.method == "POST" and call.capability is None \
+                    and call.detail is None:
+                await self._decide_mcp(flow, call, server)
+            # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
+            self.sidecar.state.admit(time.time(), time.monotonic())
+        except Refusal as refusal:
+            refuse(flow, refusal, outcome=flow.metadata.get(OUTCOME, "refused"))
+
+    def _best(self, names: list[str]) -> tuple[str, str]:
+        ranked = sorted(names, key=lambda n: {"direct": 0, "approval": 1}.get(self.sidecar.state.tier(n), 2))
+        return ranked[0], self.sidecar.state.tier(ranked[0])
+
+    def _holds_tool_on(self, server: str) -> bool:
+        return any(self.sidecar.state.tier(c) != "absent"
+                   for caps in self.sidecar.catalog.mcp_tools(server).values() for c in caps)
+
+    def _mcp_plumbing(self, server: str, call: Call, what: str) -> None:
+        if not self._holds_tool_on(server):
+            raise Refusal(codes.CAPABILITY_ABSENT, f"no tool on {server} is granted to {self.sidecar.agent}")
+        call.detail = f"mcp {what}"
+
+    async def _decide_mcp(self, flow: http.HTTPFlow, call: Call, server: str) -> None:
+        try:
+            parsed = mcp.parse(flow.request.content or b"")
+        except mcp.NotJsonRpc as exc:
+            raise Refusal(codes.CAPABILITY_ABSENT, f"not a JSON-RPC message tether can match: {exc}") from None
+        flow.metadata[MCP_PARSED] = parsed
+        tools: list[tuple[str, str]] = []
+        for message in parsed.messages:
+            if message.method == "tools/call":
+                names = self.sidecar.catalog.match_mcp(server, message.tool or "")
+                capability, tier = self._best(names) if names else (f"mcp:{message.tool}", "absent")
+                call.capability = capability
+                if tier == "absent":
+                    raise Refusal(codes.CAPABILITY_ABSENT, f"tool {message.tool!r} is not granted to "
+                                  f"{self.sidecar.agent}", capability=capability)
+                tools.append((capability, tier))
+            elif message.is_plumbing:
+                self._mcp_plumbing(server, call, message.method or "response")
+            else:
+                raise Refusal(codes.CAPABILITY_ABSENT, f"MCP method {message.method!r} is not in the catalog")
+        self._check_mcp_headers(flow, parsed)
+        if tools:
+            call.capability = tools[0][0] if len(tools) == 1 else ",".join(c for c, _ in tools)
+            call.tier = "approval" if any(t == "approval" for _, t in tools) else "direct"
+            call.detail = None
+            await self._hold_if_needed(flow, call)
+        else:
+            call.detail = call.detail or "mcp"
+            flow.metadata["tether.mcp_methods"] = [m.method for m in parsed.messages]
+
+    @staticmethod
+    def _check_mcp_headers(flow: http.HTTPFlow, parsed: mcp.Parsed) -> None:
+        """Servers may route on the mcp-method / mcp-name headers: they must say what the body says."""
+        if parsed.batch:
+            return
+        message = parsed.messages[0]
+        method_header = flow.request.headers.get("mcp-method")
+        name_header = flow.request.headers.get("mcp-name")
+        if method_header is not None and method_header != message.method:
+            raise Refusal(codes.CAPABILITY_ABSENT, "the mcp-method header does not match the JSON-RPC body")
+        if name_header is not None and message.method == "tools/call" and name_header != message.tool:
+            raise Refusal(codes.CAPABILITY_ABSENT, "the mcp-name header does not match the tool in the body")
+
+    async def _hold_if_needed(self, flow: http.HTTPFlow, call: Call) -> None:
+        if call.tier != "approval":
+            return
+        call.phase = "held"
+        decision = await self.sidecar.await_approval(call)
+        call.phase = "arrived"
+        if decision == "approved":
+            self.sidecar.state.admit(time.time(), time.monotonic())
+            return
+        if decision == "denied":
+            raise Refusal(codes.APPROVAL_DENIED, f"a person denied {call.capability} for this call")
+        if decision == "cancelled":
+            flow.metadata[OUTCOME] = "cancelled_not_sent"
+            raise Refusal(codes.TERMINATED if self.sidecar.state.mode == "terminated" else codes.DRAINING,
+                          "the held call was cancelled: this agent is being terminated")
+        raise Refusal(codes.APPROVAL_TIMEOUT, f"no approval for {call.capability} arrived in time ({decision})")
+
+
+class ToolsFilter:
+    """Ungranted MCP tools do not exist: remove them from every tools/list result, JSON or SSE."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def _allowed(self, server: str) -> Any:
+        tools = self.sidecar.catalog.mcp_tools(server)
+        state = self.sidecar.state
+
+        def allowed(name: str) -> bool:
+            return any(state.tier(c) != "absent" for c in tools.get(name, []))
+
+        return allowed
+
+    def _lists_tools(self, flow: http.HTTPFlow) -> bool:
+        return "tools/list" in (flow.metadata.get("tether.mcp_methods") or [])
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        server = flow.metadata.get(MCP_SERVER)
+        if server is None or flow.response is None or REFUSED in flow.metadata:
+            return
+        ctype = flow.response.headers.get("content-type", "")
+        if ctype.startswith("text/event-stream"):
+            # Server-to-client streams (and GET listen streams) may carry tools/list answers too.
+            flow.response.stream = mcp.SseToolsFilter(self._allowed(server))
+        elif self._lists_tools(flow):
+            flow.metadata[NO_STREAM] = True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        server = flow.metadata.get(MCP_SERVER)
+        if server is None or flow.response is None or REFUSED in flow.metadata or flow.response.stream:
+            return
+        if flow.response.headers.get("content-type", "").startswith("application/json") and flow.response.content:
+            body, removed = mcp.filter_json_body(flow.response.content, self._allowed(server))
+            if removed:
+                flow.response.content = body
+
+
+class Streamer:
+    """SSE and large bodies flow through as they arrive; nothing is buffered whole."""
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        resp = flow.response
+        if resp is None or resp.stream or flow.metadata.get(NO_STREAM) or REFUSED in flow.metadata:
+            return
+        ctype = resp.headers.get("content-type", "")
+        length = resp.headers.get("content-length")
+        if ctype.startswith("text/event-stream") or (length is not None and length.isdigit()
+                                                     and int(length) > STREAM_THRESHOLD):
+            resp.stream = True
+        elif length is None and "chunked" in resp.headers.get("transfer-encoding", ""):
+            resp.stream = True
+
+
+class Capture:
+    """Every call's flow, redacted, in mitmproxy's format. A capture that fails refuses that call only."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None or flow.response is not None:
+            return
+        ok = self.sidecar.capture.write(flow)
+        if ok:
+            call.capture_ref = self.sidecar.capture.ref(flow)
+        elif self.sidecar.allow_uncaptured:
+            call.detail = "uncaptured: the capture could not be written"
+        else:
+            refuse(flow, Refusal(codes.CAPTURE_UNAVAILABLE,
+                                 "the call could not be captured, so it was not forwarded "
+                                 f"({self.sidecar.capture.last_error})"))
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._final(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._final(flow)
+
+    def _final(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None:
+            return
+        if self.sidecar.capture.write(flow):
+            call.capture_ref = self.sidecar.capture.ref(flow)

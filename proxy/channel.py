@@ -1,0 +1,92 @@
+"""The sidecar's only line to the control plane: signed requests over aiohttp.
+
+Every request carries a fresh ``Tether-Proof`` signed with the chain's key, so the control plane knows
+which agent speaks and no agent can read another's commands or forge its reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from controlplane.capability.errors import ApiError
+from controlplane.capability.proof import make_proof
+
+UNREACHABLE = "tether.controlplane_unreachable"
+
+
+class ControlChannel:
+    def __init__(self, url: str, agent: str, link: str, key: Ed25519PrivateKey) -> None:
+        self.url = url.rstrip("/")
+        self.agent = agent
+        self.link = link
+        self.key = key
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # trust_env stays False: the sidecar must never send its own traffic through a proxy.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def call(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0,
+                   signed: bool = True) -> Any:
+        data = b"" if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if signed:
+            headers["Tether-Proof"] = make_proof(self.key, agent=self.agent, method=method, path=path, body=data,
+                                                 now=time.time(), link=self.link)
+        try:
+            async with self.session.request(method, self.url + path, data=data or None, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise ApiError(503, UNREACHABLE, f"control plane {self.url} unreachable: {exc!r}") from None
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            raise ApiError(status, "tether.bad_response", f"{method} {path}: not JSON (HTTP {status})") from None
+        if status >= 400:
+            err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
+            raise ApiError(status, err.get("code", "tether.http_error"), err.get("message", f"HTTP {status}"))
+        return doc
+
+    # -- the calls a sidecar makes -------------------------------------------------------------------
+    async def register(self, wire: str) -> Any:
+        return await self.call("POST", "/v1/chains/register", {"chain": wire})
+
+    async def heartbeat(self, doc: dict[str, Any]) -> Any:
+        return await self.call("POST", "/v1/sidecars/heartbeat", doc, timeout=5.0)
+
+    async def events(self, after: int, wait: float) -> Any:
+        return await self.call("GET", f"/v1/events?after={after}&wait={wait:g}", timeout=wait + 10.0)
+
+    async def reports(self, reports: list[dict[str, Any]]) -> Any:
+        return await self.call("POST", "/v1/reports", {"reports": reports})
+
+    async def ask_approval(self, doc: dict[str, Any]) -> Any:
+        return await self.call("POST", "/v1/approvals", doc)
+
+    async def approval(self, approval_id: str) -> Any:
+        return await self.call("GET", f"/v1/approvals/{approval_id}")
+
+    async def quiesced(self, doc: dict[str, Any]) -> Any:
+        return await self.call("POST", "/v1/sidecars/quiesced", doc, timeout=15.0)
+
+    async def public(self, path: str) -> Any:
+        return await self.call("GET", path, signed=False)
+
+
+async def sleep_backoff(attempt: int, cap: float = 2.0) -> None:
+    await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)))

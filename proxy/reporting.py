@@ -1,0 +1,92 @@
+"""Call reports: batched to the control plane, spooled to disk while it is unreachable.
+
+Every final call report is appended to the spool file before anything else, so a control plane
+outage (or a sidecar restart) loses nothing; delivered batches are cut from the spool. Delivery is
+at least once; the control plane is idempotent on ``call_id``, so a repeat is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from controlplane.capability.errors import ApiError
+
+from .channel import ControlChannel
+
+log = logging.getLogger("tether.sidecar.reports")
+BATCH = 200
+
+
+class Reporter:
+    def __init__(self, channel: ControlChannel, spool_path: Path, interval_s: float = 0.2) -> None:
+        self.channel = channel
+        self.spool_path = spool_path
+        self.interval_s = interval_s
+        self.pending: list[dict[str, Any]] = []
+        self.delivered = 0
+        self._wake = asyncio.Event()
+        self._spool_broken = False
+        self._load()
+
+    def _load(self) -> None:
+        if not self.spool_path.exists():
+            return
+        for line in self.spool_path.read_text().splitlines():
+            try:
+                self.pending.append(json.loads(line))
+            except ValueError:
+                log.warning("skipping a torn line in %s", self.spool_path)
+        if self.pending:
+            log.info("%d report(s) from the spool will be delivered", len(self.pending))
+
+    def add(self, report: dict[str, Any]) -> None:
+        self.pending.append(report)
+        try:
+            with open(self.spool_path, "a") as f:
+                f.write(json.dumps(report, separators=(",", ":")) + "\n")
+            self._spool_broken = False
+        except OSError as exc:  # a full disk affects the spool, never the calls
+            if not self._spool_broken:
+                log.error("cannot spool reports to %s: %s (kept in memory)", self.spool_path, exc)
+            self._spool_broken = True
+        self._wake.set()
+
+    def _rewrite_spool(self) -> None:
+        tmp = self.spool_path.with_suffix(".tmp")
+        try:
+            with open(tmp, "w") as f:
+                for report in self.pending:
+                    f.write(json.dumps(report, separators=(",", ":")) + "\n")
+            os.replace(tmp, self.spool_path)
+        except OSError as exc:
+            log.error("cannot rewrite the spool %s: %s", self.spool_path, exc)
+
+    async def flush(self) -> bool:
+        """Deliver everything pending; True when nothing is left."""
+        while self.pending:
+            batch = self.pending[:BATCH]
+            try:
+                await self.channel.reports(batch)
+            except ApiError as exc:
+                log.debug("report delivery failed: %s", exc)
+                return False
+            del self.pending[: len(batch)]
+            self.delivered += len(batch)
+            self._rewrite_spool()
+        return True
+
+    async def run(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s * (1 + min(attempt, 10)))
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if self.pending:
+                attempt = 0 if await self.flush() else attempt + 1

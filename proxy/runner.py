@@ -1,0 +1,72 @@
+"""``tether sidecar``: run one agent's sidecar until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from controlplane.capability import keys
+from controlplane.capability.chain import parse_chain_unverified
+from controlplane.cli import read_chain, read_file
+from controlplane.serve import load_catalog, parse_listen
+
+from .sidecar import Sidecar, SidecarConfig
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    wire = read_chain(args.chain)
+    agent = parse_chain_unverified(wire)[-1].sub
+    host, port = parse_listen(args.listen, 8080)
+    return SidecarConfig(
+        controlplane=args.controlplane or os.environ.get("TETHER_CONTROLPLANE") or "http://127.0.0.1:7000",
+        chain=wire,
+        key=keys.load_private(read_file(args.key, "key"), args.key),
+        state_dir=Path(args.state_dir or Path(".tether") / agent),
+        listen_host=host,
+        listen_port=port,
+        catalog=load_catalog(args.catalog) if getattr(args, "catalog", None) else None,
+        upstream_ca=args.upstream_ca,
+        redact_fields=list(getattr(args, "redact_field", []) or []),
+        approval_timeout_s=args.approval_timeout,
+        allow_uncaptured=bool(getattr(args, "allow_uncaptured", False)),
+    )
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("TETHER_LOG", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+
+
+async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
+    sidecar = Sidecar(config)
+    await sidecar.prepare()
+    host, port = await sidecar.start_proxy()
+    info = {"agent": sidecar.agent, "proxy": f"http://{host}:{port}", "ca": str(sidecar.ca_cert), "pid": os.getpid(),
+            "state_dir": str(config.state_dir)}
+    print(f"tether: sidecar for {sidecar.agent} on http://{host}:{port} (CA {sidecar.ca_cert})", file=sys.stderr,
+          flush=True)
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        Path(tmp).write_text(json.dumps(info))
+        os.replace(tmp, ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sidecar.stop()
+    return 0
+
+
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    setup_logging()
+    return asyncio.run(serve_sidecar(config_from_args(args), args.ready_file))

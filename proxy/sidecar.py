@@ -1,0 +1,346 @@
+"""One agent's sidecar: mitmproxy with tether's addons, and the loops that tie it to the control plane.
+
+Start-up: learn the trust key and catalog, verify the chain, register it, take a lease, then listen.
+While serving: heartbeat the lease, follow the event stream (revocations, drain/abort commands,
+approval decisions), deliver reports. The sidecar never decides the agent's fate: it only carries out
+what the control plane commands, and a tool's failure touches only that call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from mitmproxy import ctx, http, options
+from mitmproxy.addons import default_addons
+from mitmproxy.master import Master
+
+from controlplane.capability import keys
+from controlplane.capability.catalog import Catalog, parse_catalog
+from controlplane.capability.chain import Verifier, parse_chain_unverified
+from controlplane.capability.errors import ApiError, TetherError
+
+from .addons import ABORTED, Capture, Enforcer, Streamer, ToolsFilter, Tracker
+from .capture import CAPTURE_FILE, CaptureWriter
+from .channel import ControlChannel, sleep_backoff
+from .reporting import Reporter
+from .state import ABORTING, DRAINING, TERMINATED, Call, CallTable, SidecarState
+
+log = logging.getLogger("tether.sidecar")
+
+
+@dataclass
+class SidecarConfig:
+    controlplane: str
+    chain: str
+    key: Ed25519PrivateKey
+    state_dir: Path
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    catalog: Catalog | None = None
+    trust: Any = None  # Ed25519PublicKey, else fetched from the control plane
+    upstream_ca: str | None = None
+    redact_fields: list[str] = field(default_factory=list)
+    approval_timeout_s: float = 120.0
+    allow_uncaptured: bool = False
+    call_timeout_s: float = 300.0
+    capture_path: Path | None = None
+    startup_timeout_s: float = 30.0
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.wire = config.chain
+        links = parse_chain_unverified(self.wire)
+        self.agent = links[-1].sub
+        self.channel = ControlChannel(config.controlplane, self.agent, links[-1].hash, config.key)
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.reporter = Reporter(self.channel, config.state_dir / "reports.spool")
+        self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
+                                     config.redact_fields)
+        self.allow_uncaptured = config.allow_uncaptured
+        self.calls = CallTable()
+        self.flows: dict[str, http.HTTPFlow] = {}
+        self.catalog: Catalog = config.catalog  # type: ignore[assignment]
+        self.state: SidecarState = None  # type: ignore[assignment]
+        self.seq = -1
+        self.started_at = time.time()
+        self.approvals: dict[str, asyncio.Future[str]] = {}
+        self.approval_calls: dict[str, str] = {}
+        self.master: Master | None = None
+        self.address: tuple[str, int] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._quiesce_task: asyncio.Task | None = None
+        self.stopped = asyncio.Event()
+
+    # -- start-up ---------------------------------------------------------------------------------------
+    async def prepare(self) -> None:
+        """Trust, catalog, chain, registration, first lease. Raises TetherError when it cannot serve."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        attempt = 0
+        while True:
+            try:
+                await self._prepare_once()
+                return
+            except ApiError as exc:
+                if exc.code != "tether.controlplane_unreachable" or time.monotonic() > deadline:
+                    raise
+                attempt += 1
+                if attempt == 1:
+                    log.warning("waiting for the control plane: %s", exc.message)
+                await sleep_backoff(attempt)
+
+    async def _prepare_once(self) -> None:
+        trust = self.config.trust
+        if trust is None:
+            trust = keys.from_jwk((await self.channel.public("/v1/trust"))["jwk"])
+        if self.catalog is None:
+            doc = await self.channel.public("/v1/catalog")
+            self.catalog = parse_catalog(yaml.safe_dump(doc["catalog"]), f"{self.config.controlplane}/v1/catalog")
+            if self.catalog.hash != doc["hash"]:
+                raise TetherError("the catalog fetched from the control plane does not match its hash",
+                                  code="tether.catalog_invalid")
+        verifier = Verifier(trust, catalog_hash=self.catalog.hash)
+        verified = verifier.verify(self.wire, now=time.time())
+        self.state = SidecarState(verified, verifier, lease_ttl_s=15.0)
+        await self.channel.register(self.wire)
+        self.state.registered = True
+        await self.heartbeat_once()
+        await self.sync_events(wait=0)
+
+    async def start_proxy(self) -> tuple[str, int]:
+        opts = options.Options(listen_host=self.config.listen_host, listen_port=self.config.listen_port,
+                               confdir=str(self.config.state_dir / "ca"))
+        master = Master(opts)
+        master.addons.add(*default_addons())
+        master.addons.add(Tracker(self), Enforcer(self), ToolsFilter(self), Streamer(), Capture(self))
+        updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600}
+        if self.config.upstream_ca:
+            updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca
+        master.options.update(**updates)
+        self.master = master
+        self._tasks.append(asyncio.create_task(master.run()))
+        proxyserver = master.addons.get("proxyserver")
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if proxyserver.listen_addrs():
+                break
+        addrs = proxyserver.listen_addrs()
+        if not addrs:
+            errors = [str(s.last_exception) for s in proxyserver.servers if getattr(s, "last_exception", None)]
+            raise TetherError(f"the proxy could not listen on {self.config.listen_host}:{self.config.listen_port}: "
+                              f"{'; '.join(errors) or 'unknown error'}", code="tether.listen_failed")
+        host, port = addrs[0][:2]
+        self.address = (host, port)
+        for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop):
+            self._tasks.append(asyncio.create_task(job()))
+        log.info("sidecar for %s listening on %s:%d", self.agent, host, port)
+        return host, port
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.config.state_dir / "ca" / "mitmproxy-ca-cert.pem"
+
+    async def stop(self) -> None:
+        if self.master is not None:
+            self.master.shutdown()
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.reporter.flush(), 3.0)
+        await self.channel.close()
+        self.capture.close()
+        self.stopped.set()
+
+    # -- the in-flight table ------------------------------------------------------------------------------
+    def track(self, call: Call, flow: http.HTTPFlow) -> None:
+        self.calls.start(call)
+        self.flows[call.call_id] = flow
+        if self.state.command:
+            call.termination_id = self.state.command.get("termination_id")
+
+    def resolve(self, call: Call, resolution: str, *, status: int | None = None, code: str | None = None,
+                detail: str | None = None) -> None:
+        done = self.calls.resolve(call.call_id, resolution, time.time(), status=status, code=code,
+                                  detail=detail or call.detail)
+        self.flows.pop(call.call_id, None)
+        if done is not None:
+            self.reporter.add(done.report())
+
+    # -- control plane loops -------------------------------------------------------------------------------
+    async def heartbeat_once(self) -> None:
+        sent = time.monotonic()
+        doc = {"state": self.state.mode, "inflight": self.calls.snapshot(), "seq": self.seq, "pid": os.getpid(),
+               "proxy": f"{self.address[0]}:{self.address[1]}" if self.address else None,
+               "started_at": self.started_at, "spooled": len(self.reporter.pending)}
+        answer = await self.channel.heartbeat(doc)
+        self.state.renewed(sent, float(answer.get("lease_ttl_s", self.state.lease_ttl_s)))
+        if answer.get("command"):
+            self.on_command(answer["command"])
+
+    async def heartbeat_loop(self) -> None:
+        failures = 0
+        while True:
+            await asyncio.sleep(max(0.2, self.state.lease_ttl_s / 3) if failures == 0 else 0.5)
+            try:
+                await self.heartbeat_once()
+                if failures:
+                    log.info("control plane reachable again; lease renewed")
+                failures = 0
+            except ApiError as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("heartbeat failed: %s (lease runs out in %.1fs)", exc.message,
+                                self.state.lease_until - time.monotonic())
+
+    async def sync_events(self, wait: float) -> None:
+        answer = await self.channel.events(self.seq, wait)
+        if answer.get("resync"):
+            self.state.revoked = set(answer.get("revoked", []))
+            if answer.get("command"):
+                self.on_command(answer["command"])
+            for approval in answer.get("approvals", []):
+                self.on_approval(approval)
+        for event in answer.get("events", []):
+            self.on_event(event)
+        self.seq = int(answer.get("next", self.seq))
+
+    async def events_loop(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self.sync_events(wait=20)
+                attempt = 0
+            except ApiError as exc:
+                attempt += 1
+                if attempt == 1:
+                    log.warning("event stream interrupted: %s", exc.message)
+                await sleep_backoff(attempt)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind, payload = event.get("kind"), event.get("payload", {})
+        if kind == "revoke":
+            if self.state.revoke([payload["jti"]]):
+                log.warning("revoked: %s (%s); refusing every call from now on", payload["jti"], payload.get("agent"))
+        elif kind == "command":
+            self.on_command(payload)
+        elif kind == "approval":
+            self.on_approval(payload)
+
+    # -- approvals ---------------------------------------------------------------------------------------
+    async def await_approval(self, call: Call) -> str:
+        try:
+            doc = await self.channel.ask_approval({
+                "call_id": call.call_id, "capability": call.capability, "method": call.method, "url": call.url,
+                "timeout_s": self.config.approval_timeout_s})
+        except ApiError as exc:
+            return f"approval could not be requested: {exc.message}"
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.approvals[doc["id"]] = future
+        self.approval_calls[call.call_id] = doc["id"]
+        log.info("call %s held for approval %s (%s)", call.call_id, doc["id"], call.capability)
+        try:
+            return await asyncio.wait_for(future, self.config.approval_timeout_s)
+        except TimeoutError:
+            return "timeout"
+        finally:
+            self.approvals.pop(doc["id"], None)
+            self.approval_calls.pop(call.call_id, None)
+
+    def on_approval(self, doc: dict[str, Any]) -> None:
+        future = self.approvals.get(doc.get("id", ""))
+        if future is not None and not future.done():
+            future.set_result(doc.get("status", "denied"))
+
+    # -- termination ------------------------------------------------------------------------------------
+    def on_command(self, command: dict[str, Any]) -> None:
+        before = self.state.mode
+        mode = self.state.commanded(command)
+        if mode == before:
+            return
+        log.warning("control plane commands %s (termination %s)", mode, command.get("termination_id"))
+        for call in self.calls.inflight.values():
+            call.termination_id = command.get("termination_id")
+        if self._quiesce_task is not None:
+            self._quiesce_task.cancel()
+        self._quiesce_task = asyncio.create_task(self.quiesce(command))
+
+    def _cancel_held(self) -> None:
+        for future in self.approvals.values():
+            if not future.done():
+                future.set_result("cancelled")
+
+    def abort_flow(self, flow: http.HTTPFlow) -> None:
+        """Cut a forwarded call off now (mitmproxy's kill only acts at the next hook)."""
+        flow.metadata[ABORTED] = "tether.aborted"
+        if flow.killable:
+            flow.kill()
+        proxyserver = ctx.master.addons.get("proxyserver") if self.master else None
+        handler = proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
+        if handler is not None:
+            with contextlib.suppress(Exception):
+                handler.transports[handler.client].handler.cancel("tether: aborted by the control plane")
+
+    async def quiesce(self, command: dict[str, Any]) -> None:
+        """Drain (wait for in-flight calls until the window ends) or abort, then report and acknowledge."""
+        if self.state.mode == DRAINING:
+            deadline = min(float(command.get("deadline", time.time())),
+                           time.time() + float(command.get("window_s", 0)))
+            self._cancel_held()
+            while self.calls.inflight and time.time() < deadline:
+                await asyncio.sleep(0.05)
+        self._cancel_held()
+        if self.calls.inflight:
+            log.warning("aborting %d call(s) still in flight", len(self.calls.inflight))
+            for call_id in list(self.calls.inflight):
+                flow = self.flows.get(call_id)
+                if flow is not None:
+                    self.abort_flow(flow)
+            limit = time.monotonic() + 5
+            while self.calls.inflight and time.monotonic() < limit:
+                await asyncio.sleep(0.05)
+            for call in list(self.calls.inflight.values()):  # no hook came back: we cannot know more
+                self.resolve(call, "unknown", detail="aborted; no final event from the proxy")
+        self.state.quiesced()
+        attempt = 0
+        while True:
+            try:
+                await self.reporter.flush()
+                await self.channel.quiesced({"termination_id": command.get("termination_id"),
+                                             "reports": list(self.reporter.pending),
+                                             "calls": dict(self.calls.counts), "state": TERMINATED})
+                log.warning("quiesced and acknowledged termination %s; refusing everything from now on",
+                            command.get("termination_id"))
+                return
+            except ApiError as exc:
+                attempt += 1
+                if attempt == 1:
+                    log.warning("cannot acknowledge termination yet: %s", exc.message)
+                await sleep_backoff(attempt)
+
+    # -- call timeouts -----------------------------------------------------------------------------------
+    async def watchdog_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for call in list(self.calls.inflight.values()):
+                if call.phase == "forwarded" or call.phase == "arrived":
+                    if now - call.started_at > self.config.call_timeout_s:
+                        flow = self.flows.get(call.call_id)
+                        if flow is not None:
+                            log.warning("call %s exceeded %.0fs; aborting it (outcome unknown)", call.call_id,
+                                        self.config.call_timeout_s)
+                            self.abort_flow(flow)
+
+
+__all__ = ["ABORTING", "Sidecar", "SidecarConfig"]

@@ -1,0 +1,165 @@
+"""The sidecar's decision state and its in-flight table. Pure: no I/O, time passed in.
+
+``SidecarState.admit`` answers one question for every call: may anything leave right now? It holds
+the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
+the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
+
+``CallTable`` follows every call from arrival to one of the five resolutions of DESIGN.md section 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from controlplane.capability import errors as codes
+from controlplane.capability.chain import VerifiedChain, Verifier
+from controlplane.capability.errors import ChainError, TetherError
+
+SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
+
+HTTP_STATUS = {
+    codes.CAPABILITY_ABSENT: 403,
+    codes.UNKNOWN_DESTINATION: 403,
+    codes.CHAIN_INVALID: 403,
+    codes.CHAIN_REVOKED: 403,
+    codes.CHAIN_EXPIRED: 403,
+    codes.LEASE_EXPIRED: 503,
+    codes.DRAINING: 503,
+    codes.TERMINATED: 503,
+    codes.APPROVAL_DENIED: 403,
+    codes.APPROVAL_TIMEOUT: 403,
+    codes.CAPTURE_UNAVAILABLE: 503,
+}
+
+
+class Refusal(TetherError):
+    """A call tether refuses; nothing was sent upstream."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message, code=code, **details)
+        self.http_status = HTTP_STATUS.get(code, 403)
+
+
+class SidecarState:
+    def __init__(self, chain: VerifiedChain, verifier: Verifier, lease_ttl_s: float) -> None:
+        self.chain = chain
+        self.verifier = verifier
+        self.lease_ttl_s = lease_ttl_s
+        self.revoked: set[str] = set()
+        self.mode = SERVING
+        self.command: dict[str, Any] | None = None
+        self.lease_until = float("-inf")  # monotonic; no call leaves before the first heartbeat
+        self.registered = False
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def renewed(self, sent_at_mono: float, ttl_s: float | None = None) -> None:
+        """A heartbeat sent at ``sent_at_mono`` succeeded: the lease runs from the moment it was sent."""
+        if ttl_s is not None:
+            self.lease_ttl_s = ttl_s
+        self.lease_until = max(self.lease_until, sent_at_mono + self.lease_ttl_s)
+
+    def revoke(self, jtis: set[str] | list[str]) -> bool:
+        """Add revoked jtis; True when one of them is in our chain."""
+        mine = set(jtis) & set(self.chain.jtis)
+        self.revoked |= set(jtis)
+        return bool(mine)
+
+    def commanded(self, command: dict[str, Any]) -> str:
+        """Apply a drain/abort command from the control plane; returns the new mode."""
+        if self.mode == TERMINATED:
+            return self.mode
+        if self.command and self.command.get("termination_id") == command.get("termination_id"):
+            if not (self.mode == DRAINING and command.get("mode") == "abort"):
+                return self.mode
+        self.command = dict(command)
+        self.mode = ABORTING if command.get("mode") == "abort" else DRAINING
+        return self.mode
+
+    def quiesced(self) -> None:
+        self.mode = TERMINATED
+
+    # -- the decision ---------------------------------------------------------------------------------
+    def admit(self, now: float, now_mono: float) -> None:
+        """Raise Refusal unless a call may be forwarded now."""
+        if self.mode == TERMINATED:
+            raise Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
+        if self.mode in (DRAINING, ABORTING):
+            raise Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
+        try:
+            self.chain.check(now, self.revoked, self.verifier.leeway)
+        except ChainError as exc:
+            raise Refusal(exc.code, exc.message, reason=exc.reason) from None
+        if now_mono >= self.lease_until:
+            raise Refusal(codes.LEASE_EXPIRED, "no contact with the control plane within the lease; "
+                          "calls resume when it is reachable again")
+
+    def tier(self, capability: str) -> str:
+        return self.chain.tier(capability)
+
+
+# -- calls ------------------------------------------------------------------------------------------
+RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
+
+
+@dataclass
+class Call:
+    call_id: str
+    agent: str
+    method: str
+    url: str
+    started_at: float
+    capability: str | None = None
+    tier: str | None = None
+    phase: str = "arrived"  # arrived -> held -> forwarded -> done
+    resolution: str | None = None
+    status: int | None = None
+    code: str | None = None
+    ended_at: float | None = None
+    capture_ref: str | None = None
+    termination_id: str | None = None
+    detail: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "phase"}
+
+    def summary(self) -> dict[str, Any]:
+        return {"call_id": self.call_id, "capability": self.capability, "method": self.method, "url": self.url,
+                "started_at": self.started_at, "phase": self.phase}
+
+
+def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:
+    """What a call that ended without a complete answer became.
+
+    Nothing left (no upstream connection, or aborted before forwarding): not sent. Otherwise the
+    request may have reached the tool, and we cannot know what it did: ``unknown``, never retried.
+    """
+    if sent or connected:
+        return "unknown"
+    return "cancelled_not_sent" if aborted else "failed_not_sent"
+
+
+class CallTable:
+    def __init__(self) -> None:
+        self.inflight: dict[str, Call] = {}
+        self.counts: dict[str, int] = dict.fromkeys(RESOLUTIONS, 0)
+
+    def start(self, call: Call) -> Call:
+        self.inflight[call.call_id] = call
+        return call
+
+    def resolve(self, call_id: str, resolution: str, now: float, *, status: int | None = None,
+                code: str | None = None, detail: str | None = None) -> Call | None:
+        """Move a call to its final resolution. A call resolves once; later resolutions are ignored."""
+        call = self.inflight.pop(call_id, None)
+        if call is None:
+            return None
+        if resolution not in RESOLUTIONS:
+            raise ValueError(f"unknown resolution {resolution}")
+        call.resolution, call.status, call.code, call.ended_at, call.phase = resolution, status, code, now, "done"
+        call.detail = detail
+        self.counts[resolution] += 1
+        return call
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [c.summary() for c in self.inflight.values()]
