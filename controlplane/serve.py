@@ -84,7 +84,7 @@ def build(store_url: str, catalog_path: str, signing_key_path: str, admin_token:
 
 
 async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None) -> None:
-    runner = web.AppRunner(cp.app(), access_log=None)
+    runner = web.AppRunner(cp.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -1,9 +1,9 @@
 """tether's behaviour inside mitmproxy, as addons with one concern each (STYLE.md).
 
-Order matters and is fixed by ``proxy.sidecar``: Tracker (every call from arrival to resolution),
-Enforcer (match, check, hold, refuse), ToolsFilter (hide ungranted MCP tools), Streamer (no buffering
-of SSE and large bodies), Capture (redacted flows on disk). They share one ``Call`` per flow, kept in
-``flow.metadata``; nothing else reaches into them.
+Order matters and is fixed by ``proxy.sidecar``: Tracker (opens a call for every request), Enforcer
+(match, check, hold, refuse), ToolsFilter (hide ungranted MCP tools), Streamer (no buffering of SSE
+and large bodies), Capture (redacted flows on disk), Resolver (closes each call with its resolution).
+They share one ``Call`` per flow, kept in ``flow.metadata``; nothing else reaches into them.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def refuse(flow: http.HTTPFlow, refusal: Refusal, *, outcome: str = "refused") -
 
 
 class Tracker:
-    """The in-flight table's edge: opens a Call per request and resolves it exactly once."""
+    """The in-flight table's edge: opens a Call for every request as it arrives."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
@@ -76,28 +76,6 @@ class Tracker:
         call = call_of(flow)
         if call is not None and REFUSED not in flow.metadata:
             call.phase = "forwarded"
-
-    def response(self, flow: http.HTTPFlow) -> None:
-        call = call_of(flow)
-        if call is None:
-            return
-        if REFUSED in flow.metadata:
-            self.sidecar.resolve(call, flow.metadata.get(OUTCOME, "refused"), code=flow.metadata[REFUSED])
-        else:
-            self.sidecar.resolve(call, "completed", status=flow.response.status_code if flow.response else None)
-
-    def error(self, flow: http.HTTPFlow) -> None:
-        call = call_of(flow)
-        if call is None:
-            return
-        conn = flow.server_conn
-        connected = conn.timestamp_tcp_setup is not None and (
-            flow.request.scheme == "http" or conn.timestamp_tls_setup is not None)
-        sent = flow.response is not None
-        resolution = error_resolution(connected=connected, sent=sent, aborted=bool(flow.metadata.get(ABORTED)))
-        detail = flow.error.msg if flow.error else None
-        self.sidecar.resolve(call, resolution, detail=detail, code=flow.metadata.get(ABORTED))
-
 
 class Enforcer:
     """Absence, not gates: match every call to a capability and forward only what the chain grants."""
@@ -249,6 +227,34 @@ class Enforcer:
             raise Refusal(codes.TERMINATED if self.sidecar.state.mode == "terminated" else codes.DRAINING,
                           "the held call was cancelled: this agent is being terminated")
         raise Refusal(codes.APPROVAL_TIMEOUT, f"no approval for {call.capability} arrived in time ({decision})")
+
+
+class Resolver:
+    """Closes every call with exactly one resolution, after the other addons have seen its final state."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None:
+            return
+        if REFUSED in flow.metadata:
+            self.sidecar.resolve(call, flow.metadata.get(OUTCOME, "refused"), code=flow.metadata[REFUSED])
+        else:
+            self.sidecar.resolve(call, "completed", status=flow.response.status_code if flow.response else None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        call = call_of(flow)
+        if call is None:
+            return
+        conn = flow.server_conn
+        connected = conn.timestamp_tcp_setup is not None and (
+            flow.request.scheme == "http" or conn.timestamp_tls_setup is not None)
+        sent = flow.response is not None
+        resolution = error_resolution(connected=connected, sent=sent, aborted=bool(flow.metadata.get(ABORTED)))
+        detail = flow.error.msg if flow.error else None
+        self.sidecar.resolve(call, resolution, detail=detail, code=flow.metadata.get(ABORTED))
 
 
 class ToolsFilter:

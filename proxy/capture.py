@@ -65,6 +65,7 @@ def _redact_message(message: http.Message, fields: frozenset[str], headers: tupl
 def redact(flow: http.HTTPFlow, fields: frozenset[str], headers: tuple[str, ...] = SECRET_HEADERS) -> http.HTTPFlow:
     """A copy of the flow with secret headers, named JSON fields and named query parameters redacted."""
     copy = flow.copy()
+    copy.metadata = {}  # tether's own bookkeeping is not part of the traffic
     _redact_message(copy.request, fields, headers)
     for key in list(copy.request.query.keys()):
         if key.lower() in fields:
@@ -91,9 +92,9 @@ class CaptureWriter:
             self._file.flush()
             self.last_error = None
             return True
-        except OSError as exc:
+        except Exception as exc:  # any failure to capture affects this call only, never the sidecar
             self.failures += 1
-            self.last_error = f"{self.path}: {exc.strerror or exc}"
+            self.last_error = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
             if self.failures == 1 or self.failures % 100 == 0:
                 log.error("capture failed (%d so far): %s", self.failures, self.last_error)
             self.close()

@@ -28,7 +28,7 @@ from controlplane.capability.catalog import Catalog, parse_catalog
 from controlplane.capability.chain import Verifier, parse_chain_unverified
 from controlplane.capability.errors import ApiError, TetherError
 
-from .addons import ABORTED, Capture, Enforcer, Streamer, ToolsFilter, Tracker
+from .addons import ABORTED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
 from .capture import CAPTURE_FILE, CaptureWriter
 from .channel import ControlChannel, sleep_backoff
 from .reporting import Reporter
@@ -122,7 +122,7 @@ class Sidecar:
                                confdir=str(self.config.state_dir / "ca"))
         master = Master(opts)
         master.addons.add(*default_addons())
-        master.addons.add(Tracker(self), Enforcer(self), ToolsFilter(self), Streamer(), Capture(self))
+        master.addons.add(Tracker(self), Enforcer(self), ToolsFilter(self), Streamer(), Capture(self), Resolver(self))
         updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600}
         if self.config.upstream_ca:
             updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca

@@ -8,6 +8,7 @@ Every method is idempotent where the API is (links by hash, reports by call id, 
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +78,11 @@ class Store(abc.ABC):
     async def event_bounds(self) -> tuple[int, int]:
         """(oldest retained seq, newest seq); (0, 0) when empty. Older events are trimmed."""
 
-    async def wait_events(self, after: int, timeout: float) -> None:  # noqa: B027 - optional hook
-        """Return early when an event newer than ``after`` may exist (backends that can be notified)."""
+    async def wait_events(self, after: int, timeout: float) -> None:
+        """Return when an event newer than ``after`` may exist, or after ``timeout``. Backends shared by
+        several replicas override this to wake on other replicas' appends; a single process is woken by
+        its own publisher, so the default just sleeps."""
+        await asyncio.sleep(timeout)
 
     # -- sidecars and their leases -------------------------------------------------------------------
     @abc.abstractmethod
