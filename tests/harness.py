@@ -284,7 +284,7 @@ class ControlPlaneProcess:
         return {**os.environ, "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_CONTROLPLANE": self.url}
 
     def start(self) -> ControlPlaneProcess:
-        log = open(self.directory / "controlplane.log", "ab")  # noqa: SIM115 - lives as long as the process
+        log = open(self.directory / "controlplane.log", "ab")
         store = self.store or f"sqlite:///{self.directory / 'tether.db'}"
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "controlplane.cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
@@ -388,7 +388,7 @@ class SidecarProcess:
                 *self.extra]
         if upstream_ca is not None:
             args += ["--upstream-ca", str(upstream_ca)]
-        log = open(self.state_dir / "sidecar.log", "ab")  # noqa: SIM115
+        log = open(self.state_dir / "sidecar.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=self.cp.env())
 
         def ready_or_dead() -> bool:
