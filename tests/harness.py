@@ -200,6 +200,10 @@ class ToolServer:
             self._ready.set()
             loop.run_forever()
             loop.run_until_complete(self._runner.cleanup())
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
         self._thread = threading.Thread(target=run, daemon=True)
