@@ -409,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redact-field", action="append", default=[], help="JSON field to redact in captures")
     p.add_argument("--approval-timeout", type=float, default=120.0)
     p.add_argument("--allow-uncaptured", action="store_true", help="forward calls whose capture fails")
+    p.add_argument("--capture-file", help="where captured flows go (default STATE_DIR/captures/flows.mitm)")
+    p.add_argument("--call-timeout", type=float, default=300.0, help="abort a forwarded call after this long")
+    p.add_argument("--trust", help="pin the control plane's public key instead of fetching it")
     p.add_argument("--ready-file", help="write the proxy address here once serving")
     p.set_defaults(func=_lazy("proxy.runner", "cmd_sidecar"))
 
