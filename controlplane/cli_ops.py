@@ -102,19 +102,30 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_record_summary(record: dict) -> None:
-    counts: dict[str, int] = {}
+def print_record_summary(record: dict, all_calls: bool = False) -> None:
+    """A responder's view: counts per agent, every call that did not simply complete, and the agents."""
+    per_agent: dict[str, dict[str, int]] = {}
     for call in record["calls"]:
+        counts = per_agent.setdefault(call["agent"], {})
         counts[call["resolution"]] = counts.get(call["resolution"], 0) + 1
     print(f"record {record['record_id']} for termination {record['termination_id']}")
     print(f"  {record['mode']} of {record['subject']}, requested by {record['requested_by']} at "
-          f"{_when(record['requested_at'])}, completed {_when(record['completed_at'])}")
-    print(f"  calls: {len(record['calls'])} ("
-          + ", ".join(f"{n} {r}" for r, n in sorted(counts.items())) + ")")
-    for call in record["calls"]:
+          f"{_when(record['requested_at'])}, completed {_when(record['completed_at'])}, window {record['window_s']:g}s")
+    print(f"  calls: {len(record['calls'])}")
+    for agent, counts in sorted(per_agent.items()):
+        print(f"    {agent:<14} " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items())))
+    shown = [c for c in record["calls"] if all_calls or c["resolution"] != "completed"]
+    if shown:
+        print("  every call:" if all_calls else "  calls that did not simply complete:")
+    for call in shown:
         status = f" {call['status']}" if call.get("status") is not None else ""
-        print(f"    {call['agent']:<14} {call['resolution']:<18}{status:<5} {call['method']} {call['url']}")
-    print(f"  agents terminated (acknowledged): {', '.join(record['agents_terminated']) or 'none'}")
+        what = call.get("capability") or f"{call['method']} {call['url']}"
+        code = f" ({call['code']})" if call.get("code") else ""
+        print(f"    {call['agent']:<14} {call['resolution']:<18}{status:<5} {what}{code}")
+    acks = record.get("acknowledgements", {})
+    confirmed = [a + (" (its sidecar had already stopped)" if acks.get(a, {}).get("state") == "stopped" else "")
+                 for a in record["agents_terminated"]]
+    print(f"  agents terminated (confirmed by their sidecars): {', '.join(confirmed) or 'none'}")
     if record["agents_unaccounted"]:
         print("  agents UNACCOUNTED (no acknowledgement):")
         for a in record["agents_unaccounted"]:
@@ -152,7 +163,7 @@ def cmd_records(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(record)
         else:
-            print_record_summary(record)
+            print_record_summary(record, all_calls=True)
         return 0
     records = c.request("GET", "/v1/records")
     if args.json:

@@ -211,6 +211,9 @@ def build_record(
         "leases": leases,
         "agents_terminated": terminated,
         "agents_unaccounted": unaccounted,
+        "acknowledgements": {
+            a: {"at": acked[a].get("at"), "state": acked[a].get("state", "terminated")} for a in terminated
+        },
         "prev_hash": prev_hash,
     }
 

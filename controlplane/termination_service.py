@@ -177,11 +177,16 @@ class TerminationService:
             await self.drive(doc)
 
     async def _acks(self, doc: Doc) -> dict[str, Doc]:
+        """Agents whose sidecar acknowledged quiescence, or had already stopped (said goodbye) for good."""
         acks: dict[str, Doc] = {}
+        sidecars = await self.cp.store.all_sidecars()
         for agent in doc["agents"]:
             ack = await self.cp.store.get_doc("ack", f"{doc['id']}:{agent}")
             if ack is not None:
                 acks[agent] = ack
+            elif (sidecars.get(agent) or {}).get("state") == "stopped":
+                acks[agent] = {"agent": agent, "at": sidecars[agent]["last_seen"], "state": "stopped",
+                               "termination_id": doc["id"]}
         return acks
 
     async def drive(self, doc: Doc) -> None:

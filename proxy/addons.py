@@ -106,6 +106,9 @@ class Enforcer:
     async def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> None:
         req = flow.request
         sc = self.sidecar
+        names = sc.catalog.match_http(req.host, req.port, req.method, req.path)
+        if names:
+            call.capability, call.tier = self._best(names)  # known before any refusal, for the report
         sc.state.admit(time.time(), time.monotonic())
         foreign = req.headers.get("Tether-Chain")
         if foreign is not None:
@@ -126,13 +129,11 @@ class Enforcer:
                 return  # the JSON-RPC body decides; see request()
             self._mcp_plumbing(server, call, req.method)
             return
-        names = sc.catalog.match_http(req.host, req.port, req.method, req.path)
         if not names:
             if not sc.catalog.knows_host(req.host, req.port):
                 raise Refusal(codes.UNKNOWN_DESTINATION,
                               f"{req.host}:{req.port} is not a destination in the capability catalog")
             raise Refusal(codes.CAPABILITY_ABSENT, f"no capability covers {req.method} {req.path} on {req.host}")
-        call.capability, call.tier = self._best(names)
         if call.tier == "absent":
             raise Refusal(codes.CAPABILITY_ABSENT, f"{call.capability} is not granted to {sc.agent}")
         await self._hold_if_needed(flow, call)

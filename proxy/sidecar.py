@@ -151,16 +151,30 @@ class Sidecar:
         return self.config.state_dir / "ca" / "mitmproxy-ca-cert.pem"
 
     async def stop(self) -> None:
+        """Stop serving; resolve what is left, deliver reports and tell the control plane we are gone."""
+        for call_id in list(self.calls.inflight):
+            flow = self.flows.get(call_id)
+            if flow is not None:
+                self.abort_flow(flow)
         if self.master is not None:
             self.master.shutdown()
         for task in self._tasks[1:]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for call in list(self.calls.inflight.values()):
+            self.resolve(call, "unknown", detail="the sidecar stopped while the call was in flight")
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.reporter.flush(), 3.0)
+            await asyncio.wait_for(self.goodbye(), 3.0)
         await self.channel.close()
         self.capture.close()
         self.stopped.set()
+
+    async def goodbye(self) -> None:
+        """Final reports, then a last heartbeat saying the proxy is gone: nothing more can pass through it."""
+        await self.reporter.flush()
+        if self.state is not None and self.state.registered and self.state.mode != TERMINATED:
+            await self.channel.heartbeat({"state": "stopped", "inflight": [], "seq": self.seq, "pid": os.getpid(),
+                                          "started_at": self.started_at, "spooled": len(self.reporter.pending)})
 
     # -- the in-flight table ------------------------------------------------------------------------------
     def track(self, call: Call, flow: http.HTTPFlow) -> None:
