@@ -36,7 +36,8 @@ RUN apt-get update \
 
 RUN groupadd --system --gid 10001 tether \
     && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/tether --create-home \
-       --shell /usr/sbin/nologin tether
+       --shell /usr/sbin/nologin tether \
+    && install -d -o 10001 -g 10001 -m 0750 /var/lib/tether/state /var/lib/tether/state/ca
 
 COPY --from=build /opt/tether /opt/tether
 

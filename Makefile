@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv (Python >= 3.12) first.
+PYTHON ?= $(shell for p in python3.13 python3.12 $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]*/bin/python 2>/dev/null | sort -V | tail -1); do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$p; break; }; done)
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench venv clean
+
+$(BIN)/tether: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "tether needs Python >= 3.12 (set PYTHON=/path/to/python3.12)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+venv: $(BIN)/tether
+
+demo: venv
+	$(BIN)/tether demo
+
+lint: venv
+	$(BIN)/ruff check .
+
+test: venv lint
+	$(BIN)/pytest -q -p no:cacheprovider
+
+bench: venv
+	$(BIN)/python bench/bench_chain.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
