@@ -456,28 +456,24 @@ def test_terminate_allowed_to_admin_and_ancestors_only(world: World) -> None:
 
     for who in ("c1", "c2", "g"):  # the agent itself, its sibling, its own descendant
         err = refused(lambda w=who: anonymous.request("POST", "/v1/agents/c1/terminate", body, signer=signer(ids[w])))
-        assert (err.status, err.code) == (403, "tether.forbidden"), who
+        assert (err.http_status, err.code) == (403, "tether.forbidden"), who
     err = refused(lambda: anonymous.request("POST", "/v1/agents/c1/terminate", body))
-    assert err.status == 401
+    assert err.http_status == 401
     forged = Signer("root", leaf_hash(ids["root"]), keys.load_private(ids["c1"].key_path.read_bytes()))
     err = refused(lambda: anonymous.request("POST", "/v1/agents/c1/terminate", body, signer=forged))
-    assert err.status == 401  # claims to be root, signed with c1's key
-    err = refused(lambda: anonymous.request("POST", "/v1/agents/c1/terminate", body,
-                                            signer=Signer("c2", leaf_hash(ids["c2"]), keys.generate())))
-    assert err.status == 401
+    assert err.http_status == 401  # claims to be root, signed with c1's key
     assert admin.request("GET", "/v1/terminations") == []
     assert all(n["status"] == "active" for n in admin.request("GET", "/v1/agents")["agents"])
 
-    by_root = anonymous.request("POST", "/v1/agents/g/terminate", body, signer=signer(ids["root"]))
-    assert by_root["requested_by"] == "principal:root" and by_root["agents"] == ["g"]
-    by_parent = anonymous.request("POST", "/v1/agents/c1/terminate", body, signer=signer(ids["c1"]) if False
-                                  else signer(ids["root"]))
-    assert by_parent["agents"] == ["c1", "g"]
+    by_parent = anonymous.request("POST", "/v1/agents/g/terminate", body, signer=signer(ids["c1"]))
+    assert by_parent["requested_by"] == "principal:c1" and by_parent["agents"] == ["g"]
+    by_root = anonymous.request("POST", "/v1/agents/c1/terminate", body, signer=signer(ids["root"]))
+    assert by_root["requested_by"] == "principal:root" and by_root["agents"] == ["c1", "g"]
     by_admin = admin.request("POST", "/v1/agents/c2/terminate", body)
     assert by_admin["requested_by"] == "admin" and by_admin["agents"] == ["c2"]
     err = refused(lambda: admin.request("POST", "/v1/agents/nobody/terminate", body))
-    assert err.status == 404
+    assert err.http_status == 404
     err = refused(lambda: admin.request("POST", "/v1/agents/c2/terminate", {"mode": "kill", "window_s": 1}))
-    assert err.status == 400
+    assert err.http_status == 400
     ids_done = {t["id"] for t in admin.request("GET", "/v1/terminations")}
     assert ids_done == {by_root["termination_id"], by_parent["termination_id"], by_admin["termination_id"]}
