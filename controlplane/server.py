@@ -89,6 +89,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (ConnectionError, OSError) as exc:
         log.warning("store error on %s %s: %s", request.method, request.path, exc)
         return json_error(503, STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return json_error(500, "tether.internal", "internal error; the control plane log has the details")
 
 
 def _bad(message: str, **details: Any) -> ApiError:
@@ -340,11 +343,16 @@ class ControlPlane:
             lines += ["# TYPE tether_sidecars_leased gauge", f"tether_sidecars_leased {live}"]
             _low, high = await self.store.event_bounds()
             lines += ["# TYPE tether_event_seq gauge", f"tether_event_seq {high}"]
+            lines.append("# TYPE tether_subscriber_lag_events gauge")
             for agent, doc in sorted(sidecars.items()):
-                lag = max(0, high - int(doc.get("seq", high)))
+                seen = doc.get("seq")
+                lag = max(0, high - int(seen)) if isinstance(seen, int) and seen >= 0 else 0
                 lines.append(f'tether_subscriber_lag_events{{agent="{agent}"}} {lag}')
+            active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
+            lines += ["# TYPE tether_terminations_in_flight gauge", f"tether_terminations_in_flight {active}"]
+            lines += ["# TYPE tether_store_up gauge", "tether_store_up 1"]
         except (StoreUnavailable, ConnectionError, OSError):
-            lines.append("tether_store_up 0")
+            lines += ["# TYPE tether_store_up gauge", "tether_store_up 0"]
         names = sorted(self.metrics.counters)
         for name in names:
             lines.append(f"{name} {self.metrics.counters[name]:g}")

@@ -242,7 +242,7 @@ def test_a_re_signed_inner_link_breaks_its_child(chain: Chain, data: st.DataObje
 
 
 @given(chains(), st.data())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 def test_a_re_signed_leaf_is_judged_by_the_rules(chain: Chain, data: st.DataObject) -> None:
     """Accepted exactly when the rules allow it (a narrowing, a fresh jti, another key), else refused by the rule."""
     draw = data.draw

@@ -1,0 +1,404 @@
+"""The shared store: one Redis that several control plane replicas use at once (``redis://HOST:PORT/DB``).
+
+Every multi-key write is one Lua script, so it is atomic against every replica: a link and its jti index,
+an event and its sequence number, a CAS on a document, a record and the chain head, a lease. Reads that
+need two keys at once run in MULTI. Keys live under ``tether:<db>:`` (pub/sub channels are not per
+database, so the database number is part of the names).
+
+The event log is a sorted set scored by a sequence from INCR; the script that appends also trims it to the
+last ``EVENT_RETENTION`` events and PUBLISHes the new sequence. The publication is only a wake-up for
+long polls on every replica (pub/sub is not durable); what a sidecar receives is always read back from the
+sorted set by sequence, and because sequence and entry are written in one script, no reader ever sees
+seq N+1 without N.
+
+Leases are decided on the ``now`` the caller passes, exactly like SQLite, so both stores agree under a
+test clock; the Redis key also carries a real-time expiry one minute past the lease, only so that leases
+of dead replicas do not pile up. Replicas must therefore have roughly synchronised clocks (NTP).
+
+Availability: ``open()`` does not fail when Redis is unreachable. A replica may start before Redis
+(compose, Kubernetes); until Redis answers, every store call raises ``StoreUnavailable`` (the API answers
+503 ``tether.store_unavailable``), ``healthy()`` is False (``/healthz`` answers 503), and the wake-up
+listener keeps reconnecting. A malformed URL still fails at once. A command is retried once after a
+connection error (a pooled connection is stale after a Redis restart); a write whose reply was lost may
+then run twice, which every caller tolerates: links, revocations and reports are idempotent, and a CAS or
+record append that finds its own earlier write answers False, so the caller re-reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis import exceptions as rex
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from ..capability.errors import BAD_REQUEST, TetherError
+from .base import Doc, Event, Store, StoreUnavailable
+
+log = logging.getLogger("tether.store.redis")
+
+EVENT_RETENTION = 10_000
+LEASE_GC_SLACK_MS = 60_000
+CONNECT_TIMEOUT_S = 2.0
+COMMAND_TIMEOUT_S = 5.0
+_UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, rex.MasterDownError, OSError)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _dump(doc: Any) -> str:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+def _guarded(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Turn "Redis cannot be reached" into StoreUnavailable; other Redis errors are bugs and propagate."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(*args, **kwargs)
+        except _UNAVAILABLE as exc:
+            store = args[0]
+            raise StoreUnavailable(f"Redis at {store.url} is unreachable: {exc}") from exc  # type: ignore[attr-defined]
+
+    return wrapper
+
+
+# KEYS: links, jti index, insertion order. ARGV: (hash, jti, doc) per link. A link whose hash or jti is
+# already known is left as it was. Returns how many were new.
+_PUT_LINKS = """
+local new = 0
+for i = 1, #ARGV, 3 do
+  local h, jti = ARGV[i], ARGV[i + 1]
+  if redis.call('HEXISTS', KEYS[1], h) == 0 and redis.call('HEXISTS', KEYS[2], jti) == 0 then
+    redis.call('HSET', KEYS[1], h, ARGV[i + 2])
+    redis.call('HSET', KEYS[2], jti, h)
+    redis.call('RPUSH', KEYS[3], h)
+    new = new + 1
+  end
+end
+return new
+"""
+
+# KEYS: events, sequence. ARGV: entry, retention, channel. Returns the new sequence number.
+_APPEND_EVENT = """
+local seq = redis.call('INCR', KEYS[2])
+redis.call('ZADD', KEYS[1], seq, seq .. ':' .. ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', seq - tonumber(ARGV[2]))
+redis.call('PUBLISH', ARGV[3], seq)
+return seq
+"""
+
+# KEYS: reports, order, counter, then one per-agent index per report. ARGV: (call_id, doc) per report.
+_PUT_REPORTS = """
+local new = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    local n = redis.call('INCR', KEYS[3])
+    redis.call('ZADD', KEYS[2], n, ARGV[i])
+    redis.call('ZADD', KEYS[3 + (i + 1) / 2], n, ARGV[i])
+    new = new + 1
+  end
+end
+return new
+"""
+
+# KEYS: docs, versions, order, counter. ARGV: id, expected version ('' = unconditional), version, doc.
+# The order is of last write, as in SQLite (INSERT OR REPLACE gives the row a new rowid).
+_PUT_DOC = """
+if ARGV[2] ~= '' then
+  local current = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+  if current ~= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ARGV[1])
+return 1
+"""
+
+# KEYS: records, head. ARGV: prev_hash, hash, record. One chain: append only on the current head.
+_APPEND_RECORD = """
+local head = redis.call('GET', KEYS[2]) or ''
+if head ~= ARGV[1] then return 0 end
+redis.call('RPUSH', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+# KEYS: lease. ARGV: owner, now, expires, gc_ms. Decided on the caller's clock, like SQLite.
+_TRY_LEASE = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+local expires = redis.call('HGET', KEYS[1], 'expires')
+if owner and owner ~= ARGV[1] and tonumber(expires) > tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'expires', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
+class RedisStore(Store):
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit():
+            raise TetherError(f"--store {url}: the database must be a number, e.g. redis://HOST:6379/0",
+                              code=BAD_REQUEST)
+        self._raw_url = url
+        netloc = parts.netloc
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        self.url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        self.prefix = f"tether:{db}:"
+        self.channel = self.prefix + "events:appended"
+        self._client: aioredis.Redis | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._scripts: dict[str, Any] = {}
+
+    def _key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    # -- connection ----------------------------------------------------------------------------------
+    async def open(self) -> None:
+        client = aioredis.from_url(
+            self._raw_url,
+            decode_responses=True,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=COMMAND_TIMEOUT_S,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
+        )
+        self._client = client
+        for name, source in (("put_links", _PUT_LINKS), ("append_event", _APPEND_EVENT),
+                             ("put_reports", _PUT_REPORTS), ("put_doc", _PUT_DOC),
+                             ("append_record", _APPEND_RECORD), ("try_lease", _TRY_LEASE)):
+            self._scripts[name] = client.register_script(source)
+        self._listener = asyncio.create_task(self._listen(), name=f"tether-redis-listener {self.url}")
+        if not await self.healthy():
+            log.warning("Redis at %s is unreachable; answering 503 tether.store_unavailable until it is", self.url)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self._wake_all()
+
+    @property
+    def r(self) -> aioredis.Redis:
+        if self._client is None:
+            raise StoreUnavailable("the Redis store is not open")
+        return self._client
+
+    async def healthy(self) -> bool:
+        try:
+            return bool(await self.r.ping())
+        except (*_UNAVAILABLE, StoreUnavailable):
+            return False
+
+    async def _run(self, script: str, keys: list[str], args: list[Any]) -> int:
+        return int(await self._scripts[script](keys=keys, args=args))
+
+    # -- links ---------------------------------------------------------------------------------------
+    @_guarded
+    async def put_links(self, links: list[Doc]) -> int:
+        if not links:
+            return 0
+        args: list[str] = []
+        for link in links:
+            args += [link["hash"], link["jti"], _dump(link)]
+        return await self._run("put_links", [self._key("links"), self._key("links", "jti"),
+                                             self._key("links", "order")], args)
+
+    @_guarded
+    async def get_link(self, link_hash: str) -> Doc | None:
+        raw = await self.r.hget(self._key("links"), link_hash)
+        return json.loads(raw) if raw else None
+
+    @_guarded
+    async def link_by_jti(self, jti: str) -> Doc | None:
+        link_hash = await self.r.hget(self._key("links", "jti"), jti)
+        return await self.get_link(link_hash) if link_hash else None
+
+    @_guarded
+    async def all_links(self) -> list[Doc]:
+        hashes = await self.r.lrange(self._key("links", "order"), 0, -1)
+        return await self._hmget(self._key("links"), hashes)
+
+    async def _hmget(self, key: str, fields: list[str]) -> list[Doc]:
+        docs: list[Doc] = []
+        for start in range(0, len(fields), 1000):
+            raws = await self.r.hmget(key, fields[start : start + 1000])
+            docs += [json.loads(raw) for raw in raws if raw]
+        return docs
+
+    # -- revocations -----------------------------------------------------------------------------------
+    @_guarded
+    async def revoke(self, jti: str, doc: Doc) -> bool:
+        return bool(await self.r.hsetnx(self._key("revocations"), jti, _dump(doc)))
+
+    @_guarded
+    async def revocations(self) -> dict[str, Doc]:
+        return {jti: json.loads(raw) for jti, raw in (await self.r.hgetall(self._key("revocations"))).items()}
+
+    # -- events ----------------------------------------------------------------------------------------
+    @_guarded
+    async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
+        entry = _dump({"kind": kind, "target": target, "payload": payload, "at": at})
+        return await self._run("append_event", [self._key("events"), self._key("events", "seq")],
+                               [entry, EVENT_RETENTION, self.channel])
+
+    @_guarded
+    async def events_after(self, seq: int, limit: int = 500) -> list[Event]:
+        members = await self.r.zrangebyscore(self._key("events"), f"({seq}", "+inf", start=0, num=limit)
+        events: list[Event] = []
+        for member in members:
+            number, _, body = member.partition(":")
+            doc = json.loads(body)
+            events.append(Event(int(number), doc["kind"], doc["target"], doc["payload"], doc["at"]))
+        return events
+
+    @_guarded
+    async def event_bounds(self) -> tuple[int, int]:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.get(self._key("events", "seq"))
+            pipe.zrange(self._key("events"), 0, 0, withscores=True)
+            last_raw, oldest = await pipe.execute()
+        last = int(last_raw or 0)
+        if not oldest:
+            return (last + 1, last)  # never used: (1, 0); trimmed to nothing: (last + 1, last), as in SQLite
+        return (int(oldest[0][1]), last)
+
+    async def wait_events(self, after: int, timeout: float) -> None:
+        """Return on the next append by any replica, or after ``timeout``. With ``after > 0`` return at once
+        when the log is already past it, which closes the gap between a caller's read and its wait. ``after
+        <= 0`` means "no position": only an append wakes the caller."""
+        waiter = self._wake
+        if after > 0 and await self._head() > after:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter.wait(), timeout)
+
+    @_guarded
+    async def _head(self) -> int:
+        return int(await self.r.get(self._key("events", "seq")) or 0)
+
+    def _wake_all(self) -> None:
+        waiter, self._wake = self._wake, asyncio.Event()
+        waiter.set()
+
+    async def _listen(self) -> None:
+        """Hold one subscription per replica and wake every local waiter on each append anywhere."""
+        attempt = 0
+        while True:
+            pubsub = self.r.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                if attempt:
+                    log.info("Redis at %s is reachable again; event wake-ups resume", self.url)
+                attempt = 0
+                self._wake_all()  # appends made while we were not subscribed: let waiters re-read
+                while True:
+                    if await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0) is not None:
+                        self._wake_all()
+            except _UNAVAILABLE as exc:
+                attempt += 1
+                if attempt == 1:
+                    log.warning("event wake-ups from Redis at %s interrupted: %s", self.url, exc)
+                self._wake_all()  # waiters re-read and find the store down
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
+
+    # -- sidecars --------------------------------------------------------------------------------------
+    @_guarded
+    async def put_sidecar(self, agent: str, doc: Doc) -> None:
+        await self.r.hset(self._key("sidecars"), agent, _dump(doc))
+
+    @_guarded
+    async def get_sidecar(self, agent: str) -> Doc | None:
+        raw = await self.r.hget(self._key("sidecars"), agent)
+        return json.loads(raw) if raw else None
+
+    @_guarded
+    async def all_sidecars(self) -> dict[str, Doc]:
+        return {agent: json.loads(raw) for agent, raw in (await self.r.hgetall(self._key("sidecars"))).items()}
+
+    # -- reports ---------------------------------------------------------------------------------------
+    @_guarded
+    async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
+        if not reports:
+            return 0, 0
+        keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n")]
+        args: list[str] = []
+        for report in reports:
+            keys.append(self._key("reports", "agent", report["agent"]))
+            args += [report["call_id"], _dump(report)]
+        new = await self._run("put_reports", keys, args)
+        return new, len(reports) - new
+
+    @_guarded
+    async def reports(self, agents: list[str] | None = None) -> list[Doc]:
+        if agents is None:
+            call_ids = await self.r.zrange(self._key("reports", "order"), 0, -1)
+        else:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for agent in agents:
+                    pipe.zrange(self._key("reports", "agent", agent), 0, -1, withscores=True)
+                ranked = sorted((score, call_id) for rows in await pipe.execute() for call_id, score in rows)
+            call_ids = [call_id for _, call_id in ranked]
+        return await self._hmget(self._key("reports"), call_ids)
+
+    # -- documents -----------------------------------------------------------------------------------
+    def _doc_keys(self, kind: str) -> list[str]:
+        return [self._key("docs", kind), self._key("docs", kind, "version"), self._key("docs", kind, "order"),
+                self._key("docs", "n")]
+
+    @_guarded
+    async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None:
+        await self._run("put_doc", self._doc_keys(kind), [doc_id, "", int(doc.get("version", 0)), _dump(doc)])
+
+    @_guarded
+    async def get_doc(self, kind: str, doc_id: str) -> Doc | None:
+        raw = await self.r.hget(self._key("docs", kind), doc_id)
+        return json.loads(raw) if raw else None
+
+    @_guarded
+    async def list_docs(self, kind: str) -> list[Doc]:
+        ids = await self.r.zrange(self._key("docs", kind, "order"), 0, -1)
+        return await self._hmget(self._key("docs", kind), ids)
+
+    @_guarded
+    async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
+        args = [doc_id, int(expect_version), int(doc["version"]), _dump(doc)]
+        return bool(await self._run("put_doc", self._doc_keys(kind), args))
+
+    # -- records ---------------------------------------------------------------------------------------
+    @_guarded
+    async def append_record(self, record: Doc) -> bool:
+        args = [record["prev_hash"], record["hash"], _dump(record)]
+        return bool(await self._run("append_record", [self._key("records"), self._key("records", "head")], args))
+
+    @_guarded
+    async def records(self) -> list[Doc]:
+        return [json.loads(raw) for raw in await self.r.lrange(self._key("records"), 0, -1)]
+
+    # -- leases ---------------------------------------------------------------------------------------
+    @_guarded
+    async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
+        gc_ms = int(ttl_s * 1000) + LEASE_GC_SLACK_MS
+        args = [owner, repr(float(now)), repr(float(now + ttl_s)), gc_ms]
+        return bool(await self._run("try_lease", [self._key("lease", name)], args))
