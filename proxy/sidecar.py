@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from mitmproxy import ctx, http, options
@@ -28,7 +29,7 @@ from controlplane.capability.catalog import Catalog, parse_catalog
 from controlplane.capability.chain import Verifier, parse_chain_unverified
 from controlplane.capability.errors import ApiError, TetherError
 
-from .addons import ABORTED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
+from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
 from .capture import CAPTURE_FILE, CaptureWriter
 from .channel import ControlChannel, sleep_backoff
 from .reporting import Reporter
@@ -297,6 +298,7 @@ class Sidecar:
     def abort_flow(self, flow: http.HTTPFlow) -> None:
         """Cut a forwarded call off now (mitmproxy's kill only acts at the next hook)."""
         flow.metadata[ABORTED] = "tether.aborted"
+        self._notify_mcp_cancel(flow)
         if flow.killable:
             flow.kill()
         proxyserver = ctx.master.addons.get("proxyserver") if self.master else None
@@ -304,6 +306,39 @@ class Sidecar:
         if handler is not None:
             with contextlib.suppress(Exception):
                 handler.transports[handler.client].handler.cancel("tether: aborted by the control plane")
+
+    def _notify_mcp_cancel(self, flow: http.HTTPFlow) -> None:
+        """Closing the stream is cancellation to MCP; where the session has an id, say so explicitly too."""
+        parsed = flow.metadata.get(MCP_PARSED)
+        session = flow.request.headers.get("mcp-session-id")
+        if parsed is None or session is None or (flow.response is not None and not flow.response.stream):
+            return
+        ids = [m.id for m in parsed.messages if m.method == "tools/call" and m.id is not None]
+        if not ids:
+            return
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                   "mcp-session-id": session}
+        version = flow.request.headers.get("mcp-protocol-version")
+        if version:
+            headers["mcp-protocol-version"] = version
+        url = flow.request.url.split("?", 1)[0]
+
+        async def send() -> None:
+            import ssl
+
+            context = ssl.create_default_context(cafile=self.config.upstream_ca) if self.config.upstream_ca else None
+            try:
+                async with aiohttp.ClientSession() as session_http:
+                    for request_id in ids:
+                        body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                "params": {"requestId": request_id, "reason": "tether: terminated"}}
+                        async with session_http.post(url, json=body, headers=headers, ssl=context or True,
+                                                     timeout=aiohttp.ClientTimeout(total=3)) as resp:
+                            await resp.read()
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                log.info("could not send notifications/cancelled to %s: %s", url, exc)
+
+        self._tasks.append(asyncio.create_task(send()))
 
     async def quiesce(self, command: dict[str, Any]) -> None:
         """Drain (wait for in-flight calls until the window ends) or abort, then report and acknowledge."""
