@@ -158,9 +158,9 @@ class ControlPlane:
         signal, self._event_signal = self._event_signal, asyncio.Event()
         signal.set()
 
-    async def wait_event(self, timeout: float) -> None:
+    async def wait_event(self, after: int, timeout: float) -> None:
         signal = self._event_signal
-        waiters = [asyncio.ensure_future(signal.wait()), asyncio.ensure_future(self.store.wait_events(0, timeout))]
+        waiters = [asyncio.ensure_future(signal.wait()), asyncio.ensure_future(self.store.wait_events(after, timeout))]
         try:
             await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -536,7 +536,7 @@ class ControlPlane:
             if visible or remaining <= 0 or len(events) == 500:
                 self.metrics.inc("tether_events_delivered_total", len(visible))
                 return web.json_response({"events": visible, "next": after})
-            await self.wait_event(remaining)
+            await self.wait_event(after, remaining)
 
     async def _resync(self, agent: str, chain_jtis: set[str], high: int) -> Doc:
         revocations = await self.store.revocations()
