@@ -63,10 +63,13 @@ class Authenticator:
         header = request.headers.get(PROOF_HEADER)
         return read_proof(header) if header else None
 
-    def check(self, request: web.Request, proof: Proof, key_jwk: dict, body: bytes) -> None:
+    async def check(self, request: web.Request, proof: Proof, key_jwk: dict, body: bytes) -> None:
         now = self.clock()
         check_proof(proof, keys.from_jwk(key_jwk), method=request.method, path=request.path_qs, body=body, now=now)
-        if not self.replays.first_use(proof.jti, now):
+        # Locally first (cheap), then in the store, so a proof replayed to another replica is refused too.
+        if not self.replays.first_use(proof.jti, now) or not await self.store.first_use(
+            f"proof:{proof.jti}", self.replays.window_s, now
+        ):
             raise ApiError(401, UNAUTHORIZED, "Tether-Proof was already used; sign each request afresh")
 
     async def sidecar(self, request: web.Request, body: bytes) -> tuple[str, Doc]:
@@ -79,5 +82,5 @@ class Authenticator:
             raise ApiError(401, UNAUTHORIZED, "the link named by the proof is not registered; register the chain first")
         if link["sub"] != proof.agent:
             raise ApiError(401, UNAUTHORIZED, "the proof's subject does not hold the link it names")
-        self.check(request, proof, link["claims"]["cnf"]["jwk"], body)
+        await self.check(request, proof, link["claims"]["cnf"]["jwk"], body)
         return proof.agent, link

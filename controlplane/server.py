@@ -233,7 +233,7 @@ class ControlPlane:
         ancestors = (await self.graph()).ancestors(link["hash"])
         for ancestor in ancestors:
             if ancestor["hash"] == proof.link and ancestor["sub"] == proof.agent:
-                self.auth.check(request, proof, ancestor["claims"]["cnf"]["jwk"], body)
+                await self.auth.check(request, proof, ancestor["claims"]["cnf"]["jwk"], body)
                 return f"principal:{proof.agent}"
         raise ApiError(
             403, FORBIDDEN, f"{proof.agent} is not an ancestor of {link['sub']}'s link; only an issuer above it may act"
@@ -425,7 +425,7 @@ class ControlPlane:
                     "tether.unauthorized",
                     "register with a Tether-Proof signed by the leaf link's key (or as admin)",
                 )
-            self.auth.check(request, proof, links[-1].claims["cnf"]["jwk"], raw)
+            await self.auth.check(request, proof, links[-1].claims["cnf"]["jwk"], raw)
         docs, new = await self.register_chain(wire)
         leaf = docs[-1]
         return web.json_response({"agent": leaf["sub"], "link": leaf["hash"], "jtis": leaf["chain_jtis"], "new": new})
@@ -586,6 +586,8 @@ class ControlPlane:
                 "lease_expires_at": doc["lease_expires"],
                 "now": now,
                 "command": await self.store.get_doc("command", agent),
+                # Belt and braces: a revocation whose event was lost still reaches the sidecar here.
+                "revoked": sorted(await self.store.revoked_among(list(link.get("chain_jtis", [link["jti"]])))),
             }
         )
 

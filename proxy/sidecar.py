@@ -200,6 +200,8 @@ class Sidecar:
                "started_at": self.started_at, "spooled": len(self.reporter.pending)}
         answer = await self.channel.heartbeat(doc)
         self.state.renewed(sent, float(answer.get("lease_ttl_s", self.state.lease_ttl_s)))
+        if answer.get("revoked") and self.state.revoke(answer["revoked"]):
+            log.warning("revoked (learned from the heartbeat): %s", ", ".join(answer["revoked"]))
         if answer.get("command"):
             self.on_command(answer["command"])
 

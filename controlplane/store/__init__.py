@@ -22,7 +22,7 @@ def open_store_url(url: str) -> Store:
     if parts.scheme in ("redis", "rediss"):
         try:
             from .redis import RedisStore
-        except ImportError as exc:  # the Redis store arrives with issue 5
+        except ImportError as exc:  # the redis package is a dependency; this only guards broken installs
             raise TetherError(f"--store {url}: the Redis store is not available ({exc})", code=BAD_REQUEST) from None
         return RedisStore(url)
     raise TetherError(f"--store {url}: expected sqlite:///PATH or redis://HOST:PORT/DB", code=BAD_REQUEST)

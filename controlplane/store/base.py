@@ -66,6 +66,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def revocations(self) -> dict[str, Doc]: ...
 
+    @abc.abstractmethod
+    async def revoked_among(self, jtis: list[str]) -> set[str]:
+        """Which of these jtis are revoked (a chain's worth: cheap on every heartbeat)."""
+
+    # -- one-time tokens shared by every replica --------------------------------------------------------
+    @abc.abstractmethod
+    async def first_use(self, key: str, ttl_s: float, now: float) -> bool:
+        """True the first time ``key`` is seen within ``ttl_s`` (proof replay protection)."""
+
     # -- the event log sidecars follow ---------------------------------------------------------------
     @abc.abstractmethod
     async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:

@@ -32,7 +32,7 @@ import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -51,15 +51,12 @@ CONNECT_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 5.0
 _UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, rex.MasterDownError, OSError)
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
 
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
 
-def _guarded(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     """Turn "Redis cannot be reached" into StoreUnavailable; other Redis errors are bugs and propagate."""
 
     @functools.wraps(method)
@@ -150,8 +147,9 @@ class RedisStore(Store):
         parts = urlsplit(url)
         db = parts.path.strip("/") or "0"
         if not db.isdigit():
-            raise TetherError(f"--store {url}: the database must be a number, e.g. redis://HOST:6379/0",
-                              code=BAD_REQUEST)
+            raise TetherError(
+                f"--store {url}: the database must be a number, e.g. redis://HOST:6379/0", code=BAD_REQUEST
+            )
         self._raw_url = url
         netloc = parts.netloc
         if parts.password is not None:
@@ -177,9 +175,14 @@ class RedisStore(Store):
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
         )
         self._client = client
-        for name, source in (("put_links", _PUT_LINKS), ("append_event", _APPEND_EVENT),
-                             ("put_reports", _PUT_REPORTS), ("put_doc", _PUT_DOC),
-                             ("append_record", _APPEND_RECORD), ("try_lease", _TRY_LEASE)):
+        for name, source in (
+            ("put_links", _PUT_LINKS),
+            ("append_event", _APPEND_EVENT),
+            ("put_reports", _PUT_REPORTS),
+            ("put_doc", _PUT_DOC),
+            ("append_record", _APPEND_RECORD),
+            ("try_lease", _TRY_LEASE),
+        ):
             self._scripts[name] = client.register_script(source)
         self._listener = asyncio.create_task(self._listen(), name=f"tether-redis-listener {self.url}")
         if not await self.healthy():
@@ -219,8 +222,9 @@ class RedisStore(Store):
         args: list[str] = []
         for link in links:
             args += [link["hash"], link["jti"], _dump(link)]
-        return await self._run("put_links", [self._key("links"), self._key("links", "jti"),
-                                             self._key("links", "order")], args)
+        return await self._run(
+            "put_links", [self._key("links"), self._key("links", "jti"), self._key("links", "order")], args
+        )
 
     @_guarded
     async def get_link(self, link_hash: str) -> Doc | None:
@@ -253,12 +257,24 @@ class RedisStore(Store):
     async def revocations(self) -> dict[str, Doc]:
         return {jti: json.loads(raw) for jti, raw in (await self.r.hgetall(self._key("revocations"))).items()}
 
+    @_guarded
+    async def revoked_among(self, jtis: list[str]) -> set[str]:
+        if not jtis:
+            return set()
+        flags = await self.r.hmget(self._key("revocations"), jtis)
+        return {jti for jti, raw in zip(jtis, flags, strict=True) if raw}
+
+    @_guarded
+    async def first_use(self, key: str, ttl_s: float, now: float) -> bool:
+        return bool(await self.r.set(self._key("seen", key), "1", nx=True, px=max(1, int(ttl_s * 1000))))
+
     # -- events ----------------------------------------------------------------------------------------
     @_guarded
     async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
         entry = _dump({"kind": kind, "target": target, "payload": payload, "at": at})
-        return await self._run("append_event", [self._key("events"), self._key("events", "seq")],
-                               [entry, EVENT_RETENTION, self.channel])
+        return await self._run(
+            "append_event", [self._key("events"), self._key("events", "seq")], [entry, EVENT_RETENTION, self.channel]
+        )
 
     @_guarded
     async def events_after(self, seq: int, limit: int = 500) -> list[Event]:
@@ -282,11 +298,10 @@ class RedisStore(Store):
         return (int(oldest[0][1]), last)
 
     async def wait_events(self, after: int, timeout: float) -> None:
-        """Return on the next append by any replica, or after ``timeout``. With ``after > 0`` return at once
-        when the log is already past it, which closes the gap between a caller's read and its wait. ``after
-        <= 0`` means "no position": only an append wakes the caller."""
+        """Return at once if the log is already past ``after`` (closing the gap between the caller's read and
+        its wait), else on the next append by any replica, or after ``timeout``."""
         waiter = self._wake
-        if after > 0 and await self._head() > after:
+        if await self._head() > after:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(waiter.wait(), timeout)
@@ -364,8 +379,12 @@ class RedisStore(Store):
 
     # -- documents -----------------------------------------------------------------------------------
     def _doc_keys(self, kind: str) -> list[str]:
-        return [self._key("docs", kind), self._key("docs", kind, "version"), self._key("docs", kind, "order"),
-                self._key("docs", "n")]
+        return [
+            self._key("docs", kind),
+            self._key("docs", kind, "version"),
+            self._key("docs", kind, "order"),
+            self._key("docs", "n"),
+        ]
 
     @_guarded
     async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None:

@@ -30,6 +30,7 @@ CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, id TEXT NOT NULL, version I
 CREATE TABLE IF NOT EXISTS records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT UNIQUE NOT NULL,
     prev_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 """
 
 
@@ -110,6 +111,23 @@ class SqliteStore(Store):
 
     async def revocations(self) -> dict[str, Doc]:
         return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT jti, doc FROM revocations")}
+
+    async def revoked_among(self, jtis: list[str]) -> set[str]:
+        if not jtis:
+            return set()
+        marks = ",".join("?" * len(jtis))
+        return {r[0] for r in self.db.execute(f"SELECT jti FROM revocations WHERE jti IN ({marks})", jtis)}
+
+    async def first_use(self, key: str, ttl_s: float, now: float) -> bool:
+        db = self._tx()
+        try:
+            db.execute("DELETE FROM seen WHERE expires <= ?", (now,))
+            cur = db.execute("INSERT OR IGNORE INTO seen (key, expires) VALUES (?, ?)", (key, now + ttl_s))
+            db.execute("COMMIT")
+            return cur.rowcount == 1
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     # -- events ----------------------------------------------------------------------------------------
     async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
