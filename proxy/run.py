@@ -75,7 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         sidecar_cmd += ["--upstream-ca", args.upstream_ca]
     log_path = state_dir / "sidecar.log"
     with open(log_path, "ab") as log_file:
-        sidecar = subprocess.Popen(sidecar_cmd, stdout=log_file, stderr=log_file, start_new_session=True)
+        sidecar = subprocess.Popen(sidecar_cmd, stdout=log_file, stderr=log_file, start_new_session=True,
+                                   preexec_fn=_die_with_parent)
     try:
         info = _wait_ready(sidecar, ready, log_path)
         env = dict(os.environ)
@@ -100,6 +101,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return code
     finally:
         _stop(sidecar)
+
+
+def _die_with_parent() -> None:
+    """In the sidecar child: if `tether run` dies (even by SIGKILL), the kernel sends us SIGTERM."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the sidecar outlives a killed parent; stop it by hand
+        pass
 
 
 def _wait_ready(sidecar: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 45.0) -> dict:
