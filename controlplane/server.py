@@ -678,7 +678,11 @@ class ControlPlane:
         new = {**doc, "status": decision, "decided_at": self.clock(), "decided_by": by, "version": doc["version"] + 1}
         if not await self.store.cas_doc("approval", approval_id, doc["version"], new):
             raise ApiError(409, CONFLICT, f"approval {approval_id} was decided concurrently")
-        await self.publish("approval", doc["agent"], {"id": approval_id, "call_id": doc["call_id"], "status": decision})
+        await self.publish(
+            "approval",
+            doc["agent"],
+            {"id": approval_id, "call_id": doc["call_id"], "status": decision, "decided_by": by},
+        )
         return new
 
     async def h_approve(self, request: web.Request) -> web.Response:

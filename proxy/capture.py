@@ -65,6 +65,7 @@ def _redact_message(message: http.Message, fields: frozenset[str], headers: tupl
 def redact(flow: http.HTTPFlow, fields: frozenset[str], headers: tuple[str, ...] = SECRET_HEADERS) -> http.HTTPFlow:
     """A copy of the flow with secret headers, named JSON fields and named query parameters redacted."""
     copy = flow.copy()
+    copy.id = flow.id  # the same call keeps one id across its snapshots (and matches its capture_ref)
     copy.metadata = {}  # tether's own bookkeeping is not part of the traffic
     _redact_message(copy.request, fields, headers)
     for key in list(copy.request.query.keys()):

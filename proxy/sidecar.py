@@ -277,7 +277,10 @@ class Sidecar:
     def on_approval(self, doc: dict[str, Any]) -> None:
         future = self.approvals.get(doc.get("id", ""))
         if future is not None and not future.done():
-            future.set_result(doc.get("status", "denied"))
+            status = doc.get("status", "denied")
+            if str(doc.get("decided_by", "")).startswith("termination:"):
+                status = "cancelled"  # no person denied it: a termination cancelled it before it left
+            future.set_result(status)
 
     # -- termination ------------------------------------------------------------------------------------
     def on_command(self, command: dict[str, Any]) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
@@ -30,7 +30,10 @@ from controlplane.capability.chain import mint_root
 from proxy.capture import read_flows
 
 from .conftest import World, build_world, teardown_world
-from .harness import PYTHON, Identity, SidecarProcess, TestCA, reports_for, wait_until
+from .harness import PYTHON, Identity, SidecarProcess, ToolServer, reports_for, wait_until
+
+if TYPE_CHECKING:
+    from .harness import TestCA
 
 CODES = {
     "tether.capability_absent", "tether.unknown_destination", "tether.chain_invalid", "tether.chain_revoked",
@@ -67,6 +70,17 @@ def assert_refused(resp: requests.Response, code: str, status: int | None = None
     if capability is not None:
         assert error["capability"] == capability
     return error
+
+
+class HitsSince:
+    """Requests that reached a tool server since this object was made (the module shares its servers)."""
+
+    def __init__(self, server: ToolServer) -> None:
+        self.server = server
+        self.mark = len(server.hits)
+
+    def __call__(self, path: str) -> int:
+        return sum(1 for _, p in self.server.hits[self.mark:] if p == path)
 
 
 def reports_by_call(world: World, agent: str) -> dict[str, dict[str, Any]]:
@@ -108,13 +122,18 @@ def issue_expiring(world: World, agent: str, caps: dict[str, str], expires_in: f
     exp = now - LEEWAY_S + expires_in
     wire = mint_root(signing, agent=agent, subject_key=key.public_key(), caps=caps, now=issued, ttl_s=exp - issued,
                      depth=2, catalog=catalog)
-    return world.cp._save(agent, wire, key)
+    directory = world.cp.directory / "ids" / agent
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "chain").write_text(wire + "\n")
+    (directory / "key").write_bytes(keys.private_pem(key))
+    return Identity(agent, directory / "chain", directory / "key")
 
 
 # -- enforcement ----------------------------------------------------------------------------------------
 def test_http_calls_are_matched_by_host_method_and_path(shared: World) -> None:
     w = shared
     ident = w.cp.issue("enf-a", {"issues.read": "direct", "slow.read": "absent"})
+    hits = HitsSince(w.tools)
     sc = w.sidecar(ident)
     px = sc.proxies()
     base = w.tools.base
@@ -138,7 +157,7 @@ def test_http_calls_are_matched_by_host_method_and_path(shared: World) -> None:
 
     assert w.tools.hits_for("/repos/enf/one/issues") == 1
     assert w.tools.hits_for("/repos/enf/two/issues") == 0
-    assert w.tools.hits_for("/admin") == 0 and w.tools.hits_for("/slow") == 0 and w.tools.hits_for("/fail") == 0
+    assert hits("/admin") == 0 and hits("/slow") == 0 and hits("/fail") == 0
     assert w.secure.hits_for("/repos/enf/three/issues") == 0
 
     reports = wait_reports(w, "enf-a", 7)
@@ -154,6 +173,7 @@ def test_http_calls_are_matched_by_host_method_and_path(shared: World) -> None:
 def test_https_calls_are_enforced_inside_the_tunnel(shared: World) -> None:
     w = shared
     ident = w.cp.issue("enf-s", {"secure.issues": "direct"})
+    hits = HitsSince(w.secure)
     sc = w.sidecar(ident)
     url = f"https://localhost:{w.secure.port}"
     ok = requests.get(f"{url}/repos/enf/tls/issues", proxies=sc.proxies(), verify=sc.ca, timeout=10)
@@ -161,18 +181,20 @@ def test_https_calls_are_enforced_inside_the_tunnel(shared: World) -> None:
     refused = requests.get(f"{url}/slow?s=0", proxies=sc.proxies(), verify=sc.ca, timeout=10)
     assert_refused(refused, "tether.capability_absent", 403, capability="secure.slow")
     assert w.secure.hits_for("/repos/enf/tls/issues") == 1
-    assert w.secure.hits_for("/slow") == 0
+    assert hits("/slow") == 0
 
 
 # -- revocation and expiry ----------------------------------------------------------------------------------
-def _refused_with(sc: SidecarProcess, url: str, code: str) -> requests.Response | None:
+def _refused_with(sc: SidecarProcess, url: str, code: str) -> list[requests.Response]:
+    """[response] once the sidecar refuses with ``code`` (a list: a 4xx Response is falsy)."""
     resp = requests.get(url, proxies=sc.proxies(), timeout=10)
-    return resp if resp.headers.get("Tether-Error") == code else None
+    return [resp] if resp.headers.get("Tether-Error") == code else []
 
 
 def test_revocation_from_the_stream_applies_to_the_next_call_down_the_chain(shared: World) -> None:
     w = shared
     parent = w.cp.issue("rev-parent", {"issues.read": "direct", "slow.read": "direct"})
+    hits = HitsSince(w.tools)
     child_a = w.cp.delegate(parent, "rev-child-a", {"issues.read": "direct", "slow.read": "direct"})
     child_b = w.cp.delegate(parent, "rev-child-b", {"issues.read": "direct"})
     sc_a, sc_b = w.sidecar(child_a), w.sidecar(child_b)
@@ -182,15 +204,15 @@ def test_revocation_from_the_stream_applies_to_the_next_call_down_the_chain(shar
 
     admin = w.cp.client()
     admin.request("POST", f"/v1/grants/{child_a.jti}/revoke", {"reason": "test"})
-    refused = wait_until(lambda: _refused_with(sc_a, f"{base}/repos/rev/a2/issues", "tether.chain_revoked"),
-                         10, interval=0.1, what="child a refused after its link was revoked")
+    (refused,) = wait_until(lambda: _refused_with(sc_a, f"{base}/repos/rev/a2/issues", "tether.chain_revoked"),
+                            10, interval=0.1, what="child a refused after its link was revoked")
     assert_refused(refused, "tether.chain_revoked", 403)
     hits_a = w.tools.hits_for("/repos/rev/a2/issues")
     # From then on it refuses everything, every capability, and nothing more reaches the tool.
     for path in ("/repos/rev/a2/issues", "/slow?s=0"):
         assert_refused(requests.get(base + path, proxies=sc_a.proxies(), timeout=10), "tether.chain_revoked", 403)
     assert w.tools.hits_for("/repos/rev/a2/issues") == hits_a
-    assert w.tools.hits_for("/slow") == 0
+    assert hits("/slow") == 0
     # A sibling is untouched by its sibling's revocation...
     assert requests.get(f"{base}/repos/rev/b2/issues", proxies=sc_b.proxies(), timeout=10).status_code == 200
 
@@ -206,7 +228,8 @@ def test_revocation_from_the_stream_applies_to_the_next_call_down_the_chain(shar
 
 def test_an_expired_chain_refuses_everything(shared: World) -> None:
     w = shared
-    ident = issue_expiring(w, "exp-a", {"issues.read": "direct", "slow.read": "direct"}, expires_in=12)
+    ident = issue_expiring(w, "exp-a", {"issues.read": "direct", "slow.read": "direct"}, expires_in=8)
+    hits = HitsSince(w.tools)
     sc = w.sidecar(ident)
     base = w.tools.base
     assert requests.get(f"{base}/repos/exp/live/issues", proxies=sc.proxies(), timeout=10).status_code == 200
@@ -216,7 +239,7 @@ def test_an_expired_chain_refuses_everything(shared: World) -> None:
     for path in ("/repos/exp/dead/issues", "/slow?s=0"):
         assert_refused(requests.get(base + path, proxies=sc.proxies(), timeout=10), "tether.chain_expired", 403)
     assert w.tools.hits_for("/repos/exp/dead/issues") == before
-    assert w.tools.hits_for("/slow") == 0
+    assert hits("/slow") == 0
 
 
 # -- the approval tier --------------------------------------------------------------------------------------
@@ -306,30 +329,18 @@ def test_a_64mb_body_arrives_intact_without_the_sidecar_buffering_it(shared: Wor
     # Warm up the path (TLS-free, but the first flow allocates) before taking the baseline.
     assert len(requests.get(f"{w.tools.base}/big?mb=1", proxies=sc.proxies(), timeout=30).content) == 1024 * 1024
     baseline = rss_kb(pid)
-    peak = baseline
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, rss_kb(pid))
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    peak, samples = baseline, 0
     size = 64 * 1024 * 1024
     received = 0
     wrong = 0
-    try:
-        with requests.get(f"{w.tools.base}/big?mb=64", proxies=sc.proxies(), stream=True, timeout=120) as resp:
-            assert resp.status_code == 200
-            for chunk in resp.iter_content(256 * 1024):
-                received += len(chunk)
-                wrong += len(chunk) - chunk.count(b"x")
-    finally:
-        done.set()
-        sampler.join(5)
-    assert received == size and wrong == 0
+    with requests.get(f"{w.tools.base}/big?mb=64", proxies=sc.proxies(), stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        for chunk in resp.iter_content(256 * 1024):
+            received += len(chunk)
+            wrong += len(chunk) - chunk.count(b"x")
+            # Sampled while the body is still in flight (the tool is still sending most of the time).
+            peak, samples = max(peak, rss_kb(pid)), samples + 1
+    assert received == size and wrong == 0 and samples >= 64
     # Buffered whole, the body alone would add 64 MB (mitmproxy keeps more than one copy); streamed, the
     # sidecar only holds a few chunks. Half the body is a generous bound that still tells them apart.
     growth_mb = (peak - baseline) / 1024
@@ -342,7 +353,18 @@ def test_a_64mb_body_arrives_intact_without_the_sidecar_buffering_it(shared: Wor
 SECRETS = ("sk-SECRET-AUTH-7731", "SECRET-COOKIE-4410", "SECRET-PASSWORD-9921", "SECRET-TOKEN-1187")
 
 
-def test_captures_are_written_redacted_and_export_as_har(shared: World, tmp_path: Path) -> None:
+@dataclass
+class Captured:
+    world: World
+    sidecar: SidecarProcess
+    path: Path  # the sidecar's capture file
+    sent_body: dict[str, Any]
+    har_text: str
+
+
+@pytest.fixture(scope="module")
+def captured(shared: World, tmp_path_factory: pytest.TempPathFactory) -> Captured:
+    """Two calls carrying secrets through a sidecar with --redact-field, then `tether capture export`."""
     w = shared
     ident = w.cp.issue("cap-a", {"issues.read": "direct", "issues.write": "direct"})
     sc = w.sidecar(ident, "--redact-field", "password", "--redact-field", "api_token")
@@ -353,45 +375,58 @@ def test_captures_are_written_redacted_and_export_as_har(shared: World, tmp_path
     body = {"title": "kept", "password": SECRETS[2], "nested": {"api_token": SECRETS[3], "keep": "me"}}
     write = requests.post(f"{base}/repos/cap/w/issues", json=body, proxies=px, timeout=10)
     assert write.status_code == 200 and write.json()["body"] == body  # the tool saw the real values
-
     path = sc.state_dir / "captures" / "flows.mitm"
 
-    def complete_flows() -> list[Any]:
-        if not path.exists():
-            return []
-        flows = [f for f in read_flows(path) if f.response is not None]
-        return flows if len(flows) >= 2 else []
+    def answered() -> set[str]:
+        done = {f.request.path for f in read_flows(path) if f.response is not None} if path.exists() else set()
+        return done if done >= {"/repos/cap/r/issues", "/repos/cap/w/issues"} else set()
 
-    flows = wait_until(complete_flows, 10, what="two captured flows with responses")
-    raw = path.read_bytes()
-    for secret in SECRETS:
-        assert secret.encode() not in raw, f"{secret} is in the capture file"
-    by_path = {f.request.path: f for f in flows}
-    got = by_path["/repos/cap/r/issues"]
-    assert got.request.headers["Authorization"] == "[REDACTED]"
-    assert got.request.headers["Cookie"] == "[REDACTED]"
-    posted = by_path["/repos/cap/w/issues"]
-    sent = json.loads(posted.request.content)
-    assert sent["password"] == "[REDACTED]" and sent["nested"]["api_token"] == "[REDACTED]"
-    assert sent["title"] == "kept" and sent["nested"]["keep"] == "me"
-    assert json.loads(posted.response.content)["body"]["password"] == "[REDACTED]"
-    # Each call's report points at its capture.
-    reports = wait_reports(w, "cap-a", 2)
-    assert all(r["capture_ref"] for r in reports.values())
-
-    har_path = tmp_path / "cap.har"
+    wait_until(answered, 10, what="both calls captured with their responses")
+    wait_reports(w, "cap-a", 2)
+    har_path = tmp_path_factory.mktemp("har") / "cap.har"
     out = subprocess.run([PYTHON, "-m", "controlplane.cli", "capture", "export", "--agent", "cap-a",
                           "--har", str(har_path), "--captures", str(w.cp.directory / "sidecars")],
                          capture_output=True, text=True, timeout=60, env=w.cp.env())
     assert out.returncode == 0, out.stdout + out.stderr
-    text = har_path.read_text()
-    har = json.loads(text)
+    return Captured(w, sc, path, body, har_path.read_text())
+
+
+def test_captures_redact_authorization_cookies_and_named_fields(captured: Captured) -> None:
+    raw = captured.path.read_bytes()
+    for secret in SECRETS:
+        assert secret.encode() not in raw, f"{secret} is in the capture file"
+    last = {f.request.path: f for f in read_flows(captured.path) if f.response is not None}
+    got = last["/repos/cap/r/issues"]
+    assert got.request.headers["Authorization"] == "[REDACTED]"
+    assert got.request.headers["Cookie"] == "[REDACTED]"
+    assert got.response.status_code == 200
+    posted = last["/repos/cap/w/issues"]
+    sent = json.loads(posted.request.content)
+    assert sent["password"] == "[REDACTED]" and sent["nested"]["api_token"] == "[REDACTED]"
+    assert sent["title"] == "kept" and sent["nested"]["keep"] == "me"  # only the named fields go
+    assert json.loads(posted.response.content)["body"]["password"] == "[REDACTED]"
+
+
+def test_capture_export_writes_a_redacted_har(captured: Captured) -> None:
+    har = json.loads(captured.har_text)
     entries = har["log"]["entries"]
-    urls = sorted(e["request"]["url"] for e in entries)
-    assert urls == [f"{base}/repos/cap/r/issues", f"{base}/repos/cap/w/issues"]
+    base = captured.world.tools.base
+    assert {e["request"]["url"] for e in entries} == {f"{base}/repos/cap/r/issues", f"{base}/repos/cap/w/issues"}
     assert {e["response"]["status"] for e in entries} == {200}
     for secret in SECRETS:
-        assert secret not in text, f"{secret} is in the HAR export"
+        assert secret not in captured.har_text, f"{secret} is in the HAR export"
+
+
+def test_each_call_is_one_flow_in_the_capture_and_its_report_points_at_it(captured: Captured) -> None:
+    # A flow is written when it leaves and again when it resolves; readers keep its last state, so
+    # the capture (and the HAR) hold one flow per call, and capture_ref names that flow.
+    flows = read_flows(captured.path)
+    assert sorted(f.request.path for f in flows) == ["/repos/cap/r/issues", "/repos/cap/w/issues"]
+    assert len(json.loads(captured.har_text)["log"]["entries"]) == 2
+    flow_ids = {f.id for f in flows}
+    for report in reports_for(captured.world.cp, "cap-a"):
+        name, _, flow_id = (report["capture_ref"] or "").partition("#")
+        assert name == "flows.mitm" and flow_id in flow_ids, (report["capture_ref"], flow_ids)
 
 
 def _broken_capture_dir(world: World, agent: str) -> Path:
