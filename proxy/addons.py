@@ -32,6 +32,7 @@ OUTCOME = "tether.outcome"  # resolution override for refusals that are really c
 ABORTED = "tether.aborted"
 MCP_SERVER = "tether.mcp_server"
 MCP_PARSED = "tether.mcp_parsed"
+MCP_SSE = "tether.mcp_sse"
 NO_STREAM = "tether.no_stream"
 STREAM_THRESHOLD = 1024 * 1024
 
@@ -48,7 +49,7 @@ def refuse(flow: http.HTTPFlow, refusal: Refusal, *, outcome: str = "refused") -
     error.update({k: v for k, v in refusal.details.items() if v is not None})
     parsed = flow.metadata.get(MCP_PARSED)
     if flow.metadata.get(MCP_SERVER) and flow.request.method == "POST":
-        body = mcp.error_body(parsed, mcp.request_id(flow.request.content or b""), refusal.message, error)
+        body = mcp.error_body(parsed, mcp.request_id(flow.request.raw_content or b""), refusal.message, error)
     else:
         body = json.dumps({"error": error}).encode()
     flow.response = http.Response.make(
@@ -98,35 +99,33 @@ class Enforcer:
         call = call_of(flow)
         if call is None or flow.response is not None:
             return
+        await self._guarded(flow, self._decide_headers(flow, call))
+
+    async def _guarded(self, flow: http.HTTPFlow, decision: Any) -> None:
+        """Run a decision; a refusal answers the client, and so does any failure to decide (fail closed:
+        an exception escaping a mitmproxy hook is logged and the request would be forwarded)."""
         try:
-            await self._decide_headers(flow, call)
+            await decision
         except Refusal as refusal:
             refuse(flow, refusal, outcome=flow.metadata.get(OUTCOME, "refused"))
+        except Exception as exc:
+            log.exception("could not decide on %s %s; refusing it", flow.request.method, flow.request.pretty_url)
+            refuse(flow, Refusal(codes.CAPABILITY_ABSENT, f"tether could not decide on this call ({exc!r}); "
+                                 "refused"))
 
     async def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> None:
         req = flow.request
         sc = self.sidecar
-        names = sc.catalog.match_http(req.host, req.port, req.method, req.path)
-        if names:
-            call.capability, call.tier = self._best(names)  # known before any refusal, for the report
-        sc.state.admit(time.time(), time.monotonic())
-        foreign = req.headers.get("Tether-Chain")
-        if foreign is not None:
-            if foreign.strip() != sc.wire:
-                raise Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
-                              "an agent cannot borrow another chain", reason="foreign_chain")
-            del req.headers["Tether-Chain"]
-        host_header = req.host_header
-        if host_header:
-            name = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
-            if name.strip("[]").lower().rstrip(".") != req.host.lower().rstrip("."):
-                raise Refusal(codes.UNKNOWN_DESTINATION,
-                              f"Host header {host_header!r} does not name the destination {req.host}")
         server = sc.catalog.mcp_server(call.url)
         if server is not None:
             flow.metadata[MCP_SERVER] = server
             if req.method == "POST":
-                return  # the JSON-RPC body decides; see request()
+                return  # the JSON-RPC body decides, the state checks included; see request()
+        names = sc.catalog.match_http(req.host, req.port, req.method, req.path)
+        if names:
+            call.capability, call.tier = self._best(names)  # known before any refusal, for the report
+        self._check_state_and_headers(flow)
+        if server is not None:
             self._mcp_plumbing(server, call, req.method)
             return
         if not names:
@@ -141,20 +140,39 @@ class Enforcer:
         if (length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
                 "transfer-encoding", ""):
             req.stream = True  # large uploads pass through; the decision above is final
+            call.phase = "forwarding"
+
+    def _check_state_and_headers(self, flow: http.HTTPFlow) -> None:
+        """May anything leave now, and do the headers say what the connection does?"""
+        req = flow.request
+        sc = self.sidecar
+        sc.state.admit(time.time(), time.monotonic())
+        foreign = req.headers.get("Tether-Chain")
+        if foreign is not None:
+            if foreign.strip() != sc.wire:
+                raise Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
+                              "an agent cannot borrow another chain", reason="foreign_chain")
+            del req.headers["Tether-Chain"]
+        host_header = req.host_header
+        if host_header:
+            name = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
+            if name.strip("[]").lower().rstrip(".") != req.host.lower().rstrip("."):
+                raise Refusal(codes.UNKNOWN_DESTINATION,
+                              f"Host header {host_header!r} does not name the destination {req.host}")
 
     async def request(self, flow: http.HTTPFlow) -> None:
         call = call_of(flow)
         if call is None or flow.response is not None or flow.request.stream:
             return
-        try:
-            server = flow.metadata.get(MCP_SERVER)
-            if server is not None and flow.request.method == "POST" and call.capability is None \
-                    and call.detail is None:
-                await self._decide_mcp(flow, call, server)
-            # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
-            self.sidecar.state.admit(time.time(), time.monotonic())
-        except Refusal as refusal:
-            refuse(flow, refusal, outcome=flow.metadata.get(OUTCOME, "refused"))
+        await self._guarded(flow, self._decide_body(flow, call))
+
+    async def _decide_body(self, flow: http.HTTPFlow, call: Call) -> None:
+        server = flow.metadata.get(MCP_SERVER)
+        if server is not None and flow.request.method == "POST" and MCP_PARSED not in flow.metadata:
+            await self._decide_mcp(flow, call, server)
+        # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
+        self.sidecar.state.admit(time.time(), time.monotonic())
+        call.phase = "forwarding"
 
     def _best(self, names: list[str]) -> tuple[str, str]:
         ranked = sorted(names, key=lambda n: {"direct": 0, "approval": 1}.get(self.sidecar.state.tier(n), 2))
@@ -171,7 +189,11 @@ class Enforcer:
 
     async def _decide_mcp(self, flow: http.HTTPFlow, call: Call, server: str) -> None:
         try:
-            parsed = mcp.parse(flow.request.content or b"")
+            # The server reads the bytes as sent: match those, and never a body we would have to decode.
+            encoding = flow.request.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise mcp.NotJsonRpc(f"an encoded body (Content-Encoding: {encoding}) is not matched")
+            parsed = mcp.parse(flow.request.raw_content or b"")
         except mcp.NotJsonRpc as exc:
             raise Refusal(codes.CAPABILITY_ABSENT, f"not a JSON-RPC message tether can match: {exc}") from None
         flow.metadata[MCP_PARSED] = parsed
@@ -190,6 +212,7 @@ class Enforcer:
             else:
                 raise Refusal(codes.CAPABILITY_ABSENT, f"MCP method {message.method!r} is not in the catalog")
         self._check_mcp_headers(flow, parsed)
+        self._check_state_and_headers(flow)
         if tools:
             call.capability = tools[0][0] if len(tools) == 1 else ",".join(c for c, _ in tools)
             call.tier = "approval" if any(t == "approval" for _, t in tools) else "direct"
@@ -249,6 +272,18 @@ class Resolver:
         call = call_of(flow)
         if call is None:
             return
+        if REFUSED in flow.metadata:  # tether answered it (the client may have gone): nothing left
+            self.sidecar.resolve(call, flow.metadata.get(OUTCOME, "refused"), code=flow.metadata[REFUSED],
+                                 detail=flow.error.msg if flow.error else None)
+            return
+        sse = flow.metadata.get(MCP_SSE)
+        parsed = flow.metadata.get(MCP_PARSED)
+        if sse is not None and parsed is not None and flow.response is not None and not flow.metadata.get(ABORTED):
+            wanted = {mcp.id_key(m.id) for m in parsed.messages if m.is_request}
+            if wanted and wanted <= sse.answered:
+                # Every request got its JSON-RPC answer; the client closed the stream after reading it.
+                self.sidecar.resolve(call, "completed", status=flow.response.status_code)
+                return
         conn = flow.server_conn
         connected = conn.timestamp_tcp_setup is not None and (
             flow.request.scheme == "http" or conn.timestamp_tls_setup is not None)
@@ -283,7 +318,7 @@ class ToolsFilter:
         ctype = flow.response.headers.get("content-type", "")
         if ctype.startswith("text/event-stream"):
             # Server-to-client streams (and GET listen streams) may carry tools/list answers too.
-            flow.response.stream = mcp.SseToolsFilter(self._allowed(server))
+            flow.response.stream = flow.metadata[MCP_SSE] = mcp.SseToolsFilter(self._allowed(server))
         elif self._lists_tools(flow):
             flow.metadata[NO_STREAM] = True
 

@@ -76,6 +76,11 @@ def parse(body: bytes) -> Parsed:
     return Parsed(tuple(messages), batch)
 
 
+def id_key(value: Any) -> str:
+    """A JSON-RPC id as a comparable key (ids may be numbers or strings, and 1 is not "1")."""
+    return json.dumps(value)
+
+
 def request_id(body: bytes) -> Any:
     """The id of a single JSON-RPC request, or None (best effort, for error bodies)."""
     try:
@@ -133,6 +138,7 @@ class SseToolsFilter:
         self.allowed = allowed
         self.buffer = b""
         self.removed = 0
+        self.answered: set[str] = set()  # ids (id_key) of JSON-RPC responses that passed to the client
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
         if not chunk:
@@ -158,6 +164,9 @@ class SseToolsFilter:
             value = json.loads(payload)
         except (ValueError, UnicodeDecodeError):
             return event
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
+                self.answered.add(id_key(item.get("id")))
         value, removed = filter_tools_message(value, self.allowed)
         if not removed:
             return event

@@ -9,6 +9,7 @@ saw it" is checked at the server, not taken from tether's own reports.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -17,17 +18,24 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
+from . import harness
 from .conftest import World, teardown_world
 from .harness import (
     PYTHON,
+    ControlPlaneProcess,
+    Identity,
     McpServer,
-    TestCA,
+    SidecarProcess,
     ToolServer,
     prepare_controlplane,
     reports_for,
@@ -38,6 +46,7 @@ AGENT_SCRIPT = Path(__file__).parent / "agents" / "mcp_agent.py"
 ALL_TOOLS = ["add", "delete_everything", "send_email", "slow"]
 REFUSED_JSONRPC = -32003
 MODERN = "2026-07-28"
+WAIT = 30.0  # bounded waits, generous for a loaded machine; nothing asserts on timing
 
 
 # -- the world, with a wiretap on the MCP server ------------------------------------------------------
@@ -73,6 +82,29 @@ class Wiretap:
         return any(marker.encode() in body for body in self.bodies())
 
 
+    def clear(self) -> None:
+        self.requests.clear()
+
+
+@dataclass
+class McpWorld:
+    """One world per server mode, shared by the tests of this module (each test uses its own agents)."""
+
+    world: World
+    wiretap: Wiretap
+
+    @property
+    def cp(self) -> ControlPlaneProcess:
+        return self.world.cp
+
+    @property
+    def mcp(self) -> McpServer:
+        return self.world.mcp
+
+    def sidecar(self, identity: Identity) -> SidecarProcess:
+        return self.world.sidecar(identity)
+
+
 def tap(server: McpServer) -> Wiretap:
     config = server._server.config  # uvicorn builds each connection's protocol from config.loaded_app
     wiretap = Wiretap(config.loaded_app)
@@ -80,19 +112,45 @@ def tap(server: McpServer) -> Wiretap:
     return wiretap
 
 
-@pytest.fixture(params=["sse", "json"])
-def mcp_world(request: pytest.FixtureRequest, tmp_path: Path, test_ca: TestCA) -> Iterator[World]:
-    """A world whose MCP server answers in SSE mode (the SDK default) or in JSON mode."""
-    tools = ToolServer().start()
-    secure = ToolServer(tls=test_ca).start()
-    server = McpServer(json_response=request.param == "json").start()
-    cp = prepare_controlplane(tmp_path / "cp", tools.port, secure.port, server.port)
-    world = World(tmp_path, tools, secure, server, test_ca, cp)
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory, test_ca: harness.TestCA) -> Iterator[dict[str, McpWorld]]:
+    """Two worlds: the MCP server answers in SSE mode (the SDK default) in one, in JSON mode in the other."""
+    out: dict[str, McpWorld] = {}
     try:
-        cp.start()
-        yield world
+        for mode in ("sse", "json"):
+            directory = tmp_path_factory.mktemp(f"mcp-{mode}")
+            tools = ToolServer().start()
+            secure = ToolServer(tls=test_ca).start()
+            server = McpServer(json_response=mode == "json").start()
+            cp = prepare_controlplane(directory / "cp", tools.port, secure.port, server.port)
+            out[mode] = McpWorld(World(directory, tools, secure, server, test_ca, cp), tap(server))
+            cp.start()
+        yield out
     finally:
-        teardown_world(world)
+        for w in out.values():
+            teardown_world(w.world)
+
+
+def _fresh(w: McpWorld) -> Iterator[McpWorld]:
+    w.mcp.calls.clear()
+    w.wiretap.clear()
+    try:
+        yield w
+    finally:
+        for sidecar in w.world.sidecars:
+            sidecar.stop()
+        w.world.sidecars.clear()
+
+
+@pytest.fixture(params=["sse", "json"])
+def any_world(request: pytest.FixtureRequest, worlds: dict[str, McpWorld]) -> Iterator[McpWorld]:
+    yield from _fresh(worlds[request.param])
+
+
+@pytest.fixture
+def world(worlds: dict[str, McpWorld]) -> Iterator[McpWorld]:
+    """The SSE-mode world (the conftest fixture of the same name would start a world per test)."""
+    yield from _fresh(worlds["sse"])
 
 
 # -- the agent, as a separate process behind the proxy ------------------------------------------------
@@ -170,24 +228,34 @@ def refused_with(result: dict[str, Any], tether_code: str) -> None:
     assert isinstance(error["data"], dict) and error["data"]["code"] == tether_code, error
 
 
-def approvals_pending(world: World, agent: str) -> list[dict[str, Any]]:
-    return [a for a in world.cp.client().request("GET", "/v1/approvals?status=pending") if a["agent"] == agent]
+def approvals_pending(w: McpWorld, agent: str) -> list[dict[str, Any]]:
+    return [a for a in w.cp.client().request("GET", "/v1/approvals?status=pending") if a["agent"] == agent]
 
 
-# -- 1-3, 7: the surface the model sees, granted and ungranted calls, reports -------------------------
+def reports_by_capability(w: McpWorld, agent: str) -> dict[str | None, list[dict[str, Any]]]:
+    out: dict[str | None, list[dict[str, Any]]] = {}
+    for report in reports_for(w.cp, agent):
+        out.setdefault(report.get("capability"), []).append(report)
+    return out
+
+
+async def _list_without_tether(url: str, mode: str) -> list[str]:
+    async with httpx2.AsyncClient(trust_env=False) as http_client, \
+            Client(streamable_http_client(url, http_client=http_client), mode=mode) as client:
+        return sorted(t.name for t in (await client.list_tools()).tools)
+
+
+# -- the surface the model sees: granted tools only; granted and ungranted calls; their reports -----
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
-def test_only_granted_tools_exist_for_the_agent(mcp_world: World, mode: str) -> None:
-    world = mcp_world
-    wiretap = tap(world.mcp)
+def test_only_granted_tools_exist_for_the_agent(any_world: McpWorld, mode: str) -> None:
+    w = any_world
     # Without tether the server offers every tool: the filtering below is the sidecar's doing.
-    direct = run_agent(world.mcp.url, proxy_env(None), mode, [{"op": "list"}])
-    assert direct["results"][0]["tools"] == ALL_TOOLS
-    direct_requests = len(wiretap.requests)
+    assert asyncio.run(_list_without_tether(w.mcp.url, mode)) == ALL_TOOLS
+    w.wiretap.clear()
 
-    agent = f"mcp-{mode}"
-    ident = world.cp.issue(agent, {"mcp.add": "direct", "mcp.send": "approval"})
-    sc = world.sidecar(ident)
-    out = run_agent(world.mcp.url, proxy_env(sc.proxy, sc.ca), mode, [
+    agent = f"mcp-list-{mode}"
+    sc = w.sidecar(w.cp.issue(agent, {"mcp.add": "direct", "mcp.send": "approval"}))
+    out = run_agent(w.mcp.url, proxy_env(sc.proxy, sc.ca), mode, [
         {"op": "list"},
         {"op": "call", "name": "add", "args": {"a": 2, "b": 3}},
         {"op": "call", "name": "delete_everything"},
@@ -203,32 +271,44 @@ def test_only_granted_tools_exist_for_the_agent(mcp_world: World, mode: str) -> 
     refused_with(slowed, "tether.capability_absent")
     refused_with(unknown, "tether.capability_absent")
     assert listed_again == listed  # the session survived three refusals
-    assert world.mcp.calls == ["add"]
-    assert len(wiretap.requests) > direct_requests  # the agent really went through the sidecar to the server
+    assert w.mcp.calls == ["add"]
+    assert w.wiretap.requests, "the agent's traffic never reached the server"
     for name in ("delete_everything", "slow", "not_in_the_catalog"):
-        assert not wiretap.saw(f'"{name}"'), f"the server saw a request naming {name}"
+        assert not w.wiretap.saw(f'"{name}"'), f"the server saw a request naming {name}"
 
-    reports = wait_until(lambda: (rs := reports_for(world.cp, agent)) and
-                         {r.get("capability") for r in rs} >= {"mcp.add", "mcp.delete", "mcp.slow"} and rs,
-                         what="reports naming the MCP capabilities")
-    by_cap = {r["capability"]: r for r in reports if r.get("capability")}
-    assert by_cap["mcp.add"]["resolution"] == "completed" and by_cap["mcp.add"]["status"] == 200
+    by_cap = wait_until(lambda: (r := reports_by_capability(w, agent)).keys() >= {"mcp.add", "mcp.delete", "mcp.slow"}
+                        and r, timeout=WAIT, what="reports naming the MCP capabilities")
+    assert [(r["resolution"], r["status"]) for r in by_cap["mcp.add"]] == [("completed", 200)], by_cap["mcp.add"]
     for cap in ("mcp.delete", "mcp.slow"):
-        assert by_cap[cap]["resolution"] == "refused" and by_cap[cap]["code"] == "tether.capability_absent"
-    assert all(r["agent"] == agent for r in reports)
+        assert [(r["resolution"], r["code"]) for r in by_cap[cap]] == [("refused", "tether.capability_absent")]
 
 
-# -- 4: approval ---------------------------------------------------------------------------------------
+def test_calls_answered_over_sse_are_reported_completed(world: McpWorld) -> None:
+    """A legacy client reads its answer off the SSE stream and closes the stream at once (the SDK does so
+    as soon as the JSON-RPC response arrives). The call completed: reconciliation must not call it unknown."""
+    agent = "mcp-sse-reports"
+    sc = world.sidecar(world.cp.issue(agent, {"mcp.add": "direct"}))
+    calls = 40
+    out = run_agent(world.mcp.url, proxy_env(sc.proxy, sc.ca), "legacy",
+                    [{"op": "call", "name": "add", "args": {"a": i, "b": 1}} for i in range(calls)])
+    assert [r.get("text") for r in out["results"]] == [str(i + 1) for i in range(calls)]
+    assert world.mcp.calls == ["add"] * calls
+    reports = wait_until(lambda: len(r := reports_by_capability(world, agent).get("mcp.add", [])) == calls and r,
+                         timeout=WAIT, what=f"{calls} reports for mcp.add")
+    outcomes = sorted((r["resolution"], r["status"], r.get("detail")) for r in reports)
+    assert outcomes == [("completed", 200, None)] * calls, [o for o in outcomes if o[0] != "completed"]
+
+
+# -- approval ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
-def test_approval_tier_holds_until_a_person_decides(world: World, mode: str) -> None:
+def test_approval_tier_holds_until_a_person_decides(world: McpWorld, mode: str) -> None:
     agent = f"mcp-approval-{mode}"
-    ident = world.cp.issue(agent, {"mcp.add": "direct", "mcp.send": "approval"})
-    sc = world.sidecar(ident)
+    sc = world.sidecar(world.cp.issue(agent, {"mcp.add": "direct", "mcp.send": "approval"}))
     live = LiveAgent(world.mcp.url, proxy_env(sc.proxy, sc.ca), mode)
     admin = world.cp.client()
     try:
         live.send({"op": "call", "name": "send_email", "args": {"to": "ops@example.org", "body": "hi"}})
-        pending = wait_until(lambda: approvals_pending(world, agent), what="a pending approval")
+        pending = wait_until(lambda: approvals_pending(world, agent), timeout=WAIT, what="a pending approval")
         assert len(pending) == 1 and pending[0]["capability"] == "mcp.send", pending
         assert "send_email" not in world.mcp.calls and not live.pending()  # held, not forwarded
         admin.request("POST", f"/v1/approvals/{pending[0]['id']}/approve")
@@ -237,24 +317,24 @@ def test_approval_tier_holds_until_a_person_decides(world: World, mode: str) -> 
         assert world.mcp.calls == ["send_email"]
 
         live.send({"op": "call", "name": "send_email", "args": {"to": "ceo@example.org", "body": "no"}})
-        pending = wait_until(lambda: approvals_pending(world, agent), what="a second pending approval")
+        pending = wait_until(lambda: approvals_pending(world, agent), timeout=WAIT, what="a second pending approval")
         admin.request("POST", f"/v1/approvals/{pending[0]['id']}/deny")
         refused_with(live.read(), "tether.approval_denied")
         assert world.mcp.calls == ["send_email"]
+        assert not world.wiretap.saw("ceo@example.org")
 
         assert live.ask({"op": "call", "name": "add", "args": {"a": 1, "b": 1}})["text"] == "2"
     finally:
         live.close()
-    reports = wait_until(lambda: len(rs := reports_for(world.cp, agent)) and
-                         [r for r in rs if r.get("code") == "tether.approval_denied"] and rs,
-                         what="the denied call's report")
-    sends = sorted((r["resolution"], r.get("code")) for r in reports if r.get("capability") == "mcp.send")
-    assert sends == [("completed", None), ("refused", "tether.approval_denied")]
+    by_cap = wait_until(lambda: len((r := reports_by_capability(world, agent)).get("mcp.send", [])) == 2 and r,
+                        timeout=WAIT, what="both approval-tier calls reported")
+    assert sorted((r["resolution"], r["code"]) for r in by_cap["mcp.send"]) == [
+        ("completed", None), ("refused", "tether.approval_denied")]
 
 
-# -- 5: revocation mid-session -----------------------------------------------------------------------------
+# -- revocation mid-session ------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
-def test_revoking_the_chain_mid_session_refuses_the_next_call(world: World, mode: str) -> None:
+def test_revoking_the_chain_mid_session_refuses_the_next_call(world: McpWorld, mode: str) -> None:
     agent = f"mcp-revoke-{mode}"
     ident = world.cp.issue(agent, {"mcp.add": "direct"})
     sc = world.sidecar(ident)
@@ -263,17 +343,30 @@ def test_revoking_the_chain_mid_session_refuses_the_next_call(world: World, mode
         assert live.ask({"op": "list"})["tools"] == ["add"]
         assert live.ask({"op": "call", "name": "add", "args": {"a": 20, "b": 22}})["text"] == "42"
         world.cp.client().request("POST", f"/v1/grants/{ident.jti}/revoke", {"reason": "test"})
-        wait_until(lambda: f"revoked: {ident.jti}" in sc.log_text, what="the sidecar to learn of the revocation")
+        with httpx.Client(proxy=sc.proxy, trust_env=False, timeout=10) as raw:
+            # The revocation reaches the sidecar over its event stream; a harmless tools/list shows when.
+            listing = {"jsonrpc": "2.0", "id": "probe", "method": "tools/list", "params": {"_meta": META}}
+            wait_until(lambda: raw_post(raw, world.mcp.url, listing, {"mcp-method": "tools/list"}).headers.get(
+                "Tether-Error") == "tether.chain_revoked", timeout=WAIT, what="the sidecar to learn of the revocation")
+            # What the proxy answers, seen raw: a tether refusal that is also a JSON-RPC error with the request's id.
+            resp = raw_post(raw, world.mcp.url, call_body("rev-1", "add", {"a": 1, "b": 1}))
+        assert resp.status_code == 403 and resp.headers.get("Tether-Error") == "tether.chain_revoked", resp.text
+        assert_jsonrpc_error(resp.json(), "rev-1", "tether.chain_revoked")
+        # What the agent sees: the SDK's MCPError carrying tether's code.
         refused_with(live.ask({"op": "call", "name": "add", "args": {"a": 1, "b": 2}}), "tether.chain_revoked")
         refused_with(live.ask({"op": "call", "name": "add", "args": {"a": 1, "b": 3}}), "tether.chain_revoked")
     finally:
         live.close()
     assert world.mcp.calls == ["add"]
-    wait_until(lambda: len([r for r in reports_for(world.cp, agent) if r.get("code") == "tether.chain_revoked"])
-               == 2, what="reports of the refused calls")
+    # Three refused tools/call POSTs (one raw, two from the agent), each naming the capability it asked for
+    # (the tools/list probes and a legacy client's closing DELETE are refused and reported too).
+    revoked = wait_until(lambda: len(r := [x for x in reports_for(world.cp, agent) if x.get("capability") == "mcp.add"
+                                           and x.get("code") == "tether.chain_revoked"]) >= 3 and r,
+                         timeout=WAIT, what="reports of the refused tools/call requests naming mcp.add")
+    assert len(revoked) == 3 and all(r["resolution"] == "refused" for r in revoked), revoked
 
 
-# -- 6: bad input, sent raw ----------------------------------------------------------------------------------
+# -- bad input, sent raw ----------------------------------------------------------------------------------
 META = {"io.modelcontextprotocol/protocolVersion": MODERN,
         "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
         "io.modelcontextprotocol/clientCapabilities": {}}
@@ -287,8 +380,14 @@ def call_body(msg_id: Any, tool: str, args: dict[str, Any] | None = None) -> dic
 
 
 def raw_post(client: httpx.Client, url: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
+    """POST one body as a modern client would; a single tools/call gets the mcp-method/mcp-name headers
+    the server insists on, unless the test gives its own."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return client.post(url, content=content, headers={**HEADERS, **(headers or {})})
+    routing: dict[str, str] = {}
+    if isinstance(body, dict) and body.get("method") == "tools/call":
+        name = (body.get("params") or {}).get("name")
+        routing = {"mcp-method": "tools/call", **({"mcp-name": name} if isinstance(name, str) else {})}
+    return client.post(url, content=content, headers={**HEADERS, **routing, **(headers or {})})
 
 
 def assert_jsonrpc_error(value: Any, msg_id: Any, code: str = "tether.capability_absent") -> None:
@@ -325,28 +424,24 @@ BAD_BODIES: list[tuple[str, bytes | Any, Any]] = [
                      "params": {"name": "p", "_meta": META}}, 10),
     ("resources/read", {"jsonrpc": "2.0", "id": "bad-11", "method": "resources/read",
                         "params": {"uri": "file:///etc/passwd", "_meta": META}}, "bad-11"),
-    ("a duplicate name key, the last one ungranted",
+    ("a duplicate name key, the last one (the one servers use) ungranted",
      b'{"jsonrpc": "2.0", "id": "bad-12", "method": "tools/call", '
      b'"params": {"name": "add", "name": "delete_everything", "arguments": {}}}', "bad-12"),
 ]
 
 
-def test_bad_input_is_refused_as_json_rpc_and_the_session_survives(world: World) -> None:
-    wiretap = tap(world.mcp)
-    agent = "mcp-raw"
-    ident = world.cp.issue(agent, {"mcp.add": "direct"})
-    sc = world.sidecar(ident)
+def test_bad_input_is_refused_as_json_rpc_and_the_session_survives(world: McpWorld) -> None:
+    sc = world.sidecar(world.cp.issue("mcp-raw", {"mcp.add": "direct"}))
     live = LiveAgent(world.mcp.url, proxy_env(sc.proxy, sc.ca), "legacy")  # a session with an id
     url = world.mcp.url
     try:
         assert live.ask({"op": "call", "name": "add", "args": {"a": 1, "b": 1}})["text"] == "2"
         with httpx.Client(proxy=sc.proxy, trust_env=False, timeout=10) as raw:
             # The raw channel itself works: a well-formed granted call goes through.
-            ok = raw_post(raw, url, call_body("good-1", "add", {"a": 3, "b": 4}), {"mcp-method": "tools/call",
-                                                                                   "mcp-name": "add"})
+            ok = raw_post(raw, url, call_body("good-1", "add", {"a": 3, "b": 4}))
             assert ok.status_code == 200 and ok.json()["result"]["structuredContent"] == {"result": 7}, ok.text
             assert world.mcp.calls == ["add", "add"]
-            seen = len(wiretap.requests)
+            seen = len(world.wiretap.requests)
 
             for what, body, msg_id in BAD_BODIES:
                 resp = raw_post(raw, url, body)
@@ -370,17 +465,17 @@ def test_bad_input_is_refused_as_json_rpc_and_the_session_survives(world: World)
 
             # Headers a server may route on must agree with the body.
             assert_refused(raw_post(raw, url, call_body("bad-h1", "add", {"a": 1, "b": 2}),
-                                    {"mcp-method": "tools/call", "mcp-name": "delete_everything"}), "bad-h1")
+                                    {"mcp-name": "delete_everything"}), "bad-h1")
             assert_refused(raw_post(raw, url, call_body("bad-h2", "delete_everything"),
-                                    {"mcp-method": "tools/call", "mcp-name": "add"}), "bad-h2")
+                                    {"mcp-name": "add"}), "bad-h2")
             assert_refused(raw_post(raw, url, call_body("bad-h3", "add", {"a": 1, "b": 2}),
                                     {"mcp-method": "tools/list"}), "bad-h3")
 
-            assert len(wiretap.requests) == seen and not wiretap.saw("bad-"), \
-                [b[:200] for b in wiretap.bodies()[seen:]]
+            assert len(world.wiretap.requests) == seen and not world.wiretap.saw("bad-"), \
+                [b[:200] for b in world.wiretap.bodies()[seen:]]
             assert world.mcp.calls == ["add", "add"]
 
-            again = raw_post(raw, url, call_body("good-2", "add", {"a": 5, "b": 5}), {"mcp-name": "add"})
+            again = raw_post(raw, url, call_body("good-2", "add", {"a": 5, "b": 5}))
             assert again.status_code == 200 and again.json()["id"] == "good-2", again.text
 
         # The agent's own session is untouched by all of that.
@@ -391,53 +486,51 @@ def test_bad_input_is_refused_as_json_rpc_and_the_session_survives(world: World)
     assert world.mcp.calls == ["add", "add", "add", "add"]
 
 
-@pytest.mark.parametrize("encoding", ["utf-8", "gzip", "bogus"])
-def test_a_body_the_sidecar_cannot_decode_is_refused_not_forwarded(world: World, encoding: str) -> None:
+@pytest.mark.parametrize("encoding", ["utf-8", "bogus", "gzip"])
+def test_a_body_the_sidecar_cannot_decode_is_refused_not_forwarded(world: McpWorld, encoding: str) -> None:
     """What the sidecar cannot read it cannot match: it must refuse, never pass the bytes through.
 
-    The server ignores Content-Encoding and parses the raw body, so a body the sidecar fails to decode
-    and then forwards anyway would run whatever tool it names.
+    The SDK's server ignores Content-Encoding and parses the raw body, so a body that the sidecar fails to
+    decode and forwards anyway runs whatever tool it names (here one the agent was never granted).
     """
-    wiretap = tap(world.mcp)
-    ident = world.cp.issue("mcp-encoding", {"mcp.add": "direct"})
-    sc = world.sidecar(ident)
+    sc = world.sidecar(world.cp.issue(f"mcp-encoding-{encoding}", {"mcp.add": "direct"}))
     body = json.dumps(call_body("enc-1", "delete_everything")).encode()
     if encoding == "gzip":
         body = gzip.compress(body)[:-8] + b"\x00" * 8  # a broken gzip trailer: not decodable
     with httpx.Client(proxy=sc.proxy, trust_env=False, timeout=10) as raw:
-        resp = raw_post(raw, world.mcp.url, body, {"content-encoding": encoding})
+        resp = raw_post(raw, world.mcp.url, body, {"content-encoding": encoding, "mcp-method": "tools/call",
+                                                   "mcp-name": "delete_everything"})
         assert resp.status_code == 403, (resp.status_code, resp.text[:300])
         assert resp.headers.get("Tether-Error") == "tether.capability_absent"
         assert resp.json()["error"]["code"] == REFUSED_JSONRPC
-        ok = raw_post(raw, world.mcp.url, call_body("enc-2", "add", {"a": 1, "b": 1}), {"mcp-name": "add"})
+        ok = raw_post(raw, world.mcp.url, call_body("enc-2", "add", {"a": 1, "b": 1}))
         assert ok.status_code == 200, ok.text
     assert world.mcp.calls == ["add"]
-    assert not wiretap.saw("enc-1") and len(wiretap.requests) == 1
+    assert not world.wiretap.saw("enc-1") and len(world.wiretap.requests) == 1
 
 
 # -- the whole thing as a user runs it ---------------------------------------------------------------------
-def test_tether_run_puts_an_unmodified_mcp_agent_under_control(world: World, tmp_path: Path) -> None:
+def test_tether_run_puts_an_unmodified_mcp_agent_under_control(world: McpWorld, tmp_path: Path) -> None:
     agent = "mcp-run"
     ident = world.cp.issue(agent, {"mcp.add": "direct"})
     steps = [{"op": "list"}, {"op": "call", "name": "add", "args": {"a": 40, "b": 2}},
              {"op": "call", "name": "send_email", "args": {"to": "x@example.org", "body": "b"}}]
     tether = Path(sys.executable).with_name("tether")
-    env = proxy_env(None)
-    env.update({"TETHER_CONTROLPLANE": world.cp.url})
     done = subprocess.run(
         [str(tether), "run", "--controlplane", world.cp.url, "--chain", str(ident.chain_path),
          "--key", str(ident.key_path), "--state-dir", str(tmp_path / "run-state"), "--",
          PYTHON, str(AGENT_SCRIPT), world.mcp.url, "--steps", json.dumps(steps)],
-        env=env, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+        env=proxy_env(None), capture_output=True, text=True, timeout=90, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["protocol"] == MODERN
     listed, added, sent = out["results"]
     assert listed == {"ok": True, "tools": ["add"]}
     assert added["ok"] and added["text"] == "42"
     refused_with(sent, "tether.capability_absent")
-    assert world.mcp.calls == ["add"]
-    reports = wait_until(lambda: {r.get("capability") for r in reports_for(world.cp, agent)} >= {"mcp.add", "mcp.send"}
-                         and reports_for(world.cp, agent), what="reports from the tether run sidecar")
-    by_cap = {r["capability"]: r for r in reports if r.get("capability")}
-    assert by_cap["mcp.add"]["resolution"] == "completed"
-    assert by_cap["mcp.send"]["resolution"] == "refused" and by_cap["mcp.send"]["code"] == "tether.capability_absent"
+    assert world.mcp.calls == ["add"] and not world.wiretap.saw("x@example.org")
+    # tether run stops its sidecar when the command exits; the sidecar flushes its reports first.
+    by_cap = wait_until(lambda: (r := reports_by_capability(world, agent)).keys() >= {"mcp.add", "mcp.send"} and r,
+                        timeout=WAIT, what="reports from the tether run sidecar")
+    assert [r["resolution"] for r in by_cap["mcp.add"]] == ["completed"]
+    assert [(r["resolution"], r["code"]) for r in by_cap["mcp.send"]] == [("refused", "tether.capability_absent")]
