@@ -81,6 +81,8 @@ class Sidecar:
         self.address: tuple[str, int] | None = None
         self._tasks: list[asyncio.Task] = []
         self._quiesce_task: asyncio.Task | None = None
+        self._acked: set[str] = set()
+        self._acking: set[str] = set()
         self.stopped = asyncio.Event()
 
     # -- start-up ---------------------------------------------------------------------------------------
@@ -284,13 +286,21 @@ class Sidecar:
 
     # -- termination ------------------------------------------------------------------------------------
     def on_command(self, command: dict[str, Any]) -> None:
+        tid = command.get("termination_id")
+        if self.state.mode == TERMINATED:
+            # Already quiesced (an earlier termination of this agent or an ancestor): nothing is in flight,
+            # so a new termination is acknowledged at once.
+            if tid and tid not in self._acked and tid not in self._acking:
+                self._acking.add(tid)
+                self._tasks.append(asyncio.create_task(self.acknowledge(command)))
+            return
         before = self.state.mode
         mode = self.state.commanded(command)
         if mode == before:
             return
-        log.warning("control plane commands %s (termination %s)", mode, command.get("termination_id"))
+        log.warning("control plane commands %s (termination %s)", mode, tid)
         for call in self.calls.inflight.values():
-            call.termination_id = command.get("termination_id")
+            call.termination_id = tid
         if self._quiesce_task is not None:
             self._quiesce_task.cancel()
         self._quiesce_task = asyncio.create_task(self.quiesce(command))
@@ -354,32 +364,40 @@ class Sidecar:
             while self.calls.inflight and time.time() < deadline:
                 await asyncio.sleep(0.05)
         self._cancel_held()
-        if self.calls.inflight:
-            log.warning("aborting %d call(s) still in flight", len(self.calls.inflight))
-            for call_id in list(self.calls.inflight):
-                flow = self.flows.get(call_id)
+        await asyncio.sleep(0.05)  # let cancelled holds and not-yet-forwarded calls meet their refusal
+        leaving = [c for c in self.calls.inflight.values() if c.phase in ("forwarding", "forwarded")]
+        if leaving:
+            log.warning("aborting %d call(s) still in flight", len(leaving))
+            for call in leaving:
+                flow = self.flows.get(call.call_id)
                 if flow is not None:
                     self.abort_flow(flow)
-            limit = time.monotonic() + 5
-            while self.calls.inflight and time.monotonic() < limit:
-                await asyncio.sleep(0.05)
-            for call in list(self.calls.inflight.values()):  # no hook came back: we cannot know more
-                self.resolve(call, "unknown", detail="aborted; no final event from the proxy")
+        limit = time.monotonic() + 5
+        while self.calls.inflight and time.monotonic() < limit:
+            await asyncio.sleep(0.05)
+        for call in list(self.calls.inflight.values()):  # no hook came back: say only what we know
+            left = call.phase in ("forwarding", "forwarded")
+            self.resolve(call, "unknown" if left else "cancelled_not_sent",
+                         detail="aborted; no final event from the proxy")
         self.state.quiesced()
+        await self.acknowledge(command)
+
+    async def acknowledge(self, command: dict[str, Any]) -> None:
+        """Deliver every report, then tell the control plane this sidecar is quiescent (retrying)."""
+        tid = command.get("termination_id")
         attempt = 0
         while True:
             try:
                 await self.reporter.flush()
-                await self.channel.quiesced({"termination_id": command.get("termination_id"),
-                                             "reports": list(self.reporter.pending),
+                await self.channel.quiesced({"termination_id": tid, "reports": list(self.reporter.pending),
                                              "calls": dict(self.calls.counts), "state": TERMINATED})
-                log.warning("quiesced and acknowledged termination %s; refusing everything from now on",
-                            command.get("termination_id"))
+                self._acked.add(tid)
+                log.warning("quiesced and acknowledged termination %s; refusing everything from now on", tid)
                 return
             except ApiError as exc:
                 attempt += 1
                 if attempt == 1:
-                    log.warning("cannot acknowledge termination yet: %s", exc.message)
+                    log.warning("cannot acknowledge termination %s yet: %s", tid, exc.message)
                 await sleep_backoff(attempt)
 
     # -- call timeouts -----------------------------------------------------------------------------------
@@ -388,7 +406,7 @@ class Sidecar:
             await asyncio.sleep(1.0)
             now = time.time()
             for call in list(self.calls.inflight.values()):
-                if call.phase == "forwarded" or call.phase == "arrived":
+                if call.phase != "held":
                     if now - call.started_at > self.config.call_timeout_s:
                         flow = self.flows.get(call.call_id)
                         if flow is not None:

@@ -111,7 +111,7 @@ class Call:
     started_at: float
     capability: str | None = None
     tier: str | None = None
-    phase: str = "arrived"  # arrived -> held -> forwarded -> done
+    phase: str = "arrived"  # arrived -> (held ->) forwarding -> forwarded -> done
     resolution: str | None = None
     status: int | None = None
     code: str | None = None

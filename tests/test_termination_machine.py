@@ -35,8 +35,13 @@ KEY = keys.generate()
 OTHER_KEY = keys.generate()
 
 
-def term(mode: str = "drain", agents: tuple[str, ...] = ("root", "a", "b"), window: float = 10.0,
-         grace: float = 2.0, now: float = T0) -> dict[str, Any]:
+def term(
+    mode: str = "drain",
+    agents: tuple[str, ...] = ("root", "a", "b"),
+    window: float = 10.0,
+    grace: float = 2.0,
+    now: float = T0,
+) -> dict[str, Any]:
     return proto.new_termination("term-1", "root", mode, window, "test", "admin", now, agents, grace)
 
 
@@ -161,8 +166,9 @@ events = st.lists(
     grace=st.floats(0, 5, allow_nan=False),
     script=events,
 )
-def test_any_sequence_ends_terminated_once_in_order(mode: str, agents: set[str], window: float, grace: float,
-                                                    script: list[tuple[str, Any]]) -> None:
+def test_any_sequence_ends_terminated_once_in_order(
+    mode: str, agents: set[str], window: float, grace: float, script: list[tuple[str, Any]]
+) -> None:
     middle = proto.DRAINING if mode == "drain" else proto.ABORTING
     saved = proto.new_termination("term-p", "root", mode, window, "", "admin", T0, agents, grace)
     now, acked, lose_next, fail_next = T0, set(), False, False
@@ -226,16 +232,34 @@ def test_any_sequence_ends_terminated_once_in_order(mode: str, agents: set[str],
 
 
 # -- the record --------------------------------------------------------------------------------------------
-def report(call_id: str, agent: str, started: float, resolution: str, status: int | None = None,
-           **extra: Any) -> dict[str, Any]:
-    return {"call_id": call_id, "agent": agent, "capability": "slow.read", "method": "GET",
-            "url": "http://127.0.0.1:1/slow", "started_at": started, "resolution": resolution, "status": status,
-            "capture_ref": f"cap:{call_id}", "ended_at": started + 1, "received_at": started + 2, **extra}
+def report(
+    call_id: str, agent: str, started: float, resolution: str, status: int | None = None, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "call_id": call_id,
+        "agent": agent,
+        "capability": "slow.read",
+        "method": "GET",
+        "url": "http://127.0.0.1:1/slow",
+        "started_at": started,
+        "resolution": resolution,
+        "status": status,
+        "capture_ref": f"cap:{call_id}",
+        "ended_at": started + 1,
+        "received_at": started + 2,
+        **extra,
+    }
 
 
 def inflight(call_id: str, started: float) -> dict[str, Any]:
-    return {"call_id": call_id, "capability": "slow.read", "method": "GET", "url": "http://127.0.0.1:1/slow",
-            "started_at": started, "phase": "forwarded"}
+    return {
+        "call_id": call_id,
+        "capability": "slow.read",
+        "method": "GET",
+        "url": "http://127.0.0.1:1/slow",
+        "started_at": started,
+        "phase": "forwarded",
+    }
 
 
 def link(jti: str, sub: str, exp: float, registered: float) -> dict[str, Any]:
@@ -253,14 +277,20 @@ def sample_record(prev_hash: str = "", record_id: str = "rec-1", termination_id:
             report("c2", "a", T0 + 2, "refused", code="tether.draining"),
             report("c5", "b", T0 + 0.5, "completed", 201),  # b reported this one before it went silent
         ],
-        links=[link("j-root", "root", T0 + 3600, T0), link("j-a", "a", T0 + 3600, T0 + 1),
-               link("j-b", "b", T0 + 5, T0 + 2)],
+        links=[
+            link("j-root", "root", T0 + 3600, T0),
+            link("j-a", "a", T0 + 3600, T0 + 1),
+            link("j-b", "b", T0 + 5, T0 + 2),
+        ],
         revocations={"j-root": {"at": T0 + 10}, "j-a": {"at": T0 + 10}, "j-b": {"at": T0 + 10}},
         sidecars={
             "root": {"last_seen": T0 + 9, "lease_expires": T0 + 12, "inflight": []},
             "a": {"last_seen": T0 + 9, "lease_expires": T0 + 12, "inflight": [inflight("c3", T0 + 3)]},
-            "b": {"last_seen": T0 + 4, "lease_expires": T0 + 7,
-                  "inflight": [inflight("c5", T0 + 0.5), inflight("c4", T0 + 3.5), inflight("c6", T0 + 3.7)]},
+            "b": {
+                "last_seen": T0 + 4,
+                "lease_expires": T0 + 7,
+                "inflight": [inflight("c5", T0 + 0.5), inflight("c4", T0 + 3.5), inflight("c6", T0 + 3.7)],
+            },
         },
         acked={"root": {"at": T0 + 11}, "a": {"at": T0 + 11}},
         prev_hash=prev_hash,
@@ -268,10 +298,22 @@ def sample_record(prev_hash: str = "", record_id: str = "rec-1", termination_id:
     )
 
 
-RECORD_FIELDS = {"record_id", "termination_id", "subject", "mode", "requested_by", "requested_at", "completed_at",
-                 "window_s", "calls", "leases", "agents_terminated", "agents_unaccounted", "prev_hash"}
-CALL_FIELDS = {"call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status",
-               "capture_ref"}
+RECORD_FIELDS = {
+    "record_id",
+    "termination_id",
+    "subject",
+    "mode",
+    "requested_by",
+    "requested_at",
+    "completed_at",
+    "window_s",
+    "calls",
+    "leases",
+    "agents_terminated",
+    "agents_unaccounted",
+    "prev_hash",
+}
+CALL_FIELDS = {"call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status", "capture_ref"}
 
 
 def test_record_has_the_design_fields() -> None:
@@ -325,9 +367,17 @@ def test_record_leases_revoked_or_expired() -> None:
 
 
 def test_record_lease_never_revoked_is_expired() -> None:
-    record = proto.build_record(term(agents=("root",)), record_id="r", reports=[],
-                                links=[link("j", "root", T0 + 60, T0)], revocations={}, sidecars={},
-                                acked={}, prev_hash="", now=T0 + 70)
+    record = proto.build_record(
+        term(agents=("root",)),
+        record_id="r",
+        reports=[],
+        links=[link("j", "root", T0 + 60, T0)],
+        revocations={},
+        sidecars={},
+        acked={},
+        prev_hash="",
+        now=T0 + 70,
+    )
     assert record["leases"] == [{"jti": "j", "agent": "root", "expired_at": T0 + 60}]
 
 
@@ -341,12 +391,21 @@ def test_record_lists_each_known_call_exactly_once(data: st.DataObject) -> None:
     seen_inflight = data.draw(st.sets(st.sampled_from(ids))) if ids else set()
     acked = data.draw(st.sets(st.sampled_from(agents)))
     record = proto.build_record(
-        term(agents=tuple(agents)), record_id="r", prev_hash="", now=T0 + 50,
+        term(agents=tuple(agents)),
+        record_id="r",
+        prev_hash="",
+        now=T0 + 50,
         reports=[report(cid, owner[cid], T0 + i, "completed", 200) for i, cid in enumerate(ids) if cid in reported],
-        links=[], revocations={},
-        sidecars={a: {"last_seen": T0, "lease_expires": T0 + 3,
-                      "inflight": [inflight(c, T0) for c in ids if c in seen_inflight and owner[c] == a]}
-                  for a in agents},
+        links=[],
+        revocations={},
+        sidecars={
+            a: {
+                "last_seen": T0,
+                "lease_expires": T0 + 3,
+                "inflight": [inflight(c, T0) for c in ids if c in seen_inflight and owner[c] == a],
+            }
+            for a in agents
+        },
         acked={a: {} for a in acked},
     )
     listed = [c["call_id"] for c in record["calls"]]
@@ -394,8 +453,9 @@ def problems(records: list[dict[str, Any]], key: Any = KEY) -> tuple[str, ...]:
 @pytest.mark.parametrize("index", [0, 2, 3])
 def test_edited_record_is_caught(index: int) -> None:
     records = log_of(4)
-    records[index]["calls"][0]["resolution"] = "completed" if records[index]["calls"][0]["resolution"] != \
-        "completed" else "unknown"
+    records[index]["calls"][0]["resolution"] = (
+        "completed" if records[index]["calls"][0]["resolution"] != "completed" else "unknown"
+    )
     found = problems(records)
     assert any(p.startswith(f"record {index} ") and "edited" in p for p in found)
 
