@@ -1,6 +1,6 @@
 """What enforcement costs per call: tether's sidecar against bare mitmproxy and against no proxy at all.
 
-Run: python bench/bench_sidecar.py          (about 2-3 minutes on 2 cores; --quick for a smoke run)
+Run: python bench/bench_sidecar.py          (1-3 minutes on 2 cores, depending on load; --quick for a smoke run)
 
 Three setups, all measured in this run with the same client: *direct* (client -> tool server), *mitmdump*
 (bare mitmproxy, no addons: ``mitmdump --set connection_strategy=lazy -q``) and *tether* (a real
@@ -47,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 
 from tests.harness import (  # noqa: E402
+    SidecarProcess,
     TestCA,
     free_port,
     make_test_ca,
     prepare_controlplane,
-    SidecarProcess,
     wait_until,
 )
 
@@ -200,6 +200,16 @@ class Setup:
     name: str
     proxy: str | None
     ssl_context: ssl.SSLContext
+    pid: int | None = None  # the proxy process, whose CPU time is metered during its rounds
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process: unlike latency, barely moved by other work on the machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 @dataclass
@@ -207,6 +217,7 @@ class Figures:
     latencies: list[float] = field(default_factory=list)  # seconds
     requests: int = 0
     wall: float = 0.0
+    cpu: float = 0.0  # seconds of the proxy process during the counted rounds
 
     def pct(self, q: float) -> float:
         data = sorted(self.latencies)
@@ -215,6 +226,10 @@ class Figures:
     @property
     def rps(self) -> float:
         return self.requests / self.wall if self.wall else 0.0
+
+    @property
+    def cpu_ms_per_call(self) -> float:
+        return 1000 * self.cpu / self.requests if self.requests else 0.0
 
 
 class Client:
@@ -258,10 +273,12 @@ async def measure(setups: list[Setup], url: str, concurrency: int, rounds: int, 
             order = setups[r % len(setups):] + setups[:r % len(setups)]
             for s in order:
                 lat: list[float] = []
+                cpu0 = cpu_seconds(s.pid) if s.pid else 0.0
                 start = time.perf_counter()
                 await asyncio.gather(*(c.run(per_client, lat) for c in clients[s.name]))
                 fig = figures[s.name]
                 fig.wall += time.perf_counter() - start
+                fig.cpu += (cpu_seconds(s.pid) - cpu0) if s.pid else 0.0
                 fig.latencies += lat
                 fig.requests += len(lat)
     finally:
@@ -280,8 +297,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few requests only (smoke run)")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--requests-c1", type=int, default=2400, help="counted requests per setup at concurrency 1")
-    parser.add_argument("--requests-c8", type=int, default=4800, help="counted requests per setup at concurrency 8")
+    parser.add_argument("--requests-c1", type=int, default=1200, help="counted requests per setup at concurrency 1")
+    parser.add_argument("--requests-c8", type=int, default=2400, help="counted requests per setup at concurrency 8")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args()
     if args.quick:
@@ -312,15 +329,18 @@ def main() -> int:
                 base = tools.http_base if scheme == "http" else tools.https_base
                 setups = [
                     Setup("direct", None, context(ca.ca_pem)),
-                    Setup("mitmdump", mitm.proxy, context(mitm.ca)),
-                    Setup("tether", sidecar.proxy, context(Path(sidecar.ca))),
+                    Setup("mitmdump", mitm.proxy, context(mitm.ca), mitm.pid),
+                    Setup("tether", sidecar.proxy, context(Path(sidecar.ca)), sidecar.proc.pid),
                 ]
                 for conc, total in ((1, args.requests_c1), (8, args.requests_c8)):
                     per_client = max(1, total // (args.rounds * conc))
+                    cp_cpu0 = cpu_seconds(cp.proc.pid)
                     figures, sent = asyncio.run(measure(setups, base + ISSUES, conc, args.rounds, per_client,
                                                         warmup=20))
+                    # The control plane takes the sidecar's reports (and nothing else but heartbeats) meanwhile.
+                    cp_ms = 1000 * (cpu_seconds(cp.proc.pid) - cp_cpu0) / sent["tether"]
                     sent_through_sidecar += sent["tether"]
-                    rows.append((scheme, conc, figures))
+                    rows.append((scheme, conc, figures, cp_ms))
                     print(f"  measured {scheme} c={conc}: " + ", ".join(
                         f"{n} p50 {f.pct(0.5):.2f} ms" for n, f in figures.items()), flush=True)
 
@@ -342,6 +362,9 @@ def main() -> int:
 
         print_results(rows, rss_start, rss_end, sent_through_sidecar, len(delivered), by_resolution,
                       len({r["call_id"] for r in delivered}), time.monotonic() - started)
+    except BaseException:
+        args.keep = True  # the logs of what failed stay for a look
+        raise
     finally:
         if args.keep:
             print(f"kept {work}")
@@ -353,19 +376,23 @@ def main() -> int:
 def print_results(rows: list, rss_start: dict, rss_end: dict, sent: int, delivered: int, by_resolution: dict,
                   unique: int, elapsed: float) -> None:
     print()
-    print("| setup | scheme | clients | requests | p50 ms | p99 ms | calls/s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for scheme, conc, figures in rows:
+    print("| setup | scheme | clients | requests | p50 ms | p99 ms | calls/s | proxy CPU ms/call |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for scheme, conc, figures, cp_ms in rows:
         for name, f in figures.items():
-            print(f"| {name} | {scheme} | {conc} | {f.requests} | {f.pct(0.5):.2f} | {f.pct(0.99):.2f} | {f.rps:.0f} |")
+            cpu = "-" if name == "direct" else f"{f.cpu_ms_per_call:.2f}"
+            if name == "tether":
+                cpu += f" (+{cp_ms:.2f} control plane)"
+            print(f"| {name} | {scheme} | {conc} | {f.requests} | {f.pct(0.5):.2f} | {f.pct(0.99):.2f} | {f.rps:.0f} "
+                  f"| {cpu} |")
     print()
     print("tether against bare mitmproxy (targets: p50 <= "
           f"{P50_RATIO_TARGET:.2f}x, p99 <= +{P99_DELTA_TARGET_MS:.1f} ms):")
     print()
-    print("| scheme | clients | p50 ratio | p50 target | p99 delta ms | p99 target | calls/s ratio |")
-    print("|---|---:|---:|---|---:|---|---:|")
+    print("| scheme | clients | p50 ratio | p50 target | p99 delta ms | p99 target | calls/s ratio | CPU/call ratio |")
+    print("|---|---:|---:|---|---:|---|---:|---:|")
     all_p50 = all_p99 = True
-    for scheme, conc, figures in rows:
+    for scheme, conc, figures, _ in rows:
         t, m = figures["tether"], figures["mitmdump"]
         ratio = t.pct(0.5) / m.pct(0.5)
         delta = t.pct(0.99) - m.pct(0.99)
@@ -373,7 +400,7 @@ def print_results(rows: list, rss_start: dict, rss_end: dict, sent: int, deliver
         all_p50 &= ok50
         all_p99 &= ok99
         print(f"| {scheme} | {conc} | {ratio:.2f}x | {'met' if ok50 else 'MISSED'} | {delta:+.2f} | "
-              f"{'met' if ok99 else 'MISSED'} | {t.rps / m.rps:.2f}x |")
+              f"{'met' if ok99 else 'MISSED'} | {t.rps / m.rps:.2f}x | {t.cpu_ms_per_call / m.cpu_ms_per_call:.2f}x |")
     print()
     print("| process (idle) | RSS after start MiB | RSS after benchmark MiB |")
     print("|---|---:|---:|")
@@ -387,7 +414,7 @@ def print_results(rows: list, rss_start: dict, rss_end: dict, sent: int, deliver
           + ", ".join(f"{k} {v}" for k, v in sorted(by_resolution.items()))
           + (" -- all arrived" if unique == sent else f" -- {sent - unique} MISSING"))
     print(f"verdict: p50 target {'met' if all_p50 else 'MISSED'}; p99 target {'met' if all_p99 else 'MISSED'}")
-    print(f"elapsed {elapsed:.0f} s")
+    print(f"elapsed {elapsed:.0f} s; load average now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

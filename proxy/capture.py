@@ -11,10 +11,13 @@ import json
 import logging
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import parse_qsl, urlencode
 
 from mitmproxy import http
 from mitmproxy import io as mio
 from mitmproxy.exceptions import FlowReadException
+from mitmproxy.io import tnetstring
+from mitmproxy.net.encoding import decode as encoding_decode
 
 from controlplane.capability.errors import BAD_REQUEST, TetherError
 
@@ -45,35 +48,56 @@ def _redact_json(value: Any, fields: frozenset[str]) -> tuple[Any, bool]:
     return value, False
 
 
-def _redact_message(message: http.Message, fields: frozenset[str], headers: tuple[str, ...]) -> None:
-    for name in headers:
-        if name in message.headers:
-            message.headers[name] = REDACTED
-    if not fields or message.raw_content is None:
+def _header_dict(headers: Any) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+
+
+def _redact_body(part: dict[str, Any], fields: frozenset[str]) -> None:
+    """Redact named JSON fields in a message state's body (decoding it first if it is encoded)."""
+    content = part.get("content")
+    headers = _header_dict(part["headers"])
+    if not fields or not content or "json" not in headers.get("content-type", ""):
         return
-    if "json" not in message.headers.get("content-type", ""):
-        return
+    encoding = headers.get("content-encoding", "").strip().lower()
     try:
-        value = json.loads(message.get_content(strict=False) or b"")
+        body = encoding_decode(content, encoding) if encoding and encoding != "identity" else content
+        value = json.loads(body)
     except (ValueError, UnicodeDecodeError):
+        if encoding:  # a body we cannot read could hold the secret: keep none of it
+            part["content"] = b"[REDACTED: undecodable encoded body]"
         return
     value, changed = _redact_json(value, fields)
     if changed:
-        message.content = json.dumps(value).encode()
+        part["content"] = json.dumps(value).encode()
+        part["headers"] = tuple((k, v) for k, v in part["headers"] if k.lower() != b"content-encoding")
 
 
-def redact(flow: http.HTTPFlow, fields: frozenset[str], headers: tuple[str, ...] = SECRET_HEADERS) -> http.HTTPFlow:
-    """A copy of the flow with secret headers, named JSON fields and named query parameters redacted."""
-    copy = flow.copy()
-    copy.id = flow.id  # the same call keeps one id across its snapshots (and matches its capture_ref)
-    copy.metadata = {}  # tether's own bookkeeping is not part of the traffic
-    _redact_message(copy.request, fields, headers)
-    for key in list(copy.request.query.keys()):
-        if key.lower() in fields:
-            copy.request.query[key] = REDACTED
-    if copy.response is not None:
-        _redact_message(copy.response, fields, headers)
-    return copy
+def _redact_query(path: bytes, fields: frozenset[str]) -> bytes:
+    head, sep, query = path.partition(b"?")
+    if not sep or not fields:
+        return path
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    if not any(k.lower() in fields for k, _ in pairs):
+        return path
+    redacted = [(k, REDACTED if k.lower() in fields else v) for k, v in pairs]
+    return head + b"?" + urlencode(redacted).encode("latin-1")
+
+
+def snapshot(flow: http.HTTPFlow, fields: frozenset[str], headers: tuple[str, ...] = SECRET_HEADERS) -> dict:
+    """The flow's serialisable state with secret headers, named JSON fields and query parameters redacted.
+
+    Works on ``get_state()`` rather than a copied flow: one snapshot per write, nothing rebuilt."""
+    state = flow.get_state()
+    state["metadata"] = {}  # tether's own bookkeeping is not part of the traffic
+    secret = {h.encode() for h in headers}
+    for name in ("request", "response"):
+        part = state.get(name)
+        if not part:
+            continue
+        part["headers"] = tuple((k, REDACTED.encode() if k.lower() in secret else v) for k, v in part["headers"])
+        _redact_body(part, fields)
+    state["request"]["path"] = _redact_query(state["request"]["path"], fields)
+    return state
 
 
 class CaptureWriter:
@@ -89,7 +113,7 @@ class CaptureWriter:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.path, "ab")
-            mio.FlowWriter(self._file).add(redact(flow, self.fields))
+            tnetstring.dump(snapshot(flow, self.fields), self._file)
             self._file.flush()
             self.last_error = None
             return True

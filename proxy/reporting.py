@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from controlplane.capability.errors import ApiError
 
@@ -31,6 +31,7 @@ class Reporter:
         self.delivered = 0
         self._wake = asyncio.Event()
         self._spool_broken = False
+        self._spool: IO[str] | None = None
         self._load()
 
     def _load(self) -> None:
@@ -45,18 +46,32 @@ class Reporter:
             log.info("%d report(s) from the spool will be delivered", len(self.pending))
 
     def add(self, report: dict[str, Any]) -> None:
+        """Spool a final report (before anything else) and queue it for the next batch."""
         self.pending.append(report)
         try:
-            with open(self.spool_path, "a") as f:
-                f.write(json.dumps(report, separators=(",", ":")) + "\n")
+            if self._spool is None:
+                self._spool = open(self.spool_path, "a")
+            self._spool.write(json.dumps(report, separators=(",", ":")) + "\n")
+            self._spool.flush()
             self._spool_broken = False
         except OSError as exc:  # a full disk affects the spool, never the calls
             if not self._spool_broken:
                 log.error("cannot spool reports to %s: %s (kept in memory)", self.spool_path, exc)
             self._spool_broken = True
-        self._wake.set()
+            self._close_spool()
+        if len(self.pending) >= BATCH:
+            self._wake.set()  # a full batch goes now; smaller ones wait for the interval
+
+    def _close_spool(self) -> None:
+        if self._spool is not None:
+            try:
+                self._spool.close()
+            except OSError:
+                pass
+            self._spool = None
 
     def _rewrite_spool(self) -> None:
+        self._close_spool()
         tmp = self.spool_path.with_suffix(".tmp")
         try:
             with open(tmp, "w") as f:

@@ -144,6 +144,7 @@ class Sidecar:
                               f"{'; '.join(errors) or 'unknown error'}", code="tether.listen_failed")
         host, port = addrs[0][:2]
         self.address = (host, port)
+        await self.heartbeat_once()  # starting may have been slow: begin serving on a fresh lease
         for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop):
             self._tasks.append(asyncio.create_task(job()))
         log.info("sidecar for %s listening on %s:%d", self.agent, host, port)
