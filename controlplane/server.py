@@ -39,7 +39,7 @@ from .capability.errors import (
     TetherError,
 )
 from .graph import Graph, surface
-from .store import Doc, Store, StoreUnavailable
+from .store import Doc, Event, Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane")
 
@@ -143,6 +143,7 @@ class ControlPlane:
         self.auth = Authenticator(store, admin_token, clock)
         self.metrics = Metrics()
         self._event_signal = asyncio.Event()
+        self._event_reads: dict[int, asyncio.Future[list[Event]]] = {}
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = []
         self._add_core_routes()
@@ -158,8 +159,8 @@ class ControlPlane:
         signal, self._event_signal = self._event_signal, asyncio.Event()
         signal.set()
 
-    async def wait_event(self, after: int, timeout: float) -> None:
-        signal = self._event_signal
+    async def wait_event(self, after: int, timeout: float, signal: asyncio.Event | None = None) -> None:
+        signal = signal or self._event_signal
         waiters = [asyncio.ensure_future(signal.wait()), asyncio.ensure_future(self.store.wait_events(after, timeout))]
         try:
             await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -528,7 +529,8 @@ class ControlPlane:
             return web.json_response(await self._resync(agent, chain_jtis, high))
         deadline = self.clock() + wait
         while True:
-            events = await self.store.events_after(after, 500)
+            signal = self._event_signal  # taken before reading, so a publish meanwhile still wakes us
+            events = await self.events_after(after)
             visible = [e.to_dict() for e in events if _visible(e.kind, e.target, e.payload, agent, chain_jtis)]
             if events:
                 after = events[-1].seq
@@ -536,7 +538,17 @@ class ControlPlane:
             if visible or remaining <= 0 or len(events) == 500:
                 self.metrics.inc("tether_events_delivered_total", len(visible))
                 return web.json_response({"events": visible, "next": after})
-            await self.wait_event(after, remaining)
+            await self.wait_event(after, remaining, signal)
+
+    async def events_after(self, after: int) -> list[Event]:
+        """One store read shared by every long poll waiting at the same sequence (a revocation wakes them
+        all at once; without this each would read the same event again)."""
+        shared = self._event_reads.get(after)
+        if shared is None:
+            shared = asyncio.ensure_future(self.store.events_after(after, 500))
+            self._event_reads[after] = shared
+            shared.add_done_callback(lambda _f, key=after: self._event_reads.pop(key, None))
+        return await asyncio.shield(shared)
 
     async def _resync(self, agent: str, chain_jtis: set[str], high: int) -> Doc:
         revocations = await self.store.revocations()

@@ -49,6 +49,7 @@ EVENT_RETENTION = 10_000
 LEASE_GC_SLACK_MS = 60_000
 CONNECT_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 5.0
+POOL_SIZE = 64
 _UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, rex.MasterDownError, OSError)
 
 
@@ -167,13 +168,18 @@ class RedisStore(Store):
 
     # -- connection ----------------------------------------------------------------------------------
     async def open(self) -> None:
-        client = aioredis.from_url(
+        # A blocking pool: under a burst (hundreds of parked long polls waking at once) commands wait for a
+        # connection instead of failing with "too many connections", which would read as "Redis is down".
+        pool = aioredis.BlockingConnectionPool.from_url(
             self._raw_url,
+            max_connections=POOL_SIZE,
+            timeout=COMMAND_TIMEOUT_S,
             decode_responses=True,
             socket_connect_timeout=CONNECT_TIMEOUT_S,
             socket_timeout=COMMAND_TIMEOUT_S,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1),
         )
+        client = aioredis.Redis(connection_pool=pool)
         self._client = client
         for name, source in (
             ("put_links", _PUT_LINKS),
@@ -195,7 +201,7 @@ class RedisStore(Store):
                 await self._listener
             self._listener = None
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.aclose(close_connection_pool=True)
             self._client = None
         self._wake_all()
 
