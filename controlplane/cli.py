@@ -410,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--approval-timeout", type=float, default=120.0)
     p.add_argument("--allow-uncaptured", action="store_true", help="forward calls whose capture fails")
     p.add_argument("--capture-file", help="where captured flows go (default STATE_DIR/captures/flows.mitm)")
+    p.add_argument("--no-capture", action="store_true",
+                   help="do not capture traffic (enforcement, tracking and reports only)")
     p.add_argument("--call-timeout", type=float, default=300.0, help="abort a forwarded call after this long")
     p.add_argument("--trust", help="pin the control plane's public key instead of fetching it")
     p.add_argument("--ready-file", help="write the proxy address here once serving")

@@ -38,6 +38,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         allow_uncaptured=bool(getattr(args, "allow_uncaptured", False)),
         capture_path=Path(args.capture_file) if getattr(args, "capture_file", None) else None,
         call_timeout_s=float(getattr(args, "call_timeout", 300.0)),
+        capture=not getattr(args, "no_capture", False),
         trust=keys.load_public(read_file(args.trust, "trust key"), args.trust) if getattr(args, "trust", None)
         else None,
     )

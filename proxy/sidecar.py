@@ -55,6 +55,7 @@ class SidecarConfig:
     call_timeout_s: float = 300.0
     capture_path: Path | None = None
     startup_timeout_s: float = 30.0
+    capture: bool = True
 
 
 class Sidecar:
@@ -125,7 +126,10 @@ class Sidecar:
                                confdir=str(self.config.state_dir / "ca"))
         master = Master(opts)
         master.addons.add(*default_addons())
-        master.addons.add(Tracker(self), Enforcer(self), ToolsFilter(self), Streamer(), Capture(self), Resolver(self))
+        ours: list[Any] = [Tracker(self), Enforcer(self), ToolsFilter(self), Streamer()]
+        if self.config.capture:
+            ours.append(Capture(self))
+        master.addons.add(*ours, Resolver(self))
         updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600}
         if self.config.upstream_ca:
             updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca
