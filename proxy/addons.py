@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import http
@@ -95,39 +96,68 @@ class Enforcer:
                                  f"{host}:{port} is not a destination in the capability catalog"))
             self.sidecar.resolve(call, "refused", code=codes.UNKNOWN_DESTINATION)
 
-    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+    # Decisions run synchronously (no coroutine per call); only a call that must wait for a person returns
+    # an awaitable, which mitmproxy awaits for that flow alone.
+    def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         call = call_of(flow)
         if call is None or flow.response is not None:
-            return
-        await self._guarded(flow, self._decide_headers(flow, call))
+            return None
+        if self._decide(flow, lambda: self._decide_headers(flow, call)):
+            return self._guarded(flow, self._hold_then(flow, call, self._stream_large_upload))
+        return None
 
-    async def _guarded(self, flow: http.HTTPFlow, decision: Any) -> None:
-        """Run a decision; a refusal answers the client, and so does any failure to decide (fail closed:
-        an exception escaping a mitmproxy hook is logged and the request would be forwarded)."""
+    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        call = call_of(flow)
+        if call is None or flow.response is not None or flow.request.stream:
+            return None
+        if self._decide(flow, lambda: self._decide_body(flow, call)):
+            return self._guarded(flow, self._hold_then(flow, call, self._final_look))
+        return None
+
+    def _decide(self, flow: http.HTTPFlow, decision: Callable[[], bool]) -> bool:
+        """Run a decision; True when the call must be held. A refusal answers the client, and so does any
+        failure to decide (fail closed: an exception escaping a mitmproxy hook would let the call through)."""
+        try:
+            return decision()
+        except Refusal as refusal:
+            refuse(flow, refusal, outcome=flow.metadata.get(OUTCOME, "refused"))
+        except Exception as exc:
+            self._undecided(flow, exc)
+        return False
+
+    async def _guarded(self, flow: http.HTTPFlow, decision: Awaitable[None]) -> None:
         try:
             await decision
         except Refusal as refusal:
             refuse(flow, refusal, outcome=flow.metadata.get(OUTCOME, "refused"))
         except Exception as exc:
-            log.exception("could not decide on %s %s; refusing it", flow.request.method, flow.request.pretty_url)
-            refuse(flow, Refusal(codes.CAPABILITY_ABSENT, f"tether could not decide on this call ({exc!r}); "
-                                 "refused"))
+            self._undecided(flow, exc)
 
-    async def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> None:
+    @staticmethod
+    def _undecided(flow: http.HTTPFlow, exc: Exception) -> None:
+        log.error("could not decide on %s %s; refusing it", flow.request.method, flow.request.pretty_url,
+                  exc_info=exc)
+        refuse(flow, Refusal(codes.CAPABILITY_ABSENT, f"tether could not decide on this call ({exc!r}); refused"))
+
+    async def _hold_then(self, flow: http.HTTPFlow, call: Call, then: Callable[[http.HTTPFlow, Call], None]) -> None:
+        await self._hold(flow, call)
+        then(flow, call)
+
+    def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> bool:
         req = flow.request
         sc = self.sidecar
         server = sc.catalog.mcp_server(call.url)
         if server is not None:
             flow.metadata[MCP_SERVER] = server
             if req.method == "POST":
-                return  # the JSON-RPC body decides, the state checks included; see request()
+                return False  # the JSON-RPC body decides, the state checks included; see request()
         names = sc.catalog.match_http(req.host, req.port, req.method, req.path)
         if names:
             call.capability, call.tier = self._best(names)  # known before any refusal, for the report
         self._check_state_and_headers(flow)
         if server is not None:
             self._mcp_plumbing(server, call, req.method)
-            return
+            return False
         if not names:
             if not sc.catalog.knows_host(req.host, req.port):
                 raise Refusal(codes.UNKNOWN_DESTINATION,
@@ -135,12 +165,32 @@ class Enforcer:
             raise Refusal(codes.CAPABILITY_ABSENT, f"no capability covers {req.method} {req.path} on {req.host}")
         if call.tier == "absent":
             raise Refusal(codes.CAPABILITY_ABSENT, f"{call.capability} is not granted to {sc.agent}")
-        await self._hold_if_needed(flow, call)
+        if call.tier == "approval":
+            return True
+        self._stream_large_upload(flow, call)
+        return False
+
+    @staticmethod
+    def _stream_large_upload(flow: http.HTTPFlow, call: Call) -> None:
+        req = flow.request
         length = req.headers.get("content-length")
         if (length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
                 "transfer-encoding", ""):
             req.stream = True  # large uploads pass through; the decision above is final
             call.phase = "forwarding"
+
+    def _decide_body(self, flow: http.HTTPFlow, call: Call) -> bool:
+        server = flow.metadata.get(MCP_SERVER)
+        if server is not None and flow.request.method == "POST" and MCP_PARSED not in flow.metadata:
+            if self._decide_mcp(flow, call, server):
+                return True
+        self._final_look(flow, call)
+        return False
+
+    def _final_look(self, flow: http.HTTPFlow, call: Call) -> None:
+        # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
+        self.sidecar.state.admit(time.time(), time.monotonic())
+        call.phase = "forwarding"
 
     def _check_state_and_headers(self, flow: http.HTTPFlow) -> None:
         """May anything leave now, and do the headers say what the connection does?"""
@@ -160,20 +210,6 @@ class Enforcer:
                 raise Refusal(codes.UNKNOWN_DESTINATION,
                               f"Host header {host_header!r} does not name the destination {req.host}")
 
-    async def request(self, flow: http.HTTPFlow) -> None:
-        call = call_of(flow)
-        if call is None or flow.response is not None or flow.request.stream:
-            return
-        await self._guarded(flow, self._decide_body(flow, call))
-
-    async def _decide_body(self, flow: http.HTTPFlow, call: Call) -> None:
-        server = flow.metadata.get(MCP_SERVER)
-        if server is not None and flow.request.method == "POST" and MCP_PARSED not in flow.metadata:
-            await self._decide_mcp(flow, call, server)
-        # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
-        self.sidecar.state.admit(time.time(), time.monotonic())
-        call.phase = "forwarding"
-
     def _best(self, names: list[str]) -> tuple[str, str]:
         ranked = sorted(names, key=lambda n: {"direct": 0, "approval": 1}.get(self.sidecar.state.tier(n), 2))
         return ranked[0], self.sidecar.state.tier(ranked[0])
@@ -187,7 +223,8 @@ class Enforcer:
             raise Refusal(codes.CAPABILITY_ABSENT, f"no tool on {server} is granted to {self.sidecar.agent}")
         call.detail = f"mcp {what}"
 
-    async def _decide_mcp(self, flow: http.HTTPFlow, call: Call, server: str) -> None:
+    def _decide_mcp(self, flow: http.HTTPFlow, call: Call, server: str) -> bool:
+        """Match a JSON-RPC POST; True when it must be held for approval."""
         try:
             # The server reads the bytes as sent: match those, and never a body we would have to decode.
             encoding = flow.request.headers.get("content-encoding", "identity").strip().lower()
@@ -217,10 +254,10 @@ class Enforcer:
             call.capability = tools[0][0] if len(tools) == 1 else ",".join(c for c, _ in tools)
             call.tier = "approval" if any(t == "approval" for _, t in tools) else "direct"
             call.detail = None
-            await self._hold_if_needed(flow, call)
-        else:
-            call.detail = call.detail or "mcp"
-            flow.metadata["tether.mcp_methods"] = [m.method for m in parsed.messages]
+            return call.tier == "approval"
+        call.detail = call.detail or "mcp"
+        flow.metadata["tether.mcp_methods"] = [m.method for m in parsed.messages]
+        return False
 
     @staticmethod
     def _check_mcp_headers(flow: http.HTTPFlow, parsed: mcp.Parsed) -> None:
@@ -235,9 +272,8 @@ class Enforcer:
         if name_header is not None and message.method == "tools/call" and name_header != message.tool:
             raise Refusal(codes.CAPABILITY_ABSENT, "the mcp-name header does not match the tool in the body")
 
-    async def _hold_if_needed(self, flow: http.HTTPFlow, call: Call) -> None:
-        if call.tier != "approval":
-            return
+    async def _hold(self, flow: http.HTTPFlow, call: Call) -> None:
+        """Wait for a person's decision on an ``approval`` call; other calls go on meanwhile."""
         call.phase = "held"
         decision = await self.sidecar.await_approval(call)
         call.phase = "arrived"
