@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -489,3 +490,77 @@ def reports_for(cp: ControlPlaneProcess, agent: str) -> list[dict[str, Any]]:
 def iter_lines(path: Path) -> Iterator[str]:
     if path.exists():
         yield from path.read_text().splitlines()
+
+
+# -- redis-server on a free port ----------------------------------------------------------------------------
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+@dataclass
+class RedisServer:
+    """A ``redis-server`` of the test's own on 127.0.0.1 (never the shared one), its files in ``directory``.
+
+    ``durable``: an append-only file fsynced before every reply, so whatever a replica was told survives
+    SIGKILL, and a restart on the same port and directory reloads it. Otherwise nothing is persisted."""
+
+    directory: Path
+    port: int = field(default_factory=free_port)
+    durable: bool = False
+    proc: subprocess.Popen | None = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> RedisServer:
+        import pytest
+
+        if not Path(REDIS_SERVER).exists():
+            pytest.skip("redis-server is not installed")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.durable
+                       else ["--appendonly", "no"])
+        log = open(self.directory / "redis.log", "ab")
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+             "--save", "", *persistence, "--maxmemory-policy", "noeviction"],
+            stdout=log, stderr=log)
+        wait_until(self.answers, 15, what=f"redis-server on {self.port}")
+        return self
+
+    def command(self, *words: str) -> bytes:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+            s.sendall(b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w.encode()) for w in words))
+            return s.recv(65536)
+
+    def answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"redis-server exited: {(self.directory / 'redis.log').read_text()[-2000:]}")
+        try:
+            return self.command("PING").startswith(b"+PONG")  # not while LOADING the append-only file
+        except OSError:
+            return False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def flush(self) -> None:
+        assert self.command("FLUSHALL").startswith(b"+OK")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+

@@ -27,8 +27,6 @@ import os
 import random
 import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -53,6 +51,7 @@ from controlplane.client import Signer
 from .harness import (
     ControlPlaneProcess,
     Identity,
+    RedisServer,
     SidecarProcess,
     ToolServer,
     free_port,
@@ -61,90 +60,11 @@ from .harness import (
     wait_until,
 )
 from .test_sidecar_http import assert_refused
-from .test_store_contract import REDIS_SERVER
 
 GRACE_S = 4.0  # the replicas' reconciliation grace: room for a sidecar's late ack on a loaded machine
 
 
 # -- real parts --------------------------------------------------------------------------------------------
-@dataclass
-class DurableRedis:
-    """A ``redis-server`` that keeps its data across a crash: an append-only file, fsynced before every
-    reply (``appendfsync always``), so whatever a replica was told is stored survives SIGKILL. Restarted
-    on the same port and directory, it reloads the file."""
-
-    directory: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def start(self) -> DurableRedis:
-        if not Path(REDIS_SERVER).exists():
-            pytest.skip("redis-server is not installed")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / "redis.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                REDIS_SERVER,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.directory),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--maxmemory-policy",
-                "noeviction",
-            ],
-            stdout=log,
-            stderr=log,
-        )
-        wait_until(self.answers, 15, what=f"redis-server on {self.port}")
-        return self
-
-    def command(self, *words: str) -> bytes:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
-            s.sendall(b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w.encode()) for w in words))
-            return s.recv(65536)
-
-    def answers(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"redis-server exited: {(self.directory / 'redis.log').read_text()[-2000:]}")
-        try:
-            # LOADING while the append-only file is read back: not ready yet.
-            return self.command("PING").startswith(b"+PONG")
-        except OSError:
-            return False
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.running:
-            assert self.proc is not None
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-
 class Relay:
     """A TCP relay on 127.0.0.1 in front of one port. ``cut()`` turns it into a black hole, as a network
     partition looks from both ends: open connections stop carrying bytes (the far side's sockets are
@@ -231,7 +151,7 @@ class Relay:
 @dataclass
 class Fleet:
     directory: Path
-    redis: DurableRedis
+    redis: RedisServer
     tools: ToolServer
     a: ControlPlaneProcess
     b: ControlPlaneProcess
@@ -259,7 +179,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     directory = tmp_path_factory.mktemp("redis-faults")
-    redis = DurableRedis(directory / "redis").start()
+    redis = RedisServer(directory / "redis", durable=True).start()
     tools = ToolServer().start()
     store = redis.url(0)
     a = prepare_controlplane(directory / "cp-a", tools.port, free_port(), free_port(), store=store, grace=GRACE_S)
@@ -296,7 +216,7 @@ def replica_id(cp: ControlPlaneProcess) -> str:
     return cp.client().request("GET", "/healthz")["replica"]
 
 
-def lease_owner(redis: DurableRedis, name: str) -> str | None:
+def lease_owner(redis: RedisServer, name: str) -> str | None:
     raw = redis.command("HGET", f"tether:0:lease:{name}", "owner")  # RESP bulk string: $N\r\nVALUE\r\n
     return None if raw.startswith(b"$-1") else raw.split(b"\r\n")[1].decode()
 

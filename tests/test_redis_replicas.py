@@ -18,8 +18,7 @@ import requests
 
 from . import harness
 from .conftest import World, build_world, teardown_world
-from .harness import ControlPlaneProcess, Identity, SidecarProcess, wait_until
-from .test_store_contract import RedisServer
+from .harness import ControlPlaneProcess, Identity, RedisServer, SidecarProcess, wait_until
 
 ISSUES = "/repos/o/r/issues"
 LIVENESS_S = 10.0  # below the sidecar's 20 s long poll: only a cross-replica wake-up delivers in time

@@ -7,9 +7,6 @@ waking another replica's long polls, and answering StoreUnavailable while Redis 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -23,74 +20,9 @@ from controlplane.store import redis as redis_store
 from controlplane.store import sqlite as sqlite_store
 from controlplane.store.redis import RedisStore
 
-from .harness import free_port, wait_until
+from .harness import RedisServer
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 LIVENESS_S = 5.0  # an early wake-up must come well inside the 10 s timeout; this is not a benchmark
-
-
-# -- a real redis-server ----------------------------------------------------------------------------------
-@dataclass
-class RedisServer:
-    """A throwaway ``redis-server`` on 127.0.0.1, no persistence, its files in ``directory``."""
-
-    directory: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def start(self) -> RedisServer:
-        if not Path(REDIS_SERVER).exists():
-            pytest.skip("redis-server is not installed")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / "redis.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                REDIS_SERVER,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.directory),
-            ],
-            stdout=log,
-            stderr=log,
-        )
-        wait_until(self.answers, 10, what=f"redis-server on {self.port}")
-        return self
-
-    def command(self, *words: str) -> bytes:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
-            s.sendall(b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w.encode()) for w in words))
-            return s.recv(65536)
-
-    def answers(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"redis-server exited: {(self.directory / 'redis.log').read_text()[-2000:]}")
-        try:
-            return self.command("PING").startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def flush(self) -> None:
-        assert self.command("FLUSHALL").startswith(b"+OK")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
 
 
 @pytest.fixture(scope="module")
