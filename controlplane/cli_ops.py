@@ -108,7 +108,8 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
     for call in record["calls"]:
         counts = per_agent.setdefault(call["agent"], {})
         counts[call["resolution"]] = counts.get(call["resolution"], 0) + 1
-    print(f"record {record['record_id']} for termination {record['termination_id']}")
+    print(f"record {record['record_id']} for termination {record['termination_id']}"
+          + (f" (addendum to {record['amends']}: agents that acknowledged late)" if record.get("amends") else ""))
     print(f"  {record['mode']} of {record['subject']}, requested by {record['requested_by']} at "
           f"{_when(record['requested_at'])}, completed {_when(record['completed_at'])}, window {record['window_s']:g}s")
     print(f"  calls: {len(record['calls'])}")
@@ -172,6 +173,8 @@ def cmd_records(args: argparse.Namespace) -> int:
     if not records:
         print("no records")
     for r in records:
+        kind = f"addendum to {r['amends']}" if r.get("amends") else ""
         print(f"{r['record_id']}  {r['termination_id']}  {r['mode']:<6} {r['subject']:<18} "
-              f"calls {len(r['calls']):<4} unaccounted {len(r['agents_unaccounted'])}  {_when(r['completed_at'])}")
+              f"calls {len(r['calls']):<4} unaccounted {len(r['agents_unaccounted'])}  {_when(r['completed_at'])}"
+              f"  {kind}")
     return 0

@@ -119,8 +119,10 @@ def advance(doc: Doc, acked: Iterable[str], now: float) -> Step:
     return Step(doc, ())
 
 
-def finish(doc: Doc, record_id: str, now: float) -> Doc:
-    return _moved(doc, TERMINATED, now, completed_at=now, record_id=record_id)
+def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()) -> Doc:
+    """``unaccounted``: agents the record could not confirm; a late acknowledgement from one of them
+    is written as an addendum (see build_addendum)."""
+    return _moved(doc, TERMINATED, now, completed_at=now, record_id=record_id, open_agents=sorted(unaccounted))
 
 
 # -- the reconciliation record -----------------------------------------------------------------------
@@ -136,6 +138,18 @@ def record_hash(record: Mapping[str, Any]) -> str:
 _CALL_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status", "capture_ref")
 
 
+def _in_order(reports: list[Doc]) -> list[Doc]:
+    return sorted(reports, key=lambda r: (r.get("started_at") or 0, r["call_id"]))
+
+
+def _call_entry(report: Doc) -> Doc:
+    entry = {f: report.get(f) for f in _CALL_FIELDS}
+    for extra in ("ended_at", "code", "termination_id"):
+        if report.get(extra) is not None:
+            entry[extra] = report[extra]
+    return entry
+
+
 def build_record(
     termination: Doc,
     *,
@@ -149,15 +163,8 @@ def build_record(
     now: float,
 ) -> Doc:
     """Assemble (unsigned) what became of every call and agent in the subtree."""
-    calls: list[Doc] = []
-    seen: set[str] = set()
-    for report in sorted(reports, key=lambda r: (r.get("started_at") or 0, r["call_id"])):
-        seen.add(report["call_id"])
-        entry = {f: report.get(f) for f in _CALL_FIELDS}
-        for extra in ("ended_at", "code", "termination_id"):
-            if report.get(extra) is not None:
-                entry[extra] = report[extra]
-        calls.append(entry)
+    calls = [_call_entry(report) for report in _in_order(reports)]
+    seen = {call["call_id"] for call in calls}
     terminated = sorted(a for a in termination["agents"] if a in acked)
     unaccounted: list[Doc] = []
     for agent in termination["agents"]:
@@ -258,3 +265,28 @@ def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
             problems.append(f"record {index} ({rid}): signature does not verify under the control plane key")
         prev = record.get("hash", "")
     return VerifyResult(not problems, len(records), tuple(problems))
+
+
+def build_addendum(termination: Doc, earlier: list[Doc], *, record_id: str, reports: list[Doc],
+                   acked: Mapping[str, Doc], prev_hash: str, now: float) -> Doc | None:
+    """A later record for the same termination, when agents the record could not confirm acknowledge late.
+
+    A sidecar acknowledges only after delivering its last reports, so the addendum can list every call of
+    those agents that no earlier record had as reported, and move the agents to ``agents_terminated``.
+    ``earlier``: the termination's records so far, oldest first. None when there is nothing to add."""
+    latest = earlier[-1]
+    late = sorted(u["agent"] for u in latest["agents_unaccounted"] if u["agent"] in acked)
+    if not late:
+        return None
+    known = {c["call_id"] for record in earlier for c in record["calls"] if c.get("reported", True)}
+    calls = [_call_entry(r) for r in _in_order(reports) if r["agent"] in late and r["call_id"] not in known]
+    return {
+        "record_id": record_id, "termination_id": termination["id"], "subject": termination["subject"],
+        "mode": termination["mode"], "requested_by": termination["requested_by"],
+        "requested_at": termination["requested_at"], "completed_at": now, "window_s": termination["window_s"],
+        "reason": termination.get("reason", ""), "amends": earlier[0]["record_id"],
+        "calls": calls, "leases": [], "agents_terminated": late,
+        "agents_unaccounted": [u for u in latest["agents_unaccounted"] if u["agent"] not in late],
+        "acknowledgements": {a: {"at": acked[a].get("at"), "state": "acknowledged_late"} for a in late},
+        "prev_hash": prev_hash,
+    }

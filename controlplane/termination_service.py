@@ -170,11 +170,36 @@ class TerminationService:
 
     async def drive_all(self) -> None:
         for doc in await self.cp.store.list_docs("termination"):
-            if doc["state"] == proto.TERMINATED:
+            if doc["state"] == proto.TERMINATED and not doc.get("open_agents"):
                 continue
             if not await self.cp.store.try_lease(f"termination:{doc['id']}", self.cp.replica, LEASE_S, self.cp.clock()):
                 continue
-            await self.drive(doc)
+            if doc["state"] == proto.TERMINATED:
+                await self.amend(doc)
+            else:
+                await self.drive(doc)
+
+    async def amend(self, doc: Doc) -> None:
+        """Agents the record left unaccounted that acknowledge later get an addendum record."""
+        acks = await self._acks(doc)
+        if not set(doc["open_agents"]) & set(acks):
+            return
+        store = self.cp.store
+        while True:
+            records = await store.records()
+            earlier = [r for r in records if r["termination_id"] == doc["id"]]
+            addendum = proto.build_addendum(
+                doc, earlier, record_id="rec-" + os.urandom(8).hex(), reports=await store.reports(doc["agents"]),
+                acked=acks, prev_hash=records[-1]["hash"] if records else "", now=self.cp.clock())
+            if addendum is None:
+                break
+            sealed = proto.seal(addendum, self.cp.signing_key)
+            if await store.append_record(sealed):
+                log.info("termination %s: addendum %s (late: %s)", doc["id"], sealed["record_id"],
+                         ", ".join(sealed["agents_terminated"]))
+                break
+        still = [u["agent"] for u in (addendum or earlier[-1])["agents_unaccounted"]]
+        await self._save(doc, {**doc, "open_agents": still, "version": doc["version"] + 1})
 
     async def _acks(self, doc: Doc) -> dict[str, Doc]:
         """Agents whose sidecar acknowledged quiescence, or had already stopped (said goodbye) for good."""
@@ -194,8 +219,8 @@ class TerminationService:
         step = proto.advance(doc, acks, self.cp.clock())
         for action in step.actions:
             if action == proto.WRITE_RECORD:
-                record_id = await self.write_record(step.doc, acks)
-                final = proto.finish(step.doc, record_id, self.cp.clock())
+                record_id, unaccounted = await self.write_record(step.doc, acks)
+                final = proto.finish(step.doc, record_id, self.cp.clock(), unaccounted)
                 await self._save(doc, final)
                 self.cp.metrics.inc("tether_terminations_completed_total")
                 log.info("termination %s: terminated, record %s", doc["id"], record_id)
@@ -233,13 +258,14 @@ class TerminationService:
                 await self.cp.store.put_doc("command", agent, {**command, "agent": agent})
                 await self.cp.publish("command", agent, command)
 
-    async def write_record(self, doc: Doc, acks: dict[str, Doc]) -> str:
+    async def write_record(self, doc: Doc, acks: dict[str, Doc]) -> tuple[str, list[str]]:
+        """Write the termination's record (once); returns its id and the agents it left unaccounted."""
         store = self.cp.store
         while True:
             records = await store.records()
             for record in records:
-                if record["termination_id"] == doc["id"]:
-                    return record["record_id"]  # written before a restart: never a second record
+                if record["termination_id"] == doc["id"]:  # written before a restart: never a second record
+                    return record["record_id"], [u["agent"] for u in record["agents_unaccounted"]]
             graph = await self.cp.graph()
             links = graph.subtree(doc["subject"])
             record = proto.build_record(
@@ -255,7 +281,7 @@ class TerminationService:
             )
             sealed = proto.seal(record, self.cp.signing_key)
             if await store.append_record(sealed):
-                return sealed["record_id"]
+                return sealed["record_id"], [u["agent"] for u in sealed["agents_unaccounted"]]
 
 
 def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationService:

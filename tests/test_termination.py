@@ -14,6 +14,7 @@ edits the log, and only an admin or an ancestor may terminate.
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import subprocess
 import threading
@@ -375,6 +376,39 @@ def test_sigkilled_sidecar_is_unaccounted_with_its_last_known_calls(world: World
     leases = {lease["agent"]: lease for lease in record["leases"]}
     assert "revoked_at" in leases["c1"]
     assert hits(world, "GET", "/slow") == 1
+
+
+def test_a_frozen_sidecar_that_comes_back_is_written_in_an_addendum(world: World) -> None:
+    """Frozen (SIGSTOP) through the window and the grace, c1 is unaccounted in the record; thawed, it gets
+    its command on the event stream, cuts its call, reports and acknowledges: an addendum says so."""
+    ids = tree(world)
+    sidecars = start_sidecars(world, [ids["root"], ids["c1"]])
+    calls = Background(world)
+    calls.start("c1/long", sidecars["c1"], "GET", "/slow?s=60")
+    wait_until(lambda: (sidecar_view(world, "c1") or {}).get("sidecar", {}).get("inflight") == 1, 15,
+               what="c1's heartbeat to report its call in flight")
+    assert sidecars["c1"].proc is not None
+    sidecars["c1"].proc.send_signal(signal.SIGSTOP)
+    try:
+        doc = terminate(world, "root", "drain", 1.0)
+        wait_terminated(world, doc["termination_id"], 1.0)
+        record = record_of(world, doc["termination_id"])
+        assert [u["agent"] for u in record["agents_unaccounted"]] == ["c1"]
+    finally:
+        sidecars["c1"].proc.send_signal(signal.SIGCONT)
+
+    def addendum() -> dict[str, Any] | None:
+        records = world.cp.client().request("GET", "/v1/records")
+        return next((r for r in records if r.get("amends") == record["record_id"]), None)
+
+    late = wait_until(addendum, 40, what="an addendum for c1")
+    calls.join()
+    assert late["termination_id"] == doc["termination_id"]
+    assert late["agents_terminated"] == ["c1"] and late["agents_unaccounted"] == []
+    cut = [c for c in late["calls"] if c["agent"] == "c1" and c["url"].endswith("/slow")]
+    assert len(cut) == 1 and cut[0]["resolution"] == "unknown"  # it had left; nobody knows what it did
+    assert run_cli(world, "records", "verify").returncode == 0
+    assert error_code(get(world, sidecars["c1"])) == "tether.terminated"
 
 
 # -- a middle node ------------------------------------------------------------------------------------------

@@ -510,3 +510,35 @@ def test_garbage_signature_is_a_problem_not_a_crash() -> None:
     records = log_of(2)
     del records[0]["signature"]
     assert any(p.startswith("record 0 ") and "signature" in p for p in problems(records))
+
+
+# -- addenda: agents that acknowledge after the record ----------------------------------------------------
+def test_a_late_acknowledgement_becomes_an_addendum_with_the_calls_not_yet_reported() -> None:
+    doc = {**term(agents=("root", "a", "b", "ghost")), "id": "term-1"}
+    original = proto.seal(sample_record("", "rec-1"), KEY)
+    assert [u["agent"] for u in original["agents_unaccounted"]] == ["b", "ghost"]
+    assert proto.build_addendum(doc, [original], record_id="rec-2", reports=[], acked={"root": {}, "a": {}},
+                                prev_hash=original["hash"], now=T0 + 30) is None  # nobody new: nothing to add
+    late_reports = [
+        report("c5", "b", T0 + 0.5, "completed", 201),  # already in the record as reported: not repeated
+        report("c4", "b", T0 + 3.5, "completed", 200),  # listed as unknown/unreported before: now known
+        report("c7", "b", T0 + 6, "refused", code="tether.draining"),  # never seen before
+        report("c3", "a", T0 + 3, "unknown", code="tether.aborted"),  # another agent's: not this addendum's
+    ]
+    addendum = proto.build_addendum(doc, [original], record_id="rec-2", reports=late_reports,
+                                    acked={"b": {"at": T0 + 40}}, prev_hash=original["hash"], now=T0 + 41)
+    assert addendum is not None
+    assert addendum["amends"] == "rec-1" and addendum["termination_id"] == doc["id"]
+    assert [c["call_id"] for c in addendum["calls"]] == ["c4", "c7"]
+    assert addendum["agents_terminated"] == ["b"]
+    assert [u["agent"] for u in addendum["agents_unaccounted"]] == ["ghost"]
+    assert addendum["acknowledgements"]["b"]["state"] == "acknowledged_late"
+    sealed = proto.seal(addendum, KEY)
+    assert proto.verify_records([original, sealed], KEY.public_key()).ok
+    assert proto.build_addendum(doc, [original, sealed], record_id="rec-3", reports=late_reports,
+                                acked={"b": {}}, prev_hash=sealed["hash"], now=T0 + 50) is None
+
+
+def test_finish_remembers_who_is_still_unaccounted() -> None:
+    doc = proto.advance(proto.advance(term(), (), T0).doc, ("root",), T0 + 100).doc
+    assert proto.finish(doc, "rec-1", T0 + 101, ["b", "a"])["open_agents"] == ["a", "b"]
