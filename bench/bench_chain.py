@@ -82,6 +82,7 @@ def per_call_ns(*fns: Callable[[], object]) -> list[float]:
 
 
 def main() -> int:
+    load_start, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M")
     trust_key = keys.generate()
     trust = trust_key.public_key()
     chains = {d: build_chain(trust_key, d) for d in DEPTHS}
@@ -109,7 +110,8 @@ def main() -> int:
         rows.append((depth, len(wire), raw_ns, cold_ns, cold_ns / depth, cached_ns, fresh_ns))
 
     print(f"python {platform.python_version()}, cryptography {cryptography.__version__}, "
-          f"nproc {os.cpu_count()}, {REVOKED} revoked jtis")
+          f"nproc {os.cpu_count()}, {REVOKED} revoked jtis, {started}, "
+          f"load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     print(f"raw baseline: one Ed25519 verify of a {len(signing_input)}-byte link signing input")
     print()
     print("| links | chain bytes | raw verify (us) | cold total (us) | cold per link (us) | per link / raw "

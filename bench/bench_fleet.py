@@ -24,10 +24,7 @@ asyncio subscribers spread the same way over the 2 worker processes (the floor f
 Python clients on this machine).
 
 Also printed per round: the CPU time each process group used (``/proc``), which shows where the time
-goes. Then (skip with ``--no-diagnose-pool``) the fleet runs again on two fresh replicas whose Redis
-client uses a blocking connection pool, injected by a ``sitecustomize`` on their path only: redis-py's
-default pool fails beyond 100 connections, which the store reports as ``StoreUnavailable`` (see
-bench/RESULTS.md). Product code is not changed; the run shows what that fix would buy.
+goes.
 
 Target: p99 under 100 ms from the revoke call's return, with every subscriber reached.
 
@@ -65,42 +62,17 @@ from controlplane.capability.catalog import parse_catalog  # noqa: E402
 from controlplane.capability.chain import mint_child, mint_root, parse_chain_unverified  # noqa: E402
 from controlplane.capability.errors import ApiError  # noqa: E402
 from controlplane.capability.proof import make_proof  # noqa: E402
-from tests.harness import ControlPlaneProcess, free_port, prepare_controlplane, wait_until  # noqa: E402
-from tests.test_store_contract import RedisServer  # noqa: E402
+from tests.harness import (  # noqa: E402
+    ControlPlaneProcess,
+    RedisServer,
+    free_port,
+    prepare_controlplane,
+    wait_until,
+)
 
 TARGET_P99_MS = 100.0
 PUBSUB = "raw Redis PUBLISH -> redis-py subscriber"
 AS_SHIPPED = "revoke on A -> event client (Sidecar.sync_events)"
-POOL_FIXED = "the same, replicas with a blocking Redis pool (diagnostic)"
-
-# Diagnostic only (--diagnose-pool): replicas started with this on their path use a Redis connection pool
-# that makes a command wait for a free connection instead of failing with MaxConnectionsError (which the
-# store reports as StoreUnavailable). The product code is not changed; this shows what the fix would buy.
-POOL_PATCH = """
-import redis.asyncio.client as _client
-from redis.asyncio.connection import BlockingConnectionPool as _Blocking
-
-
-class _Pool(_Blocking):
-    def __init__(self, max_connections=128, timeout=5.0, **kwargs):
-        super().__init__(max_connections=max_connections, timeout=timeout, **kwargs)
-
-
-_client.ConnectionPool = _Pool
-"""
-
-
-@dataclass
-class PatchedControlPlane(ControlPlaneProcess):
-    """A replica started with ``POOL_PATCH`` as its sitecustomize (diagnostic runs only)."""
-
-    patch_dir: Path | None = None
-
-    def env(self) -> dict[str, str]:
-        env = super().env()
-        if self.patch_dir is not None:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.patch_dir), env.get("PYTHONPATH")) if p)
-        return env
 CAPS = {"issues.read": "direct"}
 REPORTS_PATH = "/v1/reports"
 
@@ -688,22 +660,14 @@ def print_ingest(rows: list[tuple[str, str, float, int]]) -> None:
 
 
 # -- main --------------------------------------------------------------------------------------------------------
-def replica_pair(directory: Path, name: str, store: str, patch_dir: Path | None = None,
-                 source: ControlPlaneProcess | None = None) -> tuple[ControlPlaneProcess, ControlPlaneProcess]:
+def replica_pair(directory: Path, name: str, store: str) -> tuple[ControlPlaneProcess, ControlPlaneProcess]:
     """Two replicas over one store, one deployment: the same catalog and signing key."""
-    pair = []
-    for side in ("a", "b"):
-        cp = PatchedControlPlane(directory / f"{name}-{side}", store=store, patch_dir=patch_dir)
-        if source is None and side == "a":
-            cp = prepare_controlplane(cp.directory, free_port(), free_port(), free_port(), store=store)
-            cp = PatchedControlPlane(cp.directory, port=cp.port, store=store, patch_dir=patch_dir)
-        else:
-            cp.directory.mkdir(parents=True)
-            origin = source or pair[0]
-            for path in (origin.catalog_path, origin.signing_key_path):
-                shutil.copy(path, cp.directory / path.name)
-        pair.append(cp)
-    return pair[0], pair[1]
+    a = prepare_controlplane(directory / f"{name}-a", free_port(), free_port(), free_port(), store=store)
+    b = ControlPlaneProcess(directory / f"{name}-b", store=store)
+    b.directory.mkdir(parents=True)
+    for path in (a.catalog_path, a.signing_key_path):
+        shutil.copy(path, b.directory / path.name)
+    return a, b
 
 
 def main() -> None:
@@ -715,8 +679,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--senders", type=int, default=8)
     parser.add_argument("--batches", type=int, default=25, help="batches per sender")
-    parser.add_argument("--no-diagnose-pool", dest="diagnose_pool", action="store_false",
-                        help="skip the second fleet run on replicas with a blocking Redis pool")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
     args = parser.parse_args()
     if args.worker:
@@ -743,19 +705,6 @@ def main() -> None:
                                    redis.proc.pid))
         print("(b) report ingest", flush=True)
         rows = ingest(directory, a, redis.url(1), args.senders, args.batches, 200)
-        for cp in (a, b):
-            cp.stop()
-        if args.diagnose_pool:
-            print("(a, diagnostic) the fleet again, replicas with a blocking Redis connection pool", flush=True)
-            patch_dir = directory / "pool-patch"
-            patch_dir.mkdir()
-            (patch_dir / "sitecustomize.py").write_text(POOL_PATCH)
-            c, d = replica_pair(directory, "cp-pool", redis.url(2), patch_dir, source=a)
-            for cp in (c, d):
-                running.append(cp)
-                cp.start()
-            results.update(propagation(directory, c, d, POOL_FIXED, args.subscribers, args.workers, args.rounds,
-                                       redis.proc.pid))
         print_propagation(results)
         print_ingest(rows)
         fleet = results[(AS_SHIPPED, args.subscribers)]
@@ -767,7 +716,8 @@ def main() -> None:
         print(f"\nTarget p99 < {TARGET_P99_MS:.0f} ms with every one of {args.subscribers} subscribers reached (as "
               f"shipped): from the revoke call's return {verdict['return']} (p99 {pct(from_return, .99):.1f} ms); "
               f"from its send {verdict['send']} (p99 {pct(from_send, .99):.1f} ms); reached {reached}/{expected}. "
-              f"nproc {nproc()}. Whole run {time.monotonic() - started:.0f} s.")
+              f"nproc {nproc()}. Whole run {time.monotonic() - started:.0f} s; "
+              f"load average now {os.getloadavg()[0]:.1f}.")
     finally:
         for cp in running:
             cp.stop()

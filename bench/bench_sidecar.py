@@ -2,24 +2,28 @@
 
 Run: python bench/bench_sidecar.py          (1-3 minutes on 2 cores, depending on load; --quick for a smoke run)
 
-Three setups, all measured in this run with the same client: *direct* (client -> tool server), *mitmdump*
-(bare mitmproxy, no addons: ``mitmdump --set connection_strategy=lazy -q``) and *tether* (a real
+Four setups, all measured in this run with the same client: *direct* (client -> tool server), *mitmdump*
+(bare mitmproxy, no addons: ``mitmdump --set connection_strategy=lazy -q``), *tether* (a real
 ``tether sidecar`` process with full enforcement: chain check, lease, capture to disk, call reports to a
-real ``tether controlplane serve`` process, with the capability granted). Each over plain HTTP and over
+real ``tether controlplane serve`` process, with the capability granted) and *tether --no-capture* (a second
+sidecar, its own agent under the same control plane, started with ``--no-capture``: enforcement, call
+tracking and reports, no traffic capture). Each over plain HTTP and over
 HTTPS (the tool server's certificate comes from a private CA; the proxies intercept TLS with their own
 CA, which the client trusts), with 1 and 8 concurrent clients.
 
 Client: aiohttp, one ``ClientSession`` with one keep-alive connection per concurrent client, identical for
 every setup (``proxy=`` is the only difference). The tool server runs in its own process (the harness's
 ``ToolServer``), so it does not share a GIL with the client. Each client's first requests warm up its
-connection and are not counted. Rounds of the three setups alternate (the order rotates), so load from
+connection and are not counted. Rounds of the four setups alternate (the order rotates), so load from
 other work on the machine hits the baseline and the measured path alike.
 
-Targets (the sidecar's enforcement against bare mitmproxy, same scheme and concurrency):
+Targets (each tether setup against bare mitmproxy, same scheme and concurrency; a verdict for each):
   - p50 latency at most 1.10x bare mitmproxy's;
   - p99 latency at most 1 ms above bare mitmproxy's.
 Also printed: RSS of an idle sidecar against an idle bare mitmdump, after start and after the benchmark,
-and the call reports the control plane received from the sidecar (every call must arrive).
+and the call reports the control plane received from each sidecar (every call must arrive). The control
+plane's CPU per call is metered over all rounds and divided by the calls of both sidecars (their reports are
+batched every 0.2 s, so they cannot be told apart per round).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ P50_RATIO_TARGET = 1.10
 P99_DELTA_TARGET_MS = 1.0
 ISSUES = "/repos/o/r/issues"
 MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
+TETHER = "tether"
+NOCAP = "tether --no-capture"
+SIDECARS = (TETHER, NOCAP)
 
 # The tool server in a process of its own. stdin takes commands ("active", "hits"); EOF stops it.
 TOOL_SERVER_CODE = """
@@ -208,8 +215,13 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process: unlike latency, barely moved by other work on the machine."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
 @dataclass
@@ -218,6 +230,7 @@ class Figures:
     requests: int = 0
     wall: float = 0.0
     cpu: float = 0.0  # seconds of the proxy process during the counted rounds
+    sys_cpu: float = 0.0  # the kernel's part of it
 
     def pct(self, q: float) -> float:
         data = sorted(self.latencies)
@@ -230,6 +243,10 @@ class Figures:
     @property
     def cpu_ms_per_call(self) -> float:
         return 1000 * self.cpu / self.requests if self.requests else 0.0
+
+    @property
+    def sys_ms_per_call(self) -> float:
+        return 1000 * self.sys_cpu / self.requests if self.requests else 0.0
 
 
 class Client:
@@ -273,12 +290,15 @@ async def measure(setups: list[Setup], url: str, concurrency: int, rounds: int, 
             order = setups[r % len(setups):] + setups[:r % len(setups)]
             for s in order:
                 lat: list[float] = []
-                cpu0 = cpu_seconds(s.pid) if s.pid else 0.0
+                u0, s0 = cpu_split(s.pid) if s.pid else (0.0, 0.0)
                 start = time.perf_counter()
                 await asyncio.gather(*(c.run(per_client, lat) for c in clients[s.name]))
                 fig = figures[s.name]
                 fig.wall += time.perf_counter() - start
-                fig.cpu += (cpu_seconds(s.pid) - cpu0) if s.pid else 0.0
+                if s.pid:
+                    u1, s1 = cpu_split(s.pid)
+                    fig.cpu += (u1 - u0) + (s1 - s0)
+                    fig.sys_cpu += s1 - s0
                 fig.latencies += lat
                 fig.requests += len(lat)
     finally:
@@ -315,53 +335,68 @@ def main() -> int:
             tools = stack.enter_context(stopping(ToolServerProcess(ca).start()))
             cp = prepare_controlplane(work / "cp", tools.http_port, tools.https_port, free_port(), lease_ttl=15.0)
             stack.enter_context(stopping(cp.start()))
-            identity = cp.issue("bench-agent", {"issues.read": "direct", "secure.issues": "direct"})
-            sidecar = SidecarProcess(cp, identity)
-            stack.enter_context(stopping(sidecar))
-            sidecar.start(upstream_ca=ca.ca_pem)
+            caps = {"issues.read": "direct", "secure.issues": "direct"}
+            sidecars = {TETHER: SidecarProcess(cp, cp.issue("bench-agent", caps)),
+                        NOCAP: SidecarProcess(cp, cp.issue("bench-agent-nocap", caps), extra=["--no-capture"])}
+            for sc in sidecars.values():
+                stack.enter_context(stopping(sc))
+                sc.start(upstream_ca=ca.ca_pem)
             mitm = stack.enter_context(stopping(MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()))
-            time.sleep(2.0)  # let both settle before the idle reading
-            rss_start = {"tether sidecar": rss_mib(sidecar.proc.pid), "bare mitmdump": rss_mib(mitm.pid)}
+            print(f"  pids: {', '.join(f'{n} {sc.proc.pid}' for n, sc in sidecars.items())}, mitmdump {mitm.pid}, "
+                  f"control plane {cp.proc.pid}", flush=True)
+            time.sleep(2.0)  # let them settle before the idle reading
 
+            def rss_all() -> dict[str, float]:
+                return {**{f"{n} sidecar": rss_mib(sc.proc.pid) for n, sc in sidecars.items()},
+                        "bare mitmdump": rss_mib(mitm.pid)}
+
+            rss_start = rss_all()
             rows = []
-            sent_through_sidecar = 0
+            sent_through = dict.fromkeys(SIDECARS, 0)
             for scheme in ("http", "https"):
                 base = tools.http_base if scheme == "http" else tools.https_base
                 setups = [
                     Setup("direct", None, context(ca.ca_pem)),
                     Setup("mitmdump", mitm.proxy, context(mitm.ca), mitm.pid),
-                    Setup("tether", sidecar.proxy, context(Path(sidecar.ca)), sidecar.proc.pid),
+                    *(Setup(n, sc.proxy, context(Path(sc.ca)), sc.proc.pid) for n, sc in sidecars.items()),
                 ]
                 for conc, total in ((1, args.requests_c1), (8, args.requests_c8)):
                     per_client = max(1, total // (args.rounds * conc))
                     cp_cpu0 = cpu_seconds(cp.proc.pid)
                     figures, sent = asyncio.run(measure(setups, base + ISSUES, conc, args.rounds, per_client,
                                                         warmup=20))
-                    # The control plane takes the sidecar's reports (and nothing else but heartbeats) meanwhile.
-                    cp_ms = 1000 * (cpu_seconds(cp.proc.pid) - cp_cpu0) / sent["tether"]
-                    sent_through_sidecar += sent["tether"]
+                    # The control plane takes both sidecars' reports (and nothing else but heartbeats) meanwhile.
+                    cp_ms = 1000 * (cpu_seconds(cp.proc.pid) - cp_cpu0) / sum(sent[n] for n in SIDECARS)
+                    for n in SIDECARS:
+                        sent_through[n] += sent[n]
                     rows.append((scheme, conc, figures, cp_ms))
                     print(f"  measured {scheme} c={conc}: " + ", ".join(
                         f"{n} p50 {f.pct(0.5):.2f} ms" for n, f in figures.items()), flush=True)
 
-            # Every call through the sidecar must reach the control plane as a report.
+            # Every call through each sidecar must reach the control plane as a report.
             client = cp.client()
-            def reports() -> list[dict]:
-                return client.request("GET", f"/v1/reports?agent={identity.agent}")
-            try:
-                wait_until(lambda: len(reports()) >= sent_through_sidecar, 30, interval=0.5, what="reports")
-            except AssertionError:
-                pass
-            delivered = reports()
-            by_resolution: dict[str, int] = {}
-            for rep in delivered:
-                key = f"{rep.get('resolution')}/{rep.get('status')}"
-                by_resolution[key] = by_resolution.get(key, 0) + 1
-            time.sleep(1.0)
-            rss_end = {"tether sidecar": rss_mib(sidecar.proc.pid), "bare mitmdump": rss_mib(mitm.pid)}
 
-        print_results(rows, rss_start, rss_end, sent_through_sidecar, len(delivered), by_resolution,
-                      len({r["call_id"] for r in delivered}), time.monotonic() - started)
+            def reports(agent: str) -> list[dict]:
+                return client.request("GET", f"/v1/reports?agent={agent}")
+
+            delivery = {}
+            for n, sc in sidecars.items():
+                agent = sc.identity.agent
+                try:
+                    wait_until(lambda agent=agent, n=n: len(reports(agent)) >= sent_through[n], 30, interval=0.5,
+                               what="reports")
+                except AssertionError:
+                    pass
+                delivered = reports(agent)
+                by_resolution: dict[str, int] = {}
+                for rep in delivered:
+                    key = f"{rep.get('resolution')}/{rep.get('status')}"
+                    by_resolution[key] = by_resolution.get(key, 0) + 1
+                delivery[n] = (sent_through[n], len(delivered), len({r["call_id"] for r in delivered}), by_resolution)
+            time.sleep(1.0)
+            rss_end = rss_all()
+
+        print_results(rows, rss_start, rss_end, delivery, time.monotonic() - started)
     except BaseException:
         args.keep = True  # the logs of what failed stay for a look
         raise
@@ -373,47 +408,56 @@ def main() -> int:
     return 0
 
 
-def print_results(rows: list, rss_start: dict, rss_end: dict, sent: int, delivered: int, by_resolution: dict,
-                  unique: int, elapsed: float) -> None:
+def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, elapsed: float) -> None:
     print()
-    print("| setup | scheme | clients | requests | p50 ms | p99 ms | calls/s | proxy CPU ms/call |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| setup | scheme | clients | requests | p50 ms | p99 ms | calls/s | proxy CPU ms/call | of which kernel |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for scheme, conc, figures, cp_ms in rows:
         for name, f in figures.items():
             cpu = "-" if name == "direct" else f"{f.cpu_ms_per_call:.2f}"
-            if name == "tether":
+            kernel = "-" if name == "direct" else f"{f.sys_ms_per_call:.2f}"
+            if name in SIDECARS:
                 cpu += f" (+{cp_ms:.2f} control plane)"
             print(f"| {name} | {scheme} | {conc} | {f.requests} | {f.pct(0.5):.2f} | {f.pct(0.99):.2f} | {f.rps:.0f} "
-                  f"| {cpu} |")
+                  f"| {cpu} | {kernel} |")
     print()
-    print("tether against bare mitmproxy (targets: p50 <= "
+    print("(control plane CPU: per call of either sidecar, both sidecars' reports together)")
+    print()
+    print("each tether setup against bare mitmproxy (targets: p50 <= "
           f"{P50_RATIO_TARGET:.2f}x, p99 <= +{P99_DELTA_TARGET_MS:.1f} ms):")
     print()
-    print("| scheme | clients | p50 ratio | p50 target | p99 delta ms | p99 target | calls/s ratio | CPU/call ratio |")
-    print("|---|---:|---:|---|---:|---|---:|---:|")
-    all_p50 = all_p99 = True
-    for scheme, conc, figures, _ in rows:
-        t, m = figures["tether"], figures["mitmdump"]
-        ratio = t.pct(0.5) / m.pct(0.5)
-        delta = t.pct(0.99) - m.pct(0.99)
-        ok50, ok99 = ratio <= P50_RATIO_TARGET, delta <= P99_DELTA_TARGET_MS
-        all_p50 &= ok50
-        all_p99 &= ok99
-        print(f"| {scheme} | {conc} | {ratio:.2f}x | {'met' if ok50 else 'MISSED'} | {delta:+.2f} | "
-              f"{'met' if ok99 else 'MISSED'} | {t.rps / m.rps:.2f}x | {t.cpu_ms_per_call / m.cpu_ms_per_call:.2f}x |")
+    print("| setup | scheme | clients | p50 ratio | p50 target | p99 delta ms | p99 target | calls/s ratio "
+          "| CPU/call ratio |")
+    print("|---|---|---:|---:|---|---:|---|---:|---:|")
+    verdict = {n: [True, True] for n in SIDECARS}
+    for name in SIDECARS:
+        for scheme, conc, figures, _ in rows:
+            t, m = figures[name], figures["mitmdump"]
+            ratio = t.pct(0.5) / m.pct(0.5)
+            delta = t.pct(0.99) - m.pct(0.99)
+            ok50, ok99 = ratio <= P50_RATIO_TARGET, delta <= P99_DELTA_TARGET_MS
+            verdict[name][0] &= ok50
+            verdict[name][1] &= ok99
+            print(f"| {name} | {scheme} | {conc} | {ratio:.2f}x | {'met' if ok50 else 'MISSED'} | {delta:+.2f} | "
+                  f"{'met' if ok99 else 'MISSED'} | {t.rps / m.rps:.2f}x | "
+                  f"{t.cpu_ms_per_call / m.cpu_ms_per_call:.2f}x |")
     print()
     print("| process (idle) | RSS after start MiB | RSS after benchmark MiB |")
     print("|---|---:|---:|")
     for name in rss_start:
         print(f"| {name} | {rss_start[name]:.1f} | {rss_end[name]:.1f} |")
-    print(f"| sidecar / mitmdump | {rss_start['tether sidecar'] / rss_start['bare mitmdump']:.2f}x | "
-          f"{rss_end['tether sidecar'] / rss_end['bare mitmdump']:.2f}x |")
+    for name in SIDECARS:
+        key = f"{name} sidecar"
+        print(f"| {key} / mitmdump | {rss_start[key] / rss_start['bare mitmdump']:.2f}x | "
+              f"{rss_end[key] / rss_end['bare mitmdump']:.2f}x |")
     print()
-    print(f"reports: {sent} calls sent through the sidecar (warm-up included); the control plane holds "
-          f"{delivered} reports ({unique} distinct call ids): "
-          + ", ".join(f"{k} {v}" for k, v in sorted(by_resolution.items()))
-          + (" -- all arrived" if unique == sent else f" -- {sent - unique} MISSING"))
-    print(f"verdict: p50 target {'met' if all_p50 else 'MISSED'}; p99 target {'met' if all_p99 else 'MISSED'}")
+    for name, (sent, delivered, unique, by_resolution) in delivery.items():
+        print(f"reports, {name}: {sent} calls sent through the sidecar (warm-up included); the control plane holds "
+              f"{delivered} reports ({unique} distinct call ids): "
+              + ", ".join(f"{k} {v}" for k, v in sorted(by_resolution.items()))
+              + (" -- all arrived" if unique == sent else f" -- {sent - unique} MISSING"))
+    for name, (ok50, ok99) in verdict.items():
+        print(f"verdict, {name}: p50 target {'met' if ok50 else 'MISSED'}; p99 target {'met' if ok99 else 'MISSED'}")
     print(f"elapsed {elapsed:.0f} s; load average now {os.getloadavg()[0]:.2f}")
 
 
