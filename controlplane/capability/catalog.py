@@ -120,6 +120,8 @@ class Catalog:
     roles: Mapping[str, Mapping[str, str]]
     hash: str
     source: str = "<catalog>"
+    # Matching is pure, and the catalog never changes: remember answers (bounded; cleared when full).
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- queries ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -136,19 +138,37 @@ class Catalog:
 
     def match_http(self, host: str, port: int, method: str, path: str) -> list[str]:
         """Every HTTP capability that this request falls under, in catalog order (often one)."""
+        key = (host, port, method, path)
+        cached = self._memo.get(key)
+        if cached is None:
+            cached = self._match_http(host, port, method, path)
+            if len(self._memo) >= 8192:
+                self._memo.clear()
+            self._memo[key] = cached
+        return list(cached)
+
+    def _match_http(self, host: str, port: int, method: str, path: str) -> tuple[str, ...]:
         clean = safe_path(path)
         if clean is None:
-            return []
+            return ()
         host = host.lower().rstrip(".")
         method = method.upper()
-        return [
+        return tuple(
             c.name
             for c in self.capabilities.values()
             if c.http is not None and c.http.matches(host, port, method, clean)
-        ]
+        )
 
     def mcp_server(self, url: str) -> str | None:
         """The normalized endpoint when ``url`` is one of the catalog's MCP servers."""
+        key = ("mcp", url)
+        if key not in self._memo:
+            if len(self._memo) >= 8192:
+                self._memo.clear()
+            self._memo[key] = self._mcp_server(url)
+        return self._memo[key]
+
+    def _mcp_server(self, url: str) -> str | None:
         normalized = normalize_url(url)
         for c in self.capabilities.values():
             if c.mcp is not None and c.mcp.server == normalized:
