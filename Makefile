@@ -25,7 +25,8 @@ test: venv lint
 	$(BIN)/pytest -q -p no:cacheprovider
 
 bench: venv
-	$(BIN)/python bench/bench_chain.py
+	$(BIN)/python bench/bench_chain.py; $(BIN)/python bench/bench_sidecar.py; \
+	$(BIN)/python bench/bench_termination.py; $(BIN)/python bench/bench_fleet.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
