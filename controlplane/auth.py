@@ -63,9 +63,13 @@ class Authenticator:
         header = request.headers.get(PROOF_HEADER)
         return read_proof(header) if header else None
 
-    async def check(self, request: web.Request, proof: Proof, key_jwk: dict, body: bytes) -> None:
+    async def check(self, request: web.Request, proof: Proof, key_jwk: dict, body: bytes, consume: bool = True) -> None:
+        """Verify the proof for this request; ``consume`` marks it used (off when the same request is checked
+        against several links)."""
         now = self.clock()
         check_proof(proof, keys.from_jwk(key_jwk), method=request.method, path=request.path_qs, body=body, now=now)
+        if not consume:
+            return
         # Locally first (cheap), then in the store, so a proof replayed to another replica is refused too.
         if not self.replays.first_use(proof.jti, now) or not await self.store.first_use(
             f"proof:{proof.jti}", self.replays.window_s, now

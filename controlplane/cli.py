@@ -392,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cp.add_parser("serve", help="serve the control plane API")
     p.add_argument("--store", default="sqlite:///tether.db")
     p.add_argument("--listen", default="127.0.0.1:7000")
-    p.add_argument("--catalog", default="catalog.yaml")
+    p.add_argument("--catalog", default=None,
+                   help="the capability catalog (default ./catalog.yaml; without one, everything is absent)")
     p.add_argument("--signing-key", default="tether-signing.key")
     p.add_argument("--lease-ttl", type=float, default=15.0, help="seconds a sidecar may go without contact")
     p.add_argument("--grace", type=float, default=5.0, help="seconds past a drain window before reconciling")

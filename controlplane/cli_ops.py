@@ -42,11 +42,11 @@ def cmd_terminate(args: argparse.Namespace) -> int:
     state = doc["state"]
     while state != "terminated":
         time.sleep(0.3)
-        doc = c.request("GET", f"/v1/terminations/{tid}")
+        doc = c.request("GET", f"/v1/terminations/{tid}", signer=signer)
         if doc["state"] != state and not args.json:
             print(f"  {tid}: {doc['state']}")
         state = doc["state"]
-    record = c.request("GET", f"/v1/records/{tid}")
+    record = c.request("GET", f"/v1/records/{tid}", signer=signer)
     if args.json:
         _print_json(record)
     else:

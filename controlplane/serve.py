@@ -14,7 +14,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .capability import keys
-from .capability.catalog import Catalog, parse_catalog
+from .capability.catalog import Catalog, empty_catalog, parse_catalog
 from .capability.errors import BAD_REQUEST, TetherError
 from .server import ControlPlane
 from .store import open_store_url
@@ -33,6 +33,17 @@ def parse_listen(value: str, default_port: int) -> tuple[str, int]:
     if not 0 <= number < 65536:
         raise TetherError(f"--listen {value}: port out of range", code=BAD_REQUEST)
     return host.strip("[]"), number
+
+
+def load_serving_catalog(path: str | None) -> Catalog:
+    """``--catalog``, or ./catalog.yaml when it exists, or an empty catalog (everything absent) with a warning."""
+    if path is None:
+        if not Path("catalog.yaml").exists():
+            print("tether: no --catalog and no ./catalog.yaml: serving an empty catalog, so every capability "
+                  "is absent and every call refused", file=sys.stderr)
+            return empty_catalog()
+        path = "catalog.yaml"
+    return load_catalog(path)
 
 
 def load_catalog(path: str) -> Catalog:
@@ -69,16 +80,13 @@ def admin_token_from_env() -> str:
     return token
 
 
-def build(store_url: str, catalog_path: str, signing_key_path: str, admin_token: str, **options: float) -> ControlPlane:
+def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin_token: str,
+          **options: float) -> ControlPlane:
     from .termination_service import install
 
-    cp = ControlPlane(
-        open_store_url(store_url),
-        load_or_create_signing_key(signing_key_path),
-        load_catalog(catalog_path),
-        admin_token,
-        **options,
-    )
+    catalog = load_serving_catalog(catalog_path)  # before any file is created: bad input leaves nothing behind
+    store = open_store_url(store_url)
+    cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token, **options)
     install(cp)
     return cp
 

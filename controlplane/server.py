@@ -23,6 +23,7 @@ from .auth import Authenticator
 from .capability import keys
 from .capability.catalog import TIERS, Catalog
 from .capability.chain import (
+    ChainInvalid,
     Verifier,
     mint_root,
     parse_chain_unverified,
@@ -178,6 +179,7 @@ class ControlPlane:
     async def register_chain(self, wire: str) -> tuple[list[Doc], int]:
         """Verify a chain and store each of its links; returns (link docs, how many were new)."""
         verified = self.verifier.verify(wire, now=self.clock(), revoked=await self.revoked())
+        await self._check_agent_ids(verified.links)
         now = self.clock()
         docs: list[Doc] = []
         jtis: list[str] = []
@@ -204,6 +206,20 @@ class ControlPlane:
             self.metrics.inc("tether_links_registered_total", new)
         return docs, new
 
+    async def _check_agent_ids(self, links: Any) -> None:
+        """An agent id belongs to the delegation tree that registered it first: a link delegated elsewhere
+        may not take it (it would inherit the other agent's commands, records and surface). Root links
+        are minted with the control plane's key, so an admin may re-issue an id."""
+        root = links[0].hash
+        graph = await self.graph()
+        for index, link in enumerate(links[1:], start=1):
+            if link.hash in graph.by_hash:
+                continue
+            for other in graph.links_of(link.sub):
+                if other.get("chain_hashes", [other["hash"]])[0] != root:
+                    raise ChainInvalid("agent_id_taken", f"link {index}: agent id {link.sub!r} is already held "
+                                       "under another root grant; delegate under a different id", link=index)
+
     async def revoke_link(self, link: Doc, by: str, reason: str, termination_id: str | None = None) -> Doc:
         now = self.clock()
         doc = {
@@ -220,7 +236,8 @@ class ControlPlane:
             return doc
         return (await self.store.revocations()).get(link["jti"], doc)
 
-    async def may_act_as_ancestor(self, request: web.Request, link: Doc, body: bytes) -> str:
+    async def may_act_as_ancestor(self, request: web.Request, link: Doc, body: bytes,
+                                  replay_checked: bool = False) -> str:
         """Authorize an admin, or a principal that issued ``link`` or any of its ancestors."""
         if self.auth.is_admin(request):
             return "admin"
@@ -236,7 +253,8 @@ class ControlPlane:
             if ancestor is None:
                 continue
             if ancestor["hash"] == proof.link and ancestor["sub"] == proof.agent:
-                await self.auth.check(request, proof, ancestor["claims"]["cnf"]["jwk"], body)
+                await self.auth.check(request, proof, ancestor["claims"]["cnf"]["jwk"], body,
+                                      consume=not replay_checked)
                 return f"principal:{proof.agent}"
         raise ApiError(
             403, FORBIDDEN, f"{proof.agent} is not an ancestor of {link['sub']}'s link; only an issuer above it may act"
@@ -350,7 +368,7 @@ class ControlPlane:
             for agent, doc in sorted(sidecars.items()):
                 seen = doc.get("seq")
                 lag = max(0, high - int(seen)) if isinstance(seen, int) and seen >= 0 else 0
-                lines.append(f'tether_subscriber_lag_events{{agent="{agent}"}} {lag}')
+                lines.append(f'tether_subscriber_lag_events{{agent="{_label(agent)}"}} {lag}')
             active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
             lines += ["# TYPE tether_terminations_in_flight gauge", f"tether_terminations_in_flight {active}"]
             lines += ["# TYPE tether_store_up gauge", "tether_store_up 1"]
@@ -735,3 +753,8 @@ def _sidecar_view(doc: Doc, now: float) -> Doc:
         "inflight": len(doc.get("inflight", [])),
         "proxy": doc.get("proxy"),
     }
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from . import termination as proto
 from .capability import keys
-from .capability.errors import CONFLICT, NOT_FOUND, ApiError
+from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 from .server import ControlPlane, _bad, read_json
 from .store import Doc, StoreUnavailable
 
@@ -72,18 +72,27 @@ class TerminationService:
         return web.json_response({"termination_id": tid, **doc}, status=202)
 
     async def _authorize(self, request: web.Request, links: list[Doc], raw: bytes) -> str:
-        last: ApiError | None = None
+        """An admin, or a principal above every link the agent holds (not just one of them)."""
+        if self.cp.auth.is_admin(request):
+            return "admin"
+        allowed: list[str] = []
         for link in links:
-            try:
-                return await self.cp.may_act_as_ancestor(request, link, raw)
-            except ApiError as exc:
-                last = exc
-        assert last is not None
-        raise last
+            allowed.append(await self.cp.may_act_as_ancestor(request, link, raw, replay_checked=bool(allowed)))
+        return allowed[0]
+
+    async def _admin_or_requester(self, request: web.Request, requested_by: str | None) -> None:
+        """Admins read every termination; the principal who asked for one may follow it (signed request)."""
+        if self.cp.auth.is_admin(request):
+            return
+        if self.cp.auth.proof_of(request) is None:
+            self.cp.auth.require_admin(request)
+        agent, _ = await self.cp.auth.sidecar(request, await request.read())
+        if requested_by != f"principal:{agent}":
+            raise ApiError(403, FORBIDDEN, f"{agent} did not request this termination")
 
     async def h_get(self, request: web.Request) -> web.Response:
-        self.cp.auth.require_admin(request)
         doc = await self.cp.store.get_doc("termination", request.match_info["id"])
+        await self._admin_or_requester(request, doc["requested_by"] if doc else None)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no termination {request.match_info['id']}")
         acked = await self._acks(doc)
@@ -130,11 +139,12 @@ class TerminationService:
         return web.json_response(await self.cp.store.records())
 
     async def h_record(self, request: web.Request) -> web.Response:
-        self.cp.auth.require_admin(request)
         rid = request.match_info["id"]
         for record in await self.cp.store.records():
             if rid in (record["record_id"], record["termination_id"]):
+                await self._admin_or_requester(request, record["requested_by"])
                 return web.json_response(record)
+        self.cp.auth.require_admin(request)
         raise ApiError(404, NOT_FOUND, f"no record {rid}")
 
     async def h_trust(self, request: web.Request) -> web.Response:
@@ -217,28 +227,44 @@ class TerminationService:
     async def drive(self, doc: Doc) -> None:
         acks = await self._acks(doc)
         step = proto.advance(doc, acks, self.cp.clock())
+        new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:
-                record_id, unaccounted = await self.write_record(step.doc, acks)
-                final = proto.finish(step.doc, record_id, self.cp.clock(), unaccounted)
+                if doc["state"] != proto.RECONCILING:  # say so before the (slower) record is written
+                    if not await self._save(doc, new):
+                        return
+                    doc = new
+                record_id, unaccounted = await self.write_record(doc, acks)
+                final = proto.finish(doc, record_id, self.cp.clock(), unaccounted)
                 await self._save(doc, final)
                 self.cp.metrics.inc("tether_terminations_completed_total")
                 log.info("termination %s: terminated, record %s", doc["id"], record_id)
                 return
-            await self.perform(action, step.doc)
-        if step.doc is not doc:
-            await self._save(doc, step.doc)
-            log.info("termination %s: %s", doc["id"], step.doc["state"])
+            if action == proto.REVOKE_SUBTREE:
+                # The subtree as it is now: a descendant registered since the request is included too.
+                new = {**new, "agents": await self.revoke_subtree(new)}
+            else:
+                await self.perform(action, new)
+        if new is not doc:
+            await self._save(doc, new)
+            log.info("termination %s: %s", doc["id"], new["state"])
 
-    async def _save(self, old: Doc, new: Doc) -> None:
+    async def _save(self, old: Doc, new: Doc) -> bool:
         if not await self.cp.store.cas_doc("termination", old["id"], old["version"], new):
             log.info("termination %s changed under us; re-reading", old["id"])
+            return False
+        return True
+
+    async def revoke_subtree(self, doc: Doc) -> list[str]:
+        graph = await self.cp.graph()
+        links = graph.subtree(doc["subject"])
+        for link in links:
+            await self.cp.revoke_link(link, f"termination:{doc['id']}", doc.get("reason", ""), doc["id"])
+        return sorted({link["sub"] for link in links} | set(doc["agents"]))
 
     async def perform(self, action: str, doc: Doc) -> None:
         if action == proto.REVOKE_SUBTREE:
-            graph = await self.cp.graph()
-            for link in graph.subtree(doc["subject"]):
-                await self.cp.revoke_link(link, f"termination:{doc['id']}", doc.get("reason", ""), doc["id"])
+            await self.revoke_subtree(doc)
         elif action == proto.DENY_APPROVALS:
             for approval in await self.cp.store.list_docs("approval"):
                 if approval["agent"] in doc["agents"] and approval["status"] == "pending":
@@ -252,6 +278,7 @@ class TerminationService:
                 "mode": doc["mode"],
                 "window_s": doc["window_s"],
                 "deadline": doc["deadline"],
+                "grace_s": doc["grace_s"],
                 "issued_at": self.cp.clock(),
             }
             for agent in doc["agents"]:
@@ -268,10 +295,13 @@ class TerminationService:
                     return record["record_id"], [u["agent"] for u in record["agents_unaccounted"]]
             graph = await self.cp.graph()
             links = graph.subtree(doc["subject"])
+            # A call belongs to the first record that reconciles it: a later termination of the same
+            # agents (re-granted) does not list their earlier calls again.
+            reconciled = {c["call_id"] for r in records for c in r["calls"] if c.get("reported", True)}
             record = proto.build_record(
                 doc,
                 record_id="rec-" + os.urandom(8).hex(),
-                reports=await store.reports(doc["agents"]),
+                reports=[r for r in await store.reports(doc["agents"]) if r["call_id"] not in reconciled],
                 links=links,
                 revocations=await store.revocations(),
                 sidecars=await store.all_sidecars(),
@@ -296,7 +326,7 @@ def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationServic
         "termination",
     )
     r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination")
-    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin", "termination")
+    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin-or-ancestor", "termination")
     r(
         "POST",
         "/v1/sidecars/quiesced",
@@ -306,7 +336,8 @@ def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationServic
         "termination",
     )
     r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records")
-    r("GET", "/v1/records/{id}", service.h_record, "One record (by record or termination id)", "admin", "records")
+    r("GET", "/v1/records/{id}", service.h_record, "One record (by record or termination id)", "admin-or-ancestor",
+      "records")
     r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops")
     r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops")
     cp.background.append(service.run)

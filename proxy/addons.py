@@ -87,14 +87,31 @@ class Enforcer:
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         host, port = flow.request.host, flow.request.port
+        refusal: Refusal | None = None
         if not self.sidecar.catalog.knows_host(host, port):
-            call = Call(call_id=str(uuid.uuid4()), agent=self.sidecar.agent, method="CONNECT",
-                        url=f"{host}:{port}", started_at=time.time())
-            flow.metadata[CALL] = call
-            self.sidecar.track(call, flow)
-            refuse(flow, Refusal(codes.UNKNOWN_DESTINATION,
-                                 f"{host}:{port} is not a destination in the capability catalog"))
-            self.sidecar.resolve(call, "refused", code=codes.UNKNOWN_DESTINATION)
+            refusal = Refusal(codes.UNKNOWN_DESTINATION,
+                              f"{host}:{port} is not a destination in the capability catalog")
+        else:
+            try:
+                self.sidecar.state.admit(time.time(), time.monotonic())  # a terminated agent opens no tunnel
+            except Refusal as exc:
+                refusal = exc
+        if refusal is None:
+            return
+        call = Call(call_id=str(uuid.uuid4()), agent=self.sidecar.agent, method="CONNECT", url=f"{host}:{port}",
+                    started_at=time.time())
+        flow.metadata[CALL] = call
+        self.sidecar.track(call, flow)
+        refuse(flow, refusal)
+        self.sidecar.resolve(call, "refused", code=refusal.code)
+
+    # Anything that is not HTTP has no capability to match: it does not exist for the agent.
+    def tcp_start(self, flow: Any) -> None:
+        log.warning("refusing a raw TCP stream to %s", flow.server_conn.address)
+        flow.kill()
+
+    def udp_start(self, flow: Any) -> None:
+        flow.kill()
 
     # Decisions run synchronously (no coroutine per call); only a call that must wait for a person returns
     # an awaitable, which mitmproxy awaits for that flow alone.
@@ -156,6 +173,8 @@ class Enforcer:
             call.capability, call.tier = self._best(names)  # known before any refusal, for the report
         self._check_state_and_headers(flow)
         if server is not None:
+            if req.method not in ("GET", "DELETE"):
+                raise Refusal(codes.CAPABILITY_ABSENT, f"{req.method} to an MCP endpoint is not in the catalog")
             self._mcp_plumbing(server, call, req.method)
             return False
         if not names:
@@ -197,6 +216,11 @@ class Enforcer:
         req = flow.request
         sc = self.sidecar
         sc.state.admit(time.time(), time.monotonic())
+        if "upgrade" in req.headers or req.method == "CONNECT":
+            # A websocket or other upgraded stream would outlive the call's decision (and a revocation,
+            # drain or abort): tether does not let one start.
+            raise Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades (websockets, h2c, tunnels in tunnels) "
+                          "are not forwarded")
         foreign = req.headers.get("Tether-Chain")
         if foreign is not None:
             if foreign.strip() != sc.wire:
@@ -205,10 +229,13 @@ class Enforcer:
             del req.headers["Tether-Chain"]
         host_header = req.host_header
         if host_header:
-            name = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
-            if name.strip("[]").lower().rstrip(".") != req.host.lower().rstrip("."):
+            name, port = host_header, None
+            if not host_header.endswith("]") and ":" in host_header:
+                name, _, port = host_header.rpartition(":")
+            same_port = port is None or (port.isdigit() and int(port) == req.port)
+            if name.strip("[]").lower().rstrip(".") != req.host.lower().rstrip(".") or not same_port:
                 raise Refusal(codes.UNKNOWN_DESTINATION,
-                              f"Host header {host_header!r} does not name the destination {req.host}")
+                              f"Host header {host_header!r} does not name the destination {req.host}:{req.port}")
 
     def _best(self, names: list[str]) -> tuple[str, str]:
         ranked = sorted(names, key=lambda n: {"direct": 0, "approval": 1}.get(self.sidecar.state.tier(n), 2))
@@ -321,7 +348,8 @@ class Resolver:
                 self.sidecar.resolve(call, "completed", status=flow.response.status_code)
                 return
         conn = flow.server_conn
-        connected = conn.timestamp_tcp_setup is not None and (
+        # Before the final look nothing was sent, whatever state a reused upstream connection is in.
+        connected = call.phase in ("forwarding", "forwarded") and conn.timestamp_tcp_setup is not None and (
             flow.request.scheme == "http" or conn.timestamp_tls_setup is not None)
         sent = flow.response is not None
         resolution = error_resolution(connected=connected, sent=sent, aborted=bool(flow.metadata.get(ABORTED)))

@@ -45,10 +45,24 @@ class NotJsonRpc(ValueError):
     pass
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Refuse objects with repeated keys (or keys equal but for case): parsers disagree on which one wins,
+    and the server must read exactly what tether matched."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        folded = key.lower()
+        if folded in seen:
+            raise NotJsonRpc(f"the key {key!r} appears twice in one object")
+        seen.add(folded)
+    return dict(pairs)
+
+
 def parse(body: bytes) -> Parsed:
     try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        value = json.loads(body, object_pairs_hook=_unique_keys)
+    except NotJsonRpc:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise NotJsonRpc("the body is not JSON") from None
     batch = isinstance(value, list)
     items = value if batch else [value]

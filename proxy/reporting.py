@@ -32,6 +32,7 @@ class Reporter:
         self._wake = asyncio.Event()
         self._spool_broken = False
         self._spool: IO[str] | None = None
+        self._flushing = asyncio.Lock()
         self._load()
 
     def _load(self) -> None:
@@ -82,7 +83,12 @@ class Reporter:
             log.error("cannot rewrite the spool %s: %s", self.spool_path, exc)
 
     async def flush(self) -> bool:
-        """Deliver everything pending; True when nothing is left."""
+        """Deliver everything pending; True when nothing is left. One delivery at a time: the loop, a
+        termination's acknowledgement and the goodbye may all flush, and each removes what it sent."""
+        async with self._flushing:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
         while self.pending:
             batch = self.pending[:BATCH]
             try:

@@ -84,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             env[name] = info["proxy"]
         env["NO_PROXY"] = env["no_proxy"] = ""
         for name in CA_VARIABLES:
-            env[name] = info["ca"]
+            env[name] = os.path.abspath(info["ca"])
         env.update({"TETHER_AGENT": agent, "TETHER_CHAIN": os.path.abspath(chain_path),
                     "TETHER_KEY": os.path.abspath(key_path), "TETHER_CONTROLPLANE": controlplane,
                     "TETHER_STATE_DIR": os.path.abspath(state_root)})

@@ -25,7 +25,7 @@ from mitmproxy.addons import default_addons
 from mitmproxy.master import Master
 
 from controlplane.capability import keys
-from controlplane.capability.catalog import Catalog, parse_catalog
+from controlplane.capability.catalog import Catalog, empty_catalog, parse_catalog
 from controlplane.capability.chain import Verifier, parse_chain_unverified
 from controlplane.capability.errors import ApiError, TetherError
 
@@ -83,6 +83,7 @@ class Sidecar:
         self._tasks: list[asyncio.Task] = []
         self._quiesce_task: asyncio.Task | None = None
         self._acked: set[str] = set()
+        self._commanded_ids: set[str] = set()
         self._acking: set[str] = set()
         self.stopped = asyncio.Event()
 
@@ -109,7 +110,9 @@ class Sidecar:
             trust = keys.from_jwk((await self.channel.public("/v1/trust"))["jwk"])
         if self.catalog is None:
             doc = await self.channel.public("/v1/catalog")
-            self.catalog = parse_catalog(yaml.safe_dump(doc["catalog"]), f"{self.config.controlplane}/v1/catalog")
+            source = f"{self.config.controlplane}/v1/catalog"
+            self.catalog = (parse_catalog(yaml.safe_dump(doc["catalog"]), source) if doc["catalog"].get("capabilities")
+                            else empty_catalog(source))
             if self.catalog.hash != doc["hash"]:
                 raise TetherError("the catalog fetched from the control plane does not match its hash",
                                   code="tether.catalog_invalid")
@@ -130,7 +133,9 @@ class Sidecar:
         if self.config.capture:
             ours.append(Capture(self))
         master.addons.add(*ours, Resolver(self))
-        updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600}
+        # rawtcp off: bytes mitmproxy cannot read as HTTP are never passed through as a raw stream.
+        updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600,
+                                   "rawtcp": False}
         if self.config.upstream_ca:
             updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca
         master.options.update(**updates)
@@ -160,9 +165,10 @@ class Sidecar:
 
     async def stop(self) -> None:
         """Stop serving; resolve what is left, deliver reports and tell the control plane we are gone."""
-        for call_id in list(self.calls.inflight):
-            flow = self.flows.get(call_id)
-            if flow is not None:
+        self._cancel_held()
+        for call in list(self.calls.inflight.values()):
+            flow = self.flows.get(call.call_id)
+            if flow is not None and call.phase in ("forwarding", "forwarded"):
                 self.abort_flow(flow)
         if self.master is not None:
             self.master.shutdown()
@@ -170,7 +176,9 @@ class Sidecar:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for call in list(self.calls.inflight.values()):
-            self.resolve(call, "unknown", detail="the sidecar stopped while the call was in flight")
+            left = call.phase in ("forwarding", "forwarded")
+            self.resolve(call, "unknown" if left else "cancelled_not_sent",
+                         detail="the sidecar stopped while the call was in flight")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.goodbye(), 3.0)
         await self.channel.close()
@@ -179,7 +187,10 @@ class Sidecar:
 
     async def goodbye(self) -> None:
         """Final reports, then a last heartbeat saying the proxy is gone: nothing more can pass through it."""
-        await self.reporter.flush()
+        if not await self.reporter.flush():
+            log.warning("reports could not be delivered; not telling the control plane we stopped "
+                        "(they stay in %s)", self.reporter.spool_path)
+            return
         if self.state is not None and self.state.registered and self.state.mode != TERMINATED:
             await self.channel.heartbeat({"state": "stopped", "inflight": [], "seq": self.seq, "pid": os.getpid(),
                                           "started_at": self.started_at, "spooled": len(self.reporter.pending)})
@@ -299,6 +310,8 @@ class Sidecar:
                 self._acking.add(tid)
                 self._tasks.append(asyncio.create_task(self.acknowledge(command)))
             return
+        if tid:
+            self._commanded_ids.add(tid)
         before = self.state.mode
         mode = self.state.commanded(command)
         if mode == before:
@@ -377,7 +390,8 @@ class Sidecar:
                 flow = self.flows.get(call.call_id)
                 if flow is not None:
                     self.abort_flow(flow)
-        limit = time.monotonic() + 5
+        # Wait for the cut calls' final events, but leave the control plane's grace for the reports.
+        limit = time.monotonic() + min(5.0, float(command.get("grace_s", 10.0)) / 2)
         while self.calls.inflight and time.monotonic() < limit:
             await asyncio.sleep(0.05)
         for call in list(self.calls.inflight.values()):  # no hook came back: say only what we know
@@ -385,7 +399,10 @@ class Sidecar:
             self.resolve(call, "unknown" if left else "cancelled_not_sent",
                          detail="aborted; no final event from the proxy")
         self.state.quiesced()
-        await self.acknowledge(command)
+        # Every termination that reached us while we quiesced is answered, not only the last one.
+        for tid in sorted(self._commanded_ids - self._acked):
+            self._acking.add(tid)
+            await self.acknowledge({**command, "termination_id": tid})
 
     async def acknowledge(self, command: dict[str, Any]) -> None:
         """Deliver every report, then tell the control plane this sidecar is quiescent (retrying)."""

@@ -328,3 +328,10 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
 
 def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def empty_catalog(source: str = "<empty catalog>") -> Catalog:
+    """A catalog that describes nothing: every capability is absent, every call refused."""
+    catalog = Catalog(capabilities={}, roles={}, hash="", source=source)
+    digest = hashlib.sha256(canonical_json(catalog.to_dict())).hexdigest()
+    return Catalog(capabilities={}, roles={}, hash=f"sha256:{digest}", source=source)

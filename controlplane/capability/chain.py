@@ -33,7 +33,7 @@ ALG = "EdDSA"
 MAX_LINKS = 16
 MAX_LINK_BYTES = 8 * 1024
 MAX_CHAIN_BYTES = 64 * 1024
-LEEWAY_S = 30
+LEEWAY_S = 5  # clock skew tolerated between issuer, control plane and sidecar
 CONTROLPLANE_PRINCIPAL = "tether:controlplane"
 
 
@@ -250,8 +250,11 @@ def mint_child(
 
 
 def _check_principal(agent: str) -> None:
-    if not isinstance(agent, str) or not 0 < len(agent) <= 128 or any(c in agent for c in ",/ \t\n\r"):
-        raise ChainInvalid("malformed", f"agent id {agent!r} must be 1-128 characters without , / or spaces")
+    if not isinstance(agent, str) or not 0 < len(agent) <= 128 or not agent.isprintable() or any(
+        c in agent for c in ',/ "{}\\'
+    ):
+        raise ChainInvalid("malformed", f"agent id {agent!r} must be 1-128 printable characters without "
+                           ', / " { } \\ or spaces')
 
 
 def _check_narrowing(parent: Link, caps: Mapping[str, str], index: int | None) -> None:
