@@ -63,6 +63,7 @@ P50_RATIO_TARGET = 1.10
 P99_DELTA_TARGET_MS = 1.0
 ISSUES = "/repos/o/r/issues"
 MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
+CORE = "mitmproxy, sidecar addon set"
 TETHER = "tether"
 NOCAP = "tether --no-capture"
 SIDECARS = (TETHER, NOCAP)
@@ -184,6 +185,29 @@ class MitmdumpProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+class MinimalMitmproxyProcess(MitmdumpProcess):
+    """mitmproxy with the sidecar's addon set only (bench/minimal_mitmproxy.py): tether's own cost."""
+
+    def start(self) -> MinimalMitmproxyProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = open(self.directory / "mitmdump.log", "ab")
+        script = Path(__file__).with_name("minimal_mitmproxy.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), str(self.port), str(self.directory),
+                                      str(self.upstream_ca)], stdout=log, stderr=log)
+
+        def listening() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"minimal mitmproxy exited: {(self.directory / 'mitmdump.log').read_text()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            except OSError:
+                return False
+            return self.ca.exists()
+
+        wait_until(listening, 30, what="minimal mitmproxy")
+        return self
 
 
 def rss_mib(pid: int) -> float:
@@ -342,6 +366,7 @@ def main() -> int:
                 stack.enter_context(stopping(sc))
                 sc.start(upstream_ca=ca.ca_pem)
             mitm = stack.enter_context(stopping(MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()))
+            core = stack.enter_context(stopping(MinimalMitmproxyProcess(work / "mitm-core", ca.ca_pem).start()))
             print(f"  pids: {', '.join(f'{n} {sc.proc.pid}' for n, sc in sidecars.items())}, mitmdump {mitm.pid}, "
                   f"control plane {cp.proc.pid}", flush=True)
             time.sleep(2.0)  # let them settle before the idle reading
@@ -358,6 +383,7 @@ def main() -> int:
                 setups = [
                     Setup("direct", None, context(ca.ca_pem)),
                     Setup("mitmdump", mitm.proxy, context(mitm.ca), mitm.pid),
+                    Setup(CORE, core.proxy, context(core.ca), core.pid),
                     *(Setup(n, sc.proxy, context(Path(sc.ca)), sc.proc.pid) for n, sc in sidecars.items()),
                 ]
                 for conc, total in ((1, args.requests_c1), (8, args.requests_c8)):
@@ -441,6 +467,17 @@ def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, el
             print(f"| {name} | {scheme} | {conc} | {ratio:.2f}x | {'met' if ok50 else 'MISSED'} | {delta:+.2f} | "
                   f"{'met' if ok99 else 'MISSED'} | {t.rps / m.rps:.2f}x | "
                   f"{t.cpu_ms_per_call / m.cpu_ms_per_call:.2f}x |")
+    print()
+    print(f"each tether setup against mitmproxy with the sidecar's own addon set ({CORE}): what tether's")
+    print("enforcement, tracking, reporting (and capture) cost by themselves, with the same mitmproxy under them:")
+    print()
+    print("| setup | scheme | clients | p50 ratio | p99 delta ms | CPU/call ratio |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in SIDECARS:
+        for scheme, conc, figures, _ in rows:
+            t, m = figures[name], figures[CORE]
+            print(f"| {name} | {scheme} | {conc} | {t.pct(0.5) / m.pct(0.5):.2f}x | "
+                  f"{t.pct(0.99) - m.pct(0.99):+.2f} | {t.cpu_ms_per_call / m.cpu_ms_per_call:.2f}x |")
     print()
     print("| process (idle) | RSS after start MiB | RSS after benchmark MiB |")
     print("|---|---:|---:|")

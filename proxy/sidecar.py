@@ -21,7 +21,7 @@ import aiohttp
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from mitmproxy import ctx, http, options
-from mitmproxy.addons import default_addons
+from mitmproxy.addons import block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 
 from controlplane.capability import keys
@@ -56,6 +56,16 @@ class SidecarConfig:
     capture_path: Path | None = None
     startup_timeout_s: float = 30.0
     capture: bool = True
+
+
+def mitmproxy_addons() -> list[Any]:
+    """The part of mitmproxy a sidecar needs: proxying, TLS, DNS, protocol detection, and its guards.
+
+    Not the rest of ``default_addons()`` (replay, scripts, map/modify rules, onboarding pages, sticky
+    cookies ...): nothing configures them here, every one of them sees every hook of every call, and
+    features that rewrite or answer requests have no place in front of an enforcement point."""
+    return [core.Core(), block.Block(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(),
+            dns_resolver.DnsResolver(), next_layer.NextLayer(), tlsconfig.TlsConfig()]
 
 
 class Sidecar:
@@ -128,7 +138,7 @@ class Sidecar:
         opts = options.Options(listen_host=self.config.listen_host, listen_port=self.config.listen_port,
                                confdir=str(self.config.state_dir / "ca"))
         master = Master(opts)
-        master.addons.add(*default_addons())
+        master.addons.add(*mitmproxy_addons())
         ours: list[Any] = [Tracker(self), Enforcer(self), ToolsFilter(self), Streamer()]
         if self.config.capture:
             ours.append(Capture(self))
