@@ -23,6 +23,7 @@ from .store import Doc, StoreUnavailable
 log = logging.getLogger("tether.termination")
 DRIVE_INTERVAL_S = 0.25
 LEASE_S = 5.0
+ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are watched for a late acknowledgement
 
 
 class TerminationService:
@@ -179,8 +180,11 @@ class TerminationService:
                 pass
 
     async def drive_all(self) -> None:
+        now = self.cp.clock()
         for doc in await self.cp.store.list_docs("termination"):
-            if doc["state"] == proto.TERMINATED and not doc.get("open_agents"):
+            if doc["state"] == proto.TERMINATED and (
+                not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S
+            ):
                 continue
             if not await self.cp.store.try_lease(f"termination:{doc['id']}", self.cp.replica, LEASE_S, self.cp.clock()):
                 continue

@@ -117,7 +117,10 @@ class Enforcer:
     # an awaitable, which mitmproxy awaits for that flow alone.
     def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         call = call_of(flow)
-        if call is None or flow.response is not None:
+        if flow.response is not None:
+            return None
+        if call is None:  # every request is tracked; one that is not cannot be decided on
+            refuse(flow, Refusal(codes.CAPABILITY_ABSENT, "an untracked request is not forwarded"))
             return None
         if self._decide(flow, lambda: self._decide_headers(flow, call)):
             return self._guarded(flow, self._hold_then(flow, call, self._stream_large_upload))
@@ -125,7 +128,10 @@ class Enforcer:
 
     def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         call = call_of(flow)
-        if call is None or flow.response is not None or flow.request.stream:
+        if flow.response is not None or flow.request.stream:
+            return None  # answered by tether already, or decided at the headers and streaming
+        if call is None:
+            refuse(flow, Refusal(codes.CAPABILITY_ABSENT, "an untracked request is not forwarded"))
             return None
         if self._decide(flow, lambda: self._decide_body(flow, call)):
             return self._guarded(flow, self._hold_then(flow, call, self._final_look))
