@@ -156,17 +156,20 @@ class MitmdumpProcess:
         assert self.proc is not None
         return self.proc.pid
 
+    def command(self) -> list[str]:
+        return [MITMDUMP, "--listen-host", "127.0.0.1", "-p", str(self.port), "--set", "connection_strategy=lazy",
+                "--set", f"confdir={self.directory}", "--set", f"ssl_verify_upstream_trusted_ca={self.upstream_ca}",
+                "-q"]
+
     def start(self) -> MitmdumpProcess:
         self.directory.mkdir(parents=True, exist_ok=True)
         log = open(self.directory / "mitmdump.log", "ab")
-        self.proc = subprocess.Popen(
-            [MITMDUMP, "--listen-host", "127.0.0.1", "-p", str(self.port), "--set", "connection_strategy=lazy",
-             "--set", f"confdir={self.directory}", "--set", f"ssl_verify_upstream_trusted_ca={self.upstream_ca}",
-             "-q"], stdout=log, stderr=log)
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log)
 
         def listening() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"mitmdump exited: {(self.directory / 'mitmdump.log').read_text()[-2000:]}")
+                raise AssertionError(f"{self.command()[:2]} exited: "
+                                     f"{(self.directory / 'mitmdump.log').read_text()[-2000:]}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
             except OSError:
@@ -190,24 +193,9 @@ class MitmdumpProcess:
 class MinimalMitmproxyProcess(MitmdumpProcess):
     """mitmproxy with the sidecar's addon set only (bench/minimal_mitmproxy.py): tether's own cost."""
 
-    def start(self) -> MinimalMitmproxyProcess:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / "mitmdump.log", "ab")
+    def command(self) -> list[str]:
         script = Path(__file__).with_name("minimal_mitmproxy.py")
-        self.proc = subprocess.Popen([sys.executable, str(script), str(self.port), str(self.directory),
-                                      str(self.upstream_ca)], stdout=log, stderr=log)
-
-        def listening() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"minimal mitmproxy exited: {(self.directory / 'mitmdump.log').read_text()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-            except OSError:
-                return False
-            return self.ca.exists()
-
-        wait_until(listening, 30, what="minimal mitmproxy")
-        return self
+        return [sys.executable, str(script), str(self.port), str(self.directory), str(self.upstream_ca)]
 
 
 def rss_mib(pid: int) -> float:

@@ -138,7 +138,6 @@ class ControlPlane:
         self.lease_ttl_s = lease_ttl_s
         self.approval_ttl_s = approval_ttl_s
         self.grace_s = grace_s
-        self.terminations: Any = None
         self.replica = replica or f"cp-{os.getpid()}-{os.urandom(3).hex()}"
         self.verifier = Verifier(signing_key.public_key(), catalog_hash=catalog.hash)
         self.auth = Authenticator(store, admin_token, clock)

@@ -345,5 +345,4 @@ def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationServic
     r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops")
     r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops")
     cp.background.append(service.run)
-    cp.terminations = service
     return service

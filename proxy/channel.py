@@ -16,8 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from controlplane.capability.errors import ApiError
 from controlplane.capability.proof import make_proof
-
-UNREACHABLE = "tether.controlplane_unreachable"
+from controlplane.client import UNREACHABLE
 
 
 class ControlChannel:
@@ -77,9 +76,6 @@ class ControlChannel:
 
     async def ask_approval(self, doc: dict[str, Any]) -> Any:
         return await self.call("POST", "/v1/approvals", doc)
-
-    async def approval(self, approval_id: str) -> Any:
-        return await self.call("GET", f"/v1/approvals/{approval_id}")
 
     async def quiesced(self, doc: dict[str, Any]) -> Any:
         return await self.call("POST", "/v1/sidecars/quiesced", doc, timeout=15.0)

@@ -28,7 +28,6 @@ class Reporter:
         self.spool_path = spool_path
         self.interval_s = interval_s
         self.pending: list[dict[str, Any]] = []
-        self.delivered = 0
         self._wake = asyncio.Event()
         self._spool_broken = False
         self._spool: IO[str] | None = None
@@ -97,7 +96,6 @@ class Reporter:
                 log.debug("report delivery failed: %s", exc)
                 return False
             del self.pending[: len(batch)]
-            self.delivered += len(batch)
             self._rewrite_spool()
         return True
 

@@ -52,7 +52,11 @@ def setup_logging() -> None:
 
 async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     sidecar = Sidecar(config)
-    await sidecar.prepare()
+    try:
+        await sidecar.prepare()
+    except BaseException:
+        await sidecar.channel.close()
+        raise
     host, port = await sidecar.start_proxy()
     info = {"agent": sidecar.agent, "proxy": f"http://{host}:{port}", "ca": str(sidecar.ca_cert), "pid": os.getpid(),
             "state_dir": str(config.state_dir)}

@@ -33,7 +33,7 @@ from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, 
 from .capture import CAPTURE_FILE, CaptureWriter
 from .channel import ControlChannel, sleep_backoff
 from .reporting import Reporter
-from .state import ABORTING, DRAINING, TERMINATED, Call, CallTable, SidecarState
+from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 
 log = logging.getLogger("tether.sidecar")
 
@@ -87,7 +87,6 @@ class Sidecar:
         self.seq = -1
         self.started_at = time.time()
         self.approvals: dict[str, asyncio.Future[str]] = {}
-        self.approval_calls: dict[str, str] = {}
         self.master: Master | None = None
         self.address: tuple[str, int] | None = None
         self._tasks: list[asyncio.Task] = []
@@ -292,7 +291,6 @@ class Sidecar:
             return f"approval could not be requested: {exc.message}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.approvals[doc["id"]] = future
-        self.approval_calls[call.call_id] = doc["id"]
         log.info("call %s held for approval %s (%s)", call.call_id, doc["id"], call.capability)
         try:
             return await asyncio.wait_for(future, self.config.approval_timeout_s)
@@ -300,7 +298,6 @@ class Sidecar:
             return "timeout"
         finally:
             self.approvals.pop(doc["id"], None)
-            self.approval_calls.pop(call.call_id, None)
 
     def on_approval(self, doc: dict[str, Any]) -> None:
         future = self.approvals.get(doc.get("id", ""))
@@ -446,5 +443,3 @@ class Sidecar:
                                         self.config.call_timeout_s)
                             self.abort_flow(flow)
 
-
-__all__ = ["ABORTING", "Sidecar", "SidecarConfig"]

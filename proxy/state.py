@@ -15,6 +15,7 @@ from typing import Any
 from controlplane.capability import errors as codes
 from controlplane.capability.chain import VerifiedChain, Verifier
 from controlplane.capability.errors import ChainError, TetherError
+from controlplane.termination import RESOLUTIONS
 
 SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
 
@@ -99,7 +100,6 @@ class SidecarState:
 
 
 # -- calls ------------------------------------------------------------------------------------------
-RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
 
 
 @dataclass

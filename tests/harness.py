@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,27 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05, wh
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 10) -> None:
+    """Signal a process and wait for it; SIGKILL it if it does not go in time."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on a thread's private loop, let it unwind, close the loop."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
 
 
 # -- a private CA for HTTPS tool servers ----------------------------------------------------------------
@@ -201,11 +221,7 @@ class ToolServer:
             self._ready.set()
             loop.run_forever()
             loop.run_until_complete(self._runner.cleanup())
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
+            close_loop(loop)
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
@@ -309,13 +325,7 @@ class ControlPlaneProcess:
             return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig)
         self.proc = None
 
     def kill(self) -> None:
@@ -406,13 +416,7 @@ class SidecarProcess:
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig, timeout=15)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
@@ -487,11 +491,6 @@ def reports_for(cp: ControlPlaneProcess, agent: str) -> list[dict[str, Any]]:
     return cp.client().request("GET", f"/v1/reports?agent={agent}")
 
 
-def iter_lines(path: Path) -> Iterator[str]:
-    if path.exists():
-        yield from path.read_text().splitlines()
-
-
 # -- redis-server on a free port ----------------------------------------------------------------------------
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -548,19 +547,9 @@ class RedisServer:
         assert self.command("FLUSHALL").startswith(b"+OK")
 
     def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, signal.SIGKILL)
         self.proc = None
 
     def stop(self) -> None:
-        if self.running:
-            assert self.proc is not None
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
-

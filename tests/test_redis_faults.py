@@ -54,6 +54,7 @@ from .harness import (
     RedisServer,
     SidecarProcess,
     ToolServer,
+    close_loop,
     free_port,
     prepare_controlplane,
     reports_for,
@@ -119,11 +120,7 @@ class Relay:
             for w in (*self._upstreams, *self._held):
                 w.transport.abort()
             self._server.close()
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
+            close_loop(loop)
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
