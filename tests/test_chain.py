@@ -220,6 +220,22 @@ def stray_sig_chars(compact: str) -> str:
     return f"{head}.{other}"
 
 
+def std_alphabet_sig() -> str:
+    """Signature bytes whose base64url has '-' and '_', spelled with '+' and '/': the decoder takes both."""
+    compact = forge(root_claims(CP), None, signature=b"\xfb\xff" * 32)
+    head, sig = compact.rsplit(".", 1)
+    assert "-" in sig and "_" in sig
+    other = sig.replace("-", "+").replace("_", "/")
+    assert keys.b64url_decode(other) == keys.b64url_decode(sig)
+    return f"{head}.{other}"
+
+
+def padded_sig(compact: str) -> str:
+    head, sig = compact.rsplit(".", 1)
+    assert keys.b64url_decode(sig + "==") == keys.b64url_decode(sig)
+    return f"{head}.{sig}=="
+
+
 def self_delegation() -> str:
     """A child that keeps its parent's key and name: repeating it is a cycle whose signatures all verify."""
     twin = Node(mint_child(ROOT.link, ROOT.key, agent="agent-a", subject_key=ROOT.key.public_key(),
@@ -298,6 +314,8 @@ BAD: list[Bad] = [
         ChainInvalid, "bad_signature", 0),
     Bad("signature-noncanonical-spelling", lambda: swap_last_sig_char(ROOT.compact), ChainInvalid, "malformed", 0),
     Bad("signature-stray-characters", lambda: stray_sig_chars(ROOT.compact), ChainInvalid, "malformed", 0),
+    Bad("signature-standard-alphabet", std_alphabet_sig, ChainInvalid, "malformed", 0),
+    Bad("signature-padded", lambda: padded_sig(ROOT.compact), ChainInvalid, "malformed", 0),
     Bad("root-signed-by-wrong-key", lambda: forge_root(signer=keys.generate()).compact,
         ChainInvalid, "bad_signature", 0),
     Bad("root-signed-by-its-subject", lambda: forge(root_claims(ROOT.key), ROOT.key),

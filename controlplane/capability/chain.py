@@ -15,10 +15,8 @@ import binascii
 import hashlib
 import json
 import os
-from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jwt
 from cryptography.exceptions import InvalidSignature
@@ -46,62 +44,33 @@ def new_jti() -> str:
     return os.urandom(16).hex()
 
 
-@dataclass(frozen=True)
-class Link:
+class Link(NamedTuple):
+    """One decoded link. Built by ``parse_link``, which has checked every field's form (not the signature)."""
+
     compact: str
     hash: str
     claims: Mapping[str, Any]
     signing_input: bytes
     signature: bytes
-    key: Ed25519PublicKey  # cnf.jwk: the subject's key, which signs the next link
+    key_raw: bytes  # cnf.jwk's 32 bytes: the subject's key, which signs the next link
+    iss: str
+    sub: str
+    jti: str
+    iat: float
+    nbf: float
+    exp: float
+    prf: str | None
+    caps: Mapping[str, str]
+    dpth: int
+    cat: str
 
     @property
-    def iss(self) -> str:
-        return self.claims["iss"]
-
-    @property
-    def sub(self) -> str:
-        return self.claims["sub"]
-
-    @property
-    def jti(self) -> str:
-        return self.claims["jti"]
-
-    @property
-    def nbf(self) -> float:
-        return self.claims["nbf"]
-
-    @property
-    def exp(self) -> float:
-        return self.claims["exp"]
-
-    @property
-    def iat(self) -> float:
-        return self.claims["iat"]
-
-    @property
-    def prf(self) -> str | None:
-        return self.claims.get("prf")
-
-    @property
-    def caps(self) -> Mapping[str, str]:
-        return self.claims["caps"]
-
-    @property
-    def dpth(self) -> int:
-        return self.claims["dpth"]
-
-    @property
-    def cat(self) -> str:
-        return self.claims["cat"]
-
-    @property
-    def key_raw(self) -> bytes:
-        return keys.raw_public(self.key)
+    def key(self) -> Ed25519PublicKey:
+        # Built on demand: a leaf's key is never needed to verify its own chain.
+        return Ed25519PublicKey.from_public_bytes(self.key_raw)
 
 
-@dataclass(frozen=True)
-class VerifiedChain:
+class VerifiedChain(NamedTuple):
     """A chain whose structure and signatures verified. Time and revocation are checked per use."""
 
     links: tuple[Link, ...]
@@ -282,11 +251,15 @@ def _malformed(index: int, what: str) -> ChainInvalid:
 
 
 def _is_time(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**41
+    return (type(value) is int or type(value) is float) and 0 <= value < 2**41
 
 
 # The header every tether link carries (PyJWT's serialization); decoding it is skipped on the hot path.
-_GRANT_HEADER_B64 = keys.b64url(json.dumps({"alg": ALG, "typ": GRANT_TYP}, separators=(",", ":")).encode())
+_GRANT_HEADER = {"alg": ALG, "typ": GRANT_TYP}
+_GRANT_HEADER_B64 = keys.b64url(json.dumps(_GRANT_HEADER, separators=(",", ":")).encode())
+_CLAIM_STRINGS = ("iss", "sub", "jti", "cat")
+_json = json.JSONDecoder().decode  # json.loads minus its type dispatch and encoding detection
+_CLAIM_TIMES = ("iat", "nbf", "exp")
 
 
 def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
@@ -299,17 +272,51 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
     parts = compact.split(".")
     if len(parts) != 3 or not all(parts):
         raise _malformed(index, "a link is a compact JWS: three base64url parts joined by '.'")
+    head, body, sig = parts
     try:
-        compact.encode("ascii")
-        if parts[0] == _GRANT_HEADER_B64:
-            header = {"alg": ALG, "typ": GRANT_TYP}
-        else:
-            header = json.loads(keys.b64url_decode(parts[0]))
-        claims = json.loads(keys.b64url_decode(parts[1]))
-        signature = keys.b64url_decode(parts[2])
+        header = _GRANT_HEADER if head == _GRANT_HEADER_B64 else _json(keys.b64url_decode(head).decode())
+        claims = _json(keys.b64url_decode(body).decode())
+        signature = keys.b64url_decode(sig)
     except (ValueError, binascii.Error, UnicodeError, RecursionError):
         raise _malformed(index, "not base64url-encoded JSON") from None
-    if not isinstance(header, dict) or not isinstance(claims, dict):
+    if header is not _GRANT_HEADER:
+        _check_header(header, index)
+    if not isinstance(claims, dict):
+        raise _malformed(index, "header and claims must be JSON objects")
+    if len(signature) != 64:
+        raise ChainInvalid("bad_signature", f"link {index}: an Ed25519 signature is 64 bytes", link=index)
+    if len(sig) != 86 or sig[-1] not in "AQgw" or "+" in sig or "/" in sig:
+        # The lenient decoder skips stray characters, ignores trailing bits and takes '+/' for '-_', so one
+        # signature has many spellings; each would give the same link another hash. Accept only the
+        # canonical one: 64 bytes decoded from exactly 86 characters means none was skipped, and the last
+        # one must leave its 4 unused bits zero.
+        raise _malformed(index, "the signature is not canonical unpadded base64url")
+    # One pass over the well-formed case; anything off is explained (and refused) by _claims_error.
+    try:
+        iss, sub, jti, cat = claims["iss"], claims["sub"], claims["jti"], claims["cat"]
+        iat, nbf, exp, dpth, caps = claims["iat"], claims["nbf"], claims["exp"], claims["dpth"], claims["caps"]
+        prf = claims.get("prf")
+        jwk = claims["cnf"]["jwk"]
+        key_raw = keys.b64url_decode(jwk["x"]) if jwk["kty"] == "OKP" and jwk["crv"] == "Ed25519" else b""
+        well_formed = (
+            type(iss) is str and type(sub) is str and type(cat) is str and iss and sub and cat
+            and type(jti) is str and 16 <= len(jti) <= 128
+            and _is_time(iat) and _is_time(nbf) and _is_time(exp) and nbf <= exp
+            and type(dpth) is int and dpth >= 0
+            and ((prf is None and "prf" not in claims) or type(prf) is str)
+            and type(caps) is dict and all(type(k) is str and v in GRANTED_TIERS for k, v in caps.items())
+            and len(key_raw) == 32
+        )
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        well_formed = False
+    if not well_formed:
+        raise _claims_error(claims, index)
+    return Link(compact, digest or link_hash(compact), claims, f"{head}.{body}".encode("ascii"), signature,
+                key_raw, iss, sub, jti, iat, nbf, exp, prf, caps, dpth, cat)
+
+
+def _check_header(header: Any, index: int) -> None:
+    if not isinstance(header, dict):
         raise _malformed(index, "header and claims must be JSON objects")
     if header.get("alg") != ALG:
         raise ChainInvalid(
@@ -319,40 +326,37 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
         raise ChainInvalid("wrong_typ", f"link {index}: typ must be {GRANT_TYP!r}", link=index)
     if "crit" in header:
         raise _malformed(index, "critical header extensions are not supported")
-    if len(signature) != 64:
-        raise ChainInvalid("bad_signature", f"link {index}: an Ed25519 signature is 64 bytes", link=index)
-    if keys.b64url(signature) != parts[2]:
-        # The lenient decoder skips stray characters and ignores trailing bits, so one signature has many
-        # spellings; each would give the same link another hash. Accept only the canonical one.
-        raise _malformed(index, "the signature is not canonical unpadded base64url")
-    for name in ("iss", "sub", "jti", "cat"):
+
+
+def _claims_error(claims: dict[str, Any], index: int) -> ChainInvalid:
+    """The first rule a link's claims break, as the error to raise (the slow path of parse_link)."""
+    for name in _CLAIM_STRINGS:
         if not isinstance(claims.get(name), str) or not claims[name]:
-            raise _malformed(index, f"claim {name!r} must be a non-empty string")
+            return _malformed(index, f"claim {name!r} must be a non-empty string")
     if not 16 <= len(claims["jti"]) <= 128:
-        raise _malformed(index, "claim 'jti' must carry at least 128 bits")
-    for name in ("iat", "nbf", "exp"):
+        return _malformed(index, "claim 'jti' must carry at least 128 bits")
+    for name in _CLAIM_TIMES:
         if not _is_time(claims.get(name)):
-            raise _malformed(index, f"claim {name!r} must be a NumericDate")
+            return _malformed(index, f"claim {name!r} must be a NumericDate")
     if claims["nbf"] > claims["exp"]:
-        raise _malformed(index, "nbf is after exp")
+        return _malformed(index, "nbf is after exp")
     if not isinstance(claims.get("dpth"), int) or isinstance(claims["dpth"], bool) or claims["dpth"] < 0:
-        raise _malformed(index, "claim 'dpth' must be a non-negative integer")
+        return _malformed(index, "claim 'dpth' must be a non-negative integer")
     if "prf" in claims and not isinstance(claims["prf"], str):
-        raise _malformed(index, "claim 'prf' must be a string")
+        return _malformed(index, "claim 'prf' must be a string")
     caps = claims.get("caps")
     if not isinstance(caps, dict) or not all(
         isinstance(k, str) and v in GRANTED_TIERS for k, v in caps.items()
     ):
-        raise _malformed(index, "claim 'caps' must map capability names to 'direct' or 'approval'")
+        return _malformed(index, "claim 'caps' must map capability names to 'direct' or 'approval'")
     cnf = claims.get("cnf")
     if not isinstance(cnf, dict):
-        raise _malformed(index, "claim 'cnf' must hold the subject's jwk")
+        return _malformed(index, "claim 'cnf' must hold the subject's jwk")
     try:
-        key = keys.from_jwk(cnf.get("jwk"))
+        keys.from_jwk(cnf.get("jwk"))
     except KeyError_ as exc:
-        raise _malformed(index, exc.message) from None
-    signing_input = f"{parts[0]}.{parts[1]}".encode("ascii")
-    return Link(compact, digest or link_hash(compact), claims, signing_input, signature, key)
+        return _malformed(index, exc.message)
+    return _malformed(index, "the claims are not those of a grant link")
 
 
 def split_chain(wire: str) -> list[str]:
@@ -385,8 +389,9 @@ class Verifier:
         self.catalog_hash = catalog_hash
         self.leeway = leeway
         self.cache_size = cache_size
-        self._links: OrderedDict[str, tuple[Link, bytes]] = OrderedDict()
-        self._chains: OrderedDict[str, VerifiedChain] = OrderedDict()
+        # Insertion-ordered dicts evicting their oldest entry: a bounded FIFO cache each.
+        self._links: dict[str, tuple[Link, bytes]] = {}
+        self._chains: dict[str, VerifiedChain] = {}
 
     def verify(
         self, chain: str | Sequence[str], *, now: float, revoked: Container[str] = ()
@@ -405,54 +410,57 @@ class Verifier:
         self._remember(self._chains, wire, verified)
         return verified
 
-    def _remember(self, cache: OrderedDict, key: str, value: Any) -> None:
+    def _remember(self, cache: dict, key: str, value: Any) -> None:
         cache[key] = value
         if len(cache) > self.cache_size:
-            cache.popitem(last=False)
-
-    def _signed_link(self, compact: str, index: int, key: Ed25519PublicKey, key_raw: bytes) -> Link:
-        # Only a well-formed (ASCII, bounded) link can be a cache hit; parse_link refuses the rest.
-        digest = link_hash(compact) if len(compact) <= MAX_LINK_BYTES and compact.isascii() else ""
-        cached = self._links.get(digest)
-        if cached is not None and cached[1] == key_raw:
-            return cached[0]
-        link = parse_link(compact, index, digest or None)
-        try:
-            key.verify(link.signature, link.signing_input)
-        except InvalidSignature:
-            who = "the control plane's key" if index == 0 else f"the key of link {index - 1}'s subject"
-            raise ChainInvalid(
-                "bad_signature", f"link {index}: signature does not verify under {who}", link=index
-            ) from None
-        self._remember(self._links, link.hash, (link, key_raw))
-        return link
+            del cache[next(iter(cache))]
 
     def _verify_structure(self, compacts: list[str]) -> VerifiedChain:
+        # Three passes: decode every link, check the signatures not yet cached, then the rules between
+        # links. Each link is still decoded before its signature is checked and its signature before its
+        # rules; grouping the signature checks keeps OpenSSL's code and tables warm between them.
         links: list[Link] = []
-        seen: set[str] = set()
+        unsigned: list[int] = []
         for index, compact in enumerate(compacts):
-            if index == 0:
-                link = self._signed_link(compact, 0, self.trust, self.trust_raw)
-                if link.prf is not None:
-                    raise ChainInvalid("broken_prf", "link 0 is a root link and must not carry prf", link=0)
-                if self.catalog_hash is not None and link.cat != self.catalog_hash:
-                    raise ChainInvalid(
-                        "catalog_mismatch",
-                        f"the chain was issued against catalog {link.cat}, this deployment runs "
-                        f"{self.catalog_hash}; re-issue it",
-                        link=0,
-                    )
+            signer_raw = self.trust_raw if index == 0 else links[-1].key_raw
+            # Only a well-formed (ASCII, bounded) link can be a cache hit; parse_link refuses the rest.
+            digest = link_hash(compact) if len(compact) <= MAX_LINK_BYTES and compact.isascii() else ""
+            cached = self._links.get(digest)
+            if cached is not None and cached[1] == signer_raw:
+                links.append(cached[0])
             else:
-                parent = links[-1]
-                link = self._signed_link(compact, index, parent.key, parent.key_raw)
-                _check_link(parent, link, index)
+                links.append(parse_link(compact, index, digest or None))
+                unsigned.append(index)
+        for index in unsigned:
+            link, parent = links[index], links[index - 1] if index else None
+            key = self.trust if parent is None else parent.key
+            try:
+                key.verify(link.signature, link.signing_input)
+            except InvalidSignature:
+                who = "the control plane's key" if index == 0 else f"the key of link {index - 1}'s subject"
+                raise ChainInvalid(
+                    "bad_signature", f"link {index}: signature does not verify under {who}", link=index
+                ) from None
+            self._remember(self._links, link.hash, (link, self.trust_raw if parent is None else parent.key_raw))
+        root = links[0]
+        if root.prf is not None:
+            raise ChainInvalid("broken_prf", "link 0 is a root link and must not carry prf", link=0)
+        if self.catalog_hash is not None and root.cat != self.catalog_hash:
+            raise ChainInvalid(
+                "catalog_mismatch",
+                f"the chain was issued against catalog {root.cat}, this deployment runs {self.catalog_hash}; "
+                "re-issue it",
+                link=0,
+            )
+        seen = {root.jti}
+        for index in range(1, len(links)):
+            link = links[index]
+            _check_link(links[index - 1], link, index)
             if link.jti in seen:
                 raise ChainInvalid("duplicate_link", f"link {index}: jti appears twice in the chain", link=index)
             seen.add(link.jti)
-            links.append(link)
-        nbf = max(link.nbf for link in links)
-        exp = min(link.exp for link in links)
-        return VerifiedChain(tuple(links), nbf=nbf, exp=exp)
+        # _check_link made each link's window nest in its parent's: the leaf's is the chain's.
+        return VerifiedChain(tuple(links), nbf=links[-1].nbf, exp=links[-1].exp)
 
 
 def _check_link(parent: Link, link: Link, index: int) -> None:
