@@ -32,6 +32,7 @@ from controlplane.capability.errors import ApiError, TetherError
 from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
 from .capture import CAPTURE_FILE, CaptureWriter
 from .channel import ControlChannel, sleep_backoff
+from .pipeline import Pipeline
 from .reporting import Reporter
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 
@@ -141,7 +142,7 @@ class Sidecar:
         ours: list[Any] = [Tracker(self), Enforcer(self), ToolsFilter(self), Streamer()]
         if self.config.capture:
             ours.append(Capture(self))
-        master.addons.add(*ours, Resolver(self))
+        master.addons.add(Pipeline([*ours, Resolver(self)]))
         # rawtcp off: bytes mitmproxy cannot read as HTTP are never passed through as a raw stream.
         updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600,
                                    "rawtcp": False}

@@ -1,0 +1,98 @@
+"""tether's addons as one entry in mitmproxy's addon chain.
+
+mitmproxy hands every hook of every flow to every addon in its chain: for each addon a coroutine and a
+context manager, then a second pass over all of them for the ``update`` hook, whether the addon handles
+the hook or not. On a sidecar's hot path that dispatch cost as much as tether's own decisions. Run as one
+entry, tether's addons pay it once, and each still reads alone (STYLE.md: one concern, one small class).
+
+What mitmproxy guarantees its addons holds here too: they run in order; an exception in one is logged and
+the next still runs; an awaitable one returns (an approval hold) is awaited before the next one runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+log = logging.getLogger("tether.sidecar")
+
+HOOKS = ("http_connect", "requestheaders", "request", "responseheaders", "response", "error", "tcp_start",
+         "udp_start")
+
+Handler = Callable[..., Any]
+
+
+class Pipeline:
+    def __init__(self, addons: Sequence[Any]) -> None:
+        self.stages = tuple(addons)
+        unknown = [f"{type(a).__name__}.{name}" for a in self.stages for name in dir(a)
+                   if not name.startswith("_") and name not in HOOKS and _looks_like_hook(name)]
+        if unknown:  # a hook this class does not relay would silently never run
+            raise TypeError(f"Pipeline does not relay {', '.join(unknown)}")
+        self._handlers: dict[str, tuple[Handler, ...]] = {
+            hook: tuple(getattr(a, hook) for a in self.stages if callable(getattr(a, hook, None))) for hook in HOOKS
+        }
+
+    def http_connect(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["http_connect"], flow)
+
+    def requestheaders(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["requestheaders"], flow)
+
+    def request(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["request"], flow)
+
+    def responseheaders(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["responseheaders"], flow)
+
+    def response(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["response"], flow)
+
+    def error(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["error"], flow)
+
+    def tcp_start(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["tcp_start"], flow)
+
+    def udp_start(self, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers["udp_start"], flow)
+
+    @staticmethod
+    def _run(handlers: tuple[Handler, ...], flow: Any) -> Awaitable[None] | None:
+        """Synchronous while every stage is; from the first awaitable on, the rest runs in a coroutine."""
+        for index, handler in enumerate(handlers):
+            try:
+                result = handler(flow)
+            except Exception:
+                log.exception("addon %s failed on %s", _name(handler), flow)
+                continue
+            if result is not None and inspect.isawaitable(result):
+                return Pipeline._finish(result, handlers[index + 1:], flow)
+        return None
+
+    @staticmethod
+    async def _finish(pending: Awaitable[Any], rest: tuple[Handler, ...], flow: Any) -> None:
+        try:
+            await pending
+        except Exception:
+            log.exception("addon hook failed on %s", flow)
+        for handler in rest:
+            try:
+                result = handler(flow)
+                if result is not None and inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("addon %s failed on %s", _name(handler), flow)
+
+
+def _name(handler: Handler) -> str:
+    return getattr(handler, "__qualname__", repr(handler))
+
+
+def _looks_like_hook(name: str) -> bool:
+    import mitmproxy.proxy.layers  # noqa: F401  (registers the protocol hooks in hooks.all_hooks)
+    from mitmproxy import hooks
+
+    return name in hooks.all_hooks

@@ -1,0 +1,138 @@
+"""Capture encoding: the fast path writes exactly what mitmproxy's own serialisation of the redacted flow is.
+
+The sidecar writes each call's flow twice (before it leaves, and when it resolves) and reuses each
+connection's serialised state while the connection is unchanged. These tests hold that encoding to
+``tnetstring.dumps`` of the redacted ``get_state()``, byte for byte, for plain, TLS, failed and
+redacted flows, and after a connection changes under the cache. End-to-end capture (a real sidecar, the
+HAR export) is in test_sidecar_http.py.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mitmproxy import certs, http
+from mitmproxy.io import tnetstring
+from mitmproxy.test import tflow
+
+from proxy.capture import ConnectionStates, encode_flow, read_flows, snapshot, tnet_dumps
+
+FIELDS = frozenset({"api_key", "password"})
+
+
+def reference(flow: http.HTTPFlow) -> bytes:
+    return tnetstring.dumps(snapshot(flow, FIELDS))
+
+
+def tls_flow(tmp_path: Path) -> http.HTTPFlow:
+    store = certs.CertStore.from_store(tmp_path, "test", 2048)
+    entry = store.get_cert("tool.example", [])
+    flow = tflow.tflow(resp=True)
+    flow.request.scheme, flow.request.port = "https", 443
+    for conn in (flow.client_conn, flow.server_conn):
+        conn.tls, conn.tls_version, conn.cipher, conn.sni = True, "TLSv1.3", "TLS_AES_256_GCM_SHA384", "tool.example"
+        conn.alpn = b"http/1.1"
+    flow.server_conn.certificate_list = [entry.cert, store.default_ca]
+    flow.server_conn.timestamp_tls_setup = flow.server_conn.timestamp_tcp_setup
+    return flow
+
+
+def secret_flow() -> http.HTTPFlow:
+    flow = tflow.tflow(resp=True)
+    flow.request.path = "/v1/items?api_key=abc&q=1"
+    flow.request.headers["Authorization"] = "Bearer s3cret"
+    flow.request.headers["Cookie"] = "session=1"
+    flow.request.headers["Content-Type"] = "application/json"
+    flow.request.content = json.dumps({"password": "hunter2", "nested": [{"api_key": "k"}], "ok": 1}).encode()
+    flow.response.headers["Set-Cookie"] = "session=2"
+    return flow
+
+
+@pytest.mark.parametrize("make", [
+    lambda _: tflow.tflow(),
+    lambda _: tflow.tflow(resp=True),
+    lambda _: tflow.tflow(err=True),
+    lambda _: secret_flow(),
+    tls_flow,
+], ids=["request-only", "with-response", "error", "secrets", "tls"])
+def test_fast_encoding_is_mitmproxys_serialisation_of_the_redacted_flow(make, tmp_path: Path) -> None:
+    flow = make(tmp_path)
+    flow.metadata["tether.call"] = object()  # tether's bookkeeping never reaches the file
+    conns = ConnectionStates()
+    first = encode_flow(flow, FIELDS, conns)
+    assert first == reference(flow)
+    assert encode_flow(flow, FIELDS, conns) == first  # from the cached connection states: still exact
+    assert tnetstring.loads(first)["metadata"] == {}
+
+
+def test_redaction_reaches_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "flows.mitm"
+    path.write_bytes(encode_flow(secret_flow(), FIELDS, ConnectionStates()))
+    (flow,) = read_flows(path)
+    assert flow.request.headers["Authorization"] == "[REDACTED]"
+    assert flow.request.headers["Cookie"] == "[REDACTED]"
+    assert flow.response.headers["Set-Cookie"] == "[REDACTED]"
+    assert json.loads(flow.request.content) == {"password": "[REDACTED]", "nested": [{"api_key": "[REDACTED]"}],
+                                                "ok": 1}
+    assert "abc" not in flow.request.path and "q=1" in flow.request.path
+
+
+def test_a_connection_that_changes_is_serialised_again(tmp_path: Path) -> None:
+    conns = ConnectionStates()
+    flow = tls_flow(tmp_path)
+    encode_flow(flow, FIELDS, conns)
+    flow.server_conn.timestamp_end = flow.server_conn.timestamp_start + 5  # closed
+    flow.server_conn.certificate_list = list(flow.server_conn.certificate_list[:1])  # same list, shorter
+    flow.client_conn.error = "connection reset"
+    encoded = encode_flow(flow, FIELDS, conns)
+    assert encoded == reference(flow)
+    state = tnetstring.loads(encoded)
+    assert state["server_conn"]["timestamp_end"] == flow.server_conn.timestamp_end
+    assert len(state["server_conn"]["certificate_list"]) == 1
+    assert state["client_conn"]["error"] == "connection reset"
+
+
+def test_a_list_changed_in_place_is_noticed(tmp_path: Path) -> None:
+    conns = ConnectionStates()
+    flow = tls_flow(tmp_path)
+    encode_flow(flow, FIELDS, conns)
+    flow.server_conn.certificate_list.pop()  # the same list object, one certificate fewer
+    assert encode_flow(flow, FIELDS, conns) == reference(flow)
+
+
+def test_the_cache_is_bounded() -> None:
+    conns = ConnectionStates(limit=4)
+    for _ in range(10):
+        flow = tflow.tflow(resp=True)  # new connections each time
+        assert encode_flow(flow, FIELDS, conns) == reference(flow)
+    assert len(conns._cache) <= 4
+
+
+class Flag(enum.IntEnum):
+    ON = 1
+
+
+SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.binary(max_size=40)
+           | st.text(max_size=40) | st.just(Flag.ON))
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=5) | st.lists(inner, max_size=5).map(tuple)
+    | st.dictionaries(st.text(max_size=10) | st.binary(max_size=10), inner, max_size=5),
+    max_leaves=40,
+)
+
+
+@given(VALUES)
+@settings(max_examples=300, deadline=None)
+def test_tnet_dumps_is_mitmproxys_tnetstring_byte_for_byte(value: object) -> None:
+    assert tnet_dumps(value) == tnetstring.dumps(value)
+
+
+def test_tnet_dumps_refuses_what_mitmproxy_refuses() -> None:
+    with pytest.raises(ValueError):
+        tnet_dumps({"x": object()})
