@@ -8,6 +8,7 @@ They share one ``Call`` per flow, kept in ``flow.metadata``; nothing else reache
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -448,5 +449,9 @@ class Capture:
         call = call_of(flow)
         if call is None:
             return
-        if self.sidecar.capture.write(flow):
+        if call.capture_ref is not None:
+            # Captured before it left: the final state is written once the answer is on its way to the agent
+            # (mitmproxy sends it when this hook returns), not in front of it.
+            asyncio.get_running_loop().call_soon(self.sidecar.capture.write, flow)
+        elif self.sidecar.capture.write(flow):  # refused (or uncaptured) calls: the report names the capture
             call.capture_ref = self.sidecar.capture.ref(flow)

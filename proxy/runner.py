@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -58,6 +59,9 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
         await sidecar.channel.close()
         raise
     host, port = await sidecar.start_proxy()
+    # Everything loaded so far (mitmproxy, tether, the chain, the catalog) lives as long as the process:
+    # moved out of the collector's reach, a full collection no longer walks it (50 ms pauses -> 4 ms here).
+    gc.freeze()
     info = {"agent": sidecar.agent, "proxy": f"http://{host}:{port}", "ca": str(sidecar.ca_cert), "pid": os.getpid(),
             "state_dir": str(config.state_dir)}
     print(f"tether: sidecar for {sidecar.agent} on http://{host}:{port} (CA {sidecar.ca_cert})", file=sys.stderr,

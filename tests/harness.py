@@ -96,6 +96,10 @@ def make_test_ca(directory: Path) -> TestCA:
           .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
           .not_valid_after(now + datetime.timedelta(days=30))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (x509.CertificateBuilder()
@@ -105,6 +109,8 @@ def make_test_ca(directory: Path) -> TestCA:
             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
+            # Python 3.13 verifies strictly (VERIFY_X509_STRICT): an end-entity certificate names its issuer's key
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     out = TestCA(directory / "ca.pem", directory / "server.pem", directory / "server.key")
     out.ca_pem.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
