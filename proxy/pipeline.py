@@ -24,6 +24,14 @@ HOOKS = ("http_connect", "requestheaders", "request", "responseheaders", "respon
 Handler = Callable[..., Any]
 
 
+def _relay(hook: str) -> Callable[[Pipeline, Any], Awaitable[None] | None]:
+    def relay(self: Pipeline, flow: Any) -> Awaitable[None] | None:
+        return self._run(self._handlers[hook], flow)
+
+    relay.__name__ = relay.__qualname__ = hook
+    return relay
+
+
 class Pipeline:
     def __init__(self, addons: Sequence[Any]) -> None:
         self.stages = tuple(addons)
@@ -35,29 +43,15 @@ class Pipeline:
             hook: tuple(getattr(a, hook) for a in self.stages if callable(getattr(a, hook, None))) for hook in HOOKS
         }
 
-    def http_connect(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["http_connect"], flow)
-
-    def requestheaders(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["requestheaders"], flow)
-
-    def request(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["request"], flow)
-
-    def responseheaders(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["responseheaders"], flow)
-
-    def response(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["response"], flow)
-
-    def error(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["error"], flow)
-
-    def tcp_start(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["tcp_start"], flow)
-
-    def udp_start(self, flow: Any) -> Awaitable[None] | None:
-        return self._run(self._handlers["udp_start"], flow)
+    # mitmproxy looks hooks up by name on the addon: one relay per hook tether's addons use.
+    http_connect = _relay("http_connect")
+    requestheaders = _relay("requestheaders")
+    request = _relay("request")
+    responseheaders = _relay("responseheaders")
+    response = _relay("response")
+    error = _relay("error")
+    tcp_start = _relay("tcp_start")
+    udp_start = _relay("udp_start")
 
     @staticmethod
     def _run(handlers: tuple[Handler, ...], flow: Any) -> Awaitable[None] | None:
