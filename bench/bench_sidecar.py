@@ -23,7 +23,7 @@ Targets (each tether setup against bare mitmproxy, same scheme and concurrency; 
 Also printed: RSS of an idle sidecar against an idle bare mitmdump, after start and after the benchmark,
 and the call reports the control plane received from each sidecar (every call must arrive). The control
 plane's CPU per call is metered over all rounds and divided by the calls of both sidecars (their reports are
-batched every 0.2 s, so they cannot be told apart per round).
+batched (every second, or per 200), so they cannot be told apart per round).
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few requests only (smoke run)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests-c1", type=int, default=1200, help="counted requests per setup at concurrency 1")
-    parser.add_argument("--requests-c8", type=int, default=2400, help="counted requests per setup at concurrency 8")
+    parser.add_argument("--requests-c8", type=int, default=4800, help="counted requests per setup at concurrency 8")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args()
     if args.quick:

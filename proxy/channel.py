@@ -39,8 +39,9 @@ class ControlChannel:
             await self._session.close()
 
     async def call(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0,
-                   signed: bool = True) -> Any:
-        data = b"" if body is None else json.dumps(body).encode()
+                   signed: bool = True, encoded: bytes | None = None) -> Any:
+        """``body`` is JSON-encoded here, unless the caller already has its bytes (``encoded``)."""
+        data = encoded if encoded is not None else b"" if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if signed:
             headers["Tether-Proof"] = make_proof(self.key, agent=self.agent, method=method, path=path, body=data,
@@ -71,8 +72,9 @@ class ControlChannel:
     async def events(self, after: int, wait: float) -> Any:
         return await self.call("GET", f"/v1/events?after={after}&wait={wait:g}", timeout=wait + 10.0)
 
-    async def reports(self, reports: list[dict[str, Any]]) -> Any:
-        return await self.call("POST", "/v1/reports", {"reports": reports})
+    async def reports(self, lines: list[str]) -> Any:
+        """Deliver reports given as their JSON encodings (the spool's lines): nothing is encoded twice."""
+        return await self.call("POST", "/v1/reports", encoded=f'{{"reports":[{",".join(lines)}]}}'.encode())
 
     async def ask_approval(self, doc: dict[str, Any]) -> Any:
         return await self.call("POST", "/v1/approvals", doc)

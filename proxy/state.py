@@ -9,7 +9,7 @@ the event stream, and the lease (renewed by heartbeats; with no contact for the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from controlplane.capability import errors as codes
@@ -121,11 +121,15 @@ class Call:
     detail: str | None = None
 
     def report(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "phase"}
+        # Every field but the phase; all are scalars, so no deep copy (asdict) is needed.
+        return {name: getattr(self, name) for name in _REPORT_FIELDS}
 
     def summary(self) -> dict[str, Any]:
         return {"call_id": self.call_id, "capability": self.capability, "method": self.method, "url": self.url,
                 "started_at": self.started_at, "phase": self.phase}
+
+
+_REPORT_FIELDS = tuple(f.name for f in fields(Call) if f.name != "phase")
 
 
 def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:
