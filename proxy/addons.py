@@ -106,6 +106,21 @@ class Enforcer:
         refuse(flow, refusal)
         self.sidecar.resolve(call, "refused", code=refusal.code)
 
+    def tls_clienthello(self, data: Any) -> None:
+        """Upstream TLS names the destination the policy checked (the CONNECT host), never another name.
+
+        mitmproxy would pass the agent's SNI upstream: on a shared CDN, a CONNECT to a granted host carrying
+        another site's name in its SNI would reach that site (domain fronting)."""
+        server = data.context.server
+        if server.address is None:
+            return
+        host = str(server.address[0])
+        sni = data.client_hello.sni
+        if sni and sni.lower().rstrip(".") != host.lower().rstrip("."):
+            log.warning("agent %s sent TLS server name %r inside a tunnel to %s; upstream gets %r",
+                        self.sidecar.agent, sni, host, host)
+        server.sni = host
+
     # Anything that is not HTTP has no capability to match: it does not exist for the agent.
     def tcp_start(self, flow: Any) -> None:
         log.warning("refusing a raw TCP stream to %s", flow.server_conn.address)

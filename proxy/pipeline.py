@@ -18,8 +18,8 @@ from typing import Any
 
 log = logging.getLogger("tether.sidecar")
 
-HOOKS = ("http_connect", "requestheaders", "request", "responseheaders", "response", "error", "tcp_start",
-         "udp_start")
+HOOKS = ("http_connect", "tls_clienthello", "requestheaders", "request", "responseheaders", "response", "error",
+         "tcp_start", "udp_start")
 
 Handler = Callable[..., Any]
 
@@ -45,6 +45,7 @@ class Pipeline:
 
     # mitmproxy looks hooks up by name on the addon: one relay per hook tether's addons use.
     http_connect = _relay("http_connect")
+    tls_clienthello = _relay("tls_clienthello")
     requestheaders = _relay("requestheaders")
     request = _relay("request")
     responseheaders = _relay("responseheaders")

@@ -129,6 +129,7 @@ class ToolServer:
         self.port = port or free_port()
         self.tls = tls
         self.hits: list[tuple[str, str]] = []
+        self.snis: list[str | None] = []  # the TLS server name each handshake asked for (HTTPS only)
         self.active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -221,8 +222,11 @@ class ToolServer:
             asyncio.set_event_loop(loop)
             self._runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=0.5)
             loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", self.port,
-                               ssl_context=self.tls.server_context() if self.tls else None)
+            context = None
+            if self.tls:
+                context = self.tls.server_context()
+                context.sni_callback = lambda _sock, name, _ctx: self.snis.append(name)  # type: ignore[assignment]
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=context)
             loop.run_until_complete(site.start())
             self._ready.set()
             loop.run_forever()

@@ -1,6 +1,6 @@
 """Holes a reviewer found, each closed and kept closed: raw bytes in a tunnel, upgrades, borrowed agent ids,
 tunnels after termination, MCP methods without a body decision, ambiguous JSON, Host ports, report races,
-and a control plane started with nothing but flags."""
+a control plane started with nothing but flags, and TLS server names that front another site."""
 
 from __future__ import annotations
 
@@ -176,3 +176,21 @@ def test_tls_is_only_for_catalog_destinations(world: World) -> None:
         while chunk := tls.recv(65536):
             data += chunk
     assert data.startswith(b"HTTP/1.1 200")
+
+
+def test_upstream_tls_names_the_connect_host_whatever_sni_the_agent_sends(world: World) -> None:
+    """Domain fronting: a CONNECT to a granted host with another name in the SNI must not reach that name."""
+    ident = world.cp.issue("fronting", {"secure.issues": "direct"})
+    sc = world.sidecar(ident)
+    ctx = ssl.create_default_context(cafile=sc.ca)
+    ctx.check_hostname = False  # the agent asks the sidecar for "evil.example"; the sidecar's CA signs it
+    for sni in ("evil.example", "localhost"):
+        before = len(world.secure.snis)
+        sock = tunnel(sc.proxy, "localhost", world.secure.port)
+        with ctx.wrap_socket(sock, server_hostname=sni) as tls:
+            tls.sendall(b"GET /repos/o/r/issues HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := tls.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200"), (sni, data[:200])
+        assert world.secure.snis[before:] == ["localhost"], (sni, world.secure.snis[before:])
