@@ -298,6 +298,10 @@ BAD: list[Bad] = [
     Bad("alg-none-with-signature", lambda: forge(root_claims(CP), None, {"alg": "none", "typ": GRANT_TYP},
                                                  signature=bytes(64)),
         ChainInvalid, "alg_not_allowed", 0),
+    # The claims' shape is judged before the header's algorithm: not an object is "malformed".
+    Bad("alg-none-claims-not-an-object", lambda: forge([1], None, {"alg": "none", "typ": GRANT_TYP},
+                                                       signature=bytes(64)),
+        ChainInvalid, "malformed", 0),
     Bad("alg-missing", lambda: forge_root(header={"typ": GRANT_TYP}).compact, ChainInvalid, "alg_not_allowed", 0),
     Bad("alg-lowercase", lambda: forge_root(header={"alg": "eddsa", "typ": GRANT_TYP}).compact,
         ChainInvalid, "alg_not_allowed", 0),
@@ -465,6 +469,27 @@ def test_hand_forged_links_verify_when_nothing_is_wrong() -> None:
     verified = Verifier(CP.public_key(), catalog_hash=CATALOG.hash).verify(wire(root, child, grandchild), now=NOW)
     assert verified.caps == {"a.read": "approval"}
     assert forge_child(ROOT).link.claims.keys() == B.link.claims.keys()
+
+
+@pytest.mark.parametrize("encode", [
+    lambda text: b"\xef\xbb\xbf" + text.encode(),  # a UTF-8 byte-order mark
+    lambda text: text.encode("utf-16"),
+], ids=["utf8-bom", "utf16"])
+def test_claims_are_read_as_json_loads_reads_bytes(encode: Any) -> None:
+    """A signed link whose claims JSON is not plain UTF-8 gets the answer json.loads gives, not a new one."""
+    claims = root_claims(keys.generate())
+    signing_input = f"{enc({'alg': 'EdDSA', 'typ': GRANT_TYP})}.{keys.b64url(encode(json.dumps(claims)))}"
+    compact = f"{signing_input}.{keys.b64url(CP.sign(signing_input.encode()))}"
+    verified = Verifier(CP.public_key(), catalog_hash=CATALOG.hash).verify(compact, now=NOW)
+    assert dict(verified.leaf.claims) == claims
+
+
+def test_a_jwk_with_non_ascii_x_is_malformed() -> None:
+    claims = root_claims(keys.generate())
+    claims["cnf"]["jwk"]["x"] = "é" * 43
+    with pytest.raises(ChainInvalid) as info:
+        Verifier(CP.public_key()).verify(forge(claims, CP), now=NOW)
+    assert info.value.reason == "malformed" and "only ASCII characters" in info.value.message
 
 
 @pytest.mark.parametrize(

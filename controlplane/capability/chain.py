@@ -258,7 +258,16 @@ def _is_time(value: Any) -> bool:
 _GRANT_HEADER = {"alg": ALG, "typ": GRANT_TYP}
 _GRANT_HEADER_B64 = keys.b64url(json.dumps(_GRANT_HEADER, separators=(",", ":")).encode())
 _CLAIM_STRINGS = ("iss", "sub", "jti", "cat")
-_json = json.JSONDecoder().decode  # json.loads minus its type dispatch and encoding detection
+_json = json.JSONDecoder().decode
+
+
+def _json_bytes(raw: bytes) -> Any:
+    """``json.loads(raw)``: plain UTF-8 without its type dispatch and encoding sniffing; anything else
+    (a byte-order mark, UTF-16/32, surrogates) the way json.loads reads it."""
+    try:
+        return _json(raw.decode())
+    except ValueError:
+        return json.loads(raw)
 _CLAIM_TIMES = ("iat", "nbf", "exp")
 
 
@@ -274,15 +283,15 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
         raise _malformed(index, "a link is a compact JWS: three base64url parts joined by '.'")
     head, body, sig = parts
     try:
-        header = _GRANT_HEADER if head == _GRANT_HEADER_B64 else _json(keys.b64url_decode(head).decode())
-        claims = _json(keys.b64url_decode(body).decode())
+        header = _GRANT_HEADER if head == _GRANT_HEADER_B64 else _json_bytes(keys.b64url_decode(head))
+        claims = _json_bytes(keys.b64url_decode(body))
         signature = keys.b64url_decode(sig)
     except (ValueError, binascii.Error, UnicodeError, RecursionError):
         raise _malformed(index, "not base64url-encoded JSON") from None
+    if not isinstance(header, dict) or not isinstance(claims, dict):
+        raise _malformed(index, "header and claims must be JSON objects")
     if header is not _GRANT_HEADER:
         _check_header(header, index)
-    if not isinstance(claims, dict):
-        raise _malformed(index, "header and claims must be JSON objects")
     if len(signature) != 64:
         raise ChainInvalid("bad_signature", f"link {index}: an Ed25519 signature is 64 bytes", link=index)
     if len(sig) != 86 or sig[-1] not in "AQgw" or "+" in sig or "/" in sig:
@@ -315,9 +324,7 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
                 key_raw, iss, sub, jti, iat, nbf, exp, prf, caps, dpth, cat)
 
 
-def _check_header(header: Any, index: int) -> None:
-    if not isinstance(header, dict):
-        raise _malformed(index, "header and claims must be JSON objects")
+def _check_header(header: dict[str, Any], index: int) -> None:
     if header.get("alg") != ALG:
         raise ChainInvalid(
             "alg_not_allowed", f"link {index}: alg {header.get('alg')!r} is refused; only EdDSA", link=index

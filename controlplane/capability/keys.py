@@ -26,7 +26,10 @@ def b64url_decode(text: str) -> bytes:
     """Decode unpadded base64url; as lenient as ``base64.urlsafe_b64decode`` (raises ValueError)."""
     if not isinstance(text, str):
         raise ValueError("expected base64url text")
-    data = text.encode("ascii").translate(_URL_TO_STD)
+    try:
+        data = text.encode("ascii").translate(_URL_TO_STD)
+    except UnicodeEncodeError:
+        raise ValueError("string argument should contain only ASCII characters") from None
     return binascii.a2b_base64(data + b"=" * (-len(data) % 4))
 
 
