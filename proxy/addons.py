@@ -70,8 +70,9 @@ class Tracker:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         req = flow.request
+        host = f"[{req.host}]" if ":" in req.host else req.host  # an IPv6 literal, bracketed as in a URL
         call = Call(call_id=str(uuid.uuid4()), agent=self.sidecar.agent, method=req.method,
-                    url=f"{req.scheme}://{req.host}:{req.port}{req.path.split('?', 1)[0]}", started_at=time.time())
+                    url=f"{req.scheme}://{host}:{req.port}{req.path.split('?', 1)[0]}", started_at=time.time())
         flow.metadata[CALL] = call
         self.sidecar.track(call, flow)
 

@@ -257,6 +257,7 @@ capabilities:
   hang.read:     {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/hang"}}}}
   fail.read:     {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/fail"}}}}
   echo.any:      {{http: {{host: 127.0.0.1, port: {http}, methods: [GET, POST], path: "/echo"}}}}
+  v6.read:       {{http: {{host: "[::1]", port: {http}, methods: [GET], path: "/v6"}}}}
   secure.issues: {{http: {{host: localhost, port: {https}, methods: [GET], path: "/repos/*/*/issues*"}}}}
   secure.slow:   {{http: {{host: localhost, port: {https}, methods: [GET], path: "/slow"}}}}
   mcp.add:       {{mcp: {{url: "http://127.0.0.1:{mcp}/mcp", tool: add}}}}

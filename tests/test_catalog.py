@@ -477,3 +477,23 @@ def test_knows_host_honours_port_narrowing_and_default_ports():
     assert not cat.knows_host("svc.internal", 443)
     assert cat.knows_host("tools.example", 443)
     assert not cat.knows_host("tools.example", 80)
+
+
+def test_ipv6_literals_match_however_they_are_spelled() -> None:
+    """mitmproxy gives an IPv6 destination bare ("::1"), a catalog or URL bracketed and in any spelling."""
+    cat = parse_catalog(one_cap('{http: {host: "[0:0::1]", port: 8080, methods: [GET], path: "/v6*"}}')
+                        + "  svc.mcp: {mcp: {url: 'http://[::0:1]:9000/mcp', tool: t}}\n")
+    assert cat.capabilities["svc.call"].http.host == "[::1]"
+    assert cat.match_http("::1", 8080, "GET", "/v6/x") == ["svc.call"]
+    assert cat.match_http("0::1", 8080, "GET", "/v6/x") == ["svc.call"]
+    assert cat.match_http("::2", 8080, "GET", "/v6/x") == []
+    assert cat.match_http("::1", 8081, "GET", "/v6/x") == []
+    assert cat.knows_host("::1", 8080) and cat.knows_host("::1", 9000) and not cat.knows_host("::1", 9001)
+    assert cat.mcp_server("http://[::1]:9000/mcp/") == "http://[::1]:9000/mcp"
+    assert normalize_url("http://[0:0::1]/x") == "http://[::1]:80/x"
+
+
+@pytest.mark.parametrize("host", ["[:::]", "[1::2::3]", "[::g]"])
+def test_a_bracketed_host_that_is_not_an_ipv6_address_is_refused(host: str) -> None:
+    err = refused(one_cap(f'{{http: {{host: "{host}", methods: [GET], path: "/"}}}}'))
+    assert "not a host name" in str(err)

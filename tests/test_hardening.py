@@ -8,6 +8,7 @@ import asyncio
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -194,3 +195,45 @@ def test_upstream_tls_names_the_connect_host_whatever_sni_the_agent_sends(world:
                 data += chunk
         assert data.startswith(b"HTTP/1.1 200"), (sni, data[:200])
         assert world.secure.snis[before:] == ["localhost"], (sni, world.secure.snis[before:])
+
+
+def test_an_ipv6_destination_in_the_catalog_is_reachable_and_nothing_else_there(world: World) -> None:
+    """A catalog host "[::1]" matches mitmproxy's bare "::1": the granted path passes, the rest is absent."""
+    from aiohttp import web
+
+    hits: list[str] = []
+    loop = asyncio.new_event_loop()
+
+    async def v6(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response({"family": "ipv6"})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", v6)
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    # The catalog names [::1] on the IPv4 tool server's port number, a separate socket on the IPv6 loopback.
+    loop.run_until_complete(web.TCPSite(runner, "::1", world.tools.port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        ident = world.cp.issue("v6", {"v6.read": "direct"})
+        sc = world.sidecar(ident)
+        base = f"http://[::1]:{world.tools.port}"
+        ok = requests.get(f"{base}/v6", proxies=sc.proxies(), timeout=10)
+        assert ok.status_code == 200 and ok.json() == {"family": "ipv6"}
+        other = requests.get(f"{base}/admin", proxies=sc.proxies(), timeout=10)
+        assert other.status_code == 403 and other.headers["Tether-Error"] == "tether.capability_absent"
+        assert hits == ["/v6"]
+        reports = {r["url"] for r in wait_reports_for(world, "v6", 2)}
+        assert reports == {f"{base}/v6", f"{base}/admin"}
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def wait_reports_for(world: World, agent: str, count: int) -> list[dict]:
+    wait_until(lambda: len(reports_for(world.cp, agent)) >= count, 15, what=f"{count} reports of {agent}")
+    return reports_for(world.cp, agent)

@@ -8,6 +8,7 @@ canonical JSON form so a grant can name the exact catalog it was issued against.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -39,11 +40,31 @@ def _default_port(scheme: str) -> int:
     return 443 if scheme == "https" else 80
 
 
+def host_key(host: str) -> str:
+    """A host as the catalog compares it: lower case, no trailing dot, an IPv6 literal as ``[compressed]``
+    (mitmproxy gives it bare, a URL or a catalog bracketed)."""
+    host = host.lower().rstrip(".")
+    if ":" in host:
+        try:
+            return f"[{ipaddress.IPv6Address(host.strip('[]')).compressed}]"
+        except ValueError:
+            return host  # not an address: it matches no catalog host
+    return host
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def normalize_url(url: str) -> str:
     """``scheme://host:port/path`` with the default port made explicit, no query, no trailing slash."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    host = (parts.hostname or "").lower()
+    host = host_key(parts.hostname or "")
     port = parts.port or _default_port(scheme)
     path = parts.path.rstrip("/") or "/"
     return f"{scheme}://{host}:{port}{path}"
@@ -151,7 +172,7 @@ class Catalog:
         clean = safe_path(path)
         if clean is None:
             return ()
-        host = host.lower().rstrip(".")
+        host = host_key(host)
         method = method.upper()
         return tuple(
             c.name
@@ -192,13 +213,13 @@ class Catalog:
 
     def knows_host(self, host: str, port: int) -> bool:
         """True when some capability could be reached at host:port (used to refuse CONNECTs early)."""
-        host = host.lower().rstrip(".")
+        host = host_key(host)
         for c in self.capabilities.values():
             if c.http is not None and c.http.host == host and c.http.port in (None, port):
                 return True
             if c.mcp is not None:
                 parts = urlsplit(c.mcp.server)
-                if parts.hostname == host and parts.port == port:
+                if host_key(parts.hostname or "") == host and parts.port == port:
                     return True
         return False
 
@@ -245,7 +266,8 @@ def _check_keys(source: str, where: str, value: Any, allowed: set[str], required
 def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
     raw = _check_keys(source, where, raw, _HTTP_KEYS, {"host", "methods", "path"})
     host = raw["host"]
-    if not isinstance(host, str) or not _HOST.fullmatch(host.lower()):
+    if not isinstance(host, str) or not _HOST.fullmatch(host.lower()) or (
+            host.startswith("[") and not _is_ipv6(host[1:-1])):
         raise _fail(source, f"{where}.host", f"not a host name: {host!r}")
     port = raw.get("port")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
@@ -259,7 +281,7 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
     path = raw["path"]
     if not isinstance(path, str) or not path.startswith("/") or "?" in path:
         raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
-    return HttpMatch(host=host.lower(), methods=tuple(methods), path=path, port=port)
+    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port)
 
 
 def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
