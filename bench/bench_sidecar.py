@@ -53,9 +53,11 @@ import aiohttp  # noqa: E402
 from tests.harness import (  # noqa: E402
     SidecarProcess,
     TestCA,
+    close_stdin_and_wait,
     free_port,
     make_test_ca,
     prepare_controlplane,
+    stop_process,
     wait_until,
 )
 
@@ -122,15 +124,7 @@ class ToolServerProcess:
         return int(self.proc.stdout.readline())
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            if self.proc.stdin:
-                self.proc.stdin.close()
-            self.proc.wait(10)
-        except (subprocess.TimeoutExpired, OSError):
-            self.proc.kill()
-            self.proc.wait()
+        close_stdin_and_wait(self.proc)
         self.proc = None
 
 
@@ -180,13 +174,7 @@ class MitmdumpProcess:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
 

@@ -51,6 +51,7 @@ from tests.harness import (  # noqa: E402
     ControlPlaneProcess,
     Identity,
     SidecarProcess,
+    close_stdin_and_wait,
     free_port,
     make_test_ca,
     prepare_controlplane,
@@ -273,15 +274,8 @@ class Zygote:
         return int(self.proc.stdout.readline())
 
     def stop(self) -> None:
-        if self.proc is not None:
-            if self.proc.stdin:
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+        close_stdin_and_wait(self.proc, 5)
+        self.proc = None
 
 
 class ForkedSidecar(SidecarProcess):

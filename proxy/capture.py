@@ -96,9 +96,12 @@ def _redact_state(state: dict, fields: frozenset[str], secret: frozenset[bytes])
     return state
 
 
-def snapshot(flow: http.HTTPFlow, fields: frozenset[str], headers: tuple[str, ...] = SECRET_HEADERS) -> dict:
+_SECRET = frozenset(h.encode() for h in SECRET_HEADERS)
+
+
+def snapshot(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] = _SECRET) -> dict:
     """The flow's serialisable state with secret headers, named JSON fields and query parameters redacted."""
-    return _redact_state(_metadata_free_state(flow), fields, frozenset(h.encode() for h in headers))
+    return _redact_state(_metadata_free_state(flow), fields, secret)
 
 
 class ConnectionStates:
@@ -170,10 +173,10 @@ def _tnet_dict(items: list[tuple[str, bytes]]) -> bytes:
 
 
 def encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionStates,
-                secret: frozenset[bytes] = frozenset(h.encode() for h in SECRET_HEADERS)) -> bytes:
+                secret: frozenset[bytes] = _SECRET) -> bytes:
     """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged."""
     if flow._backup is not None or flow.websocket is not None:  # not a sidecar's flow: the general path
-        return tnet_dumps(_redact_state(_metadata_free_state(flow), fields, secret))
+        return tnet_dumps(snapshot(flow, fields, secret))
     # Flow.get_state and HTTPFlow.get_state, field for field, with the connections left out
     # (tests/test_capture.py holds the result to mitmproxy's own serialisation).
     parts = _redact_state({

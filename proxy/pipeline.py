@@ -16,6 +16,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import mitmproxy.proxy.layers  # noqa: F401  (registers the protocol hooks in hooks.all_hooks)
+from mitmproxy import hooks
+
 log = logging.getLogger("tether.sidecar")
 
 HOOKS = ("http_connect", "tls_clienthello", "requestheaders", "request", "responseheaders", "response", "error",
@@ -36,7 +39,7 @@ class Pipeline:
     def __init__(self, addons: Sequence[Any]) -> None:
         self.stages = tuple(addons)
         unknown = [f"{type(a).__name__}.{name}" for a in self.stages for name in dir(a)
-                   if not name.startswith("_") and name not in HOOKS and _looks_like_hook(name)]
+                   if not name.startswith("_") and name not in HOOKS and name in hooks.all_hooks]
         if unknown:  # a hook this class does not relay would silently never run
             raise TypeError(f"Pipeline does not relay {', '.join(unknown)}")
         self._handlers: dict[str, tuple[Handler, ...]] = {
@@ -85,9 +88,3 @@ class Pipeline:
 def _name(handler: Handler) -> str:
     return getattr(handler, "__qualname__", repr(handler))
 
-
-def _looks_like_hook(name: str) -> bool:
-    import mitmproxy.proxy.layers  # noqa: F401  (registers the protocol hooks in hooks.all_hooks)
-    from mitmproxy import hooks
-
-    return name in hooks.all_hooks

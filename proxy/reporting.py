@@ -29,8 +29,7 @@ class Reporter:
         self.channel = channel
         self.spool_path = spool_path
         self.interval_s = interval_s
-        self.pending: list[dict[str, Any]] = []
-        self._lines: list[str] = []  # pending's JSON encodings, as spooled and as delivered
+        self._lines: list[str] = []  # undelivered reports, JSON-encoded as spooled and as delivered
         self._wake = asyncio.Event()
         self._spool_broken = False
         self._spool: IO[str] | None = None
@@ -42,19 +41,26 @@ class Reporter:
             return
         for line in self.spool_path.read_text().splitlines():
             try:
-                report = json.loads(line)
+                json.loads(line)
             except ValueError:
                 log.warning("skipping a torn line in %s", self.spool_path)
                 continue
-            self.pending.append(report)
             self._lines.append(line)
-        if self.pending:
-            log.info("%d report(s) from the spool will be delivered", len(self.pending))
+        if self._lines:
+            log.info("%d report(s) from the spool will be delivered", len(self._lines))
+
+    @property
+    def pending(self) -> list[dict[str, Any]]:
+        """The undelivered reports (decoded: for a termination's acknowledgement, not the hot path)."""
+        return [json.loads(line) for line in self._lines]
+
+    @property
+    def count(self) -> int:
+        return len(self._lines)
 
     def add(self, report: dict[str, Any]) -> None:
         """Spool a final report (before anything else) and queue it for the next batch."""
         line = json.dumps(report, separators=(",", ":"))
-        self.pending.append(report)
         self._lines.append(line)
         try:
             if self._spool is None:
@@ -67,7 +73,7 @@ class Reporter:
                 log.error("cannot spool reports to %s: %s (kept in memory)", self.spool_path, exc)
             self._spool_broken = True
             self._close_spool()
-        if len(self.pending) >= BATCH:
+        if len(self._lines) >= BATCH:
             self._wake.set()  # a full batch goes now; smaller ones wait for the interval
 
     def _close_spool(self) -> None:
@@ -101,14 +107,13 @@ class Reporter:
             return await self._flush()
 
     async def _flush(self) -> bool:
-        while self.pending:
+        while self._lines:
             batch = self._lines[:BATCH]
             try:
                 await self.channel.reports(batch)
             except ApiError as exc:
                 log.debug("report delivery failed: %s", exc)
                 return False
-            del self.pending[: len(batch)]
             del self._lines[: len(batch)]
             self._rewrite_spool()
         return True
@@ -121,5 +126,5 @@ class Reporter:
             except TimeoutError:
                 pass
             self._wake.clear()
-            if self.pending:
+            if self._lines:
                 attempt = 0 if await self.flush() else attempt + 1

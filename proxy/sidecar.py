@@ -203,7 +203,7 @@ class Sidecar:
             return
         if self.state is not None and self.state.registered and self.state.mode != TERMINATED:
             await self.channel.heartbeat({"state": "stopped", "inflight": [], "seq": self.seq, "pid": os.getpid(),
-                                          "started_at": self.started_at, "spooled": len(self.reporter.pending)})
+                                          "started_at": self.started_at, "spooled": self.reporter.count})
 
     # -- the in-flight table ------------------------------------------------------------------------------
     def track(self, call: Call, flow: http.HTTPFlow) -> None:
@@ -225,7 +225,7 @@ class Sidecar:
         sent = time.monotonic()
         doc = {"state": self.state.mode, "inflight": self.calls.snapshot(), "seq": self.seq, "pid": os.getpid(),
                "proxy": f"{self.address[0]}:{self.address[1]}" if self.address else None,
-               "started_at": self.started_at, "spooled": len(self.reporter.pending)}
+               "started_at": self.started_at, "spooled": self.reporter.count}
         answer = await self.channel.heartbeat(doc)
         self.state.renewed(sent, float(answer.get("lease_ttl_s", self.state.lease_ttl_s)))
         if answer.get("revoked") and self.state.revoke(answer["revoked"]):

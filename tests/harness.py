@@ -65,6 +65,19 @@ def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeo
         proc.wait()
 
 
+def close_stdin_and_wait(proc: subprocess.Popen | None, timeout: float = 10) -> None:
+    """Close a child's stdin (its cue to finish) and wait for it; SIGKILL it if it does not go in time."""
+    if proc is None:
+        return
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait(timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        proc.kill()
+        proc.wait()
+
+
 def close_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Cancel what is left on a thread's private loop, let it unwind, close the loop."""
     pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
