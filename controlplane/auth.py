@@ -9,15 +9,30 @@ from __future__ import annotations
 import hmac
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from .capability import keys
-from .capability.errors import FORBIDDEN, UNAUTHORIZED, ApiError
+from .capability.errors import BAD_REQUEST, FORBIDDEN, UNAUTHORIZED, ApiError
 from .capability.proof import MAX_AGE_S, Proof, check_proof, read_proof
 from .store import Doc, Store
 
 PROOF_HEADER = "Tether-Proof"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who signed a request: the agent, the registered link whose key signed it, and the sidecar run (if
+    any). Commands, acknowledgements, heartbeats and in-flight lists belong to a run of a link."""
+
+    agent: str
+    link: Doc
+    run: str | None
+
+    @property
+    def link_hash(self) -> str:
+        return self.link["hash"]
 
 
 class ReplayCache:
@@ -76,8 +91,8 @@ class Authenticator:
         ):
             raise ApiError(401, UNAUTHORIZED, "Tether-Proof was already used; sign each request afresh")
 
-    async def sidecar(self, request: web.Request, body: bytes) -> tuple[str, Doc]:
-        """Authenticate a chain holder by its registered leaf link. Returns (agent, link doc)."""
+    async def sidecar(self, request: web.Request, body: bytes) -> Caller:
+        """Authenticate a chain holder by its registered leaf link (and the sidecar run it names)."""
         proof = self.proof_of(request)
         if proof is None or not proof.link:
             raise ApiError(401, UNAUTHORIZED, f"sign the request with your chain's key ({PROOF_HEADER} header)")
@@ -87,4 +102,11 @@ class Authenticator:
         if link["sub"] != proof.agent:
             raise ApiError(401, UNAUTHORIZED, "the proof's subject does not hold the link it names")
         await self.check(request, proof, link["claims"]["cnf"]["jwk"], body)
-        return proof.agent, link
+        return Caller(proof.agent, link, proof.run)
+
+    async def run_of(self, request: web.Request, body: bytes) -> Caller:
+        """A sidecar run: a chain holder whose proof names its run (heartbeats, acknowledgements)."""
+        caller = await self.sidecar(request, body)
+        if caller.run is None:
+            raise ApiError(400, BAD_REQUEST, "this request belongs to a sidecar run: sign it with a 'run' claim")
+        return caller

@@ -274,12 +274,20 @@ def _sidecar_text(sidecar: dict | None) -> str:
     return f"{sidecar['state']}, lease {sidecar['lease']}"
 
 
+def _runs_text(node: dict) -> str:
+    """Every sidecar run of a link: its real state (serving, draining, terminated, stopped, superseded, lapsed)."""
+    runs = node.get("runs") or []
+    if len(runs) <= 1:
+        return _sidecar_text(node.get("sidecar"))
+    return "; ".join(f"{r['run_id']}: {r['state']}" for r in runs)
+
+
 def _print_tree(node: dict, prefix: str, last: bool, top: bool = False) -> None:
     branch = "" if top else ("└── " if last else "├── ")
     status = node["status"].upper() if node["status"] != "active" else "active"
     print(
         f"{prefix}{branch}{node['agent']}  [{status}] jti {node['jti'][:12]}…  "
-        f"{_caps_text(node['caps'])}  ({_sidecar_text(node['sidecar'])})"
+        f"{_caps_text(node['caps'])}  ({_runs_text(node)})"
     )
     child_prefix = prefix + ("" if top else ("    " if last else "│   "))
     for i, child in enumerate(node["children"]):

@@ -102,6 +102,14 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     return 0
 
 
+def _confirmed_text(entry: dict | str, acks: dict) -> str:
+    """One confirmed agent and the sidecar run that confirmed it (records before runs hold bare ids)."""
+    if isinstance(entry, str):
+        return entry + (" (its sidecar had already stopped)" if acks.get(entry, {}).get("state") == "stopped" else "")
+    how = {"stopped": ", had already stopped", "acknowledged_late": ", late"}.get(entry.get("state", ""), "")
+    return f"{entry['agent']} (run {entry['run_id']}{how})"
+
+
 def print_record_summary(record: dict, all_calls: bool = False) -> None:
     """A responder's view: counts per agent, every call that did not simply complete, and the agents."""
     per_agent: dict[str, dict[str, int]] = {}
@@ -123,9 +131,7 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
         what = call.get("capability") or f"{call['method']} {call['url']}"
         code = f" ({call['code']})" if call.get("code") else ""
         print(f"    {call['agent']:<14} {call['resolution']:<18}{status:<5} {what}{code}")
-    acks = record.get("acknowledgements", {})
-    confirmed = [a + (" (its sidecar had already stopped)" if acks.get(a, {}).get("state") == "stopped" else "")
-                 for a in record["agents_terminated"]]
+    confirmed = [_confirmed_text(entry, record.get("acknowledgements", {})) for entry in record["agents_terminated"]]
     print(f"  agents terminated (confirmed by their sidecars): {', '.join(confirmed) or 'none'}")
     if record["agents_unaccounted"]:
         print("  agents UNACCOUNTED (no acknowledgement):")

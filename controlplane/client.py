@@ -21,11 +21,13 @@ UNREACHABLE = "tether.controlplane_unreachable"
 
 @dataclass
 class Signer:
-    """Signs requests as a chain holder: the agent, the hash of its leaf link, and the link's key."""
+    """Signs requests as a chain holder: the agent, the hash of its leaf link, the link's key, and (for a
+    sidecar) the run it speaks for."""
 
     agent: str
     link: str
     key: Ed25519PrivateKey
+    run: str | None = None
 
 
 class Client:
@@ -41,8 +43,8 @@ class Client:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if signer is not None:
             headers["Tether-Proof"] = make_proof(
-                signer.key, agent=signer.agent, method=method, path=path, body=data, now=time.time(), link=signer.link
-            )
+                signer.key, agent=signer.agent, method=method, path=path, body=data, now=time.time(),
+                link=signer.link, run=signer.run)
         elif admin and self.admin_token:
             headers["Authorization"] = f"Bearer {self.admin_token}"
         req = urllib.request.Request(

@@ -19,7 +19,8 @@ from typing import Any
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .auth import Authenticator
+from . import runs
+from .auth import Authenticator, Caller
 from .capability import keys
 from .capability.catalog import TIERS, Catalog
 from .capability.chain import (
@@ -175,10 +176,21 @@ class ControlPlane:
     async def graph(self) -> Graph:
         return Graph(await self.store.all_links())
 
-    async def register_chain(self, wire: str) -> tuple[list[Doc], int]:
-        """Verify a chain and store each of its links; returns (link docs, how many were new)."""
+    async def register_chain(self, wire: str) -> tuple[list[Doc], int, list[str]]:
+        """Verify a chain and store each of its links; returns (link docs, how many were new, revoked jtis).
+
+        A chain whose every link is already registered is answered even when it has since been revoked or
+        has expired: its sidecar, restarted after a termination, must still deliver its spool and
+        acknowledge (it never forwards: the answer says which links are revoked). Anything new is verified
+        in full, against the revocations, and must respect agent-id ownership."""
+        links = parse_chain_unverified(split_chain(wire))
+        known = [await self.store.get_link(link.hash) for link in links]
+        leaf = known[-1]
+        if leaf is not None and leaf.get("chain_hashes") == [link.hash for link in links]:
+            revoked = await self.store.revoked_among(list(leaf["chain_jtis"]))
+            return [doc for doc in known if doc is not None], 0, sorted(revoked)
         verified = self.verifier.verify(wire, now=self.clock(), revoked=await self.revoked())
-        await self._check_agent_ids(verified.links)
+        await self._claim_agent_ids(verified.links, known)
         now = self.clock()
         docs: list[Doc] = []
         jtis: list[str] = []
@@ -203,21 +215,44 @@ class ControlPlane:
         new = await self.store.put_links(docs)
         if new:
             self.metrics.inc("tether_links_registered_total", new)
-        return docs, new
+        return docs, new, []
 
-    async def _check_agent_ids(self, links: Any) -> None:
-        """An agent id belongs to the delegation tree that registered it first: a link delegated elsewhere
-        may not take it (it would inherit the other agent's commands, records and surface). Root links
-        are minted with the control plane's key, so an admin may re-issue an id."""
-        root = links[0].hash
-        graph = await self.graph()
-        for index, link in enumerate(links[1:], start=1):
-            if link.hash in graph.by_hash:
+    async def _claim_agent_ids(self, links: Any, known: list[Doc | None]) -> None:
+        """An agent id belongs to the principal that first delegated it: the parent agent (the control plane
+        for a root grant; see runs.owner_key for why the agent and not its key). A link for that id issued
+        by anyone else is refused, in the same tree as in another; its owner may delegate it again (a
+        respawn), and an admin's root grant takes it over. Ownership is claimed atomically, so two
+        principals racing for a new id cannot both win."""
+        for index, link in enumerate(links):
+            if known[index] is not None:
                 continue
-            for other in graph.links_of(link.sub):
-                if other.get("chain_hashes", [other["hash"]])[0] != root:
-                    raise ChainInvalid("agent_id_taken", f"link {index}: agent id {link.sub!r} is already held "
-                                       "under another root grant; delegate under a different id", link=index)
+            issuer = runs.owner_key(None if index == 0 else links[index - 1].sub)
+            while True:
+                owner = await self.store.get_doc("owner", link.sub)
+                if owner is None:
+                    owner = await self._owner_from_history(link.sub)
+                if owner is not None and owner["owner"] == issuer:
+                    break
+                if owner is not None and index > 0:
+                    raise ChainInvalid(
+                        "agent_id_taken",
+                        f"link {index}: agent id {link.sub!r} belongs to another principal (the one that first "
+                        "delegated it); delegate under a different id", link=index)
+                version = owner["version"] if owner is not None and "version" in owner else 0
+                claim = {"agent": link.sub, "owner": issuer, "since": self.clock(), "link": link.hash,
+                         "version": version + 1}
+                if await self.store.cas_doc("owner", link.sub, version, claim):
+                    break
+
+    async def _owner_from_history(self, agent: str) -> Doc | None:
+        """The owner of an id registered before ownership was recorded: the issuer of its first link."""
+        graph = await self.graph()
+        earliest = sorted(graph.links_of(agent), key=lambda d: (d.get("registered_at", 0), d["hash"]))
+        if not earliest:
+            return None
+        first = earliest[0]
+        parent = graph.by_hash.get(first.get("prf") or "")
+        return {"agent": agent, "owner": runs.owner_key(parent["sub"] if parent else None), "link": first["hash"]}
 
     async def revoke_link(self, link: Doc, by: str, reason: str, termination_id: str | None = None) -> Doc:
         now = self.clock()
@@ -359,14 +394,20 @@ class ControlPlane:
         now = self.clock()
         try:
             sidecars = await self.store.all_sidecars()
-            live = sum(1 for s in sidecars.values() if s.get("lease_expires", 0) > now)
+            live = sum(1 for s in sidecars.values() if s.get("lease_expires", 0) > now and not s.get("final"))
             lines += ["# TYPE tether_sidecars_leased gauge", f"tether_sidecars_leased {live}"]
             _low, high = await self.store.event_bounds()
             lines += ["# TYPE tether_event_seq gauge", f"tether_event_seq {high}"]
             lines.append("# TYPE tether_subscriber_lag_events gauge")
-            for agent, doc in sorted(sidecars.items()):
+            lags: dict[str, int] = {}
+            for doc in sidecars.values():
                 seen = doc.get("seq")
+                if doc.get("final") or doc.get("lease_expires", 0) <= now:
+                    continue
                 lag = max(0, high - int(seen)) if isinstance(seen, int) and seen >= 0 else 0
+                agent = str(doc.get("agent"))
+                lags[agent] = max(lag, lags.get(agent, 0))
+            for agent, lag in sorted(lags.items()):
                 lines.append(f'tether_subscriber_lag_events{{agent="{_label(agent)}"}} {lag}')
             active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
             lines += ["# TYPE tether_terminations_in_flight gauge", f"tether_terminations_in_flight {active}"]
@@ -425,7 +466,7 @@ class ControlPlane:
             depth=depth,
             catalog=self.catalog,
         )
-        docs, _ = await self.register_chain(compact)
+        docs, _, _ = await self.register_chain(compact)
         self.metrics.inc("tether_grants_issued_total")
         return web.json_response(
             {"agent": body["agent"], "jti": docs[0]["jti"], "link": compact, "chain": [compact]}, status=201
@@ -446,9 +487,10 @@ class ControlPlane:
                     "register with a Tether-Proof signed by the leaf link's key (or as admin)",
                 )
             await self.auth.check(request, proof, links[-1].claims["cnf"]["jwk"], raw)
-        docs, new = await self.register_chain(wire)
+        docs, new, revoked = await self.register_chain(wire)
         leaf = docs[-1]
-        return web.json_response({"agent": leaf["sub"], "link": leaf["hash"], "jtis": leaf["chain_jtis"], "new": new})
+        return web.json_response({"agent": leaf["sub"], "link": leaf["hash"], "jtis": leaf["chain_jtis"], "new": new,
+                                  "revoked": revoked})
 
     async def h_verify(self, request: web.Request) -> web.Response:
         body, _ = await read_json(request)
@@ -502,12 +544,16 @@ class ControlPlane:
         self.auth.require_admin(request)
         graph = await self.graph()
         revocations = await self.store.revocations()
-        sidecars = await self.store.all_sidecars()
+        runs_of: dict[str, list[Doc]] = {}
+        for run in (await self.store.all_sidecars()).values():
+            if run.get("link"):
+                runs_of.setdefault(run["link"], []).append(run)
         now = self.clock()
 
         def node_doc(link: Doc) -> Doc:
             revoked_by = graph.revoked_in_chain(link["hash"], revocations)
-            sidecar = sidecars.get(link["sub"])
+            mine = sorted(runs_of.get(link["hash"], []), key=lambda r: (r.get("started_at") or 0, r["run_id"]))
+            latest = max(mine, key=lambda r: r.get("last_seen") or 0) if mine else None
             claims = link["claims"]
             status = "revoked" if revoked_by else ("expired" if claims["exp"] <= now else "active")
             return {
@@ -522,7 +568,8 @@ class ControlPlane:
                 "status": status,
                 "revoked": revocations.get(link["jti"]),
                 "revoked_via": revoked_by,
-                "sidecar": _sidecar_view(sidecar, now) if sidecar else None,
+                "sidecar": runs.run_view(latest, now) if latest else None,
+                "runs": [runs.run_view(r, now) for r in mine],
             }
 
         def tree(node: Any) -> Doc:
@@ -537,21 +584,23 @@ class ControlPlane:
 
     # -- sidecar channel -----------------------------------------------------------------------------------
     async def h_events(self, request: web.Request) -> web.Response:
-        agent, link = await self.auth.sidecar(request, await request.read())
+        caller = await self.auth.sidecar(request, await request.read())
         try:
             after = int(request.query.get("after", "-1"))
             wait = max(0.0, min(float(request.query.get("wait", "0")), 30.0))
         except ValueError:
             raise _bad("'after' must be an integer and 'wait' a number of seconds") from None
+        link = caller.link
         chain_jtis = set(link.get("chain_jtis", [link["jti"]]))
         low, high = await self.store.event_bounds()
         if after < 0 or after < low - 1 or after > high:
-            return web.json_response(await self._resync(agent, chain_jtis, high))
+            return web.json_response(await self._resync(caller.link_hash, chain_jtis, high))
         deadline = self.clock() + wait
         while True:
             signal = self._event_signal  # taken before reading, so a publish meanwhile still wakes us
             events = await self.events_after(after)
-            visible = [e.to_dict() for e in events if _visible(e.kind, e.target, e.payload, agent, chain_jtis)]
+            visible = [e.to_dict() for e in events
+                       if _visible(e.kind, e.target, e.payload, caller.link_hash, chain_jtis)]
             if events:
                 after = events[-1].seq
             remaining = deadline - self.clock()
@@ -570,11 +619,11 @@ class ControlPlane:
             shared.add_done_callback(lambda _f, key=after: self._event_reads.pop(key, None))
         return await asyncio.shield(shared)
 
-    async def _resync(self, agent: str, chain_jtis: set[str], high: int) -> Doc:
+    async def _resync(self, link_hash: str, chain_jtis: set[str], high: int) -> Doc:
         revocations = await self.store.revocations()
-        command = await self.store.get_doc("command", agent)
+        command = await self.store.get_doc("command", link_hash)
         approvals = [
-            a for a in await self.store.list_docs("approval") if a["agent"] == agent and a["status"] != "pending"
+            a for a in await self.store.list_docs("approval") if a.get("link") == link_hash and a["status"] != "pending"
         ]
         self.metrics.inc("tether_event_resyncs_total")
         return {
@@ -587,62 +636,112 @@ class ControlPlane:
         }
 
     async def h_heartbeat(self, request: web.Request) -> web.Response:
+        """Renew a run's lease. The in-flight list and state belong to this run alone: a second run (a
+        restart, a respawn under a new link) has its own document and never overwrites this one."""
         raw = await request.read()
-        agent, link = await self.auth.sidecar(request, raw)
+        caller = await self.auth.run_of(request, raw)
         try:
             body = json.loads(raw or b"{}")
         except ValueError:
             raise _bad("the heartbeat body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _bad("the heartbeat body must be an object")
+        inflight = body.get("inflight", [])
+        if not isinstance(inflight, list) or not all(isinstance(c, dict) for c in inflight):
+            raise _bad("'inflight' must be a list of call objects")
         now = self.clock()
-        previous = await self.store.get_sidecar(agent) or {}
+        run = str(caller.run)
+        previous = await self.store.get_sidecar(run) or {}
+        if previous and previous.get("link") != caller.link_hash:
+            raise ApiError(403, FORBIDDEN, f"run {run} belongs to another link")
         doc = {
             **previous,
-            "agent": agent,
-            "link": link["hash"],
+            "run_id": run,
+            "agent": caller.agent,
+            "link": caller.link_hash,
             "last_seen": now,
             "lease_expires": now + self.lease_ttl_s,
-            "state": str(body.get("state", "serving")),
-            "inflight": list(body.get("inflight", []))[:10_000],
-            "seq": body.get("seq"),
-            "proxy": body.get("proxy"),
-            "pid": body.get("pid"),
-            "started_at": body.get("started_at"),
-            "spooled": body.get("spooled", 0),
+            "state": str(body.get("state", "serving"))[:32],
+            "inflight": inflight[:10_000],
+            "seq": body.get("seq") if isinstance(body.get("seq"), int) else None,
+            "proxy": str(body["proxy"])[:200] if body.get("proxy") else None,
+            "pid": body.get("pid") if isinstance(body.get("pid"), int) else None,
+            "started_at": body.get("started_at") if isinstance(body.get("started_at"), int | float) else None,
+            "spooled": body.get("spooled") if isinstance(body.get("spooled"), int) else 0,
             "replica": self.replica,
         }
-        await self.store.put_sidecar(agent, doc)
+        if doc["state"] == runs.STOPPED and not previous.get("final"):
+            doc.update(final=runs.STOPPED, final_at=now)  # the goodbye: its reports are in, nothing passes
+        await self.store.put_sidecar(run, doc)
+        supersedes = body.get("supersedes")
+        if isinstance(supersedes, str) and supersedes != run:
+            await self._supersede(caller, supersedes, now)
         self.metrics.inc("tether_heartbeats_total")
         return web.json_response(
             {
                 "lease_ttl_s": self.lease_ttl_s,
                 "lease_expires_at": doc["lease_expires"],
                 "now": now,
-                "command": await self.store.get_doc("command", agent),
+                "run_id": run,
+                "command": await self.store.get_doc("command", caller.link_hash),
                 # Belt and braces: a revocation whose event was lost still reaches the sidecar here.
-                "revoked": sorted(await self.store.revoked_among(list(link.get("chain_jtis", [link["jti"]])))),
+                "revoked": sorted(await self.store.revoked_among(_chain_jtis(caller.link))),
             }
         )
 
+    async def _supersede(self, caller: Caller, old_run: str, now: float) -> None:
+        """A sidecar restarted on the same state dir (whose lock proves the old process is gone) took over
+        its predecessor's spool: the old run answers through the new one from now on."""
+        old = await self.store.get_sidecar(old_run)
+        if old is None or old.get("link") != caller.link_hash or old.get("final"):
+            return
+        await self.store.put_sidecar(old_run, {**old, "final": runs.SUPERSEDED, "final_at": now,
+                                               "superseded_by": caller.run})
+
+    async def mark_run_final(self, caller: Caller, state: str) -> None:
+        run = str(caller.run)
+        doc = await self.store.get_sidecar(run) or {"run_id": run, "agent": caller.agent, "link": caller.link_hash}
+        if doc.get("final") != state:
+            await self.store.put_sidecar(run, {**doc, "final": state, "final_at": self.clock(), "state": state})
+
+    async def ingest_reports(self, caller: Caller, reports: Any, starts: Any = ()) -> tuple[int, int]:
+        """The one way call reports come in (batches and acknowledgements alike): each is checked, stamped
+        with the agent, link and run that delivered it, and stored idempotently on ``call_id``. ``starts``
+        are calls written ahead before they left; a final report always supersedes its start."""
+        if not isinstance(reports, list) or not isinstance(starts, list):
+            raise _bad("'reports' and 'starts' must be lists")
+        now = self.clock()
+
+        def stamped(items: list[Any]) -> list[Doc]:
+            out: list[Doc] = []
+            for item in items:
+                if not isinstance(item, dict) or not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                    raise _bad("every report needs a 'call_id'")
+                if item.get("agent", caller.agent) != caller.agent:
+                    raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {item.get('agent')}")
+                run = item.get("run_id") if isinstance(item.get("run_id"), str) else caller.run
+                out.append({**item, "agent": caller.agent, "link": caller.link_hash, "run_id": run,
+                            "received_at": now})
+            return out
+
+        clean, early = stamped(reports), stamped(starts)
+        if early:
+            await self.store.put_starts(early)
+        new, dup = await self.store.put_reports(clean)
+        self.metrics.inc("tether_reports_total", new)
+        self.metrics.inc("tether_reports_duplicate_total", dup)
+        return new, dup
+
     async def h_reports_in(self, request: web.Request) -> web.Response:
         raw = await request.read()
-        agent, _ = await self.auth.sidecar(request, raw)
+        caller = await self.auth.sidecar(request, raw)
         try:
             body = json.loads(raw)
         except ValueError:
             raise _bad("the report body is not JSON") from None
-        reports = body.get("reports") if isinstance(body, dict) else None
-        if not isinstance(reports, list):
+        if not isinstance(body, dict) or not isinstance(body.get("reports", []), list):
             raise _bad("body needs 'reports': a list")
-        clean: list[Doc] = []
-        for report in reports:
-            if not isinstance(report, dict) or not isinstance(report.get("call_id"), str):
-                raise _bad("every report needs a 'call_id'")
-            if report.get("agent", agent) != agent:
-                raise ApiError(403, FORBIDDEN, f"{agent} cannot report calls of {report.get('agent')}")
-            clean.append({**report, "agent": agent, "received_at": self.clock()})
-        new, dup = await self.store.put_reports(clean)
-        self.metrics.inc("tether_reports_total", new)
-        self.metrics.inc("tether_reports_duplicate_total", dup)
+        new, dup = await self.ingest_reports(caller, body.get("reports", []), body.get("starts") or [])
         return web.json_response({"accepted": new, "duplicates": dup})
 
     async def h_reports_out(self, request: web.Request) -> web.Response:
@@ -653,7 +752,8 @@ class ControlPlane:
     # -- approvals -------------------------------------------------------------------------------------
     async def h_approval_new(self, request: web.Request) -> web.Response:
         raw = await request.read()
-        agent, _ = await self.auth.sidecar(request, raw)
+        caller = await self.auth.sidecar(request, raw)
+        agent = caller.agent
         body = json.loads(raw or b"{}")
         if not isinstance(body, dict) or not isinstance(body.get("call_id"), str):
             raise _bad("body needs 'call_id', 'capability', 'method', 'url'")
@@ -663,6 +763,8 @@ class ControlPlane:
         doc = {
             "id": approval_id,
             "agent": agent,
+            "link": caller.link_hash,
+            "run_id": caller.run,
             "call_id": body["call_id"],
             "capability": body.get("capability"),
             "method": body.get("method"),
@@ -693,8 +795,8 @@ class ControlPlane:
     async def h_approval_get(self, request: web.Request) -> web.Response:
         doc = await self.store.get_doc("approval", request.match_info["id"])
         if not self.auth.is_admin(request):
-            agent, _ = await self.auth.sidecar(request, await request.read())
-            if doc is not None and doc["agent"] != agent:
+            caller = await self.auth.sidecar(request, await request.read())
+            if doc is not None and doc.get("link", caller.link_hash) != caller.link_hash:
                 doc = None
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no approval {request.match_info['id']}")
@@ -707,15 +809,33 @@ class ControlPlane:
         view = self._approval_view(doc)
         if view["status"] != "pending":
             raise ApiError(409, CONFLICT, f"approval {approval_id} is already {view['status']}")
+        if decision == "approved":
+            await self._still_possible(doc)
         new = {**doc, "status": decision, "decided_at": self.clock(), "decided_by": by, "version": doc["version"] + 1}
         if not await self.store.cas_doc("approval", approval_id, doc["version"], new):
             raise ApiError(409, CONFLICT, f"approval {approval_id} was decided concurrently")
         await self.publish(
             "approval",
-            doc["agent"],
+            doc.get("link") or doc["agent"],
             {"id": approval_id, "call_id": doc["call_id"], "status": decision, "decided_by": by},
         )
         return new
+
+    async def _still_possible(self, approval: Doc) -> None:
+        """Approving a call that can no longer go would say "approved" while the sidecar refuses it: say so."""
+        link = await self.store.get_link(approval["link"]) if approval.get("link") else None
+        if link is None:
+            return
+        revoked = await self.store.revoked_among(_chain_jtis(link))
+        if revoked:
+            raise ApiError(409, "tether.chain_revoked", f"{approval['agent']}'s chain is revoked "
+                           f"({', '.join(sorted(revoked))}): the held call can no longer be forwarded")
+        if link["claims"]["exp"] <= self.clock():
+            raise ApiError(409, "tether.chain_expired", f"{approval['agent']}'s chain has expired: the held call "
+                           "can no longer be forwarded")
+        run = await self.store.get_sidecar(approval["run_id"]) if approval.get("run_id") else None
+        if run is not None and run.get("final"):
+            raise ApiError(409, "tether.terminated", f"the sidecar run that holds this call is {run['final']}")
 
     async def h_approve(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
@@ -736,22 +856,16 @@ class ControlPlane:
         return web.json_response({"catalog": self.catalog.hash, "agents": agents})
 
 
-def _visible(kind: str, target: str | None, payload: Doc, agent: str, chain_jtis: set[str]) -> bool:
-    """A sidecar sees revocations of its own chain's links and events addressed to its agent only."""
+def _visible(kind: str, target: str | None, payload: Doc, link_hash: str, chain_jtis: set[str]) -> bool:
+    """A sidecar sees revocations of its own chain's links and events addressed to its link only (commands
+    and approval decisions belong to a link, never to a bare agent id)."""
     if kind == "revoke":
         return payload.get("jti") in chain_jtis
-    return target == agent
+    return target == link_hash
 
 
-def _sidecar_view(doc: Doc, now: float) -> Doc:
-    return {
-        "state": doc.get("state"),
-        "last_seen": doc.get("last_seen"),
-        "lease_expires": doc.get("lease_expires"),
-        "lease": "live" if doc.get("lease_expires", 0) > now else "expired",
-        "inflight": len(doc.get("inflight", [])),
-        "proxy": doc.get("proxy"),
-    }
+def _chain_jtis(link: Doc) -> list[str]:
+    return list(link.get("chain_jtis", [link["jti"]]))
 
 
 def _label(value: str) -> str:

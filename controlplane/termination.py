@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .capability import keys
+from .runs import accounted, unaccounted_runs
 
 Doc = dict[str, Any]
 
@@ -103,15 +104,19 @@ def _moved(doc: Doc, state: str, now: float, **changes: Any) -> Doc:
     }
 
 
-def advance(doc: Doc, acked: Iterable[str], now: float) -> Step:
-    """One step of the protocol. ``acked``: agents whose sidecar acknowledged quiescence."""
+def advance(doc: Doc, acked: Iterable[str], now: float, *, not_before: float = 0.0) -> Step:
+    """One step of the protocol. ``acked``: agents whose sidecar runs all acknowledged quiescence.
+
+    ``not_before``: the earliest time an overdue termination may reconcile with agents still silent. A
+    control plane that was down past a window gives sidecars a short reconnection grace after it restarts
+    (they could not acknowledge while it was away), so one restart with everyone alive gives one record."""
     state = doc["state"]
     if state == REQUESTED:
         nxt = DRAINING if doc["mode"] == "drain" else ABORTING
         return Step(_moved(doc, nxt, now), (REVOKE_SUBTREE, DENY_APPROVALS, SEND_COMMANDS))
     if state in (DRAINING, ABORTING):
         waiting = set(doc["agents"]) - set(acked)
-        if not waiting or now >= doc["deadline"] + doc["grace_s"]:
+        if not waiting or now >= max(doc["deadline"] + doc["grace_s"], not_before):
             return Step(_moved(doc, RECONCILING, now), (WRITE_RECORD,))
         return Step(doc, ())
     if state == RECONCILING:
@@ -144,7 +149,7 @@ def _in_order(reports: list[Doc]) -> list[Doc]:
 
 def _call_entry(report: Doc) -> Doc:
     entry = {f: report.get(f) for f in _CALL_FIELDS}
-    for extra in ("ended_at", "code", "termination_id"):
+    for extra in ("ended_at", "code", "termination_id", "run_id"):
         if report.get(extra) is not None:
             entry[extra] = report[extra]
     return entry
@@ -157,31 +162,50 @@ def build_record(
     reports: list[Doc],
     links: list[Doc],
     revocations: Mapping[str, Doc],
-    sidecars: Mapping[str, Doc],
-    acked: Mapping[str, Doc],
+    runs: list[Doc],
+    acks: Mapping[str, Doc],
     prev_hash: str,
     now: float,
+    starts: list[Doc] = (),  # type: ignore[assignment]
 ) -> Doc:
-    """Assemble (unsigned) what became of every call and agent in the subtree."""
+    """Assemble (unsigned) what became of every call and agent in the subtree.
+
+    ``runs``: every sidecar run of the termination's links; ``acks``: run id -> its acknowledgement of this
+    termination; ``starts``: calls whose start the sidecars reported (write-ahead) and whose end never came.
+    An agent is terminated only when every one of its runs said so (runs.accounted)."""
+    acked = accounted(termination["agents"], runs, acks)
     calls = [_call_entry(report) for report in _in_order(reports)]
     seen = {call["call_id"] for call in calls}
-    terminated = sorted(a for a in termination["agents"] if a in acked)
+    terminated = [_terminated_entry(acked[a]) for a in sorted(termination["agents"]) if a in acked]
     unaccounted: list[Doc] = []
+    never_ended: dict[str, list[Doc]] = {}
+    for start in _in_order(list(starts)):
+        if start["call_id"] not in seen:
+            never_ended.setdefault(start.get("agent", ""), []).append(start)
     for agent in termination["agents"]:
-        if agent in acked:
-            continue
-        sidecar = sidecars.get(agent) or {}
-        inflight = [c for c in sidecar.get("inflight", []) if c.get("call_id") not in seen]
-        unaccounted.append(
-            {
-                "agent": agent,
-                "last_seen": sidecar.get("last_seen"),
-                "calls_in_flight_last_known": inflight,
-                "lease_expires_at": sidecar.get("lease_expires"),
-            }
-        )
+        known: dict[str, Doc] = {}
+        silent = [] if agent in acked else unaccounted_runs(agent, runs, acks)
+        for run in silent:
+            for call in run.get("inflight") or []:
+                if isinstance(call, dict) and call.get("call_id") not in seen:
+                    known.setdefault(call["call_id"], call)
+        for start in never_ended.get(agent, []):
+            known.setdefault(start["call_id"], start)
+        inflight = _in_order(list(known.values()))
+        if agent not in acked:
+            unaccounted.append(
+                {
+                    "agent": agent,
+                    "last_seen": max((r.get("last_seen") or 0 for r in silent), default=None) or None,
+                    "calls_in_flight_last_known": [{f: c.get(f) for f in _CALL_FIELDS} for c in inflight],
+                    "lease_expires_at": max((r.get("lease_expires") or 0 for r in silent), default=None) or None,
+                    "runs": [{"run_id": r["run_id"], "last_seen": r.get("last_seen"),
+                              "lease_expires_at": r.get("lease_expires"), "state": r.get("state")} for r in silent],
+                }
+            )
         for call in inflight:
-            # A call we last saw in flight and never heard of again: its outcome is not known.
+            # A call we last saw in flight (or whose start was written ahead) and never heard of again.
+            seen.add(call["call_id"])
             calls.append(
                 {
                     **{f: call.get(f) for f in _CALL_FIELDS},
@@ -192,6 +216,10 @@ def build_record(
                 }
             )
     leases: list[Doc] = []
+    lease_of_link: dict[str, float] = {}
+    for run in runs:
+        if run.get("agent") not in acked and run.get("lease_expires") is not None:
+            lease_of_link[run["link"]] = max(lease_of_link.get(run["link"], 0.0), run["lease_expires"])
     for link in sorted(links, key=lambda item: (item.get("registered_at", 0), item["jti"])):
         entry: Doc = {"jti": link["jti"], "agent": link["sub"]}
         revocation = revocations.get(link["jti"])
@@ -200,9 +228,8 @@ def build_record(
             entry["revoked_at"] = revocation["at"]
         else:
             entry["expired_at"] = exp
-        sidecar = sidecars.get(link["sub"])
-        if sidecar and link["sub"] not in acked:
-            entry["sidecar_lease_expires_at"] = sidecar.get("lease_expires")
+        if link["hash"] in lease_of_link:
+            entry["sidecar_lease_expires_at"] = lease_of_link[link["hash"]]
         leases.append(entry)
     return {
         "record_id": record_id,
@@ -218,11 +245,21 @@ def build_record(
         "leases": leases,
         "agents_terminated": terminated,
         "agents_unaccounted": unaccounted,
-        "acknowledgements": {
-            a: {"at": acked[a].get("at"), "state": acked[a].get("state", "terminated")} for a in terminated
-        },
+        "acknowledgements": {e["agent"]: {"at": e["at"], "state": e["state"], "run_id": e["run_id"]}
+                             for e in terminated},
         "prev_hash": prev_hash,
     }
+
+
+def _terminated_entry(evidence: Doc) -> Doc:
+    """One confirmed agent: the run whose acknowledgement (or goodbye) confirmed it, and all its runs."""
+    return {"agent": evidence["agent"], "run_id": evidence["run_id"], "state": evidence["state"],
+            "at": evidence["at"], "runs": list(evidence.get("runs", [evidence["run_id"]]))}
+
+
+def terminated_agents(record: Mapping[str, Any]) -> list[str]:
+    """The agent ids a record confirms (entries are objects since runs; strings in older records)."""
+    return [e if isinstance(e, str) else e["agent"] for e in record.get("agents_terminated", [])]
 
 
 def seal(record: Doc, signing_key: Any) -> Doc:
@@ -268,25 +305,28 @@ def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
 
 
 def build_addendum(termination: Doc, earlier: list[Doc], *, record_id: str, reports: list[Doc],
-                   acked: Mapping[str, Doc], prev_hash: str, now: float) -> Doc | None:
+                   runs: list[Doc], acks: Mapping[str, Doc], prev_hash: str, now: float) -> Doc | None:
     """A later record for the same termination, when agents the record could not confirm acknowledge late.
 
     A sidecar acknowledges only after delivering its last reports, so the addendum can list every call of
     those agents that no earlier record had as reported, and move the agents to ``agents_terminated``.
     ``earlier``: the termination's records so far, oldest first. None when there is nothing to add."""
     latest = earlier[-1]
-    late = sorted(u["agent"] for u in latest["agents_unaccounted"] if u["agent"] in acked)
+    acked = accounted([u["agent"] for u in latest["agents_unaccounted"]], runs, acks)
+    late = sorted(acked)
     if not late:
         return None
     known = {c["call_id"] for record in earlier for c in record["calls"] if c.get("reported", True)}
     calls = [_call_entry(r) for r in _in_order(reports) if r["agent"] in late and r["call_id"] not in known]
+    entries = [{**_terminated_entry(acked[a]), "state": "acknowledged_late"} for a in late]
     return {
         "record_id": record_id, "termination_id": termination["id"], "subject": termination["subject"],
         "mode": termination["mode"], "requested_by": termination["requested_by"],
         "requested_at": termination["requested_at"], "completed_at": now, "window_s": termination["window_s"],
         "reason": termination.get("reason", ""), "amends": earlier[0]["record_id"],
-        "calls": calls, "leases": [], "agents_terminated": late,
+        "calls": calls, "leases": [], "agents_terminated": entries,
         "agents_unaccounted": [u for u in latest["agents_unaccounted"] if u["agent"] not in late],
-        "acknowledgements": {a: {"at": acked[a].get("at"), "state": "acknowledged_late"} for a in late},
+        "acknowledgements": {e["agent"]: {"at": e["at"], "state": "acknowledged_late", "run_id": e["run_id"]}
+                             for e in entries},
         "prev_hash": prev_hash,
     }

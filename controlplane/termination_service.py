@@ -14,9 +14,11 @@ import os
 
 from aiohttp import web
 
+from . import runs
 from . import termination as proto
 from .capability import keys
 from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
+from .graph import Graph
 from .server import ControlPlane, _bad, read_json
 from .store import Doc, StoreUnavailable
 
@@ -31,6 +33,10 @@ class TerminationService:
         self.cp = cp
         self.grace_s = grace_s
         self._wake = asyncio.Event()
+        self.started_at = cp.clock()
+        # After a restart, sidecars retry every half second; give them this long to come back and
+        # acknowledge before an overdue termination is reconciled without them.
+        self.reconnect_grace_s = max(5.0, cp.lease_ttl_s / 3)
 
     # -- API ------------------------------------------------------------------------------------------
     async def h_terminate(self, request: web.Request) -> web.Response:
@@ -52,11 +58,15 @@ class TerminationService:
         if not links:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
         requested_by = await self._authorize(request, links, raw)
-        agents = sorted({link["sub"] for link in graph.subtree(agent)})
+        # The subtree is fixed by link, not by id: a link registered later under the same id (a respawn, a
+        # re-grant) is not part of this termination and starts clean.
+        subtree = graph.subtree(agent)
+        agents = sorted({link["sub"] for link in subtree})
         tid = "term-" + os.urandom(8).hex()
         doc = proto.new_termination(
             tid, agent, mode, window_s, str(body.get("reason", "")), requested_by, self.cp.clock(), agents, self.grace_s
         )
+        doc["links"] = sorted(link["hash"] for link in subtree)
         if not await self.cp.store.cas_doc("termination", tid, 0, doc):
             raise ApiError(409, CONFLICT, "termination id collision; retry")
         self.cp.metrics.inc("tether_terminations_requested_total")
@@ -87,9 +97,9 @@ class TerminationService:
             return
         if self.cp.auth.proof_of(request) is None:
             self.cp.auth.require_admin(request)
-        agent, _ = await self.cp.auth.sidecar(request, await request.read())
-        if requested_by != f"principal:{agent}":
-            raise ApiError(403, FORBIDDEN, f"{agent} did not request this termination")
+        caller = await self.cp.auth.sidecar(request, await request.read())
+        if requested_by != f"principal:{caller.agent}":
+            raise ApiError(403, FORBIDDEN, f"{caller.agent} did not request this termination")
 
     async def h_get(self, request: web.Request) -> web.Response:
         doc = await self.cp.store.get_doc("termination", request.match_info["id"])
@@ -107,33 +117,32 @@ class TerminationService:
 
     async def h_quiesced(self, request: web.Request) -> web.Response:
         raw = await request.read()
-        agent, _ = await self.cp.auth.sidecar(request, raw)
+        caller = await self.cp.auth.run_of(request, raw)
         try:
             body = json.loads(raw)
             tid = body["termination_id"]
         except (ValueError, KeyError, TypeError):
             raise _bad("body needs 'termination_id'") from None
+        if not isinstance(tid, str):
+            raise _bad("'termination_id' must be a string")
         term = await self.cp.store.get_doc("termination", tid)
-        if term is None or agent not in term["agents"]:
-            raise ApiError(404, NOT_FOUND, f"{agent} is not part of termination {tid}")
-        reports = body.get("reports") or []
-        if reports:
-            clean = [
-                {**r, "agent": agent, "received_at": self.cp.clock()}
-                for r in reports
-                if isinstance(r, dict) and isinstance(r.get("call_id"), str)
-            ]
-            await self.cp.store.put_reports(clean)
+        if term is None or caller.link_hash not in _links_of(term, await self.cp.graph()):
+            raise ApiError(404, NOT_FOUND, f"{caller.agent}'s link is not part of termination {tid}")
+        await self.cp.ingest_reports(caller, body.get("reports") or [], body.get("starts") or [])
+        now = self.cp.clock()
         ack = {
-            "agent": agent,
+            "agent": caller.agent,
+            "link": caller.link_hash,
+            "run_id": caller.run,
             "termination_id": tid,
-            "at": self.cp.clock(),
-            "calls": body.get("calls"),
-            "state": body.get("state", "terminated"),
+            "at": now,
+            "calls": body.get("calls") if isinstance(body.get("calls"), dict) else None,
+            "state": runs.TERMINATED,
         }
-        await self.cp.store.put_doc("ack", f"{tid}:{agent}", ack)
+        await self.cp.store.put_doc("ack", f"{tid}:{caller.run}", ack)
+        await self.cp.mark_run_final(caller, runs.TERMINATED)
         self.wake()
-        return web.json_response({"ok": True})
+        return web.json_response({"ok": True, "run_id": caller.run})
 
     async def h_records(self, request: web.Request) -> web.Response:
         self.cp.auth.require_admin(request)
@@ -195,42 +204,47 @@ class TerminationService:
 
     async def amend(self, doc: Doc) -> None:
         """Agents the record left unaccounted that acknowledge later get an addendum record."""
-        acks = await self._acks(doc)
-        if not set(doc["open_agents"]) & set(acks):
+        mine, acks = await self._facts(doc)
+        if not set(doc["open_agents"]) & set(runs.accounted(doc["open_agents"], mine, acks)):
             return
         store = self.cp.store
+        links = _links_of(doc, await self.cp.graph())
         while True:
             records = await store.records()
             earlier = [r for r in records if r["termination_id"] == doc["id"]]
             addendum = proto.build_addendum(
-                doc, earlier, record_id="rec-" + os.urandom(8).hex(), reports=await store.reports(doc["agents"]),
-                acked=acks, prev_hash=records[-1]["hash"] if records else "", now=self.cp.clock())
+                doc, earlier, record_id="rec-" + os.urandom(8).hex(),
+                reports=[r for r in await store.reports(doc["agents"]) if _reported_under(r, links)],
+                runs=mine, acks=acks, prev_hash=records[-1]["hash"] if records else "", now=self.cp.clock())
             if addendum is None:
                 break
             sealed = proto.seal(addendum, self.cp.signing_key)
             if await store.append_record(sealed):
                 log.info("termination %s: addendum %s (late: %s)", doc["id"], sealed["record_id"],
-                         ", ".join(sealed["agents_terminated"]))
+                         ", ".join(proto.terminated_agents(sealed)))
                 break
         still = [u["agent"] for u in (addendum or earlier[-1])["agents_unaccounted"]]
         await self._save(doc, {**doc, "open_agents": still, "version": doc["version"] + 1})
 
-    async def _acks(self, doc: Doc) -> dict[str, Doc]:
-        """Agents whose sidecar acknowledged quiescence, or had already stopped (said goodbye) for good."""
+    async def _facts(self, doc: Doc) -> tuple[list[Doc], dict[str, Doc]]:
+        """Every run of the termination's links, and each run's acknowledgement of it (run id -> ack)."""
+        links = _links_of(doc, await self.cp.graph())
+        mine = [r for r in (await self.cp.store.all_sidecars()).values() if r.get("link") in links and r.get("run_id")]
         acks: dict[str, Doc] = {}
-        sidecars = await self.cp.store.all_sidecars()
-        for agent in doc["agents"]:
-            ack = await self.cp.store.get_doc("ack", f"{doc['id']}:{agent}")
+        for run in mine:
+            ack = await self.cp.store.get_doc("ack", f"{doc['id']}:{run['run_id']}")
             if ack is not None:
-                acks[agent] = ack
-            elif (sidecars.get(agent) or {}).get("state") == "stopped":
-                acks[agent] = {"agent": agent, "at": sidecars[agent]["last_seen"], "state": "stopped",
-                               "termination_id": doc["id"]}
-        return acks
+                acks[run["run_id"]] = ack
+        return mine, acks
+
+    async def _acks(self, doc: Doc) -> dict[str, Doc]:
+        """Agents all of whose runs acknowledged quiescence (or had already stopped or terminated)."""
+        mine, acks = await self._facts(doc)
+        return runs.accounted(doc["agents"], mine, acks)
 
     async def drive(self, doc: Doc) -> None:
         acks = await self._acks(doc)
-        step = proto.advance(doc, acks, self.cp.clock())
+        step = proto.advance(doc, acks, self.cp.clock(), not_before=self.started_at + self.reconnect_grace_s)
         new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:
@@ -238,7 +252,7 @@ class TerminationService:
                     if not await self._save(doc, new):
                         return
                     doc = new
-                record_id, unaccounted = await self.write_record(doc, acks)
+                record_id, unaccounted = await self.write_record(doc)
                 final = proto.finish(doc, record_id, self.cp.clock(), unaccounted)
                 await self._save(doc, final)
                 self.cp.metrics.inc("tether_terminations_completed_total")
@@ -246,7 +260,8 @@ class TerminationService:
                 return
             if action == proto.REVOKE_SUBTREE:
                 # The subtree as it is now: a descendant registered since the request is included too.
-                new = {**new, "agents": await self.revoke_subtree(new)}
+                agents, links = await self.revoke_subtree(new)
+                new = {**new, "agents": agents, "links": links}
             else:
                 await self.perform(action, new)
         if new is not doc:
@@ -259,19 +274,24 @@ class TerminationService:
             return False
         return True
 
-    async def revoke_subtree(self, doc: Doc) -> list[str]:
+    async def revoke_subtree(self, doc: Doc) -> tuple[list[str], list[str]]:
+        """Revoke the termination's links and every link registered below them since; returns the agents
+        and the link hashes now in the termination."""
         graph = await self.cp.graph()
-        links = graph.subtree(doc["subject"])
+        hashes = _links_of(doc, graph)
+        links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
         for link in links:
             await self.cp.revoke_link(link, f"termination:{doc['id']}", doc.get("reason", ""), doc["id"])
-        return sorted({link["sub"] for link in links} | set(doc["agents"]))
+        return sorted({link["sub"] for link in links} | set(doc["agents"])), sorted(hashes)
 
     async def perform(self, action: str, doc: Doc) -> None:
         if action == proto.REVOKE_SUBTREE:
             await self.revoke_subtree(doc)
         elif action == proto.DENY_APPROVALS:
+            links = set(doc.get("links") or ())
             for approval in await self.cp.store.list_docs("approval"):
-                if approval["agent"] in doc["agents"] and approval["status"] == "pending":
+                of_ours = approval.get("link") in links if approval.get("link") else approval["agent"] in doc["agents"]
+                if of_ours and approval["status"] == "pending":
                     try:
                         await self.cp.decide(approval["id"], "denied", f"termination:{doc['id']}")
                     except ApiError:
@@ -285,12 +305,19 @@ class TerminationService:
                 "grace_s": doc["grace_s"],
                 "issued_at": self.cp.clock(),
             }
-            for agent in doc["agents"]:
-                await self.cp.store.put_doc("command", agent, {**command, "agent": agent})
-                await self.cp.publish("command", agent, command)
+            # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
+            # the same id starts clean.
+            graph = await self.cp.graph()
+            for link_hash in sorted(_links_of(doc, graph)):
+                agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
+                await self.cp.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
+                await self.cp.publish("command", link_hash, {**command, "link": link_hash})
 
-    async def write_record(self, doc: Doc, acks: dict[str, Doc]) -> tuple[str, list[str]]:
-        """Write the termination's record (once); returns its id and the agents it left unaccounted."""
+    async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
+        """Write the termination's record (once); returns its id and the agents it left unaccounted.
+
+        The store is read on the event loop; assembling, hashing and signing the record (tens of thousands
+        of calls in a big termination) run in a worker thread so the API keeps answering meanwhile."""
         store = self.cp.store
         while True:
             records = await store.records()
@@ -298,24 +325,53 @@ class TerminationService:
                 if record["termination_id"] == doc["id"]:  # written before a restart: never a second record
                     return record["record_id"], [u["agent"] for u in record["agents_unaccounted"]]
             graph = await self.cp.graph()
-            links = graph.subtree(doc["subject"])
+            hashes = _links_of(doc, graph)
+            links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
+            mine, acks = await self._facts(doc)
             # A call belongs to the first record that reconciles it: a later termination of the same
             # agents (re-granted) does not list their earlier calls again.
             reconciled = {c["call_id"] for r in records for c in r["calls"] if c.get("reported", True)}
-            record = proto.build_record(
-                doc,
+            everything = [r for r in await store.reports(doc["agents"]) if _reported_under(r, hashes)]
+            ended = {r["call_id"] for r in everything}
+            starts = [s for s in await store.starts(doc["agents"])
+                      if s["call_id"] not in ended and _reported_under(s, hashes)]
+            inputs = dict(
                 record_id="rec-" + os.urandom(8).hex(),
-                reports=[r for r in await store.reports(doc["agents"]) if r["call_id"] not in reconciled],
+                reports=[r for r in everything if r["call_id"] not in reconciled],
+                starts=starts,
                 links=links,
                 revocations=await store.revocations(),
-                sidecars=await store.all_sidecars(),
-                acked=acks,
+                runs=mine,
+                acks=acks,
                 prev_hash=records[-1]["hash"] if records else "",
                 now=self.cp.clock(),
             )
-            sealed = proto.seal(record, self.cp.signing_key)
+            sealed = await asyncio.to_thread(_sealed_record, doc, inputs, self.cp.signing_key)
             if await store.append_record(sealed):
                 return sealed["record_id"], [u["agent"] for u in sealed["agents_unaccounted"]]
+
+
+def _sealed_record(doc: Doc, inputs: Doc, signing_key: object) -> Doc:
+    return proto.seal(proto.build_record(doc, **inputs), signing_key)
+
+
+def _links_of(doc: Doc, graph: Graph) -> set[str]:
+    """The termination's links and every link registered below them (a termination written before links
+    were recorded falls back to its agents' links)."""
+    roots = doc.get("links")
+    if roots is None:
+        roots = [link["hash"] for agent in doc["agents"] for link in graph.links_of(agent)]
+    out = set(roots)
+    for h in roots:
+        out.update(d["hash"] for d in graph.descendants(h))
+    return out
+
+
+def _reported_under(report: Doc, links: set[str]) -> bool:
+    """A report belongs to a termination when it came from a run of one of its links (reports stored
+    before runs carried no link: those go by agent id, as they did)."""
+    link = report.get("link")
+    return link is None or link in links
 
 
 def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationService:

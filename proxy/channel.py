@@ -20,11 +20,12 @@ from controlplane.client import UNREACHABLE
 
 
 class ControlChannel:
-    def __init__(self, url: str, agent: str, link: str, key: Ed25519PrivateKey) -> None:
+    def __init__(self, url: str, agent: str, link: str, key: Ed25519PrivateKey, run: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.agent = agent
         self.link = link
         self.key = key
+        self.run = run  # this sidecar start's run id, signed into every request
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -45,7 +46,7 @@ class ControlChannel:
         headers = {"Content-Type": "application/json"}
         if signed:
             headers["Tether-Proof"] = make_proof(self.key, agent=self.agent, method=method, path=path, body=data,
-                                                 now=time.time(), link=self.link)
+                                                 now=time.time(), link=self.link, run=self.run)
         try:
             async with self.session.request(method, self.url + path, data=data or None, headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:

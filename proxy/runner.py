@@ -51,10 +51,16 @@ def setup_logging() -> None:
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)
 
 
+RETIRED = 3  # the exit status of a sidecar whose chain was revoked or expired before it could serve
+
+
 async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     sidecar = Sidecar(config)
     try:
         await sidecar.prepare()
+        if sidecar.retired:
+            print(f"tether: {await sidecar.retire()}", file=sys.stderr, flush=True)
+            return RETIRED
     except BaseException:
         await sidecar.channel.close()
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -24,10 +25,11 @@ from mitmproxy import ctx, http, options
 from mitmproxy.addons import block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 
+from controlplane.capability import errors as codes
 from controlplane.capability import keys
 from controlplane.capability.catalog import Catalog, empty_catalog, parse_catalog
 from controlplane.capability.chain import Verifier, parse_chain_unverified
-from controlplane.capability.errors import ApiError, TetherError
+from controlplane.capability.errors import ApiError, ChainError, TetherError
 
 from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
 from .capture import CAPTURE_FILE, CaptureWriter
@@ -69,14 +71,34 @@ def mitmproxy_addons() -> list[Any]:
             dns_resolver.DnsResolver(), next_layer.NextLayer(), tlsconfig.TlsConfig()]
 
 
+def new_run(state_dir: Path, link: str) -> tuple[str, str | None]:
+    """Start a run: a fresh id, written to the state dir; returns it and the run it supersedes (the previous
+    run of the same link on this state dir, whose spool this one inherits)."""
+    path = state_dir / "run.json"
+    previous: str | None = None
+    try:
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and doc.get("link") == link and isinstance(doc.get("run_id"), str):
+            previous = doc["run_id"]
+    except (OSError, ValueError):
+        pass
+    run_id = "run-" + os.urandom(8).hex()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"run_id": run_id, "link": link, "started_at": time.time(), "pid": os.getpid()}))
+    os.replace(tmp, path)
+    return run_id, previous
+
+
 class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.wire = config.chain
         links = parse_chain_unverified(self.wire)
         self.agent = links[-1].sub
-        self.channel = ControlChannel(config.controlplane, self.agent, links[-1].hash, config.key)
         config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id, self.supersedes = new_run(config.state_dir, links[-1].hash)
+        self.channel = ControlChannel(config.controlplane, self.agent, links[-1].hash, config.key, self.run_id)
+        self.retired: str | None = None  # why this run may never serve (its chain is revoked or expired)
         self.reporter = Reporter(self.channel, config.state_dir / "reports.spool")
         self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
                                      config.redact_fields)
@@ -127,9 +149,18 @@ class Sidecar:
                 raise TetherError("the catalog fetched from the control plane does not match its hash",
                                   code="tether.catalog_invalid")
         verifier = Verifier(trust, catalog_hash=self.catalog.hash)
-        verified = verifier.verify(self.wire, now=time.time())
+        try:
+            verified = verifier.verify(self.wire, now=time.time())
+        except ChainError as exc:
+            if exc.code not in (codes.CHAIN_EXPIRED, codes.CHAIN_REVOKED):
+                raise
+            self.retired = exc.message  # may still owe the control plane its spool and an acknowledgement
+        answer = await self.channel.register(self.wire)
+        if answer.get("revoked"):
+            self.retired = f"the chain is revoked ({', '.join(answer['revoked'])})"
+        if self.retired:
+            return
         self.state = SidecarState(verified, verifier, lease_ttl_s=15.0)
-        await self.channel.register(self.wire)
         self.state.registered = True
         await self.heartbeat_once()
         await self.sync_events(wait=0)
@@ -205,6 +236,30 @@ class Sidecar:
             await self.channel.heartbeat({"state": "stopped", "inflight": [], "seq": self.seq, "pid": os.getpid(),
                                           "started_at": self.started_at, "spooled": self.reporter.count})
 
+    async def retire(self) -> str:
+        """This run may never serve (its chain was revoked or expired, or its agent terminated, before it
+        started): deliver what the spool holds, acknowledge a standing termination of this link (late: the
+        record gets an addendum) or say goodbye, and give the reason to exit with. Nothing is forwarded:
+        the proxy never listens."""
+        attempt = 0
+        while not await self.reporter.flush():
+            attempt += 1
+            if attempt == 1:
+                log.warning("retiring: waiting to deliver %d spooled report(s)", self.reporter.count)
+            await sleep_backoff(attempt)
+        answer = await self.channel.heartbeat({"state": "retiring", "inflight": [], "pid": os.getpid(),
+                                               "started_at": self.started_at, "supersedes": self.supersedes,
+                                               "spooled": self.reporter.count})
+        command = answer.get("command")
+        if command and command.get("termination_id"):
+            await self.acknowledge(command)
+            done = f"acknowledged termination {command['termination_id']}"
+        else:
+            await self.channel.heartbeat({"state": "stopped", "inflight": [], "pid": os.getpid(),
+                                          "started_at": self.started_at, "spooled": self.reporter.count})
+            done = "told the control plane it stopped"
+        return f"{self.agent} will not serve: {self.retired}; spooled reports delivered, {done}"
+
     # -- the in-flight table ------------------------------------------------------------------------------
     def track(self, call: Call, flow: http.HTTPFlow) -> None:
         self.calls.start(call)
@@ -226,7 +281,10 @@ class Sidecar:
         doc = {"state": self.state.mode, "inflight": self.calls.snapshot(), "seq": self.seq, "pid": os.getpid(),
                "proxy": f"{self.address[0]}:{self.address[1]}" if self.address else None,
                "started_at": self.started_at, "spooled": self.reporter.count}
+        if self.supersedes:
+            doc["supersedes"] = self.supersedes
         answer = await self.channel.heartbeat(doc)
+        self.supersedes = None
         self.state.renewed(sent, float(answer.get("lease_ttl_s", self.state.lease_ttl_s)))
         if answer.get("revoked") and self.state.revoke(answer["revoked"]):
             log.warning("revoked (learned from the heartbeat): %s", ", ".join(answer["revoked"]))

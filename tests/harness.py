@@ -287,6 +287,7 @@ class Identity:
     agent: str
     chain_path: Path
     key_path: Path
+    name: str | None = None  # the identity's own name where several hold one agent id
 
     @property
     def wire(self) -> str:
@@ -356,28 +357,31 @@ class ControlPlaneProcess:
         self.stop(signal.SIGKILL)
 
     # -- identities ------------------------------------------------------------------------------------
-    def issue(self, agent: str, caps: dict[str, str], ttl: float = 3600, depth: int = 4) -> Identity:
+    def issue(self, agent: str, caps: dict[str, str], ttl: float = 3600, depth: int = 4,
+              name: str | None = None) -> Identity:
         signing = keys.load_private(self.signing_key_path.read_bytes())
         catalog = parse_catalog(self.catalog_path.read_text(), str(self.catalog_path))
         key = keys.generate()
         wire = mint_root(signing, agent=agent, subject_key=key.public_key(), caps=caps, now=time.time(), ttl_s=ttl,
                          depth=depth, catalog=catalog)
-        return self._save(agent, wire, key)
+        return self._save(agent, wire, key, name)
 
-    def delegate(self, parent: Identity, agent: str, caps: dict[str, str], ttl: float = 3600) -> Identity:
+    def delegate(self, parent: Identity, agent: str, caps: dict[str, str], ttl: float = 3600,
+                 name: str | None = None) -> Identity:
         parent_key = keys.load_private(parent.key_path.read_bytes())
         link = parse_chain_unverified(parent.wire)[-1]
         key = keys.generate()
         child = mint_child(link, parent_key, agent=agent, subject_key=key.public_key(), caps=caps, now=time.time(),
                            ttl_s=ttl)
-        return self._save(agent, f"{parent.wire},{child}", key)
+        return self._save(agent, f"{parent.wire},{child}", key, name)
 
-    def _save(self, agent: str, wire: str, key: Any) -> Identity:
-        d = self.directory / "ids" / agent
+    def _save(self, agent: str, wire: str, key: Any, name: str | None = None) -> Identity:
+        """``name``: where to keep it, when several identities share an agent id (a respawn, a re-grant)."""
+        d = self.directory / "ids" / (name or agent)
         d.mkdir(parents=True, exist_ok=True)
         (d / "chain").write_text(wire + "\n")
         (d / "key").write_bytes(keys.private_pem(key))
-        return Identity(agent, d / "chain", d / "key")
+        return Identity(agent, d / "chain", d / "key", name)
 
 
 def prepare_controlplane(directory: Path, http_port: int, https_port: int, mcp_port: int,
@@ -402,7 +406,7 @@ class SidecarProcess:
 
     @property
     def state_dir(self) -> Path:
-        return self.cp.directory / "sidecars" / self.identity.agent
+        return self.cp.directory / "sidecars" / (self.identity.name or self.identity.agent)
 
     @property
     def proxy(self) -> str:

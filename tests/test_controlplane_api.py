@@ -28,9 +28,10 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess
         proc.stop()
 
 
-def signer(ident: Identity) -> Signer:
-    return Signer(ident.agent, parse_chain_unverified(ident.wire)[-1].hash,
-                  keys.load_private(ident.key_path.read_bytes()))
+def signer(ident: Identity, run: str | None = None) -> Signer:
+    """Signs as the identity's sidecar run (one run per identity unless ``run`` names another)."""
+    leaf = parse_chain_unverified(ident.wire)[-1].hash
+    return Signer(ident.agent, leaf, keys.load_private(ident.key_path.read_bytes()), run or f"run-{leaf[7:23]}")
 
 
 def register(cp: ControlPlaneProcess, ident: Identity) -> dict:
@@ -88,7 +89,7 @@ def test_a_proof_is_used_once(cp: ControlPlaneProcess) -> None:
     register(cp, ident)
     s = signer(ident)
     proof = make_proof(s.key, agent=s.agent, method="POST", path="/v1/sidecars/heartbeat", body=b"{}",
-                       now=time.time(), link=s.link)
+                       now=time.time(), link=s.link, run=s.run)
 
     def send() -> int:
         req = urllib.request.Request(cp.url + "/v1/sidecars/heartbeat", data=b"{}", method="POST",

@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from controlplane.termination import terminated_agents
+
 from .harness import PYTHON
 
 
@@ -18,7 +20,13 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+def test_demo_runs_end_to_end_twice_in_one_dir(tmp_path: Path) -> None:
+    """The second run re-grants every id the first one terminated: each new link starts clean."""
+    for _ in range(2):
+        demo_once(tmp_path)
+
+
+def demo_once(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
     result = subprocess.run([PYTHON, "-m", "controlplane.cli", "demo", "--fast", "--dir", str(tmp_path)],
                             capture_output=True, text=True, timeout=180, env=env)
@@ -31,7 +39,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "drop_database" not in out.split("MCP server offers me these tools:")[1].splitlines()[0]
     assert "tether.chain_revoked" in out              # the revoked branch
     record = json.loads((tmp_path / "record.json").read_text())
-    assert sorted(record["agents_terminated"]) == ["researcher", "root", "summarizer", "writer"]
+    assert sorted(terminated_agents(record)) == ["researcher", "root", "summarizer", "writer"]
     assert record["agents_unaccounted"] == []
     resolutions = {c["resolution"] for c in record["calls"]}
     assert {"completed", "refused"} <= resolutions

@@ -47,6 +47,7 @@ from controlplane.capability.chain import parse_chain_unverified
 from controlplane.capability.errors import ApiError
 from controlplane.capability.proof import make_proof
 from controlplane.client import Signer
+from controlplane.termination import terminated_agents
 
 from .harness import (
     ControlPlaneProcess,
@@ -351,7 +352,7 @@ def test_a_replica_killed_while_draining_is_replaced_and_the_termination_ends_in
 
     record = record_of(b, tid)
     assert record["record_id"] == view["record_id"]
-    assert record["agents_terminated"] == ["kill-t"] and record["agents_unaccounted"] == []
+    assert terminated_agents(record) == ["kill-t"] and record["agents_unaccounted"] == []
     # A report keeps the path, not the query: the three calls differ by their outcome only.
     calls = record["calls"]
     assert [c["url"] for c in calls] == [f"{fleet.tools.base}/slow"] * len(plan), "every call in flight, once"
@@ -402,7 +403,7 @@ def test_a_partitioned_sidecar_fails_closed_and_the_termination_lists_it_unaccou
         view = wait_terminated(fleet.b, tid, GRACE_S + 15)
         assert view["acknowledged"] == []
         record = record_of(fleet.a, tid)
-        assert record["agents_terminated"] == []
+        assert terminated_agents(record) == []
         (lost,) = record["agents_unaccounted"]
         assert lost["agent"] == "part-c"
         assert relay.cut_at is not None and lost["last_seen"] <= relay.cut_at + 2.0

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import requests
 
+from controlplane.termination import terminated_agents
+
 from . import harness
 from .conftest import World, build_world, teardown_world
 from .harness import ControlPlaneProcess, Identity, RedisServer, SidecarProcess, wait_until
@@ -120,6 +122,6 @@ def test_termination_on_a_completes_with_one_record_on_both(replicas: Replicas) 
     mine = [r for r in records_a if r["termination_id"] == tid]
     assert len(mine) == 1
     assert mine[0]["record_id"] == view["record_id"]
-    assert mine[0]["agents_terminated"] == ["worker"] and mine[0]["agents_unaccounted"] == []
+    assert terminated_agents(mine[0]) == ["worker"] and mine[0]["agents_unaccounted"] == []
     assert all(records_a[i]["prev_hash"] == records_a[i - 1]["hash"] for i in range(1, len(records_a)))
     assert replicas.get("worker").headers.get("Tether-Error") in {"tether.terminated", "tether.chain_revoked"}

@@ -31,7 +31,7 @@ from controlplane.capability import keys
 from controlplane.capability.chain import parse_chain_unverified
 from controlplane.capability.errors import ApiError
 from controlplane.client import Signer
-from controlplane.termination import RESOLUTIONS
+from controlplane.termination import RESOLUTIONS, terminated_agents
 
 from .conftest import World
 from .harness import ADMIN_TOKEN, PYTHON, Identity, SidecarProcess, wait_until
@@ -282,7 +282,7 @@ def _terminate_tree_in_flight(world: World, mode: str, window: float, short_s: f
         "admin",
     )
     assert record["window_s"] == window
-    assert record["agents_terminated"] == ["c1", "c2", "g", "root"]
+    assert terminated_agents(record) == ["c1", "c2", "g", "root"]
     assert record["agents_unaccounted"] == []
     assert {lease["jti"] for lease in record["leases"]} == {i.jti for i in ids.values()}
     assert all("revoked_at" in lease and "expired_at" not in lease for lease in record["leases"])
@@ -356,7 +356,7 @@ def test_sigkilled_sidecar_is_unaccounted_with_its_last_known_calls(world: World
 
     reconciling = next(h["at"] for h in final["history"] if h["state"] == "reconciling")
     assert reconciling >= doc["requested_at"] + window + world.cp.grace  # it waited for c1 as long as promised
-    assert record["agents_terminated"] == ["root"]
+    assert terminated_agents(record) == ["root"]
     assert doc["agents"] == ["c1", "root"]  # c2 and g never registered a chain: the CP cannot know them
     assert [u["agent"] for u in record["agents_unaccounted"]] == ["c1"]
     c1 = record["agents_unaccounted"][0]
@@ -404,7 +404,7 @@ def test_a_frozen_sidecar_that_comes_back_is_written_in_an_addendum(world: World
     late = wait_until(addendum, 40, what="an addendum for c1")
     calls.join()
     assert late["termination_id"] == doc["termination_id"]
-    assert late["agents_terminated"] == ["c1"] and late["agents_unaccounted"] == []
+    assert terminated_agents(late) == ["c1"] and late["agents_unaccounted"] == []
     cut = [c for c in late["calls"] if c["agent"] == "c1" and c["url"].endswith("/slow")]
     assert len(cut) == 1 and cut[0]["resolution"] == "unknown"  # it had left; nobody knows what it did
     assert run_cli(world, "records", "verify").returncode == 0
@@ -428,7 +428,7 @@ def test_terminating_a_middle_node_spares_parent_and_sibling(world: World) -> No
 
     assert results["root/slow"] == (200, None) and results["c2/slow"] == (200, None)
     assert results["g/slow"][0] != 200
-    assert record["subject"] == "c1" and record["agents_terminated"] == ["c1", "g"]
+    assert record["subject"] == "c1" and terminated_agents(record) == ["c1", "g"]
     assert {lease["jti"] for lease in record["leases"]} == {ids["c1"].jti, ids["g"].jti}
     assert {c["agent"] for c in record["calls"]} <= {"c1", "g"}
     assert [c["resolution"] for c in calls_by(record, "g", "/slow")] == ["unknown"]
@@ -461,14 +461,14 @@ def test_terminating_the_parent_of_a_terminated_agent_accounts_for_it(world: Wor
     sidecars = start_sidecars(world, [ids["root"], ids["c1"]])
     first = terminate(world, "c1", "abort", 1.0)
     wait_terminated(world, first["termination_id"], 1.0)
-    assert record_of(world, first["termination_id"])["agents_terminated"] == ["c1"]
+    assert terminated_agents(record_of(world, first["termination_id"])) == ["c1"]
     window = 1.0
     second = terminate(world, "root", "abort", window)
     assert second["agents"] == ["c1", "root"]
     wait_terminated(world, second["termination_id"], window)
     record = record_of(world, second["termination_id"])
     assert [u["agent"] for u in record["agents_unaccounted"]] == [], record["agents_unaccounted"]
-    assert record["agents_terminated"] == ["c1", "root"]
+    assert terminated_agents(record) == ["c1", "root"]
     for sidecar in sidecars.values():
         assert error_code(get(world, sidecar)) == "tether.terminated"
 
@@ -506,7 +506,7 @@ def test_controlplane_restart_mid_termination_finishes_with_one_record(world: Wo
     assert [r["termination_id"] for r in records] == [tid]
     record = records[0]
     assert record["record_id"] == final["record_id"]
-    assert record["agents_terminated"] == ["c1", "root"]
+    assert terminated_agents(record) == ["c1", "root"]
     for agent in sidecars:
         assert [c["resolution"] for c in calls_by(record, agent, "/slow")] == ["unknown"]
     assert hits(world, "GET", "/slow") == 2  # unknown outcomes are never retried

@@ -266,6 +266,14 @@ def link(jti: str, sub: str, exp: float, registered: float) -> dict[str, Any]:
     return {"jti": jti, "sub": sub, "hash": f"h-{jti}", "claims": {"exp": exp}, "registered_at": registered}
 
 
+def as_runs(sidecars: dict[str, dict[str, Any]], acked: Any = ()) -> dict[str, Any]:
+    """One run per agent (its id ``run-AGENT``, on link ``h-j-AGENT``) and an acknowledgement from each of
+    the ``acked`` agents' runs: the shape build_record takes since commands and acks belong to runs."""
+    runs = [{"run_id": f"run-{a}", "agent": a, "link": f"h-j-{a}", **doc} for a, doc in sidecars.items()]
+    acks = {f"run-{a}": {"at": (acked[a] or {}).get("at", T0) if isinstance(acked, dict) else T0} for a in acked}
+    return {"runs": runs, "acks": acks}
+
+
 def sample_record(prev_hash: str = "", record_id: str = "rec-1", termination_id: str = "term-1") -> dict[str, Any]:
     doc = {**term(agents=("root", "a", "b", "ghost")), "id": termination_id}
     return proto.build_record(
@@ -283,16 +291,18 @@ def sample_record(prev_hash: str = "", record_id: str = "rec-1", termination_id:
             link("j-b", "b", T0 + 5, T0 + 2),
         ],
         revocations={"j-root": {"at": T0 + 10}, "j-a": {"at": T0 + 10}, "j-b": {"at": T0 + 10}},
-        sidecars={
-            "root": {"last_seen": T0 + 9, "lease_expires": T0 + 12, "inflight": []},
-            "a": {"last_seen": T0 + 9, "lease_expires": T0 + 12, "inflight": [inflight("c3", T0 + 3)]},
-            "b": {
-                "last_seen": T0 + 4,
-                "lease_expires": T0 + 7,
-                "inflight": [inflight("c5", T0 + 0.5), inflight("c4", T0 + 3.5), inflight("c6", T0 + 3.7)],
+        **as_runs(
+            {
+                "root": {"last_seen": T0 + 9, "lease_expires": T0 + 12, "inflight": []},
+                "a": {"last_seen": T0 + 9, "lease_expires": T0 + 12, "inflight": [inflight("c3", T0 + 3)]},
+                "b": {
+                    "last_seen": T0 + 4,
+                    "lease_expires": T0 + 7,
+                    "inflight": [inflight("c5", T0 + 0.5), inflight("c4", T0 + 3.5), inflight("c6", T0 + 3.7)],
+                },
             },
-        },
-        acked={"root": {"at": T0 + 11}, "a": {"at": T0 + 11}},
+            {"root": {"at": T0 + 11}, "a": {"at": T0 + 11}},
+        ),
         prev_hash=prev_hash,
         now=T0 + 20,
     )
@@ -346,7 +356,8 @@ def test_record_accounts_for_every_call_once() -> None:
 
 def test_record_names_terminated_and_unaccounted_agents() -> None:
     record = sample_record()
-    assert record["agents_terminated"] == ["a", "root"]
+    assert proto.terminated_agents(record) == ["a", "root"]
+    assert [(e["agent"], e["run_id"]) for e in record["agents_terminated"]] == [("a", "run-a"), ("root", "run-root")]
     unaccounted = {u["agent"]: u for u in record["agents_unaccounted"]}
     assert set(unaccounted) == {"b", "ghost"}
     b = unaccounted["b"]
@@ -373,8 +384,8 @@ def test_record_lease_never_revoked_is_expired() -> None:
         reports=[],
         links=[link("j", "root", T0 + 60, T0)],
         revocations={},
-        sidecars={},
-        acked={},
+        runs=[],
+        acks={},
         prev_hash="",
         now=T0 + 70,
     )
@@ -398,15 +409,17 @@ def test_record_lists_each_known_call_exactly_once(data: st.DataObject) -> None:
         reports=[report(cid, owner[cid], T0 + i, "completed", 200) for i, cid in enumerate(ids) if cid in reported],
         links=[],
         revocations={},
-        sidecars={
-            a: {
-                "last_seen": T0,
-                "lease_expires": T0 + 3,
-                "inflight": [inflight(c, T0) for c in ids if c in seen_inflight and owner[c] == a],
-            }
-            for a in agents
-        },
-        acked={a: {} for a in acked},
+        **as_runs(
+            {
+                a: {
+                    "last_seen": T0,
+                    "lease_expires": T0 + 3,
+                    "inflight": [inflight(c, T0) for c in ids if c in seen_inflight and owner[c] == a],
+                }
+                for a in agents
+            },
+            {a: {} for a in acked},
+        ),
     )
     listed = [c["call_id"] for c in record["calls"]]
     assert len(listed) == len(set(listed))
@@ -417,7 +430,7 @@ def test_record_lists_each_known_call_exactly_once(data: st.DataObject) -> None:
             assert call["resolution"] == "unknown" and call["reported"] is False
         else:
             assert "reported" not in call
-    assert sorted(record["agents_terminated"]) == sorted(acked)
+    assert sorted(proto.terminated_agents(record)) == sorted(acked)
     assert {u["agent"] for u in record["agents_unaccounted"]} == set(agents) - acked
 
 
@@ -517,7 +530,9 @@ def test_a_late_acknowledgement_becomes_an_addendum_with_the_calls_not_yet_repor
     doc = {**term(agents=("root", "a", "b", "ghost")), "id": "term-1"}
     original = proto.seal(sample_record("", "rec-1"), KEY)
     assert [u["agent"] for u in original["agents_unaccounted"]] == ["b", "ghost"]
-    assert proto.build_addendum(doc, [original], record_id="rec-2", reports=[], acked={"root": {}, "a": {}},
+    runs = as_runs({a: {"last_seen": T0} for a in ("root", "a", "b")})["runs"]
+    assert proto.build_addendum(doc, [original], record_id="rec-2", reports=[], runs=runs,
+                                acks=as_runs({}, ("root", "a"))["acks"],
                                 prev_hash=original["hash"], now=T0 + 30) is None  # nobody new: nothing to add
     late_reports = [
         report("c5", "b", T0 + 0.5, "completed", 201),  # already in the record as reported: not repeated
@@ -525,18 +540,19 @@ def test_a_late_acknowledgement_becomes_an_addendum_with_the_calls_not_yet_repor
         report("c7", "b", T0 + 6, "refused", code="tether.draining"),  # never seen before
         report("c3", "a", T0 + 3, "unknown", code="tether.aborted"),  # another agent's: not this addendum's
     ]
-    addendum = proto.build_addendum(doc, [original], record_id="rec-2", reports=late_reports,
-                                    acked={"b": {"at": T0 + 40}}, prev_hash=original["hash"], now=T0 + 41)
+    addendum = proto.build_addendum(doc, [original], record_id="rec-2", reports=late_reports, runs=runs,
+                                    acks=as_runs({}, {"b": {"at": T0 + 40}})["acks"],
+                                    prev_hash=original["hash"], now=T0 + 41)
     assert addendum is not None
     assert addendum["amends"] == "rec-1" and addendum["termination_id"] == doc["id"]
     assert [c["call_id"] for c in addendum["calls"]] == ["c4", "c7"]
-    assert addendum["agents_terminated"] == ["b"]
+    assert proto.terminated_agents(addendum) == ["b"] and addendum["agents_terminated"][0]["run_id"] == "run-b"
     assert [u["agent"] for u in addendum["agents_unaccounted"]] == ["ghost"]
     assert addendum["acknowledgements"]["b"]["state"] == "acknowledged_late"
     sealed = proto.seal(addendum, KEY)
     assert proto.verify_records([original, sealed], KEY.public_key()).ok
-    assert proto.build_addendum(doc, [original, sealed], record_id="rec-3", reports=late_reports,
-                                acked={"b": {}}, prev_hash=sealed["hash"], now=T0 + 50) is None
+    assert proto.build_addendum(doc, [original, sealed], record_id="rec-3", reports=late_reports, runs=runs,
+                                acks=as_runs({}, ("b",))["acks"], prev_hash=sealed["hash"], now=T0 + 50) is None
 
 
 def test_finish_remembers_who_is_still_unaccounted() -> None:

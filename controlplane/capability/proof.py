@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from . import keys
 from .errors import UNAUTHORIZED, ApiError
 
 PROOF_TYP = "tether-proof+jwt"
+RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 MAX_AGE_S = 60
 
 
@@ -30,9 +32,10 @@ def body_hash(body: bytes) -> str:
 
 def make_proof(
     key: Ed25519PrivateKey, *, agent: str, method: str, path: str, body: bytes, now: float,
-    link: str | None = None,
+    link: str | None = None, run: str | None = None,
 ) -> str:
-    """Sign a request. ``link`` is the hash of the link whose ``cnf`` is ``key``'s public half."""
+    """Sign a request. ``link`` is the hash of the link whose ``cnf`` is ``key``'s public half; ``run`` names
+    the sidecar run making it (every sidecar start is a run: DESIGN.md section 10, Identity)."""
     claims: dict[str, Any] = {
         "sub": agent,
         "htm": method.upper(),
@@ -43,6 +46,8 @@ def make_proof(
     }
     if link is not None:
         claims["lnk"] = link
+    if run is not None:
+        claims["run"] = run
     return jwt.encode(claims, key, algorithm="EdDSA", headers={"typ": PROOF_TYP})
 
 
@@ -65,6 +70,10 @@ class Proof:
         return self.claims.get("lnk")
 
     @property
+    def run(self) -> str | None:
+        return self.claims.get("run")
+
+    @property
     def jti(self) -> str:
         return self.claims["jti"]
 
@@ -84,6 +93,8 @@ def read_proof(compact: str) -> Proof:
         isinstance(claims.get(k), str) for k in ("sub", "htm", "htu", "bh", "jti")
     ) or not isinstance(claims.get("iat"), int | float):
         raise _unauthorized("Tether-Proof lacks sub, htm, htu, bh, iat or jti")
+    if "run" in claims and not (isinstance(claims["run"], str) and RUN_ID.fullmatch(claims["run"])):
+        raise _unauthorized("Tether-Proof names a malformed run id (1-64 of letters, digits, '.', '_', ':', '-')")
     return Proof(claims, f"{h}.{p}".encode("ascii"), signature)
 
 

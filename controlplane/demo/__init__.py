@@ -187,7 +187,9 @@ class Demo:
         for node in tree:
             _print_tree(node, "   ", True, top=True)
 
-        writer = next(a for a in self.client.request("GET", "/v1/agents")["agents"] if a["agent"] == "writer")
+        # The live link (a demo run again into the same directory re-grants every id: the old links stay, revoked).
+        writer = next(a for a in self.client.request("GET", "/v1/agents")["agents"]
+                      if a["agent"] == "writer" and a["status"] == "active")
         self.step("Revoke one branch, as its parent",
                   "root signs a revocation of writer's link with its own key (an ancestor may revoke a "
                   "descendant; an agent can never revoke itself). Every chain containing the link dies at once.")
@@ -197,7 +199,8 @@ class Demo:
         self.client.request("POST", f"/v1/grants/{writer['jti']}/revoke", {"reason": "demo: branch revoked"},
                             signer=signer)
         self.wait("writer to be refused", lambda: any(
-            r.get("code") == "tether.chain_revoked" for r in self.client.request("GET", "/v1/reports?agent=writer")))
+            r.get("code") == "tether.chain_revoked" and r.get("link") == writer["link"]
+            for r in self.client.request("GET", "/v1/reports?agent=writer")))
         self.pause(1.0)
 
         self.step("Terminate the root with a drain, calls in flight",

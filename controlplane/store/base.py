@@ -93,15 +93,17 @@ class Store(abc.ABC):
         its own publisher, so the default just sleeps."""
         await asyncio.sleep(timeout)
 
-    # -- sidecars and their leases -------------------------------------------------------------------
+    # -- sidecar runs and their leases -------------------------------------------------------------------
+    # One document per sidecar run (keyed by run id; it names its agent and link): see controlplane/runs.py.
     @abc.abstractmethod
-    async def put_sidecar(self, agent: str, doc: Doc) -> None: ...
+    async def put_sidecar(self, run_id: str, doc: Doc) -> None: ...
 
     @abc.abstractmethod
-    async def get_sidecar(self, agent: str) -> Doc | None: ...
+    async def get_sidecar(self, run_id: str) -> Doc | None: ...
 
     @abc.abstractmethod
-    async def all_sidecars(self) -> dict[str, Doc]: ...
+    async def all_sidecars(self) -> dict[str, Doc]:
+        """Every run, by run id."""
 
     # -- call reports ----------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -110,6 +112,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def reports(self, agents: list[str] | None = None) -> list[Doc]: ...
+
+    @abc.abstractmethod
+    async def put_starts(self, starts: list[Doc]) -> None:
+        """Store calls written ahead (a start before the call left), keeping the first of each call_id. A
+        start never replaces anything; a final report for the same call makes it moot (``starts`` may still
+        return it: callers skip starts whose call has a final report)."""
+
+    @abc.abstractmethod
+    async def starts(self, agents: list[str]) -> list[Doc]:
+        """The starts of these agents' calls that have no final report yet (possibly a few that do)."""
 
     # -- approvals, terminations: small documents by id ----------------------------------------------
     @abc.abstractmethod

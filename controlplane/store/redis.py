@@ -346,17 +346,17 @@ class RedisStore(Store):
 
     # -- sidecars --------------------------------------------------------------------------------------
     @_guarded
-    async def put_sidecar(self, agent: str, doc: Doc) -> None:
-        await self.r.hset(self._key("sidecars"), agent, _dump(doc))
+    async def put_sidecar(self, run_id: str, doc: Doc) -> None:
+        await self.r.hset(self._key("runs"), run_id, _dump(doc))
 
     @_guarded
-    async def get_sidecar(self, agent: str) -> Doc | None:
-        raw = await self.r.hget(self._key("sidecars"), agent)
+    async def get_sidecar(self, run_id: str) -> Doc | None:
+        raw = await self.r.hget(self._key("runs"), run_id)
         return json.loads(raw) if raw else None
 
     @_guarded
     async def all_sidecars(self) -> dict[str, Doc]:
-        return {agent: json.loads(raw) for agent, raw in (await self.r.hgetall(self._key("sidecars"))).items()}
+        return {agent: json.loads(raw) for agent, raw in (await self.r.hgetall(self._key("runs"))).items()}
 
     # -- reports ---------------------------------------------------------------------------------------
     @_guarded
@@ -369,7 +369,35 @@ class RedisStore(Store):
             keys.append(self._key("reports", "agent", report["agent"]))
             args += [report["call_id"], _dump(report)]
         new = await self._run("put_reports", keys, args)
+        async with self.r.pipeline(transaction=False) as pipe:  # the calls' starts are moot now
+            pipe.hdel(self._key("starts"), *[r["call_id"] for r in reports])
+            for report in reports:
+                pipe.srem(self._key("starts", "agent", report["agent"]), report["call_id"])
+            await pipe.execute()
         return new, len(reports) - new
+
+    @_guarded
+    async def put_starts(self, starts: list[Doc]) -> None:
+        if not starts:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for start in starts:
+                pipe.hexists(self._key("reports"), start["call_id"])
+            ended = await pipe.execute()
+        async with self.r.pipeline(transaction=False) as pipe:
+            for start, done in zip(starts, ended, strict=True):
+                if not done:
+                    pipe.hsetnx(self._key("starts"), start["call_id"], _dump(start))
+                    pipe.sadd(self._key("starts", "agent", start["agent"]), start["call_id"])
+            await pipe.execute()
+
+    @_guarded
+    async def starts(self, agents: list[str]) -> list[Doc]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for agent in agents:
+                pipe.smembers(self._key("starts", "agent", agent))
+            call_ids = sorted({c for members in await pipe.execute() for c in members})
+        return await self._hmget(self._key("starts"), call_ids)
 
     @_guarded
     async def reports(self, agents: list[str] | None = None) -> list[Doc]:

@@ -22,9 +22,11 @@ CREATE INDEX IF NOT EXISTS links_sub ON links(sub);
 CREATE TABLE IF NOT EXISTS revocations (jti TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, target TEXT,
     payload TEXT NOT NULL, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS sidecars (agent TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reports (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS reports_agent ON reports(agent);
+CREATE TABLE IF NOT EXISTS starts (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS starts_agent ON starts(agent);
 CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, id TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
     PRIMARY KEY (kind, id));
 CREATE TABLE IF NOT EXISTS records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT UNIQUE NOT NULL,
@@ -159,15 +161,15 @@ class SqliteStore(Store):
         return (int(low), int(high))
 
     # -- sidecars --------------------------------------------------------------------------------------
-    async def put_sidecar(self, agent: str, doc: Doc) -> None:
-        self.db.execute("INSERT OR REPLACE INTO sidecars (agent, doc) VALUES (?, ?)", (agent, _dump(doc)))
+    async def put_sidecar(self, run_id: str, doc: Doc) -> None:
+        self.db.execute("INSERT OR REPLACE INTO runs (run_id, doc) VALUES (?, ?)", (run_id, _dump(doc)))
 
-    async def get_sidecar(self, agent: str) -> Doc | None:
-        row = self.db.execute("SELECT doc FROM sidecars WHERE agent = ?", (agent,)).fetchone()
+    async def get_sidecar(self, run_id: str) -> Doc | None:
+        row = self.db.execute("SELECT doc FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         return json.loads(row[0]) if row else None
 
     async def all_sidecars(self) -> dict[str, Doc]:
-        return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT agent, doc FROM sidecars")}
+        return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT run_id, doc FROM runs")}
 
     # -- reports ---------------------------------------------------------------------------------------
     async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
@@ -180,6 +182,7 @@ class SqliteStore(Store):
                     (report["call_id"], report["agent"], _dump(report)),
                 )
                 new += cur.rowcount
+            db.executemany("DELETE FROM starts WHERE call_id = ?", [(r["call_id"],) for r in reports])
             db.execute("COMMIT")
             return new, len(reports) - new
         except BaseException:
@@ -192,6 +195,24 @@ class SqliteStore(Store):
         else:
             marks = ",".join("?" * len(agents))
             rows = self.db.execute(f"SELECT doc FROM reports WHERE agent IN ({marks}) ORDER BY rowid", agents)
+        return [json.loads(r[0]) for r in rows]
+
+    async def put_starts(self, starts: list[Doc]) -> None:
+        db = self._tx()
+        try:
+            for start in starts:
+                # A start whose final report is already here is moot: never store it.
+                if db.execute("SELECT 1 FROM reports WHERE call_id = ?", (start["call_id"],)).fetchone() is None:
+                    db.execute("INSERT OR IGNORE INTO starts (call_id, agent, doc) VALUES (?, ?, ?)",
+                               (start["call_id"], start["agent"], _dump(start)))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def starts(self, agents: list[str]) -> list[Doc]:
+        marks = ",".join("?" * len(agents))
+        rows = self.db.execute(f"SELECT doc FROM starts WHERE agent IN ({marks}) ORDER BY rowid", agents)
         return [json.loads(r[0]) for r in rows]
 
     # -- documents -----------------------------------------------------------------------------------
