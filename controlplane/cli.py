@@ -467,10 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_terminations"))
 
-    p = sub.add_parser("approvals", help="list, approve or deny held calls")
+    p = sub.add_parser("approvals", help="list, show, approve or deny held calls")
     _cp_arg(p)
-    p.add_argument("action", nargs="?", choices=["list", "approve", "deny"], default="list")
+    p.add_argument("action", nargs="?", choices=["list", "show", "approve", "deny"], default="list")
     p.add_argument("id", nargs="?")
+    p.add_argument("--call-hash", help="approve only if the held call is still this one (from approvals show)")
     p.add_argument("--all", action="store_true", help="list decided ones too")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_approvals"))

@@ -7,7 +7,9 @@ forwarded) and again when it resolves; readers keep the last state per flow id.
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -102,6 +104,52 @@ _SECRET = frozenset(h.encode() for h in SECRET_HEADERS)
 def snapshot(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] = _SECRET) -> dict:
     """The flow's serialisable state with secret headers, named JSON fields and query parameters redacted."""
     return _redact_state(_metadata_free_state(flow), fields, secret)
+
+
+HELD_BODY_LIMIT = 16 * 1024  # what an approver is shown of a held call's body; its full size is given too
+
+
+def call_hash(request: http.Request) -> str:
+    """SHA-256 over the request as it would leave: method, URL, every header in order, the body's bytes.
+
+    An approval is bound to this value, so a decision can never apply to a different request."""
+    h = hashlib.sha256()
+    h.update(request.method.encode() + b"\n" + request.url.encode() + b"\n")
+    for name, value in request.headers.fields:
+        h.update(name.lower() + b": " + value + b"\n")
+    h.update(b"\n")
+    h.update(request.raw_content or b"")
+    return "sha256:" + h.hexdigest()
+
+
+def held_call(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] | None = None,
+              limit: int = HELD_BODY_LIMIT) -> dict[str, Any]:
+    """What an approver sees of a held call: method, URL, headers and body redacted exactly as a capture
+    would be (the same code), the body cut at ``limit`` bytes with its full size, and the call's hash."""
+    part = flow.request.get_state()
+    _redact_state({"request": part, "response": None}, fields, secret or _SECRET)
+    url = flow.request.url
+    if part["path"] != flow.request.get_state()["path"]:  # a redacted query: the URL shows it redacted too
+        url = url.split("?", 1)[0] + "?" + part["path"].decode("latin-1").split("?", 1)[1]
+    body: bytes = part.get("content") or b""
+    shown = body[:limit]
+    try:
+        text, encoding = shown.decode("utf-8"), "text"
+    except UnicodeDecodeError as exc:
+        if len(body) > limit and exc.start >= len(shown) - 3:  # the cut fell inside one character
+            text, encoding = shown[: exc.start].decode("utf-8"), "text"
+        else:
+            text, encoding = base64.b64encode(shown).decode(), "base64"
+    return {
+        "method": flow.request.method,
+        "url": url,
+        "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in part["headers"]],
+        "body": text,
+        "body_encoding": encoding,
+        "body_size": len(body),
+        "body_truncated": len(body) > limit,
+        "call_hash": call_hash(flow.request),
+    }
 
 
 class ConnectionStates:
