@@ -505,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     _cp_arg(p)
     p.add_argument("--agent")
     p.add_argument("--termination")
+    p.add_argument("--since", help="only calls started at or after this time (epoch seconds or ISO 8601)")
+    p.add_argument("--until", help="only calls started before this time")
     p.add_argument("--har", required=True)
     p.add_argument("--captures", default=".tether", help="where sidecars keep their state dirs")
     p.set_defaults(func=_lazy("proxy.capture", "cmd_export"))
