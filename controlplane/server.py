@@ -766,6 +766,7 @@ def _held_request(value: Any) -> Doc | None:
         "body_encoding": "base64" if value.get("body_encoding") == "base64" else "text",
         "body_size": int(value.get("body_size") or 0),
         "body_truncated": bool(value.get("body_truncated")),
+        "body_streamed": bool(value.get("body_streamed")),  # a large upload held at its headers: body not shown
         "call_hash": str(value["call_hash"])[:80] if value.get("call_hash") else None,
     }
 

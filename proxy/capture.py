@@ -132,6 +132,12 @@ def held_call(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[byt
     if part["path"] != flow.request.get_state()["path"]:  # a redacted query: the URL shows it redacted too
         url = url.split("?", 1)[0] + "?" + part["path"].decode("latin-1").split("?", 1)[1]
     body: bytes = part.get("content") or b""
+    if flow.request.stream or flow.request.raw_content is None:  # a large upload, held at its headers
+        streamed = {"body": "", "body_encoding": "text", "body_truncated": True, "body_streamed": True,
+                    "body_size": int(length) if (length := flow.request.headers.get("content-length", "")).isdigit()
+                    else -1}
+        return {"method": flow.request.method, "url": url, "call_hash": call_hash(flow.request), **streamed,
+                "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in part["headers"]]}
     shown = body[:limit]
     try:
         text, encoding = shown.decode("utf-8"), "text"
@@ -146,7 +152,7 @@ def held_call(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[byt
         "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in part["headers"]],
         "body": text,
         "body_encoding": encoding,
-        "body_size": len(body),
+        "body_size": len(flow.request.raw_content or b""),  # what leaves, not the redacted copy shown
         "body_truncated": len(body) > limit,
         "call_hash": call_hash(flow.request),
     }
