@@ -165,7 +165,7 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
 
     w = console_world
     lead = w.cp.issue("lead", {"echo.any": "approval", "issues.read": "direct", "hang.read": "direct"})
-    worker = w.cp.delegate(lead, "worker", {"echo.any": "approval", "hang.read": "direct"})
+    worker = w.cp.delegate(lead, "worker", {"echo.any": "approval", "hang.read": "direct", "issues.read": "direct"})
     helper = w.cp.delegate(worker, "helper", {"issues.read": "direct"})
     sc_lead, sc_worker = w.sidecar(lead), w.sidecar(worker)
     w.sidecar(helper)
@@ -221,14 +221,21 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
         assert w.tools.hits_for("/echo") == 1
 
         # A call in flight when the subtree is aborted: it is cut, and the record and HAR say so.
-        cut = pool.submit(requests.get, f"{w.tools.base}/hang", proxies=sc_worker.proxies(), timeout=30)
+        def hang() -> Any:
+            try:
+                return requests.get(f"{w.tools.base}/hang", proxies=sc_worker.proxies(), timeout=30)
+            except requests.ConnectionError as exc:  # an abort cuts the agent's connection too
+                return exc
+
+        cut = pool.submit(hang)
         wait_until(lambda: w.tools.hits_for("/hang") == 1, 10, what="the /hang call to reach the tool")
 
         # Terminate worker's subtree: the confirmation names exactly who is cut.
         page.get_by_role("button", name="Agents").click()
         page.get_by_role("button", name="Terminate worker").click()
         dialog = page.get_by_role("dialog")
-        expect(dialog.get_by_role("list", name="Agents that will be cut")).to_have_text(["helper", "worker"])
+        expect(dialog.get_by_role("list", name="Agents that will be cut").get_by_role("listitem")).to_have_text(
+            ["helper", "worker"])
         dialog.get_by_label("Mode").select_option("abort")
         dialog.get_by_label("Window (seconds)").fill("2")
         dialog.get_by_label("Reason").fill("console test")
@@ -272,7 +279,8 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     page.get_by_label("Old surface").set_input_files(str(tmp_path / "old.json"))
     page.get_by_label("New surface").set_input_files(str(tmp_path / "new.json"))
     page.get_by_role("button", name="Compare").click()
-    expect(page.get_by_role("list", name="What widened")).to_have_text(["lead: echo.any approval -> direct"])
+    expect(page.get_by_role("list", name="What widened").get_by_role("listitem")).to_have_text(
+        ["lead: echo.any approval -> direct"])
     shot(page, "audit")
 
     page.get_by_role("button", name="Sign out").click()
@@ -293,9 +301,11 @@ def check_har_against_record(har: dict[str, Any], record: dict[str, Any]) -> Non
         assert (tag["agent"], tag["call_id"], tag["capability"], tag["resolution"]) == (
             call["agent"], call["call_id"], call["capability"], call["resolution"])
         assert entry["request"]["method"] == call["method"] and entry["request"]["url"] == call["url"]
-        if call["resolution"] != "completed":
-            response = entry["response"]
-            assert response["content"]["size"] == 0 and "mimeType" in response["content"]
+        response = entry["response"]
+        if call["resolution"] == "refused":  # tether answered: its refusal is the response
+            assert response["status"] == 403 and any(h["name"].lower() == "tether-error" for h in response["headers"])
+        elif call["resolution"] != "completed":  # cut: no answer came back
+            assert response["status"] == 0 and response["content"] == {"size": 0, "mimeType": "x-unknown"}
             assert response["_error"].startswith(f"tether: {call['resolution']}")
             assert entry["time"] == pytest.approx((call["ended_at"] - call["started_at"]) * 1000, abs=1.0)
     assert any(e["_tether"]["resolution"] == "unknown" for e in entries), "the cut call is in the HAR"
