@@ -342,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole story on an embedded store, no setup")
     p.add_argument("--dir", default=None, help="where to keep the demo's files (default: a temp dir)")
     p.add_argument("--fast", action="store_true", help="shorter pauses")
+    p.add_argument("--console", action="store_true",
+                   help="decide the held call in the web console, and keep the console up at the end")
     p.set_defaults(func=_lazy("controlplane.demo", "cmd_demo"))
 
     p = sub.add_parser("keygen", help="write an Ed25519 key pair (F and F.pub)")
