@@ -10,6 +10,7 @@ import hmac
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -19,6 +20,16 @@ from .capability.proof import MAX_AGE_S, Proof, check_proof, read_proof
 from .store import Doc, Store
 
 PROOF_HEADER = "Tether-Proof"
+SESSION_COOKIE = "tether_session"
+CSRF_HEADER = "X-CSRF-Token"
+CSRF = "tether.csrf"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class SessionTable(Protocol):
+    """The console's server-side sessions (``controlplane/console/sessions.py``)."""
+
+    def get(self, sid: str, now: float) -> Any: ...  # a session with a ``csrf`` attribute, or None
 
 
 @dataclass(frozen=True)
@@ -61,12 +72,29 @@ class Authenticator:
         self.admin_token = admin_token.encode()
         self.clock = clock
         self.replays = ReplayCache()
+        self.sessions: SessionTable | None = None  # set when the console is installed
 
     def is_admin(self, request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or not self.admin_token:
+        if header.startswith("Bearer ") and self.admin_token:
+            return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self.admin_token)
+        return self.session_admin(request)
+
+    def session_admin(self, request: web.Request) -> bool:
+        """A live console session acts as admin. A state change made with it must carry the session's CSRF
+        token: the cookie alone is what a forged cross-site request would carry, the token it cannot read."""
+        sid = request.cookies.get(SESSION_COOKIE)
+        if self.sessions is None or not sid:
             return False
-        return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self.admin_token)
+        session = self.sessions.get(sid, self.clock())
+        if session is None:
+            return False
+        if request.method not in SAFE_METHODS:
+            sent = request.headers.get(CSRF_HEADER, "")
+            if not sent or not hmac.compare_digest(sent.encode(), session.csrf.encode()):
+                raise ApiError(403, CSRF, f"a change made with a console session needs its {CSRF_HEADER} header; "
+                               "reload the console")
+        return True
 
     def require_admin(self, request: web.Request) -> None:
         if not self.is_admin(request):

@@ -350,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole story on an embedded store, no setup")
     p.add_argument("--dir", default=None, help="where to keep the demo's files (default: a temp dir)")
     p.add_argument("--fast", action="store_true", help="shorter pauses")
+    p.add_argument("--console", action="store_true",
+                   help="decide the held call in the web console, and keep the console up at the end")
     p.set_defaults(func=_lazy("controlplane.demo", "cmd_demo"))
 
     p = sub.add_parser("keygen", help="write an Ed25519 key pair (F and F.pub)")
@@ -475,10 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_terminations"))
 
-    p = sub.add_parser("approvals", help="list, approve or deny held calls")
+    p = sub.add_parser("approvals", help="list, show, approve or deny held calls")
     _cp_arg(p)
-    p.add_argument("action", nargs="?", choices=["list", "approve", "deny"], default="list")
+    p.add_argument("action", nargs="?", choices=["list", "show", "approve", "deny"], default="list")
     p.add_argument("id", nargs="?")
+    p.add_argument("--call-hash", help="approve only if the held call is still this one (from approvals show)")
     p.add_argument("--all", action="store_true", help="list decided ones too")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_lazy("controlplane.cli_ops", "cmd_approvals"))
@@ -512,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     _cp_arg(p)
     p.add_argument("--agent")
     p.add_argument("--termination")
+    p.add_argument("--since", help="only calls started at or after this time (epoch seconds or ISO 8601)")
+    p.add_argument("--until", help="only calls started before this time")
     p.add_argument("--har", required=True)
     p.add_argument("--captures", default=".tether", help="where sidecars keep their state dirs")
     p.set_defaults(func=_lazy("proxy.capture", "cmd_export"))

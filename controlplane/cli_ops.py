@@ -84,10 +84,18 @@ def cmd_terminations(args: argparse.Namespace) -> int:
 
 def cmd_approvals(args: argparse.Namespace) -> int:
     c = client(args)
+    if args.action in ("show", "approve", "deny") and not args.id:
+        raise TetherError(f"tether approvals {args.action} ID", code=BAD_REQUEST)
+    if args.action == "show":
+        doc = c.request("GET", f"/v1/approvals/{args.id}")
+        if args.json:
+            _print_json(doc)
+        else:
+            print_approval(doc)
+        return 0
     if args.action in ("approve", "deny"):
-        if not args.id:
-            raise TetherError(f"tether approvals {args.action} ID", code=BAD_REQUEST)
-        doc = c.request("POST", f"/v1/approvals/{args.id}/{args.action}", {})
+        body = {"call_hash": args.call_hash} if args.call_hash and args.action == "approve" else {}
+        doc = c.request("POST", f"/v1/approvals/{args.id}/{args.action}", body)
         print(f"{doc['id']}: {doc['status']} ({doc['agent']} {doc['method']} {doc['url']})")
         return 0
     docs = c.request("GET", "/v1/approvals" + ("" if args.all else "?status=pending"))
@@ -108,6 +116,26 @@ def _confirmed_text(entry: dict | str, acks: dict) -> str:
         return entry + (" (its sidecar had already stopped)" if acks.get(entry, {}).get("state") == "stopped" else "")
     how = {"stopped": ", had already stopped", "acknowledged_late": ", late"}.get(entry.get("state", ""), "")
     return f"{entry['agent']} (run {entry['run_id']}{how})"
+
+
+def print_approval(doc: dict) -> None:
+    """A held call as the approver must see it: who asks, from where in the tree, and the exact request."""
+    print(f"approval {doc['id']}: {doc['status']}  (asked {ago(doc['requested_at'])})")
+    print(f"  agent       {doc['agent']}   chain {' > '.join(doc.get('chain') or [doc['agent']])}")
+    print(f"  capability  {doc.get('capability')}")
+    print(f"  deciders    {', '.join(doc.get('deciders') or ['admin'])}")
+    req = doc.get("request")
+    if not req:
+        print(f"  call        {doc.get('method')} {doc.get('url')}  (the sidecar sent no request details)")
+        return
+    print(f"  call hash   {req.get('call_hash')}")
+    print(f"\n{req['method']} {req['url']}")
+    for name, value in req.get("headers", []):
+        print(f"{name}: {value}")
+    size = req.get("body_size", 0)
+    note = f"{size} bytes" + (f", first {len(req.get('body', ''))} shown" if req.get("body_truncated") else "")
+    print(f"\n{req.get('body', '')}" + ("" if req.get("body_encoding") == "text" else "  (base64)"))
+    print(f"-- body: {note}")
 
 
 def print_record_summary(record: dict, all_calls: bool = False) -> None:

@@ -753,13 +753,15 @@ class ControlPlane:
     async def h_approval_new(self, request: web.Request) -> web.Response:
         raw = await request.read()
         caller = await self.auth.sidecar(request, raw)
-        agent = caller.agent
+        agent, link = caller.agent, caller.link
         body = json.loads(raw or b"{}")
         if not isinstance(body, dict) or not isinstance(body.get("call_id"), str):
             raise _bad("body needs 'call_id', 'capability', 'method', 'url'")
         now = self.clock()
         approval_id = "apr-" + os.urandom(6).hex()
         ttl = min(float(body.get("timeout_s", self.approval_ttl_s)), 24 * 3600)
+        held = _held_request(body.get("request"))
+        chain = [await self.store.get_link(h) for h in link.get("chain_hashes", [link["hash"]])]
         doc = {
             "id": approval_id,
             "agent": agent,
@@ -770,6 +772,12 @@ class ControlPlane:
             "method": body.get("method"),
             "url": body.get("url"),
             "summary": str(body.get("summary", ""))[:500],
+            # What the approver decides on: the exact request (redacted by the sidecar as captures are), its
+            # hash, where the agent sits (agent ids from the root) and who may decide.
+            "request": held,
+            "call_hash": held.get("call_hash") if held else None,
+            "chain": [c["sub"] if c else "?" for c in chain],
+            "deciders": ["admin"],
             "status": "pending",
             "requested_at": now,
             "expires_at": now + ttl,
@@ -802,7 +810,7 @@ class ControlPlane:
             raise ApiError(404, NOT_FOUND, f"no approval {request.match_info['id']}")
         return web.json_response(self._approval_view(doc))
 
-    async def decide(self, approval_id: str, decision: str, by: str) -> Doc:
+    async def decide(self, approval_id: str, decision: str, by: str, call_hash: str | None = None) -> Doc:
         doc = await self.store.get_doc("approval", approval_id)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no approval {approval_id}")
@@ -811,13 +819,17 @@ class ControlPlane:
             raise ApiError(409, CONFLICT, f"approval {approval_id} is already {view['status']}")
         if decision == "approved":
             await self._still_possible(doc)
+        if call_hash is not None and call_hash != doc.get("call_hash"):
+            raise ApiError(409, CONFLICT, f"approval {approval_id} holds call {doc.get('call_hash')}, not {call_hash}: "
+                           "look at the call again before deciding", call_hash=doc.get("call_hash"))
         new = {**doc, "status": decision, "decided_at": self.clock(), "decided_by": by, "version": doc["version"] + 1}
         if not await self.store.cas_doc("approval", approval_id, doc["version"], new):
             raise ApiError(409, CONFLICT, f"approval {approval_id} was decided concurrently")
         await self.publish(
             "approval",
             doc.get("link") or doc["agent"],
-            {"id": approval_id, "call_id": doc["call_id"], "status": decision, "decided_by": by},
+            {"id": approval_id, "call_id": doc["call_id"], "status": decision, "decided_by": by,
+             "call_hash": doc.get("call_hash")},
         )
         return new
 
@@ -839,7 +851,11 @@ class ControlPlane:
 
     async def h_approve(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
-        return web.json_response(await self.decide(request.match_info["id"], "approved", "admin"))
+        body, _ = await read_json(request)
+        call_hash = body.get("call_hash") if isinstance(body, dict) else None
+        if call_hash is not None and not isinstance(call_hash, str):
+            raise _bad("'call_hash' must be the string shown with the approval")
+        return web.json_response(await self.decide(request.match_info["id"], "approved", "admin", call_hash))
 
     async def h_deny(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
@@ -854,6 +870,25 @@ class ControlPlane:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
         agents = surface(self.catalog, graph, await self.revoked(), self.clock(), agent)
         return web.json_response({"catalog": self.catalog.hash, "agents": agents})
+
+
+def _held_request(value: Any) -> Doc | None:
+    """The held call as the sidecar sent it, kept to the shape and sizes the console shows."""
+    if not isinstance(value, dict):
+        return None
+    headers = value.get("headers")
+    return {
+        "method": str(value.get("method", ""))[:32],
+        "url": str(value.get("url", ""))[:8192],
+        "headers": [[str(h[0])[:256], str(h[1])[:4096]] for h in headers[:200] if isinstance(h, list) and len(h) == 2]
+        if isinstance(headers, list) else [],
+        "body": str(value.get("body", ""))[:32 * 1024],
+        "body_encoding": "base64" if value.get("body_encoding") == "base64" else "text",
+        "body_size": int(value.get("body_size") or 0),
+        "body_truncated": bool(value.get("body_truncated")),
+        "body_streamed": bool(value.get("body_streamed")),  # a large upload held at its headers: body not shown
+        "call_hash": str(value["call_hash"])[:80] if value.get("call_hash") else None,
+    }
 
 
 def _visible(kind: str, target: str | None, payload: Doc, link_hash: str, chain_jtis: set[str]) -> bool:

@@ -37,6 +37,7 @@ MCP_PARSED = "tether.mcp_parsed"
 MCP_SSE = "tether.mcp_sse"
 NO_STREAM = "tether.no_stream"
 STREAM_THRESHOLD = 1024 * 1024
+HOLD_WITH_BODY = "tether.hold_with_body"
 
 
 def call_of(flow: http.HTTPFlow) -> Call | None:
@@ -208,20 +209,28 @@ class Enforcer:
         if call.tier == "absent":
             raise Refusal(codes.CAPABILITY_ABSENT, f"{call.capability} is not granted to {sc.agent}")
         if call.tier == "approval":
-            return True
+            if self._large_upload(req):
+                return True  # held at the headers: its body will stream through, unseen by the approver
+            flow.metadata[HOLD_WITH_BODY] = True  # held once the body is here: the approver sees what would leave
+            return False
         self._stream_large_upload(flow, call)
         return False
 
     @staticmethod
-    def _stream_large_upload(flow: http.HTTPFlow, call: Call) -> None:
-        req = flow.request
+    def _large_upload(req: http.Request) -> bool:
         length = req.headers.get("content-length")
-        if (length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
-                "transfer-encoding", ""):
+        return bool(length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
+            "transfer-encoding", "")
+
+    def _stream_large_upload(self, flow: http.HTTPFlow, call: Call) -> None:
+        req = flow.request
+        if self._large_upload(req):
             req.stream = True  # large uploads pass through; the decision above is final
             call.phase = "forwarding"
 
     def _decide_body(self, flow: http.HTTPFlow, call: Call) -> bool:
+        if flow.metadata.pop(HOLD_WITH_BODY, False):
+            return True
         server = flow.metadata.get(MCP_SERVER)
         if server is not None and flow.request.method == "POST" and MCP_PARSED not in flow.metadata:
             if self._decide_mcp(flow, call, server):

@@ -7,7 +7,9 @@ forwarded) and again when it resolves; readers keep the last state per flow id.
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -102,6 +104,58 @@ _SECRET = frozenset(h.encode() for h in SECRET_HEADERS)
 def snapshot(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] = _SECRET) -> dict:
     """The flow's serialisable state with secret headers, named JSON fields and query parameters redacted."""
     return _redact_state(_metadata_free_state(flow), fields, secret)
+
+
+HELD_BODY_LIMIT = 16 * 1024  # what an approver is shown of a held call's body; its full size is given too
+
+
+def call_hash(request: http.Request) -> str:
+    """SHA-256 over the request as it would leave: method, URL, every header in order, the body's bytes.
+
+    An approval is bound to this value, so a decision can never apply to a different request."""
+    h = hashlib.sha256()
+    h.update(request.method.encode() + b"\n" + request.url.encode() + b"\n")
+    for name, value in request.headers.fields:
+        h.update(name.lower() + b": " + value + b"\n")
+    h.update(b"\n")
+    h.update(request.raw_content or b"")
+    return "sha256:" + h.hexdigest()
+
+
+def held_call(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] | None = None,
+              limit: int = HELD_BODY_LIMIT) -> dict[str, Any]:
+    """What an approver sees of a held call: method, URL, headers and body redacted exactly as a capture
+    would be (the same code), the body cut at ``limit`` bytes with its full size, and the call's hash."""
+    part = flow.request.get_state()
+    _redact_state({"request": part, "response": None}, fields, secret or _SECRET)
+    url = flow.request.url
+    if part["path"] != flow.request.get_state()["path"]:  # a redacted query: the URL shows it redacted too
+        url = url.split("?", 1)[0] + "?" + part["path"].decode("latin-1").split("?", 1)[1]
+    body: bytes = part.get("content") or b""
+    if flow.request.stream or flow.request.raw_content is None:  # a large upload, held at its headers
+        streamed = {"body": "", "body_encoding": "text", "body_truncated": True, "body_streamed": True,
+                    "body_size": int(length) if (length := flow.request.headers.get("content-length", "")).isdigit()
+                    else -1}
+        return {"method": flow.request.method, "url": url, "call_hash": call_hash(flow.request), **streamed,
+                "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in part["headers"]]}
+    shown = body[:limit]
+    try:
+        text, encoding = shown.decode("utf-8"), "text"
+    except UnicodeDecodeError as exc:
+        if len(body) > limit and exc.start >= len(shown) - 3:  # the cut fell inside one character
+            text, encoding = shown[: exc.start].decode("utf-8"), "text"
+        else:
+            text, encoding = base64.b64encode(shown).decode(), "base64"
+    return {
+        "method": flow.request.method,
+        "url": url,
+        "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in part["headers"]],
+        "body": text,
+        "body_encoding": encoding,
+        "body_size": len(flow.request.raw_content or b""),  # what leaves, not the redacted copy shown
+        "body_truncated": len(body) > limit,
+        "call_hash": call_hash(flow.request),
+    }
 
 
 class ConnectionStates:
@@ -263,34 +317,139 @@ def read_flows(path: Path) -> list[http.HTTPFlow]:
     return list(latest.values())
 
 
-def to_har(flows: list[http.HTTPFlow]) -> dict[str, Any]:
+EMPTY_CONTENT = {"size": 0, "mimeType": "x-unknown"}  # HAR 1.2: content needs both, even when empty
+
+
+def to_har(flows: list[http.HTTPFlow], calls: dict[tuple[str, str], dict[str, Any]] | None = None,
+           agents: dict[str, str] | None = None) -> dict[str, Any]:
+    """A HAR 1.2 log of ``flows`` in time order, each entry lined up with the record's call.
+
+    ``agents`` maps a flow id to the agent whose capture holds it; ``calls`` maps (agent, flow id) to that
+    call's report or record entry (joined on ``capture_ref``). Each entry carries ``_tether`` (agent,
+    call_id, capability, resolution, capture_ref). A call that got no answer (refused, cut by a
+    termination, reset) has a valid empty ``content``, the duration the record gives it, and its
+    resolution as the error."""
     from mitmproxy.addons.savehar import SaveHar
 
-    return SaveHar().make_har(flows)
+    calls = calls or {}
+    agents = agents or {}
+    ordered = sorted(flows, key=lambda f: (f.request.timestamp_start, f.id))
+    har = SaveHar().make_har(ordered)
+    for flow, entry in zip(ordered, har["log"]["entries"], strict=True):
+        agent = agents.get(flow.id)
+        call = calls.get((agent or "", flow.id), {})
+        entry["_tether"] = {
+            "agent": agent,
+            "call_id": call.get("call_id"),
+            "capability": call.get("capability"),
+            "resolution": call.get("resolution") or ("completed" if flow.response is not None else None),
+            "capture_ref": call.get("capture_ref") or f"{CAPTURE_FILE}#{flow.id}",
+        }
+        if flow.response is None:
+            _cut_entry(flow, entry, call)
+    har["log"]["creator"] = {"name": "tether", "version": "0.1.0", "comment": "mitmproxy flows, lined up with "
+                             "tether's call reports"}
+    return har
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    root = Path(args.captures)
-    wanted: dict[str, set[str] | None] = {}
-    if args.termination:
-        from controlplane.client import Client
+def _cut_entry(flow: http.HTTPFlow, entry: dict[str, Any], call: dict[str, Any]) -> None:
+    """An entry with no response: what tether made of the call, not what the socket last said."""
+    response = entry["response"]
+    response["content"] = dict(EMPTY_CONTENT)
+    response["bodySize"] = 0
+    response["httpVersion"] = response["httpVersion"] or flow.request.http_version
+    resolution = call.get("resolution")
+    reason = f"tether: {resolution}" + (f" ({call['code']})" if call.get("code") else "") if resolution else None
+    response["_error"] = reason or (flow.error.msg if flow.error else "no response")
+    started, ended = call.get("started_at"), call.get("ended_at")
+    if started is not None and ended is not None:
+        duration_ms = max(0.0, (float(ended) - float(started)) * 1000)
+    elif flow.error is not None:
+        duration_ms = max(0.0, (flow.error.timestamp - flow.request.timestamp_start) * 1000)
+    else:
+        duration_ms = float(entry["time"])
+    timings = entry["timings"]
+    spent = sum(v for k, v in timings.items() if k != "wait" and v is not None and v > 0)
+    timings["wait"] = max(0.0, duration_ms - spent)
+    entry["time"] = spent + timings["wait"]
+    entry["comment"] = response["_error"]
 
-        record = Client(args.controlplane).request("GET", f"/v1/records/{args.termination}")
+
+def parse_when(value: str | None) -> float | None:
+    """``--since``/``--until``: epoch seconds or an ISO 8601 time (UTC when it names no zone)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    from datetime import UTC, datetime
+
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise TetherError(f"{value!r} is neither epoch seconds nor an ISO 8601 time", code=BAD_REQUEST) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def export(root: Path, wanted: dict[str, set[str] | None], calls: list[dict[str, Any]],
+           since: float | None = None, until: float | None = None) -> tuple[dict[str, Any], int, list[str]]:
+    """The HAR of the chosen flows: per agent (``None``: all of its flows) or by flow id, within
+    [since, until). Returns (har, entries, agents without a capture)."""
+    flows: list[http.HTTPFlow] = []
+    agents: dict[str, str] = {}
+    missing: list[str] = []
+    for agent, ids in sorted(wanted.items()):
+        path = root / agent / "captures" / CAPTURE_FILE
+        if not path.exists():
+            missing.append(agent)
+            continue
+        for flow in read_flows(path):
+            at = flow.request.timestamp_start
+            if (ids is None or flow.id in ids) and (since is None or at >= since) and (until is None or at < until):
+                flows.append(flow)
+                agents[flow.id] = agent
+    by_ref: dict[tuple[str, str], dict[str, Any]] = {}
+    for call in calls:
+        ref = call.get("capture_ref") or ""
+        if "#" in ref:
+            by_ref[(call.get("agent", ""), ref.split("#", 1)[1])] = call
+    return to_har(flows, by_ref, agents), len(flows), missing
+
+
+def selection(root: Path, record: dict[str, Any] | None, agent: str | None) -> dict[str, set[str] | None]:
+    """Which flows an export covers: a record's calls, one agent's, or (neither) every agent's under root."""
+    if record is not None:
+        wanted: dict[str, set[str] | None] = {}
         for call in record["calls"]:
             ref = call.get("capture_ref")
             if ref and "#" in ref:
                 wanted.setdefault(call["agent"], set()).add(ref.split("#", 1)[1])  # type: ignore[union-attr]
-    elif args.agent:
-        wanted[args.agent] = None
+        return wanted
+    if agent is not None:
+        return {agent: None}
+    return {d.name: None for d in sorted(root.iterdir()) if (d / "captures" / CAPTURE_FILE).exists()} \
+        if root.is_dir() else {}
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from controlplane.client import Client
+
+    root = Path(args.captures)
+    since, until = parse_when(args.since), parse_when(args.until)
+    if not (args.termination or args.agent or since is not None or until is not None):
+        raise TetherError("give --agent ID, --termination ID, or a time range (--since/--until)", code=BAD_REQUEST)
+    client = Client(args.controlplane)
+    record = client.request("GET", f"/v1/records/{args.termination}") if args.termination else None
+    wanted = selection(root, record, args.agent)
+    if record is not None:
+        calls = record["calls"]
     else:
-        raise TetherError("give --agent ID or --termination ID", code=BAD_REQUEST)
-    flows: list[http.HTTPFlow] = []
-    for agent, ids in wanted.items():
-        path = root / agent / "captures" / CAPTURE_FILE
-        if not path.exists():
-            print(f"warning: no capture for {agent} at {path}")
-            continue
-        flows += [f for f in read_flows(path) if ids is None or f.id in ids]
-    Path(args.har).write_text(json.dumps(to_har(flows), indent=1))
-    print(f"wrote {args.har}: {len(flows)} call(s) from {len(wanted)} agent(s)")
+        query = f"?agent={args.agent}" if args.agent else ""
+        calls = client.request("GET", f"/v1/reports{query}")
+    har, count, missing = export(root, wanted, calls, since, until)
+    for agent in missing:
+        print(f"warning: no capture for {agent} under {root}")
+    Path(args.har).write_text(json.dumps(har, indent=1))
+    print(f"wrote {args.har}: {count} call(s) from {len(wanted) - len(missing)} agent(s), in time order")
     return 0

@@ -32,7 +32,7 @@ from controlplane.capability.chain import Verifier, parse_chain_unverified
 from controlplane.capability.errors import ApiError, ChainError, TetherError
 
 from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
-from .capture import CAPTURE_FILE, CaptureWriter
+from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .pipeline import Pipeline
 from .reporting import Reporter
@@ -342,21 +342,29 @@ class Sidecar:
 
     # -- approvals ---------------------------------------------------------------------------------------
     async def await_approval(self, call: Call) -> str:
+        flow = self.flows.get(call.call_id)
+        shown = held_call(flow, self.capture.fields) if flow is not None else {}
         try:
             doc = await self.channel.ask_approval({
                 "call_id": call.call_id, "capability": call.capability, "method": call.method, "url": call.url,
-                "timeout_s": self.config.approval_timeout_s})
+                "timeout_s": self.config.approval_timeout_s, "request": shown, "call_hash": shown.get("call_hash")})
         except ApiError as exc:
             return f"approval could not be requested: {exc.message}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future.call_hash = shown.get("call_hash")  # type: ignore[attr-defined]
         self.approvals[doc["id"]] = future
         log.info("call %s held for approval %s (%s)", call.call_id, doc["id"], call.capability)
         try:
-            return await asyncio.wait_for(future, self.config.approval_timeout_s)
+            decision = await asyncio.wait_for(future, self.config.approval_timeout_s)
         except TimeoutError:
             return "timeout"
         finally:
             self.approvals.pop(doc["id"], None)
+        if decision == "approved" and (flow is None or call_hash(flow.request) != shown.get("call_hash")):
+            # The request changed while it was held: the person approved another request than this one.
+            log.error("call %s changed while held; approval %s does not apply to it", call.call_id, doc["id"])
+            return "denied"
+        return decision
 
     def on_approval(self, doc: dict[str, Any]) -> None:
         future = self.approvals.get(doc.get("id", ""))
@@ -364,6 +372,11 @@ class Sidecar:
             status = doc.get("status", "denied")
             if str(doc.get("decided_by", "")).startswith("termination:"):
                 status = "cancelled"  # no person denied it: a termination cancelled it before it left
+            elif status == "approved" and doc.get("call_hash") != getattr(future, "call_hash", None):
+                # An approval binds to the exact call it showed; one for any other request is not ours.
+                log.error("approval %s names call hash %s, not this call's; refusing the call",
+                          doc.get("id"), doc.get("call_hash"))
+                status = "denied"
             future.set_result(status)
 
     # -- termination ------------------------------------------------------------------------------------

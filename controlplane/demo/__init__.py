@@ -59,9 +59,10 @@ class DemoFailed(Exception):
 
 
 class Demo:
-    def __init__(self, directory: Path, fast: bool) -> None:
+    def __init__(self, directory: Path, fast: bool, console: bool = False) -> None:
         self.dir = directory
         self.fast = fast
+        self.console = console
         self.procs: list[subprocess.Popen] = []
         self.token = secrets.token_urlsafe(16)
         self.ports = {"cp": free_port(), "http": free_port(), "mcp": free_port()}
@@ -71,7 +72,7 @@ class Demo:
         self.env = {**os.environ, "TETHER_ADMIN_TOKEN": self.token, "TETHER_CONTROLPLANE": self.cp_url,
                     "DEMO_TICKETS": f"http://127.0.0.1:{self.ports['http']}",
                     "DEMO_MCP": f"http://127.0.0.1:{self.ports['mcp']}/mcp", "TETHER_LOG": "WARNING",
-                    "PYTHONUNBUFFERED": "1"}
+                    "PYTHONUNBUFFERED": "1", "TETHER_CAPTURES": str(directory / "agents")}
 
     # -- narration ---------------------------------------------------------------------------------
     def step(self, title: str, text: str) -> None:
@@ -146,6 +147,7 @@ class Demo:
         self.wait("the tool servers", lambda: _port_open(self.ports["http"]) and _port_open(self.ports["mcp"]))
         self.note(f"control plane {self.cp_url}   ticket API :{self.ports['http']}   MCP server "
                   f":{self.ports['mcp']}   files in {self.dir}")
+        self.note(f"console {self.cp_url}/ui/   admin token {self.token}")
 
         self.step("Issue the root agent's grant",
                   "Role 'lead' from the catalog: read tickets and research directly, write tickets only with "
@@ -175,8 +177,13 @@ class Demo:
                   f"{approval['agent']} wants {approval['method']} {approval['url']} "
                   f"({approval['capability']} is granted with tier 'approval'). The call is held at the "
                   "sidecar; nothing has left. A person approves it:")
-        self.note(f"$ tether approvals approve {approval['id']}")
-        self.client.request("POST", f"/v1/approvals/{approval['id']}/approve", {})
+        if self.console:  # the person decides in the browser, seeing the exact call
+            self.note(f"Approve or deny it in the console: {self.cp_url}/ui/ (token {self.token}), within 2 minutes")
+            self.wait("a decision in the console", lambda: self.client.request(
+                "GET", f"/v1/approvals/{approval['id']}")["status"] != "pending", timeout=120)
+        else:
+            self.note(f"$ tether approvals approve {approval['id']}")
+            self.client.request("POST", f"/v1/approvals/{approval['id']}/approve", {})
 
         tree = self.wait("all four agents behind live sidecars", self._four_live, timeout=45)
         self.pause(1.5)
@@ -291,10 +298,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     print(f"{BOLD}tether demo{RESET}: a fleet of agents made stoppable. Everything runs on 127.0.0.1 and stops "
           "at the end.")
-    demo = Demo(directory.resolve(), args.fast)
+    demo = Demo(directory.resolve(), args.fast, args.console)
     started = time.monotonic()
     try:
         code = demo.run()
+        if code == 0 and args.console:
+            print(f"\nThe console stays up at {demo.cp_url}/ui/ (admin token {demo.token}): the tree, the "
+                  "approvals, the termination and its record, the HAR. Ctrl-C stops everything.", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
     except DemoFailed as exc:
         print(f"\ndemo failed: {exc} (logs in {directory})", file=sys.stderr)
         code = 1

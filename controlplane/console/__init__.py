@@ -1,0 +1,194 @@
+"""The security team's web console at ``/ui/``, and the few read-only API routes it needs.
+
+The console is a client of the documented JSON API: static HTML, CSS and small vanilla JS modules
+(``static/``, committed, no build step, no CDN), served here with a sign-in that turns the admin token
+into a server-side session (an HttpOnly, SameSite=Strict cookie; the JSON API accepts it as admin, and
+every change made with it must carry the session's CSRF token: ``controlplane/auth.py``).
+
+Routes added: the pages, sign-in and logout (``/ui/...``); ``GET /v1/agents/{agent}/subtree`` (who a
+revoke or terminate would cut, for the confirmation); ``POST /v1/audit/diff`` (two surface documents,
+what widened); ``GET /v1/audit/records`` (the record log's verification, per record); and
+``GET /v1/captures/har`` (a HAR of the captures the control plane can read, when ``TETHER_CAPTURES``
+names the sidecars' state dirs).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ..auth import CSRF_HEADER, SESSION_COOKIE
+from ..capability.errors import NOT_FOUND, UNAUTHORIZED, ApiError
+from ..graph import widenings
+from ..server import ControlPlane, _bad, read_json
+from ..termination import verify_records
+from .sessions import Sessions
+
+STATIC = Path(__file__).parent / "static"
+ASSETS = {p.name: p for p in STATIC.iterdir() if p.suffix in (".js", ".css", ".html", ".svg")}
+CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml"}
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+
+def diff_surfaces(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What became more reachable from ``old`` to ``new``: the one place the console's diff is computed."""
+    return widenings(old, new)
+
+
+class Console:
+    def __init__(self, cp: ControlPlane, captures: Path | None, sessions: Sessions) -> None:
+        self.cp = cp
+        self.captures = captures
+        self.sessions = sessions
+
+    # -- pages -----------------------------------------------------------------------------------------------
+    async def h_root(self, request: web.Request) -> web.Response:
+        raise web.HTTPPermanentRedirect("/ui/")
+
+    async def h_index(self, request: web.Request) -> web.Response:
+        return self._asset("index.html")
+
+    async def h_asset(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in ASSETS:
+            raise ApiError(404, NOT_FOUND, f"no console file {name}")
+        return self._asset(name)
+
+    def _asset(self, name: str) -> web.Response:
+        path = ASSETS[name]
+        return web.Response(body=path.read_bytes(), content_type=CONTENT_TYPES[path.suffix], charset="utf-8",
+                            headers=PAGE_HEADERS)
+
+    # -- sign-in -------------------------------------------------------------------------------------------------
+    async def h_sign_in(self, request: web.Request) -> web.Response:
+        body, _ = await read_json(request)
+        token = body.get("token") if isinstance(body, dict) else None
+        if not isinstance(token, str) or not token:
+            raise _bad("body needs 'token': the admin token")
+        expected = self.cp.auth.admin_token
+        if not expected or not hmac.compare_digest(token.strip().encode(), expected):
+            self.cp.metrics.inc("tether_console_sign_in_refused_total")
+            raise ApiError(401, UNAUTHORIZED, "that is not the admin token (TETHER_ADMIN_TOKEN of the control plane)")
+        session = self.sessions.create(self.cp.clock())
+        response = web.json_response({"csrf": session.csrf, "expires_at": session.expires_at})
+        response.set_cookie(SESSION_COOKIE, session.sid, path="/", httponly=True, samesite="Strict",
+                            secure=_https(request), max_age=int(self.sessions.ttl_s))
+        return response
+
+    async def h_session(self, request: web.Request) -> web.Response:
+        session = self.sessions.get(request.cookies.get(SESSION_COOKIE, ""), self.cp.clock())
+        if session is None:
+            raise ApiError(401, UNAUTHORIZED, "not signed in (or the session expired): sign in with the admin token")
+        return web.json_response({"csrf": session.csrf, "expires_at": session.expires_at})
+
+    async def h_logout(self, request: web.Request) -> web.Response:
+        sid = request.cookies.get(SESSION_COOKIE, "")
+        if self.sessions.get(sid, self.cp.clock()) is not None:
+            self.cp.auth.require_admin(request)  # the session's CSRF token, as for any change
+            self.sessions.end(sid)
+        response = web.json_response({"signed_out": True})
+        response.del_cookie(SESSION_COOKIE, path="/")
+        return response
+
+    # -- read-only API the console needs ----------------------------------------------------------------------
+    async def h_subtree(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        agent = request.match_info["agent"]
+        links = (await self.cp.graph()).subtree(agent)
+        if not links:
+            raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
+        return web.json_response({
+            "agent": agent,
+            "agents": sorted({link["sub"] for link in links}),
+            "links": sorted(({"agent": link["sub"], "jti": link["jti"]} for link in links),
+                            key=lambda d: (d["agent"], d["jti"])),
+        })
+
+    async def h_diff(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        body, _ = await read_json(request)
+        if not isinstance(body, dict) or not all(isinstance(body.get(k), dict) for k in ("old", "new")):
+            raise _bad("body needs 'old' and 'new': two audit surface documents (tether audit surface --json)")
+        widened = diff_surfaces(body["old"], body["new"])
+        return web.json_response({"widened": widened, "exit": 1 if widened else 0})
+
+    async def h_verify_records(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        records = await self.cp.store.records()
+        result = verify_records(records, self.cp.signing_key.public_key())
+        status = {}
+        for index, record in enumerate(records):
+            mark = f"record {index} ({record.get('record_id', f'#{index}')})"
+            problems = [p for p in result.problems if p.startswith(mark + ":")]
+            status[record.get("record_id", f"#{index}")] = {"verified": not problems, "problems": problems}
+        return web.json_response({"valid": result.ok, "count": result.count, "problems": list(result.problems),
+                                  "records": status})
+
+    async def h_har(self, request: web.Request) -> web.Response:
+        self.cp.auth.require_admin(request)
+        from proxy.capture import export, parse_when, selection
+
+        if self.captures is None:
+            raise ApiError(404, "tether.capture_unavailable", "this control plane reads no captures: start it with "
+                           "TETHER_CAPTURES=DIR (the sidecars' state dirs), or use tether capture export")
+        query = request.query
+        termination, agent = query.get("termination"), query.get("agent")
+        try:
+            since, until = parse_when(query.get("since")), parse_when(query.get("until"))
+        except Exception as exc:
+            raise _bad(str(exc)) from None
+        record = None
+        if termination:
+            record = next((r for r in await self.cp.store.records()
+                           if termination in (r["record_id"], r["termination_id"])), None)
+            if record is None:
+                raise ApiError(404, NOT_FOUND, f"no record for {termination}")
+            calls = record["calls"]
+        else:
+            calls = await self.cp.store.reports([agent] if agent else None)
+        har, _count, _missing = export(self.captures, selection(self.captures, record, agent), calls, since, until)
+        name = f"tether-{termination or agent or 'calls'}.har"
+        return web.Response(text=json.dumps(har, indent=1), content_type="application/json",
+                            headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+def _https(request: web.Request) -> bool:
+    return request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https"
+
+
+def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sessions | None = None) -> Console:
+    """Add the console's pages and routes to ``cp``; its sessions become admin sessions for the API."""
+    root = captures or os.environ.get("TETHER_CAPTURES")
+    console = Console(cp, Path(root) if root else None, sessions or Sessions())
+    cp.auth.sessions = console.sessions
+    r = cp.route
+    r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", "none", "console")
+    r("GET", "/ui/", console.h_index, "The console", "none", "console")
+    r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", "none", "console")
+    r("POST", "/ui/session", console.h_sign_in, "Sign in with the admin token: sets the session cookie", "none",
+      "console")
+    r("GET", "/ui/session", console.h_session, "The signed-in session's CSRF token", "none", "console")
+    r("POST", "/ui/logout", console.h_logout, "End the session", "none", "console")
+    r("GET", "/v1/agents/{agent}/subtree", console.h_subtree, "Who terminating or revoking an agent cuts", "admin",
+      "agents")
+    r("POST", "/v1/audit/diff", console.h_diff, "What widened between two audit surface documents", "admin", "audit")
+    r("GET", "/v1/audit/records", console.h_verify_records, "The record log's verification, per record", "admin",
+      "records")
+    r("GET", "/v1/captures/har", console.h_har, "HAR of captured calls (by termination, agent or time range)",
+      "admin", "records")
+    return console
+
+
+__all__ = ["CSRF_HEADER", "SESSION_COOKIE", "Console", "diff_surfaces", "install"]

@@ -1,0 +1,44 @@
+"""The console's pure parts: sessions (expiry, logout, bound) and what an approver is shown of a held call."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from mitmproxy.test import tflow
+
+from controlplane.console.sessions import Sessions
+from proxy.capture import call_hash, held_call
+
+
+def test_sessions_expire_end_and_stay_bounded() -> None:
+    sessions = Sessions(ttl_s=60, max_sessions=2)
+    a = sessions.create(now=0)
+    assert sessions.get(a.sid, now=59) == a and a.csrf != a.sid
+    assert sessions.get(a.sid, now=60) is None  # expired, and forgotten
+    b, c = sessions.create(now=100), sessions.create(now=101)
+    d = sessions.create(now=102)  # over the bound: the oldest sign-in goes
+    assert sessions.get(b.sid, now=103) is None and sessions.get(c.sid, 103) and sessions.get(d.sid, 103)
+    assert sessions.end(c.sid) and sessions.get(c.sid, now=103) is None
+
+
+def test_held_call_redacts_truncates_and_hashes_what_leaves() -> None:
+    flow = tflow.tflow()
+    flow.request.method = "POST"
+    flow.request.headers["Authorization"] = "Bearer s3cret"
+    flow.request.headers["Content-Type"] = "application/json"
+    flow.request.content = json.dumps({"password": "hunter2", "pad": "x" * 20_000}).encode()
+    shown = held_call(flow, frozenset({"password"}), limit=16 * 1024)
+    headers = dict(shown["headers"])
+    assert headers["Authorization"] == "[REDACTED]" and "hunter2" not in shown["body"]
+    assert shown["body_truncated"] and len(shown["body"]) == 16 * 1024
+    assert shown["body_size"] == len(flow.request.raw_content)
+    assert shown["call_hash"] == call_hash(flow.request)
+    before = shown["call_hash"]
+    flow.request.content = flow.request.content + b" "
+    assert call_hash(flow.request) != before  # any change to what leaves is another call
+
+    flow.request.headers["Content-Type"] = "application/octet-stream"
+    flow.request.content = b"\xff\xfe" * 10
+    binary = held_call(flow, frozenset())
+    assert binary["body_encoding"] == "base64" and base64.b64decode(binary["body"]) == b"\xff\xfe" * 10
