@@ -175,7 +175,7 @@ class Widening:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
+    return "any" if value is None else json.dumps(value, sort_keys=True)  # a null port or budget: no limit
 
 
 def diff(
@@ -232,7 +232,7 @@ def _wire_widenings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chan
     if host_key(o["host"]) != host_key(n["host"]):
         out.append((HOST, o["host"], n["host"], ""))
     if o.get("port") is not None and n.get("port") != o.get("port"):
-        out.append((PORT, o["port"], n.get("port"), "any port" if n.get("port") is None else ""))
+        out.append((PORT, o["port"], n.get("port"), ""))
     added = sorted(set(n["methods"]) - set(o["methods"]))
     if added:
         out.append((METHODS, list(o["methods"]), list(n["methods"]), f"adds {', '.join(added)}"))
