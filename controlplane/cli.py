@@ -294,46 +294,6 @@ def _print_tree(node: dict, prefix: str, last: bool, top: bool = False) -> None:
         _print_tree(child, child_prefix, i == len(node["children"]) - 1)
 
 
-def cmd_audit_surface(args: argparse.Namespace) -> int:
-    path = "/v1/audit/surface" + (f"?agent={args.agent}" if args.agent else "")
-    data = client(args).request("GET", path)
-    if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-        return 0
-    print(f"catalog {data['catalog']}")
-    for agent, caps in sorted(data["agents"].items()):
-        print(f"{agent}:")
-        for cap, tier in sorted(caps.items()):
-            print(f"  {cap:<40} {tier}")
-    return 0
-
-
-def cmd_audit_diff(args: argparse.Namespace) -> int:
-    from .graph import widenings
-
-    docs = []
-    for path in (args.old, args.new):
-        try:
-            doc = json.loads(read_file(path, "surface"))
-            if not isinstance(doc, dict) or not isinstance(doc.get("agents"), dict):
-                raise ValueError("missing 'agents'")
-        except ValueError as exc:
-            raise TetherError(
-                f"{path}: not a `tether audit surface --json` document ({exc})", code=BAD_REQUEST
-            ) from None
-        docs.append(doc)
-    found = widenings(docs[0], docs[1])
-    if docs[0].get("catalog") != docs[1].get("catalog"):
-        print(f"note: catalog changed {docs[0].get('catalog')} -> {docs[1].get('catalog')}")
-    for line in found:
-        print(f"WIDENED {line}")
-    if found:
-        print(f"{len(found)} widening(s): review before release")
-        return 1
-    print("no capability widened")
-    return 0
-
-
 # -- parser ---------------------------------------------------------------------------------------------
 def _cp_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -498,15 +458,20 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="capability surface and release gates").add_subparsers(
         dest="audit_command", required=True, metavar="ACTION"
     )
-    p = audit.add_parser("surface", help="effective capability list per agent")
+    p = audit.add_parser("surface", help="effective capability list per agent: tier, wire meaning, budget")
     _cp_arg(p)
-    p.add_argument("--agent")
+    p.add_argument("--agent", help="only this agent")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_audit_surface)
-    p = audit.add_parser("diff", help="exit 1 when any capability widened from OLD to NEW")
+    p.add_argument("--catalog", help="offline: compute the surface from this catalog file and the grants below")
+    p.add_argument("--chain", action="append", help="offline: a chain file; its leaf's agent holds its caps (repeat)")
+    p.add_argument("--trust", help="offline: verify each --chain's signatures against this control plane key")
+    p.add_argument("--role", action="append", metavar="AGENT=ROLE", help="offline: AGENT holds the catalog's ROLE")
+    p.set_defaults(func=_lazy("controlplane.cli_audit", "cmd_audit_surface"))
+    p = audit.add_parser("diff", help="exit 1 when any capability widened from OLD to NEW (2: unreadable input)")
     p.add_argument("old")
     p.add_argument("new")
-    p.set_defaults(func=cmd_audit_diff)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_audit", "cmd_audit_diff"))
 
     capture = sub.add_parser("capture", help="traffic captures").add_subparsers(
         dest="capture_command", required=True, metavar="ACTION"

@@ -5,11 +5,12 @@ Pure functions over link documents (as the store keeps them) and the revoked-jti
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .capability.catalog import TIERS, Catalog
+from . import audit
+from .capability.catalog import Catalog
 
 Doc = dict[str, Any]
 
@@ -114,34 +115,11 @@ class Graph:
 
 def surface(
     catalog: Catalog, graph: Graph, revoked: Container[str], now: float, agent: str | None = None
-) -> dict[str, dict[str, str]]:
-    """The effective capability list per agent: every catalog capability, ``absent`` included.
-
-    An agent holding several live links gets the strongest tier any of them grants."""
-    rank = {tier: i for i, tier in enumerate(reversed(TIERS))}  # absent < approval < direct
+) -> dict[str, Any]:
+    """The audit surface (version 2, see ``audit.surface``) from every agent's live links."""
     agents = [agent] if agent is not None else graph.agents()
-    out: dict[str, dict[str, str]] = {}
-    for name in agents:
-        tiers = dict.fromkeys(catalog.names(), "absent")
-        for link in graph.links_of(name):
-            if not graph.is_live(link["hash"], revoked, now):
-                continue
-            for cap, tier in link["claims"]["caps"].items():
-                if cap in tiers and rank[tier] > rank[tiers[cap]]:
-                    tiers[cap] = tier
-        out[name] = tiers
-    return out
-
-
-def widenings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """What became more reachable from ``old`` to ``new`` surface documents (for ``audit diff``)."""
-    rank = {"absent": 0, "approval": 1, "direct": 2}
-    found: list[str] = []
-    old_agents = old.get("agents", {})
-    for agent, caps in sorted(new.get("agents", {}).items()):
-        before = old_agents.get(agent, {})
-        for cap, tier in sorted(caps.items()):
-            was = before.get(cap, "absent")
-            if rank.get(tier, 0) > rank.get(was, 0):
-                found.append(f"{agent}: {cap} {was} -> {tier}")
-    return found
+    grants = {
+        name: [link["claims"]["caps"] for link in graph.links_of(name) if graph.is_live(link["hash"], revoked, now)]
+        for name in agents
+    }
+    return audit.surface(catalog, grants)

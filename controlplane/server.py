@@ -868,8 +868,7 @@ class ControlPlane:
         graph = await self.graph()
         if agent is not None and not graph.links_of(agent):
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
-        agents = surface(self.catalog, graph, await self.revoked(), self.clock(), agent)
-        return web.json_response({"catalog": self.catalog.hash, "agents": agents})
+        return web.json_response(surface(self.catalog, graph, await self.revoked(), self.clock(), agent))
 
 
 def _held_request(value: Any) -> Doc | None:

@@ -89,13 +89,14 @@ def test_audit_surface_and_diff_gate(cp: ControlPlaneProcess, tmp_path: Path) ->
     ok(tether(cp, "grant", "issue", "--agent", "auditee", "--subject-key", "s.key.pub", "--cap", "issues.read=approval",
               "--out", "s.chain", cwd=tmp_path))  # through the control plane (admin), registered on issue
     old = json.loads(ok(tether(cp, "audit", "surface", "--json", cwd=tmp_path)))
-    assert old["agents"]["auditee"]["issues.read"] == "approval"
-    assert old["agents"]["auditee"]["mcp.delete"] == "absent"
+    assert old["version"] == 2
+    assert old["agents"]["auditee"]["issues.read"]["tier"] == "approval"
+    assert old["agents"]["auditee"]["mcp.delete"]["tier"] == "absent"
     (tmp_path / "old.json").write_text(json.dumps(old))
 
     wider = json.loads(json.dumps(old))
-    wider["agents"]["auditee"]["issues.read"] = "direct"
-    wider["agents"]["auditee"]["mcp.delete"] = "approval"
+    wider["agents"]["auditee"]["issues.read"]["tier"] = "direct"
+    wider["agents"]["auditee"]["mcp.delete"]["tier"] = "approval"
     (tmp_path / "wider.json").write_text(json.dumps(wider))
     gate = tether(cp, "audit", "diff", "old.json", "wider.json", cwd=tmp_path)
     assert gate.returncode == 1
@@ -103,7 +104,7 @@ def test_audit_surface_and_diff_gate(cp: ControlPlaneProcess, tmp_path: Path) ->
     assert "auditee: mcp.delete absent -> approval" in gate.stdout
 
     narrower = json.loads(json.dumps(old))
-    narrower["agents"]["auditee"]["issues.read"] = "absent"
+    narrower["agents"]["auditee"]["issues.read"]["tier"] = "absent"
     (tmp_path / "narrow.json").write_text(json.dumps(narrower))
     assert tether(cp, "audit", "diff", "old.json", "narrow.json", cwd=tmp_path).returncode == 0
     (tmp_path / "junk.json").write_text("[1, 2")

@@ -203,8 +203,10 @@ def test_surface_lists_every_capability(cp: ControlPlaneProcess) -> None:
     caps = doc["agents"]["surf"]
     catalog_names = set(caps)
     assert {"issues.read", "mcp.send", "mcp.delete"} <= catalog_names
-    assert caps["issues.read"] == "direct" and caps["mcp.send"] == "approval" and caps["mcp.delete"] == "absent"
-    assert doc["catalog"].startswith("sha256:")
+    assert [caps[c]["tier"] for c in ("issues.read", "mcp.send", "mcp.delete")] == ["direct", "approval", "absent"]
+    assert caps["issues.read"]["wire"]["http"]["path"] == "/repos/*/*/issues*" and caps["issues.read"]["budget"] is None
+    assert caps["mcp.send"]["wire"]["mcp"]["tool"] == "send_email"
+    assert doc["catalog"].startswith("sha256:") and doc["version"] == 2
 
 
 def test_openapi_health_metrics(cp: ControlPlaneProcess) -> None:
