@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
+from .. import audit
 from ..auth import CSRF_HEADER, SESSION_COOKIE
 from ..capability.errors import NOT_FOUND, UNAUTHORIZED, ApiError
-from ..graph import widenings
 from ..server import ControlPlane, _bad, read_json
 from ..termination import verify_records
 from .sessions import Sessions
@@ -43,8 +43,10 @@ PAGE_HEADERS = {
 
 
 def diff_surfaces(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What became more reachable from ``old`` to ``new``: the one place the console's diff is computed."""
-    return widenings(old, new)
+    """What became more reachable from ``old`` to ``new`` (the release gate's own containment diff, version 1
+    and 2 surfaces alike): the one place the console's diff is computed."""
+    found, _notes = audit.diff(old, new)
+    return [w.line() for w in found]
 
 
 class Console:
