@@ -272,7 +272,7 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     # The audit surface: two files side by side, what widened.
     surface = w.cp.client().request("GET", "/v1/audit/surface")
     wider = json.loads(json.dumps(surface))
-    wider["agents"]["lead"]["echo.any"] = "direct"
+    wider["agents"]["lead"]["echo.any"]["tier"] = "direct"
     (tmp_path / "old.json").write_text(json.dumps(surface))
     (tmp_path / "new.json").write_text(json.dumps(wider))
     page.get_by_role("button", name="Audit").click()
@@ -280,7 +280,7 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     page.get_by_label("New surface").set_input_files(str(tmp_path / "new.json"))
     page.get_by_role("button", name="Compare").click()
     expect(page.get_by_role("list", name="What widened").get_by_role("listitem")).to_have_text(
-        ["lead: echo.any approval -> direct"])
+        ["lead: echo.any approval -> direct (tier raised)"])
     shot(page, "audit")
 
     page.get_by_role("button", name="Sign out").click()
