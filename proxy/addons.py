@@ -212,14 +212,14 @@ class Enforcer:
         self._stream_large_upload(flow, call)
         return False
 
-    @staticmethod
-    def _stream_large_upload(flow: http.HTTPFlow, call: Call) -> None:
+    def _stream_large_upload(self, flow: http.HTTPFlow, call: Call) -> None:
         req = flow.request
         length = req.headers.get("content-length")
         if (length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
                 "transfer-encoding", ""):
             req.stream = True  # large uploads pass through; the decision above is final
             call.phase = "forwarding"
+            self.sidecar.reporter.start(call)  # write-ahead: spooled before the headers leave
 
     def _decide_body(self, flow: http.HTTPFlow, call: Call) -> bool:
         server = flow.metadata.get(MCP_SERVER)
@@ -233,6 +233,7 @@ class Enforcer:
         # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
         self.sidecar.state.admit(time.time(), time.monotonic())
         call.phase = "forwarding"
+        self.sidecar.reporter.start(call)  # write-ahead: spooled before the first byte leaves
 
     def _check_state_and_headers(self, flow: http.HTTPFlow) -> None:
         """May anything leave now, and do the headers say what the connection does?"""
