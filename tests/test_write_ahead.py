@@ -105,6 +105,38 @@ def test_a_sigkilled_sidecar_restarted_on_its_state_dir_reports_its_calls_in_fli
     assert sum(1 for c in record["calls"] if c["url"].endswith(ISSUES) and c["resolution"] == "completed") == 1
 
 
+def test_a_streamed_upload_is_written_ahead_before_its_headers_leave(world: World) -> None:
+    """A chunked upload leaves as it arrives (the decision is made on its headers): its start is in the
+    spool while its body is still on the way, and once it finishes the start is cut again."""
+    ident = world.cp.issue("wal-stream", {"echo.any": "direct"})
+    sc = world.sidecar(ident)
+    spool = sc.state_dir / "reports.spool"
+    seen: dict[str, Any] = {}
+    go_on = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b"first part;"
+        seen["starts"] = wait_until(lambda: [d for d in spool_lines(spool) if d.get("event") == "start"], 10,
+                                    what="the upload's start in the spool")
+        go_on.wait(10)
+        yield b"second part"
+
+    def upload() -> None:
+        seen["resp"] = requests.post(world.tools.base + "/echo", data=body(), proxies=sc.proxies(), timeout=30)
+
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
+    wait_until(lambda: "starts" in seen, 15, what="the start seen while the body streams")
+    go_on.set()
+    thread.join(30)
+    (start,) = seen["starts"]
+    assert (start["method"], start["capability"]) == ("POST", "echo.any") and start["url"].endswith("/echo")
+    assert seen["resp"].status_code == 200 and seen["resp"].json()["body"] == "first part;second part"
+    report = wait_until(lambda: reports_for(world.cp, "wal-stream"), 10, what="the upload's report")
+    assert [(r["call_id"], r["resolution"]) for r in report] == [(start["call_id"], "completed")]
+    wait_until(lambda: not spool_lines(spool), 10, what="the spool to be cut once delivered")
+
+
 # -- acknowledgement under a hammering agent on a slow link ---------------------------------------------------
 @pytest.fixture
 def slow_world(tmp_path: Path, test_ca: TestCA) -> Iterator[World]:
