@@ -227,6 +227,7 @@ class Enforcer:
         if self._large_upload(req):
             req.stream = True  # large uploads pass through; the decision above is final
             call.phase = "forwarding"
+            self.sidecar.reporter.start(call)  # write-ahead: spooled before the headers leave
 
     def _decide_body(self, flow: http.HTTPFlow, call: Call) -> bool:
         if flow.metadata.pop(HOLD_WITH_BODY, False):
@@ -242,6 +243,7 @@ class Enforcer:
         # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
         self.sidecar.state.admit(time.time(), time.monotonic())
         call.phase = "forwarding"
+        self.sidecar.reporter.start(call)  # write-ahead: spooled before the first byte leaves
 
     def _check_state_and_headers(self, flow: http.HTTPFlow) -> None:
         """May anything leave now, and do the headers say what the connection does?"""

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import parse_qsl, urlencode
@@ -267,21 +269,36 @@ def _metadata_free_state(flow: http.HTTPFlow) -> dict:
 
 
 class CaptureWriter:
+    """Appends flows to one capture file, each write all or nothing.
+
+    A write cut short (a full disk) is cut back off the file: a reader stops at the first flow it cannot
+    parse, so torn bytes left in the middle would hide every flow written after them. If even cutting
+    back fails, nothing more is appended until the file is clean again (each attempt retries the cut)."""
+
     def __init__(self, path: Path, redact_fields: list[str] | tuple[str, ...] = ()) -> None:
         self.path = path
         self.fields = frozenset(f.lower() for f in redact_fields)
         self.last_error: str | None = None
         self._file: IO[bytes] | None = None
+        self._clean_end: int | None = None  # where the file must be cut back to before the next write
         self.failures = 0
         self.conns = ConnectionStates()
 
     def write(self, flow: http.HTTPFlow) -> bool:
         try:
-            if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "ab")
-            self._file.write(encode_flow(flow, self.fields, self.conns))
-            self._file.flush()
+            data = encode_flow(flow, self.fields, self.conns)
+            f = self._open()
+            start = f.seek(0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:  # unbuffered: every byte is on disk or the write failed, nothing held back
+                    written = f.write(view)
+                    if not written:
+                        raise OSError(errno.EIO, "the capture file accepted no bytes")
+                    view = view[written:]
+            except BaseException:
+                self._cut_back(f, start)
+                raise
             self.last_error = None
             return True
         except Exception as exc:  # any failure to capture affects this call only, never the sidecar
@@ -291,6 +308,31 @@ class CaptureWriter:
                 log.error("capture failed (%d so far): %s", self.failures, self.last_error)
             self.close()
             return False
+
+    def _open(self) -> IO[bytes]:
+        if self._file is not None:
+            return self._file
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "ab", buffering=0)
+        if self._clean_end is not None:
+            try:
+                if f.seek(0, os.SEEK_END) > self._clean_end:  # (a smaller file is another file: leave it)
+                    f.truncate(self._clean_end)
+            except BaseException:
+                f.close()
+                raise
+            log.info("capture file %s cut back to %d bytes: later flows are readable", self.path, self._clean_end)
+            self._clean_end = None
+        self._file = f
+        return f
+
+    def _cut_back(self, f: IO[bytes], start: int) -> None:
+        try:
+            f.truncate(start)
+        except Exception as exc:
+            log.error("cannot cut the failed capture write off %s (%s); no flow is appended until it can be",
+                      self.path, exc)
+            self._clean_end = start
 
     def ref(self, flow: http.HTTPFlow) -> str:
         return f"{self.path.name}#{flow.id}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -73,9 +74,11 @@ class ControlChannel:
     async def events(self, after: int, wait: float) -> Any:
         return await self.call("GET", f"/v1/events?after={after}&wait={wait:g}", timeout=wait + 10.0)
 
-    async def reports(self, lines: list[str]) -> Any:
-        """Deliver reports given as their JSON encodings (the spool's lines): nothing is encoded twice."""
-        return await self.call("POST", "/v1/reports", encoded=f'{{"reports":[{",".join(lines)}]}}'.encode())
+    async def reports(self, lines: list[str], starts: Sequence[str] = ()) -> Any:
+        """Deliver reports (and the starts of calls in flight) given as their JSON encodings (the spool's
+        lines): nothing is encoded twice."""
+        more = f',"starts":[{",".join(starts)}]' if starts else ""
+        return await self.call("POST", "/v1/reports", encoded=f'{{"reports":[{",".join(lines)}]{more}}}'.encode())
 
     async def ask_approval(self, doc: dict[str, Any]) -> Any:
         return await self.call("POST", "/v1/approvals", doc)

@@ -1,25 +1,79 @@
-"""Call reports: batched to the control plane, spooled to disk while it is unreachable.
+"""Call reports: batched to the control plane, written ahead to a spool on disk.
 
-Every final call report is appended to the spool file before anything else, so a control plane
-outage (or a sidecar restart) loses nothing; delivered batches are cut from the spool. Delivery is
-at least once; the control plane is idempotent on ``call_id``, so a repeat is harmless.
+The spool (``STATE_DIR/reports.spool``, one JSON object a line) holds two kinds of line. A **start**
+(``"event": "start"``) is written when a call is about to leave, before its first byte does; a **final**
+report is written when the call resolves. Delivered finals are cut from the spool, and so are the starts
+of calls that finished: what remains is what the control plane has not heard yet and what is still in
+flight. A sidecar restarted on the same state dir therefore knows every call its predecessor started and
+never finished, and reports each as ``unknown`` (it may have reached the tool; nobody can say what it
+did). Starts travel to the control plane with the finals, in the same request, so it knows a call is in
+flight within about a second even if the sidecar dies next.
+
+Delivery is at least once; the control plane is idempotent on ``call_id``, so a repeat is harmless. A
+flush delivers what was pending when it began, never more: an agent that keeps calling (each refusal is
+a report) cannot keep a flush, and so a termination's acknowledgement, from returning.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from controlplane.capability.errors import ApiError
+from controlplane.capability.errors import ApiError, TetherError
 
 from .channel import ControlChannel
 
+if TYPE_CHECKING:
+    from .state import Call
+
 log = logging.getLogger("tether.sidecar.reports")
 BATCH = 200
+START = "start"
+START_FIELDS = ("call_id", "agent", "capability", "tier", "method", "url", "started_at", "termination_id")
+RESTARTED = "the sidecar restarted while the call was in flight; it may have reached the tool"
+
+
+def recovered_final(start: dict[str, Any]) -> dict[str, Any]:
+    """The final report of a call a previous sidecar run started and never finished.
+
+    The start was written just before the call's first byte left, so something may have reached the tool:
+    ``unknown``, with no end time (nobody saw it end)."""
+    report = {name: start.get(name) for name in START_FIELDS}
+    report.update(resolution="unknown", status=None, code=None, ended_at=None, capture_ref=None,
+                  detail=RESTARTED)
+    return report
+
+
+STATE_DIR_LOCKED = "tether.state_dir_locked"
+
+
+def lock_state_dir(state_dir: Path) -> IO[str]:
+    """Take ``STATE_DIR/lock`` for this process, or refuse: one sidecar per state dir.
+
+    Two sidecars on one spool would each deliver, compact and recover the other's calls (reporting a call
+    still in flight next door as ``unknown``). The lock is the kernel's (flock): it goes when the process
+    does, SIGKILL included, so a restarted sidecar never finds a stale one. Keep the returned file open."""
+    path = state_dir / "lock"
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise TetherError(f"another sidecar (pid {holder}) is using the state dir {state_dir}: one sidecar per "
+                          "state dir; stop that one first, or give this one its own --state-dir",
+                          code=STATE_DIR_LOCKED) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 class Reporter:
@@ -29,42 +83,97 @@ class Reporter:
         self.channel = channel
         self.spool_path = spool_path
         self.interval_s = interval_s
-        self._lines: list[str] = []  # undelivered reports, JSON-encoded as spooled and as delivered
+        self._lines: list[str] = []  # undelivered final reports, JSON-encoded as spooled and as delivered
+        self._added = 0  # finals ever queued; with _delivered, says where a flush that began earlier stops
+        self._delivered = 0  # finals delivered (always the oldest: cut from the front of _lines)
+        self._starts: dict[str, str] = {}  # call_id -> spooled start line, for every call still in flight
+        self._unsent: dict[str, str] = {}  # the starts the control plane has not been sent yet
         self._wake = asyncio.Event()
         self._spool_broken = False
         self._spool: IO[str] | None = None
         self._flushing = asyncio.Lock()
+        self.recovered = 0
         self._load()
 
     def _load(self) -> None:
         if not self.spool_path.exists():
             return
+        finals: list[str] = []
+        final_ids: set[str] = set()
+        starts: dict[str, dict[str, Any]] = {}
         for line in self.spool_path.read_text().splitlines():
             try:
-                json.loads(line)
-            except ValueError:
-                log.warning("skipping a torn line in %s", self.spool_path)
+                doc = json.loads(line)
+                call_id = doc["call_id"]
+            except (ValueError, TypeError, KeyError):
+                if line.strip():
+                    log.warning("skipping a torn line in %s", self.spool_path)
                 continue
-            self._lines.append(line)
-        if self._lines:
-            log.info("%d report(s) from the spool will be delivered", len(self._lines))
+            if doc.get("event") == START:
+                starts.setdefault(call_id, doc)
+            elif call_id not in final_ids:
+                final_ids.add(call_id)
+                finals.append(line)
+        lost = [start for call_id, start in starts.items() if call_id not in final_ids]
+        for start in lost:
+            finals.append(json.dumps(recovered_final(start), separators=(",", ":")))
+            log.warning("call %s (%s %s) was in flight when the last sidecar run ended: reported as unknown",
+                        start["call_id"], start.get("method"), start.get("url"))
+        self._lines = finals
+        self._added = len(finals)
+        self.recovered = len(lost)
+        if finals:
+            log.info("%d report(s) from the spool will be delivered", len(finals))
+        if lost or len(starts):
+            self._rewrite_spool()  # the recovered finals replace their starts on disk before anything else
 
     @property
     def pending(self) -> list[dict[str, Any]]:
         """The undelivered reports (decoded: for a termination's acknowledgement, not the hot path)."""
         return [json.loads(line) for line in self._lines]
 
+    def pending_until(self, mark: int) -> list[dict[str, Any]]:
+        """The reports queued before ``mark`` (see ``mark``) that are not delivered yet."""
+        return [json.loads(line) for line in self._lines[:max(0, mark - self._delivered)]]
+
+    def mark(self) -> int:
+        """A position in the stream of reports: ``flush(mark)`` delivers what was queued before it."""
+        return self._added
+
     @property
     def count(self) -> int:
         return len(self._lines)
+
+    @property
+    def inflight(self) -> int:
+        """Calls whose start is spooled and whose final is not."""
+        return len(self._starts)
+
+    def start(self, call: Call) -> None:
+        """Write ahead: spool a call's start before its first byte leaves, and queue it for the control plane."""
+        if call.call_id in self._starts:
+            return
+        line = json.dumps({"event": START, **{name: getattr(call, name) for name in START_FIELDS}},
+                          separators=(",", ":"))
+        self._starts[call.call_id] = self._unsent[call.call_id] = line
+        self._spool_line(line)
 
     def add(self, report: dict[str, Any]) -> None:
         """Spool a final report (before anything else) and queue it for the next batch."""
         line = json.dumps(report, separators=(",", ":"))
         self._lines.append(line)
+        self._added += 1
+        call_id = report.get("call_id")
+        self._starts.pop(call_id, None)  # type: ignore[arg-type]
+        self._unsent.pop(call_id, None)  # type: ignore[arg-type]  (a final supersedes its start: not sent)
+        self._spool_line(line)
+        if len(self._lines) >= BATCH:
+            self._wake.set()  # a full batch goes now; smaller ones wait for the interval
+
+    def _spool_line(self, line: str) -> None:
         try:
             if self._spool is None:
-                self._spool = open(self.spool_path, "a")
+                self._spool = self._open_spool()
             self._spool.write(line + "\n")
             self._spool.flush()
             self._spool_broken = False
@@ -73,8 +182,17 @@ class Reporter:
                 log.error("cannot spool reports to %s: %s (kept in memory)", self.spool_path, exc)
             self._spool_broken = True
             self._close_spool()
-        if len(self._lines) >= BATCH:
-            self._wake.set()  # a full batch goes now; smaller ones wait for the interval
+
+    def _open_spool(self) -> IO[str]:
+        spool = open(self.spool_path, "a")
+        # A write cut short (a full disk) may have left a line without its newline: end it, so the next line
+        # is a line of its own and only the torn one is lost.
+        if spool.tell() > 0:
+            with open(self.spool_path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    spool.write("\n")
+        return spool
 
     def _close_spool(self) -> None:
         if self._spool is not None:
@@ -85,38 +203,50 @@ class Reporter:
             self._spool = None
 
     def _rewrite_spool(self) -> None:
-        """Cut delivered reports from the spool: emptied in place when nothing is left (the usual case under
-        a reachable control plane), else replaced atomically by what is still pending."""
+        """Compact the spool to what it must still hold: the starts of calls in flight and the undelivered
+        finals. Emptied in place when that is nothing (the usual case under a reachable control plane
+        between bursts), else replaced atomically."""
         try:
-            if not self._lines and self._spool is not None:
+            if not self._lines and not self._starts and self._spool is not None:
                 self._spool.truncate(0)
                 return
             self._close_spool()
             tmp = self.spool_path.with_suffix(".tmp")
             with open(tmp, "w") as f:
-                f.writelines(line + "\n" for line in self._lines)
+                f.writelines(line + "\n" for line in (*self._starts.values(), *self._lines))
             os.replace(tmp, self.spool_path)
         except OSError as exc:
             log.error("cannot rewrite the spool %s: %s", self.spool_path, exc)
             self._close_spool()
 
-    async def flush(self) -> bool:
-        """Deliver everything pending; True when nothing is left. One delivery at a time: the loop, a
-        termination's acknowledgement and the goodbye may all flush, and each removes what it sent."""
+    async def flush(self, mark: int | None = None) -> bool:
+        """Deliver the reports queued before ``mark`` (default: now) and the starts not sent yet; True when
+        all of those are delivered. Reports queued meanwhile wait for the next flush. One delivery at a time:
+        the loop, a termination's acknowledgement and the goodbye may all flush, and each removes what it
+        sent."""
+        target = self._added if mark is None else mark
         async with self._flushing:
-            return await self._flush()
+            return await self._flush(target)
 
-    async def _flush(self) -> bool:
-        while self._lines:
-            batch = self._lines[:BATCH]
+    async def _flush(self, target: int) -> bool:
+        while True:
+            batch = self._lines[:max(0, min(BATCH, target - self._delivered))]
+            starts = list(self._unsent.items())
+            if not batch and not starts:
+                return True
             try:
-                await self.channel.reports(batch)
+                await self.channel.reports(batch, [line for _, line in starts])
             except ApiError as exc:
                 log.debug("report delivery failed: %s", exc)
                 return False
-            del self._lines[: len(batch)]
-            self._rewrite_spool()
-        return True
+            for call_id, _ in starts:
+                self._unsent.pop(call_id, None)
+            if batch:
+                del self._lines[: len(batch)]
+                self._delivered += len(batch)
+                self._rewrite_spool()
+            if self._delivered >= target:
+                return True
 
     async def run(self) -> None:
         attempt = 0
@@ -126,5 +256,5 @@ class Reporter:
             except TimeoutError:
                 pass
             self._wake.clear()
-            if self._lines:
+            if self._lines or self._unsent:
                 attempt = 0 if await self.flush() else attempt + 1

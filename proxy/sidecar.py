@@ -35,7 +35,7 @@ from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, 
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .pipeline import Pipeline
-from .reporting import Reporter
+from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 
 log = logging.getLogger("tether.sidecar")
@@ -96,6 +96,7 @@ class Sidecar:
         links = parse_chain_unverified(self.wire)
         self.agent = links[-1].sub
         config.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = lock_state_dir(config.state_dir)  # before the spool is read: it has one owner
         self.run_id, self.supersedes = new_run(config.state_dir, links[-1].hash)
         self.channel = ControlChannel(config.controlplane, self.agent, links[-1].hash, config.key, self.run_id)
         self.retired: str | None = None  # why this run may never serve (its chain is revoked or expired)
@@ -224,6 +225,7 @@ class Sidecar:
             await asyncio.wait_for(self.goodbye(), 3.0)
         await self.channel.close()
         self.capture.close()
+        self._lock.close()
         self.stopped.set()
 
     async def goodbye(self) -> None:
@@ -484,13 +486,18 @@ class Sidecar:
             await self.acknowledge({**command, "termination_id": tid})
 
     async def acknowledge(self, command: dict[str, Any]) -> None:
-        """Deliver every report, then tell the control plane this sidecar is quiescent (retrying)."""
+        """Deliver every report, then tell the control plane this sidecar is quiescent (retrying).
+
+        Every report: every one queued when the acknowledgement began. A call refused meanwhile (an agent
+        that keeps calling) is reported after it, or an agent calling fast enough on a slow link would keep
+        the acknowledgement from ever being sent."""
         tid = command.get("termination_id")
+        mark = self.reporter.mark()
         attempt = 0
         while True:
             try:
-                await self.reporter.flush()
-                await self.channel.quiesced({"termination_id": tid, "reports": list(self.reporter.pending),
+                await self.reporter.flush(mark)
+                await self.channel.quiesced({"termination_id": tid, "reports": self.reporter.pending_until(mark),
                                              "calls": dict(self.calls.counts), "state": TERMINATED})
                 self._acked.add(tid)
                 log.warning("quiesced and acknowledged termination %s; refusing everything from now on", tid)
