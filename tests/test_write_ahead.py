@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
+from controlplane.termination import terminated_agents
 from proxy.capture import read_flows
 from proxy.reporting import RESTARTED
 
@@ -98,7 +99,7 @@ def test_a_sigkilled_sidecar_restarted_on_its_state_dir_reports_its_calls_in_fli
     out = run_cli(world, "terminate", "wal-kill", "--mode", "drain", "--window", "1", "--wait")
     assert out.returncode == 0, out.stdout + out.stderr
     record = world.cp.client().request("GET", "/v1/records")[-1]
-    assert record["agents_terminated"] == ["wal-kill"] and record["agents_unaccounted"] == []
+    assert terminated_agents(record) == ["wal-kill"] and record["agents_unaccounted"] == []
     listed = {c["call_id"]: c for c in record["calls"] if c["call_id"] in lost}
     assert set(listed) == lost
     assert all((c["agent"], c["resolution"]) == ("wal-kill", "unknown") for c in listed.values())
@@ -183,7 +184,7 @@ def test_an_agent_calling_through_a_drain_cannot_starve_the_acknowledgement(slow
         for worker in workers:
             worker.join(20)
     record = record_of(world, doc["termination_id"])
-    assert record["agents_terminated"] == ["wal-busy"], record["agents_unaccounted"]
+    assert terminated_agents(record) == ["wal-busy"], record["agents_unaccounted"]
     assert record["agents_unaccounted"] == []
     assert final["record_id"] == record["record_id"]
     assert world.tools.hits_for("/admin") == 0  # ground truth: not one of them reached the tool
