@@ -533,7 +533,8 @@ def test_cli_terminate_wait_then_records_verify_until_tampered(world: World) -> 
     assert f"record {first['record_id']} for termination {first['termination_id']}" in text
     assert "drain of solo, requested by admin" in text
     assert any(line.split()[:3] == ["solo", "1", "completed"] for line in lines), text
-    assert any(line.strip().startswith("agents terminated") and line.rstrip().endswith("solo") for line in lines), text
+    assert any(line.strip().startswith("agents terminated") and line.rstrip().endswith(f"solo (run {run})")
+               for line in lines), text
     assert "UNACCOUNTED" not in text
     assert "leases: 1 revoked, 0 expired" in text
     assert f"hash {first['hash']}" in text
