@@ -529,6 +529,7 @@ def test_cli_terminate_wait_then_records_verify_until_tampered(world: World) -> 
     assert out.returncode == 0, out.stdout + out.stderr
     assert calls.join()["short"] == (200, None)
     first = world.cp.client().request("GET", "/v1/records")[-1]
+    run = first["agents_terminated"][0]["run_id"]  # the run that acknowledged, named in the summary
     text, lines = out.stdout, out.stdout.splitlines()
     assert f"record {first['record_id']} for termination {first['termination_id']}" in text
     assert "drain of solo, requested by admin" in text
