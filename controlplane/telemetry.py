@@ -31,8 +31,9 @@ def enabled() -> bool:
         != "true"
 
 
-def tracer(service: str) -> Any:
+def tracer(service: str, resource: dict[str, str] | None = None) -> Any:
     """The tracer for this process (``tether-controlplane`` or ``tether-sidecar``), or None when tracing is off.
+    ``resource``: attributes of the whole process (the sidecar's agent and run), sent once per batch.
 
     The exporter reads the standard variables itself (endpoint, headers, timeout, compression); the batch
     processor exports from its own thread, so a call never waits for the collector."""
@@ -44,7 +45,7 @@ def tracer(service: str) -> Any:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
+        attributes = {**(resource or {}), **({} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service})}
         provider = TracerProvider(resource=Resource.create(attributes))  # flushed at exit (shutdown_on_exit)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         _tracers[service] = provider.get_tracer("tether")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from controlplane.telemetry import tracer
+from controlplane.telemetry import enabled, tracer
 
 from .addons import MCP_PARSED, call_of
 
@@ -31,19 +31,20 @@ if TYPE_CHECKING:
 
 def call_tracing(sidecar: Sidecar) -> list[Any]:
     """The tracing stage for the sidecar's pipeline: none when tracing is off."""
-    t = tracer("tether-sidecar")
-    return [] if t is None else [CallTracing(sidecar, t)]
+    if not enabled():
+        return []
+    return [CallTracing(sidecar, tracer("tether-sidecar", {"tether.agent": sidecar.agent,
+                                                           "tether.run_id": sidecar.run_id}))]
 
 
 class CallTracing:
     def __init__(self, sidecar: Sidecar, tracer: Any) -> None:
         from opentelemetry import trace
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # reads tracestate too
         from opentelemetry.trace.status import Status, StatusCode
 
         self.sidecar = sidecar
         self.tracer = tracer
-        self._trace = trace
         self._kind = trace.SpanKind.CLIENT
         self._error = lambda text: Status(StatusCode.ERROR, text)
         self._w3c = TraceContextTextMapPropagator()
@@ -59,10 +60,9 @@ class CallTracing:
         span = self.tracer.start_span("execute_tool", context=parent, kind=self._kind,
                                       start_time=int(call.started_at * 1e9))
         self.open[call.call_id] = (span, flow)
-        carrier: dict[str, str] = {}
-        self._w3c.inject(carrier, context=self._trace.set_span_in_context(span))
-        for key, value in carrier.items():  # what leaves names tether's span as the tool server's parent
-            headers[key] = value
+        # What leaves names tether's span as the tool server's parent (the agent's tracestate passes as sent).
+        ctx = span.get_span_context()
+        headers["traceparent"] = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
     def ended(self, call: Call) -> None:
         try:
@@ -83,7 +83,7 @@ class CallTracing:
             "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
             "tether.agent": call.agent, "tether.capability": call.capability or "unknown",
             "tether.call_id": call.call_id, "tether.resolution": call.resolution or "unknown",
-            "tether.run_id": self.sidecar.run_id, "http.request.method": call.method, "url.full": call.url,
+            "http.request.method": call.method, "url.full": call.url,
         }
         if call.tier:
             attributes["tether.tier"] = call.tier

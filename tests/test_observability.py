@@ -25,7 +25,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from controlplane.metrics import Histogram, Metrics
 
 from .conftest import World, build_world, teardown_world
-from .harness import TestCA, close_loop, free_port, wait_until
+from .harness import TestCA as CA
+from .harness import close_loop, free_port, wait_until
 
 
 class OtlpReceiver:
@@ -111,7 +112,7 @@ def metric(text: str, series: str) -> float:
 
 
 @pytest.fixture
-def traced(tmp_path: Path, test_ca: TestCA, monkeypatch: pytest.MonkeyPatch) -> Any:
+def traced(tmp_path: Path, test_ca: CA, monkeypatch: pytest.MonkeyPatch) -> Any:
     receiver = OtlpReceiver().start()
     # The control plane and sidecars are started with this process's environment (harness: cp.env()).
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
