@@ -225,6 +225,11 @@ def test_calls_are_execute_tool_spans_in_the_agents_trace_and_metrics_count_them
     assert root["start"] <= drains[0]["start"] <= drains[0]["end"] <= root["end"]
     assert [s["attributes"]["tether.jti"] for s in family if s["name"] == "revoke otel-a"] == [ident.jti]
     body = text()
+    # The Grafana dashboard is built on series /metrics really has.
+    dashboard = (Path(__file__).parents[1] / "deploy" / "grafana" / "tether.json").read_text()
+    for name in set(re.findall(r"\b((?:tether|process)_[a-z_]+)", dashboard)):
+        family = name.removesuffix("_bucket")
+        assert f"# TYPE {family} " in body, family
     assert metric(body, 'tether_terminations_total{mode="drain"}') == 1
     assert metric(body, 'tether_terminations_total{mode="abort"}') == 0
     assert metric(body, "tether_revocations_total") == 2
