@@ -7,7 +7,9 @@ Four setups, all measured in this run with the same client: *direct* (client -> 
 ``tether sidecar`` process with full enforcement: chain check, lease, capture to disk, call reports to a
 real ``tether controlplane serve`` process, with the capability granted) and *tether --no-capture* (a second
 sidecar, its own agent under the same control plane, started with ``--no-capture``: enforcement, call
-tracking and reports, no traffic capture). Each over plain HTTP and over
+tracking and reports, no traffic capture) and *tether + tracing* (a third sidecar with OpenTelemetry on:
+``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at a local OTLP/HTTP receiver in its own process, which decodes and
+counts the spans). Each over plain HTTP and over
 HTTPS (the tool server's certificate comes from a private CA; the proxies intercept TLS with their own
 CA, which the client trusts), with 1 and 8 concurrent clients.
 
@@ -20,6 +22,7 @@ other work on the machine hits the baseline and the measured path alike.
 Targets (each tether setup against bare mitmproxy, same scheme and concurrency; a verdict for each):
   - p50 latency at most 1.10x bare mitmproxy's;
   - p99 latency at most 1 ms above bare mitmproxy's.
+Tracing on against off (tether + tracing against tether, same scheme and concurrency): p50 at most 1.10x.
 Also printed: RSS of an idle sidecar against an idle bare mitmdump, after start and after the benchmark,
 and the call reports the control plane received from each sidecar (every call must arrive). The control
 plane's CPU per call is metered over all rounds and divided by the calls of both sidecars (their reports are
@@ -68,7 +71,8 @@ MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
 CORE = "mitmproxy, sidecar addon set"
 TETHER = "tether"
 NOCAP = "tether --no-capture"
-SIDECARS = (TETHER, NOCAP)
+TRACED = "tether + tracing"
+SIDECARS = (TETHER, NOCAP, TRACED)
 
 # The tool server in a process of its own. stdin takes commands ("active", "hits"); EOF stops it.
 TOOL_SERVER_CODE = """
@@ -88,6 +92,28 @@ for line in sys.stdin:
         print(sum(len(s.hits) for s in servers), flush=True)
 for s in servers:
     s.stop()
+"""
+
+# A local OTLP/HTTP trace receiver in a process of its own: decodes every export, counts the spans.
+# stdin: "spans" -> the count so far; EOF stops it.
+RECEIVER_CODE = """
+import asyncio, sys, threading
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest as Req
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse as Resp
+spans = [0]
+async def traces(request):
+    export = Req.FromString(await request.read())
+    spans[0] += sum(len(s.spans) for r in export.resource_spans for s in r.scope_spans)
+    return web.Response(body=Resp().SerializeToString(), content_type="application/x-protobuf")
+def serve():
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, handle_signals=False)
+threading.Thread(target=serve, daemon=True).start()
+print("ready", flush=True)
+for line in sys.stdin:
+    print(spans[0], flush=True)
 """
 
 
@@ -126,6 +152,25 @@ class ToolServerProcess:
     def stop(self) -> None:
         close_stdin_and_wait(self.proc)
         self.proc = None
+
+
+class ReceiverProcess(ToolServerProcess):
+    """The OTLP/HTTP receiver the traced sidecar exports to."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ReceiverProcess:
+        self.proc = subprocess.Popen([sys.executable, "-c", RECEIVER_CODE, str(self.port)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready", "receiver failed"
+        wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", self.port)) == 0, 10, what="OTLP receiver")
+        return self
 
 
 class MitmdumpProcess:
@@ -336,11 +381,20 @@ def main() -> int:
             cp = prepare_controlplane(work / "cp", tools.http_port, tools.https_port, free_port(), lease_ttl=15.0)
             stack.enter_context(stopping(cp.start()))
             caps = {"issues.read": "direct", "secure.issues": "direct"}
+            receiver = stack.enter_context(stopping(ReceiverProcess().start()))
             sidecars = {TETHER: SidecarProcess(cp, cp.issue("bench-agent", caps)),
-                        NOCAP: SidecarProcess(cp, cp.issue("bench-agent-nocap", caps), extra=["--no-capture"])}
-            for sc in sidecars.values():
+                        NOCAP: SidecarProcess(cp, cp.issue("bench-agent-nocap", caps), extra=["--no-capture"]),
+                        TRACED: SidecarProcess(cp, cp.issue("bench-agent-traced", caps))}
+            for n, sc in sidecars.items():
                 stack.enter_context(stopping(sc))
-                sc.start(upstream_ca=ca.ca_pem)
+                # Only the traced sidecar inherits the exporter's variables (the control plane runs already).
+                otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint} if n == TRACED else {}
+                os.environ.update(otel)
+                try:
+                    sc.start(upstream_ca=ca.ca_pem)
+                finally:
+                    for key in otel:
+                        os.environ.pop(key, None)
             mitm = stack.enter_context(stopping(MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()))
             core = stack.enter_context(stopping(MinimalMitmproxyProcess(work / "mitm-core", ca.ca_pem).start()))
             print(f"  pids: {', '.join(f'{n} {sc.proc.pid}' for n, sc in sidecars.items())}, mitmdump {mitm.pid}, "
@@ -397,8 +451,11 @@ def main() -> int:
                 delivery[n] = (sent_through[n], len(delivered), len({r["call_id"] for r in delivered}), by_resolution)
             time.sleep(1.0)
             rss_end = rss_all()
-
+            spans = receiver.ask("spans")
+            exported = (sent_through[TRACED], wait_until(lambda: receiver.ask("spans") >= sent_through[TRACED], 20,
+                                                         interval=0.5, what="spans") and receiver.ask("spans"))
         print_results(rows, rss_start, rss_end, delivery, time.monotonic() - started)
+        print_tracing(rows, exported, spans)
     except BaseException:
         args.keep = True  # the logs of what failed stay for a look
         raise
@@ -408,6 +465,27 @@ def main() -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def print_tracing(rows: list, exported: tuple[int, int], spans_at_end: int) -> None:
+    print()
+    print(f"tracing on against off ({TRACED} against {TETHER}; target p50 <= {P50_RATIO_TARGET:.2f}x):")
+    print()
+    print("| scheme | clients | p50 off ms | p50 on ms | p50 ratio | p50 target | p99 delta ms | CPU/call ratio |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
+    met = True
+    for scheme, conc, figures, _ in rows:
+        on, off = figures[TRACED], figures[TETHER]
+        ratio = on.pct(0.5) / off.pct(0.5)
+        met &= ratio <= P50_RATIO_TARGET
+        print(f"| {scheme} | {conc} | {off.pct(0.5):.2f} | {on.pct(0.5):.2f} | {ratio:.2f}x | "
+              f"{'met' if ratio <= P50_RATIO_TARGET else 'MISSED'} | {on.pct(0.99) - off.pct(0.99):+.2f} | "
+              f"{on.cpu_ms_per_call / off.cpu_ms_per_call:.2f}x |")
+    calls, spans = exported
+    print()
+    print(f"spans: {calls} calls through the traced sidecar, {spans} execute_tool spans received by the OTLP receiver "
+          f"({spans_at_end} when the measuring ended)")
+    print(f"verdict, tracing: p50 target {'met' if met else 'MISSED'}")
 
 
 def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, elapsed: float) -> None:

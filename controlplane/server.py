@@ -13,13 +13,13 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from . import runs
+from . import runs, telemetry
 from .auth import Authenticator, Caller
 from .capability import keys
 from .capability.catalog import TIERS, Catalog
@@ -41,6 +41,7 @@ from .capability.errors import (
     TetherError,
 )
 from .graph import Graph, surface
+from .metrics import Metrics, gauge, revocations_acknowledged
 from .store import Doc, Event, Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane")
@@ -59,14 +60,6 @@ class Route:
     summary: str
     auth: str  # "none" | "admin" | "sidecar" | "admin-or-ancestor"
     tag: str = "control"
-
-
-@dataclass
-class Metrics:
-    counters: dict[str, float] = field(default_factory=dict)
-
-    def inc(self, name: str, by: float = 1.0) -> None:
-        self.counters[name] = self.counters.get(name, 0.0) + by
 
 
 def json_error(status: int, code: str, message: str, **details: Any) -> web.Response:
@@ -142,7 +135,7 @@ class ControlPlane:
         self.replica = replica or f"cp-{os.getpid()}-{os.urandom(3).hex()}"
         self.verifier = Verifier(signing_key.public_key(), catalog_hash=catalog.hash)
         self.auth = Authenticator(store, admin_token, clock)
-        self.metrics = Metrics()
+        self.metrics = Metrics(catalog.names())
         self._event_signal = asyncio.Event()
         self._event_reads: dict[int, asyncio.Future[list[Event]]] = {}
         self.routes: list[Route] = []
@@ -266,6 +259,7 @@ class ControlPlane:
         }
         if await self.store.revoke(link["jti"], doc):
             self.metrics.inc("tether_revocations_total")
+            telemetry.revoked(doc, link)
             await self.publish("revoke", None, {"jti": link["jti"], "agent": link["sub"], "at": now})
             return doc
         return (await self.store.revocations()).get(link["jti"], doc)
@@ -386,19 +380,14 @@ class ControlPlane:
         return web.json_response(body, status=200 if ok else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
-        lines = [
-            "# HELP tether_up 1 while the control plane serves.",
-            "# TYPE tether_up gauge",
-            "tether_up 1",
-        ]
+        lines = gauge("tether_up", "1 while the control plane serves.", [("", 1)])
         now = self.clock()
         try:
             sidecars = await self.store.all_sidecars()
             live = sum(1 for s in sidecars.values() if s.get("lease_expires", 0) > now and not s.get("final"))
-            lines += ["# TYPE tether_sidecars_leased gauge", f"tether_sidecars_leased {live}"]
+            lines += gauge("tether_sidecars_leased", "Sidecar runs holding a live lease.", [("", live)])
             _low, high = await self.store.event_bounds()
-            lines += ["# TYPE tether_event_seq gauge", f"tether_event_seq {high}"]
-            lines.append("# TYPE tether_subscriber_lag_events gauge")
+            lines += gauge("tether_event_seq", "Highest event sequence number.", [("", high)])
             lags: dict[str, int] = {}
             for doc in sidecars.values():
                 seen = doc.get("seq")
@@ -407,16 +396,14 @@ class ControlPlane:
                 lag = max(0, high - int(seen)) if isinstance(seen, int) and seen >= 0 else 0
                 agent = str(doc.get("agent"))
                 lags[agent] = max(lag, lags.get(agent, 0))
-            for agent, lag in sorted(lags.items()):
-                lines.append(f'tether_subscriber_lag_events{{agent="{_label(agent)}"}} {lag}')
+            lines += gauge("tether_subscriber_lag_events", "Events a live sidecar has not read yet, per agent.",
+                           [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
             active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
-            lines += ["# TYPE tether_terminations_in_flight gauge", f"tether_terminations_in_flight {active}"]
-            lines += ["# TYPE tether_store_up gauge", "tether_store_up 1"]
+            lines += gauge("tether_terminations_in_flight", "Terminations not yet terminated.", [("", active)])
+            lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
         except (StoreUnavailable, ConnectionError, OSError):
-            lines += ["# TYPE tether_store_up gauge", "tether_store_up 0"]
-        names = sorted(self.metrics.counters)
-        for name in names:
-            lines.append(f"{name} {self.metrics.counters[name]:g}")
+            lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])
+        lines += self.metrics.render()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def h_openapi(self, request: web.Request) -> web.Response:
@@ -670,6 +657,7 @@ class ControlPlane:
             "spooled": body.get("spooled") if isinstance(body.get("spooled"), int) else 0,
             "replica": self.replica,
         }
+        doc["revocations_acknowledged"] = await revocations_acknowledged(self.store, self.metrics, doc, body, now)
         if doc["state"] == runs.STOPPED and not previous.get("final"):
             doc.update(final=runs.STOPPED, final_at=now)  # the goodbye: its reports are in, nothing passes
         await self.store.put_sidecar(run, doc)
@@ -727,7 +715,10 @@ class ControlPlane:
         clean, early = stamped(reports), stamped(starts)
         if early:
             await self.store.put_starts(early)
-        new, dup = await self.store.put_reports(clean)
+        new, dup = stored = await self.store.put_reports(clean)
+        for report in clean:
+            if report["call_id"] in stored.new_ids:
+                self.metrics.call_reported(report)
         self.metrics.inc("tether_reports_total", new)
         self.metrics.inc("tether_reports_duplicate_total", dup)
         return new, dup

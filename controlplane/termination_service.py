@@ -14,7 +14,7 @@ import os
 
 from aiohttp import web
 
-from . import runs
+from . import runs, telemetry
 from . import termination as proto
 from .capability import keys
 from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
@@ -70,6 +70,7 @@ class TerminationService:
         if not await self.cp.store.cas_doc("termination", tid, 0, doc):
             raise ApiError(409, CONFLICT, "termination id collision; retry")
         self.cp.metrics.inc("tether_terminations_requested_total")
+        self.cp.metrics.termination_requested(mode)
         log.info(
             "termination %s of %s (%s, window %ss) requested by %s: %s",
             tid,
@@ -254,7 +255,8 @@ class TerminationService:
                     doc = new
                 record_id, unaccounted = await self.write_record(doc)
                 final = proto.finish(doc, record_id, self.cp.clock(), unaccounted)
-                await self._save(doc, final)
+                if await self._save(doc, final):
+                    await telemetry.termination_finished(self, final)
                 self.cp.metrics.inc("tether_terminations_completed_total")
                 log.info("termination %s: terminated, record %s", doc["id"], record_id)
                 return

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from .channel import ControlChannel, sleep_backoff
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
+from .telemetry import call_tracing
 
 log = logging.getLogger("tether.sidecar")
 
@@ -106,6 +108,7 @@ class Sidecar:
         self.allow_uncaptured = config.allow_uncaptured
         self.calls = CallTable()
         self.flows: dict[str, http.HTTPFlow] = {}
+        self.resolved: list[Callable[[Call], None]] = []  # told of every call's end (proxy/telemetry.py)
         self.catalog: Catalog = config.catalog  # type: ignore[assignment]
         self.state: SidecarState = None  # type: ignore[assignment]
         self.seq = -1
@@ -171,7 +174,7 @@ class Sidecar:
                                confdir=str(self.config.state_dir / "ca"))
         master = Master(opts)
         master.addons.add(*mitmproxy_addons())
-        ours: list[Any] = [Tracker(self), Enforcer(self), ToolsFilter(self), Streamer()]
+        ours: list[Any] = [Tracker(self), *call_tracing(self), Enforcer(self), ToolsFilter(self), Streamer()]
         if self.config.capture:
             ours.append(Capture(self))
         master.addons.add(Pipeline([*ours, Resolver(self)]))
@@ -276,6 +279,8 @@ class Sidecar:
         self.flows.pop(call.call_id, None)
         if done is not None:
             self.reporter.add(done.report())
+            for listener in self.resolved:
+                listener(done)
 
     # -- control plane loops -------------------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
@@ -285,10 +290,12 @@ class Sidecar:
                "started_at": self.started_at, "spooled": self.reporter.count}
         if self.supersedes:
             doc["supersedes"] = self.supersedes
+        if self.state.learned:
+            doc["revocations_held"] = self.state.revocations_held(time.monotonic())
         answer = await self.channel.heartbeat(doc)
         self.supersedes = None
         self.state.renewed(sent, float(answer.get("lease_ttl_s", self.state.lease_ttl_s)))
-        if answer.get("revoked") and self.state.revoke(answer["revoked"]):
+        if answer.get("revoked") and self.state.revoke(answer["revoked"], time.monotonic()):
             log.warning("revoked (learned from the heartbeat): %s", ", ".join(answer["revoked"]))
         if answer.get("command"):
             self.on_command(answer["command"])
@@ -311,7 +318,7 @@ class Sidecar:
     async def sync_events(self, wait: float) -> None:
         answer = await self.channel.events(self.seq, wait)
         if answer.get("resync"):
-            self.state.revoked = set(answer.get("revoked", []))
+            self.state.revoke(answer.get("revoked", []), time.monotonic())  # revocations are never undone
             if answer.get("command"):
                 self.on_command(answer["command"])
             for approval in answer.get("approvals", []):
@@ -335,7 +342,7 @@ class Sidecar:
     def on_event(self, event: dict[str, Any]) -> None:
         kind, payload = event.get("kind"), event.get("payload", {})
         if kind == "revoke":
-            if self.state.revoke([payload["jti"]]):
+            if self.state.revoke([payload["jti"]], time.monotonic()):
                 log.warning("revoked: %s (%s); refusing every call from now on", payload["jti"], payload.get("agent"))
         elif kind == "command":
             self.on_command(payload)

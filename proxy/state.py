@@ -48,6 +48,7 @@ class SidecarState:
         self.verifier = verifier
         self.lease_ttl_s = lease_ttl_s
         self.revoked: set[str] = set()
+        self.learned: dict[str, float] = {}  # our chain's revoked jtis -> when (monotonic) we learned each
         self.mode = SERVING
         self.command: dict[str, Any] | None = None
         self.lease_until = float("-inf")  # monotonic; no call leaves before the first heartbeat
@@ -60,11 +61,18 @@ class SidecarState:
             self.lease_ttl_s = ttl_s
         self.lease_until = max(self.lease_until, sent_at_mono + self.lease_ttl_s)
 
-    def revoke(self, jtis: set[str] | list[str]) -> bool:
-        """Add revoked jtis; True when one of them is in our chain."""
+    def revoke(self, jtis: set[str] | list[str], now_mono: float) -> bool:
+        """Add revoked jtis (learned at ``now_mono``); True when one of them is in our chain."""
         mine = set(jtis) & set(self.chain.jtis)
+        for jti in mine - self.revoked:
+            self.learned[jti] = now_mono
         self.revoked |= set(jtis)
         return bool(mine)
+
+    def revocations_held(self, now_mono: float) -> dict[str, float]:
+        """Our chain's revocations and how long ago we learned each: the heartbeat's acknowledgement of them,
+        from which the control plane measures propagation on its own clock (controlplane/metrics.py)."""
+        return {jti: round(now_mono - at, 4) for jti, at in self.learned.items()}
 
     def commanded(self, command: dict[str, Any]) -> str:
         """Apply a drain/abort command from the control plane; returns the new mode."""

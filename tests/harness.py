@@ -142,6 +142,7 @@ class ToolServer:
         self.port = port or free_port()
         self.tls = tls
         self.hits: list[tuple[str, str]] = []
+        self.traceparents: list[tuple[str, str | None]] = []  # (path, the W3C traceparent it arrived with)
         self.snis: list[str | None] = []  # the TLS server name each handshake asked for (HTTPS only)
         self.active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,6 +161,7 @@ class ToolServer:
         @web.middleware
         async def record(request: web.Request, handler: Any) -> web.StreamResponse:
             self.hits.append((request.method, request.path))
+            self.traceparents.append((request.path, request.headers.get("traceparent")))
             self.active += 1
             try:
                 return await handler(request)

@@ -27,6 +27,17 @@ class Event:
         return {"seq": self.seq, "kind": self.kind, "target": self.target, "payload": self.payload, "at": self.at}
 
 
+class Stored(tuple[int, int]):
+    """What ``put_reports`` did: ``(new, duplicates)``, and which call ids were new (counted once each)."""
+
+    new_ids: frozenset[str]
+
+    def __new__(cls, new_ids: frozenset[str] | set[str], total: int) -> Stored:
+        stored = super().__new__(cls, (len(new_ids), total - len(new_ids)))
+        stored.new_ids = frozenset(new_ids)
+        return stored
+
+
 class StoreUnavailable(Exception):
     """The store cannot be reached; the API answers 503 tether.store_unavailable and accepts nothing."""
 
@@ -107,8 +118,8 @@ class Store(abc.ABC):
 
     # -- call reports ----------------------------------------------------------------------------------
     @abc.abstractmethod
-    async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
-        """Store final call reports, idempotent on call_id: returns (new, duplicates)."""
+    async def put_reports(self, reports: list[Doc]) -> Stored:
+        """Store final call reports, idempotent on call_id: returns (new, duplicates) and the new ids."""
 
     @abc.abstractmethod
     async def reports(self, agents: list[str] | None = None) -> list[Doc]: ...

@@ -41,7 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from ..capability.errors import BAD_REQUEST, TetherError
-from .base import Doc, Event, Store, StoreUnavailable
+from .base import Doc, Event, Store, Stored, StoreUnavailable
 
 log = logging.getLogger("tether.store.redis")
 
@@ -98,13 +98,13 @@ return seq
 
 # KEYS: reports, order, counter, then one per-agent index per report. ARGV: (call_id, doc) per report.
 _PUT_REPORTS = """
-local new = 0
+local new = {}
 for i = 1, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     local n = redis.call('INCR', KEYS[3])
     redis.call('ZADD', KEYS[2], n, ARGV[i])
     redis.call('ZADD', KEYS[3 + (i + 1) / 2], n, ARGV[i])
-    new = new + 1
+    new[#new + 1] = ARGV[i]
   end
 end
 return new
@@ -360,21 +360,21 @@ class RedisStore(Store):
 
     # -- reports ---------------------------------------------------------------------------------------
     @_guarded
-    async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
+    async def put_reports(self, reports: list[Doc]) -> Stored:
         if not reports:
-            return 0, 0
+            return Stored(set(), 0)
         keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n")]
         args: list[str] = []
         for report in reports:
             keys.append(self._key("reports", "agent", report["agent"]))
             args += [report["call_id"], _dump(report)]
-        new = await self._run("put_reports", keys, args)
+        new = {str(i) for i in await self._scripts["put_reports"](keys=keys, args=args)}  # decoded: str
         async with self.r.pipeline(transaction=False) as pipe:  # the calls' starts are moot now
             pipe.hdel(self._key("starts"), *[r["call_id"] for r in reports])
             for report in reports:
                 pipe.srem(self._key("starts", "agent", report["agent"]), report["call_id"])
             await pipe.execute()
-        return new, len(reports) - new
+        return Stored(new, len(reports))
 
     @_guarded
     async def put_starts(self, starts: list[Doc]) -> None:

@@ -11,7 +11,7 @@ import os
 import sqlite3
 from typing import Any
 
-from .base import Doc, Event, Store, StoreUnavailable
+from .base import Doc, Event, Store, Stored, StoreUnavailable
 
 EVENT_RETENTION = 10_000
 
@@ -172,19 +172,20 @@ class SqliteStore(Store):
         return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT run_id, doc FROM runs")}
 
     # -- reports ---------------------------------------------------------------------------------------
-    async def put_reports(self, reports: list[Doc]) -> tuple[int, int]:
+    async def put_reports(self, reports: list[Doc]) -> Stored:
         db = self._tx()
         try:
-            new = 0
+            new: set[str] = set()
             for report in reports:
                 cur = db.execute(
                     "INSERT OR IGNORE INTO reports (call_id, agent, doc) VALUES (?, ?, ?)",
                     (report["call_id"], report["agent"], _dump(report)),
                 )
-                new += cur.rowcount
+                if cur.rowcount:
+                    new.add(report["call_id"])
             db.executemany("DELETE FROM starts WHERE call_id = ?", [(r["call_id"],) for r in reports])
             db.execute("COMMIT")
-            return new, len(reports) - new
+            return Stored(new, len(reports))
         except BaseException:
             db.execute("ROLLBACK")
             raise
