@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,12 @@ MCP_SSE = "tether.mcp_sse"
 MCP_METHODS = "tether.mcp_methods"
 NO_STREAM = "tether.no_stream"
 STREAM_THRESHOLD = 1024 * 1024
+_METHOD = re.compile(r"[A-Z]{1,16}")
+# Headers that frameworks (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override, Rails ...) honour
+# to serve another path, method or host than the request line names. Refused rather than stripped: stripping
+# would silently change what the agent asked for, and a request that needs one is not the one tether matched.
+REWRITE_HEADERS = ("x-original-url", "x-rewrite-url", "x-http-method-override", "x-http-method",
+                   "x-method-override", "x-forwarded-host", "forwarded")
 
 
 def call_of(flow: http.HTTPFlow) -> Call | None:
@@ -187,6 +194,7 @@ class Enforcer:
     def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> bool:
         req = flow.request
         sc = self.sidecar
+        self._check_request_line(req)
         server = sc.catalog.mcp_server(call.url)
         if server is not None:
             flow.metadata[MCP_SERVER] = server
@@ -234,6 +242,26 @@ class Enforcer:
         # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
         self.sidecar.state.admit(time.time(), time.monotonic())
         call.phase = "forwarding"
+
+    @staticmethod
+    def _check_request_line(req: http.Request) -> None:
+        """The server must read the method and path tether matched, and nothing that rewrites them."""
+        if not req.path.startswith("/"):
+            raise Refusal(codes.CAPABILITY_ABSENT, f"the request target {req.path[:64]!r} is not a path (asterisk "
+                          "or authority form); only requests for a path are forwarded", reason="request_target")
+        if "#" in req.path:
+            raise Refusal(codes.CAPABILITY_ABSENT, "a request target never carries a fragment ('#'); servers "
+                          "disagree on what follows it, so it is not forwarded", reason="request_target")
+        sent = req.data.method.decode("utf-8", "replace")  # as sent: ``req.method`` is upper-cased by mitmproxy
+        if not _METHOD.fullmatch(sent):
+            # Methods are case-sensitive (RFC 9110): "get" is not GET, though some servers treat it as GET, and
+            # the catalog matched the upper-cased name.
+            raise Refusal(codes.CAPABILITY_ABSENT, f"the method {sent[:32]!r} is not an upper-case HTTP "
+                          "method; send it as the catalog names it", reason="method")
+        for name in REWRITE_HEADERS:
+            if name in req.headers:
+                raise Refusal(codes.CAPABILITY_ABSENT, f"the header {name} asks the server to use another path, "
+                              "method or host than the one tether matched; remove it", reason="rewrite_header")
 
     def _check_state_and_headers(self, flow: http.HTTPFlow) -> None:
         """May anything leave now, and do the headers say what the connection does?"""
