@@ -476,12 +476,13 @@ class ToolsFilter:
             if sse is not None and (sse.broken or sse.dropped) and call is not None:
                 call.detail = f"tools/list filter: {sse.broken or f'{sse.dropped} unreadable events dropped'}"
             return
-        # A successful answer to a request that lists tools (or a listen GET) must be read; an error status
-        # with a body that is not JSON carries no tools list for any JSON-RPC client.
-        lists = (self._lists_tools(flow) or is_listen(flow)) and 200 <= resp.status_code < 300
+        # An answer to a request that lists tools (or to a listen GET) must be read when it is JSON or succeeded;
+        # an error status with a body that is not JSON carries no tools list for any JSON-RPC client.
+        asks = self._lists_tools(flow) or is_listen(flow)
         media = mcp.media_type(resp.headers.get("content-type", ""))
-        if not lists and not mcp.is_json(media):
+        if not asks and not mcp.is_json(media):
             return
+        lists = asks and (mcp.is_json(media) or 200 <= resp.status_code < 300)
         try:
             codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
             body = mcp.decode_body(resp.raw_content or b"", codings)
@@ -523,6 +524,7 @@ class ToolsFilter:
         resp.reason = "Bad Gateway"
         resp.headers.clear()
         resp.headers.update(headers)
+        resp.raw_content = body  # sent as is if the server's answer turns out to have no body at all
         sent = False
 
         def only_the_refusal(_chunk: bytes) -> list[bytes]:

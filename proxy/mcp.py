@@ -307,6 +307,7 @@ class SseToolsFilter:
         self.decoder = decoder
         self.buffer = b""
         self.scanned = 0  # where the line scan of the event in ``buffer`` stopped
+        self.after_cr = False  # the last byte scanned was a CR: an LF right after it belongs to it
         self.event_start = True
         self.started = False
         self.broken: str | None = None
@@ -324,6 +325,11 @@ class SseToolsFilter:
         except Unreadable as exc:
             self.broken = str(exc)
             return []
+        if self.after_cr and chunk.startswith(b"\n"):
+            # The CR ended its line when it arrived (as a client does, so an idle stream is not held back);
+            # this LF completes that CRLF. Dropping it keeps the client reading exactly the lines read here.
+            chunk = chunk[1:]
+        self.after_cr = False
         self.buffer += chunk
         if not self.started:
             if len(self.buffer) < len(_BOM) and not final:
@@ -340,13 +346,14 @@ class SseToolsFilter:
         begin = 0
         while True:
             m = _EOL.search(buf, line_start)
-            if m is None or (m.group() == b"\r" and m.end() == len(buf) and not final):
-                break  # no line end yet, or a CR that may be half of a CRLF
+            if m is None:
+                break
             blank = m.start() == line_start
             line_start = m.end()
             if blank:
                 events.append(buf[begin:line_start])
                 begin = line_start
+        self.after_cr = line_start == len(buf) and buf.endswith(b"\r")
         self.buffer = buf[begin:]
         self.scanned = line_start - begin
         if final and self.buffer:

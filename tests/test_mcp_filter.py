@@ -152,11 +152,20 @@ def test_sse_details_the_spec_allows() -> None:
         "a comment and a retry first": b": hi\nretry: 10\n\ndata: " + granted + b"\n\n",
         "a CR at a chunk edge then LF": b"data: " + granted + b"\r\n\r\n",
         "mixed line endings": b"id: 1\rdata: " + granted + b"\r\n\n",
+        "CRLF data lines split at every edge": b"data: " + granted[:10] + b"\r\ndata: " + granted[10:] + b"\r\n\r\n",
     }
     for what, body in cases.items():
         for chunk in (1, 2, 3, len(body)):
             out = run_filter(mcp.SseToolsFilter(allowed), body, chunk)
             assert seen_tools(out) == ["add"], (what, chunk, out)
+
+
+def test_a_cr_only_event_is_delivered_without_waiting_for_the_next_byte() -> None:
+    """A listen stream may go quiet right after an event; the event must not wait behind a possible LF."""
+    f = mcp.SseToolsFilter(allowed)
+    out = b"".join(f(b"data: " + json.dumps(tools_result(1)).encode() + b"\r\r"))
+    assert seen_tools(out) == ["add"]
+    assert b"".join(f(b"\ndata: {\r\r")) == mcp.DROPPED  # the LF of a late CRLF is not a blank line
 
 
 def test_sse_events_that_cannot_be_read_are_dropped_and_a_broken_coding_cuts_the_stream() -> None:
