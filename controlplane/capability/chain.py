@@ -326,8 +326,10 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
         key_raw = keys.b64url_decode(jwk["x"]) if jwk["kty"] == "OKP" and jwk["crv"] == "Ed25519" else b""
         well_formed = (
             type(iss) is str and type(sub) is str and type(cat) is str and cat
-            and _AGENT_ID_MATCH(sub) is not None and _AGENT_ID_MATCH(iss) is not None
-            and type(jti) is str and _JTI_MATCH(jti) is not None
+            and _AGENT_ID_MATCH(sub) is not None
+            and (iss == CONTROLPLANE_PRINCIPAL or _AGENT_ID_MATCH(iss) is not None)
+            and type(jti) is str and 16 <= len(jti) <= 128
+            and ((jti.isascii() and jti.isalnum()) or _JTI_MATCH(jti) is not None)  # minted: hex, no regex
             and _is_time(iat) and _is_time(nbf) and _is_time(exp) and nbf <= exp
             and type(dpth) is int and dpth >= 0
             and ((prf is None and "prf" not in claims) or type(prf) is str)
