@@ -44,7 +44,7 @@ _METHOD = re.compile(r"[A-Z]{1,16}")
 # to serve another path, method or host than the request line names. Refused rather than stripped: stripping
 # would silently change what the agent asked for, and a request that needs one is not the one tether matched.
 REWRITE_HEADERS = ("x-original-url", "x-rewrite-url", "x-http-method-override", "x-http-method",
-                   "x-method-override", "x-forwarded-host", "forwarded")
+                   "x-method-override", "x-forwarded-host", "x-forwarded-prefix", "forwarded")
 
 
 def call_of(flow: http.HTTPFlow) -> Call | None:
@@ -462,7 +462,7 @@ class ToolsFilter:
         # What reaches the agent is identity-coded and of a length no header can know in advance.
         resp.headers.pop("content-encoding", None)
         resp.headers.pop("content-length", None)
-        if flow.request.http_version.startswith("HTTP/1") and "transfer-encoding" not in resp.headers:
+        if flow.request.http_version == "HTTP/1.1" and "transfer-encoding" not in resp.headers:
             resp.headers["transfer-encoding"] = "chunked"
 
     def response(self, flow: http.HTTPFlow) -> None:

@@ -161,10 +161,12 @@ class _Zlib:
 
     def __init__(self, coding: str) -> None:
         self.coding = coding
+        self.fed = False
         self.head = b""  # deflate: the first two bytes say whether a zlib header is there
         self.d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if coding != "deflate" else None
 
     def feed(self, data: bytes) -> bytes:
+        self.fed = self.fed or bool(data)
         if self.d is None:
             self.head += data
             if len(self.head) < 2:
@@ -189,7 +191,7 @@ class _Zlib:
                 raise zlib.error("a deflate stream of one byte")
             return b""
         out = self.d.flush()
-        if not self.d.eof:
+        if self.fed and not self.d.eof:
             raise zlib.error(f"the {self.coding} stream is truncated")
         return out
 
@@ -256,7 +258,7 @@ class Decoder:
 
 
 def decode_body(raw: bytes, codings: tuple[str, ...]) -> bytes:
-    if not codings:
+    if not codings or not raw:  # an empty body is empty in every coding (a 202 that names one, say)
         return raw
     decoder = Decoder(codings)
     return decoder.feed(raw) + decoder.finish()

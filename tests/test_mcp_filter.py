@@ -218,6 +218,13 @@ def test_json_answers_lose_ungranted_tools_in_every_coding(coding: str, shape: s
     assert removed == 3
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+def test_an_empty_body_in_any_coding_is_empty(coding: str) -> None:
+    assert mcp.decode_body(b"", (coding,)) == b""
+    f = mcp.SseToolsFilter(allowed, mcp.Decoder((coding,)))
+    assert list(f(b"")) == [] and not f.broken
+
+
 @pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe", gzip.compress(b"{}")])
 def test_a_json_answer_that_is_not_json_is_unreadable(body: bytes) -> None:
     with pytest.raises(mcp.Unreadable):

@@ -152,7 +152,7 @@ def test_traversing_spellings_never_reach_the_server(tapped: Any, target: str) -
 
 REWRITE_HEADERS = ["X-Original-URL: /api/private/x", "X-Rewrite-URL: /api/private/x",
                    "X-HTTP-Method-Override: DELETE", "X-HTTP-Method: DELETE", "X-Method-Override: DELETE",
-                   "X-Forwarded-Host: evil.example", "Forwarded: host=evil.example",
+                   "X-Forwarded-Host: evil.example", "Forwarded: host=evil.example", "X-Forwarded-Prefix: /api/private",
                    "x-original-url: /api/private/x"]
 
 
