@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from .capability import keys
 from .capability.catalog import TIERS
@@ -63,6 +64,13 @@ def parse_caps(values: Sequence[str] | None) -> dict[str, str]:
             )
         caps[name] = tier
     return caps
+
+
+def path_segment(value: str) -> str:
+    """An id as one URL path segment: ``/``, ``?``, ``#``, spaces and the rest percent-encoded, so an odd id
+    names that id (and gets a clean "not found") instead of another route."""
+    segment = quote(value, safe=":")
+    return segment.replace(".", "%2E") if segment in (".", "..") else segment  # never a dot segment
 
 
 def client(args: argparse.Namespace) -> Client:
@@ -202,6 +210,11 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
         f"valid: {verified.agent} holds {_caps_text(verified.caps)}; expires in {verified.exp - time.time():.0f}s "
         f"(leeway {LEEWAY_S}s)"
     )
+    if args.revoked is None:
+        # Offline, the signatures and dates are all that can be checked: say so, or "valid" reads as "usable".
+        print("note: offline check: no revocation list was consulted (give --revoked JTI... or --controlplane URL)")
+    else:
+        print(f"revocation: checked against the {len(set(args.revoked))} jti(s) given with --revoked only")
     return 0
 
 
@@ -233,7 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_revoke(args: argparse.Namespace) -> int:
     c = client(args)
     if args.agent:
-        result = c.request("POST", f"/v1/agents/{args.agent}/revoke", {"reason": args.reason})
+        result = c.request("POST", f"/v1/agents/{path_segment(args.agent)}/revoke", {"reason": args.reason})
         for doc in result["revoked"]:
             print(f"revoked {doc['jti']} ({doc['agent']}) at {doc['at']:.0f} by {doc['by']}")
         return 0
@@ -242,7 +255,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     signer = signer_from(args.chain, args.key) if args.chain else None
     if args.chain and not args.key:
         raise TetherError("--chain needs --key (the principal's private key)", code=BAD_REQUEST)
-    doc = c.request("POST", f"/v1/grants/{args.jti}/revoke", {"reason": args.reason}, signer=signer)
+    doc = c.request("POST", f"/v1/grants/{path_segment(args.jti)}/revoke", {"reason": args.reason}, signer=signer)
     print(f"revoked {doc['jti']} ({doc['agent']}) by {doc['by']}; cut off: {', '.join(doc['agents_cut_off'])}")
     return 0
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .capability import keys
 from .capability.errors import BAD_REQUEST, TetherError
-from .cli import ago, client, read_file, signer_from
+from .cli import ago, client, path_segment, read_file, signer_from
 from .termination import verify_records
 
 
@@ -29,7 +29,7 @@ def cmd_terminate(args: argparse.Namespace) -> int:
             raise TetherError("--chain needs --key", code=BAD_REQUEST)
         signer = signer_from(args.chain, args.key)
     body = {"mode": args.mode, "window_s": args.window, "reason": args.reason}
-    doc = c.request("POST", f"/v1/agents/{args.agent}/terminate", body, signer=signer)
+    doc = c.request("POST", f"/v1/agents/{path_segment(args.agent)}/terminate", body, signer=signer)
     tid = doc["termination_id"]
     if not args.wait:
         if args.json:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,9 +36,16 @@ ABORTED = "tether.aborted"
 MCP_SERVER = "tether.mcp_server"
 MCP_PARSED = "tether.mcp_parsed"
 MCP_SSE = "tether.mcp_sse"
+MCP_METHODS = "tether.mcp_methods"
 NO_STREAM = "tether.no_stream"
 STREAM_THRESHOLD = 1024 * 1024
 HOLD_WITH_BODY = "tether.hold_with_body"
+_METHOD = re.compile(r"[A-Z]{1,16}")
+# Headers that frameworks (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override, Rails ...) honour
+# to serve another path, method or host than the request line names. Refused rather than stripped: stripping
+# would silently change what the agent asked for, and a request that needs one is not the one tether matched.
+REWRITE_HEADERS = ("x-original-url", "x-rewrite-url", "x-http-method-override", "x-http-method",
+                   "x-method-override", "x-forwarded-host", "x-forwarded-prefix", "forwarded")
 
 
 def call_of(flow: http.HTTPFlow) -> Call | None:
@@ -187,6 +195,7 @@ class Enforcer:
     def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> bool:
         req = flow.request
         sc = self.sidecar
+        self._check_request_line(req)
         server = sc.catalog.mcp_server(call.url)
         if server is not None:
             flow.metadata[MCP_SERVER] = server
@@ -244,6 +253,26 @@ class Enforcer:
         self.sidecar.state.admit(time.time(), time.monotonic())
         call.phase = "forwarding"
         self.sidecar.reporter.start(call)  # write-ahead: spooled before the first byte leaves
+
+    @staticmethod
+    def _check_request_line(req: http.Request) -> None:
+        """The server must read the method and path tether matched, and nothing that rewrites them."""
+        if not req.path.startswith("/"):
+            raise Refusal(codes.CAPABILITY_ABSENT, f"the request target {req.path[:64]!r} is not a path (asterisk "
+                          "or authority form); only requests for a path are forwarded", reason="request_target")
+        if "#" in req.path:
+            raise Refusal(codes.CAPABILITY_ABSENT, "a request target never carries a fragment ('#'); servers "
+                          "disagree on what follows it, so it is not forwarded", reason="request_target")
+        sent = req.data.method.decode("utf-8", "replace")  # as sent: ``req.method`` is upper-cased by mitmproxy
+        if not _METHOD.fullmatch(sent):
+            # Methods are case-sensitive (RFC 9110): "get" is not GET, though some servers treat it as GET, and
+            # the catalog matched the upper-cased name.
+            raise Refusal(codes.CAPABILITY_ABSENT, f"the method {sent[:32]!r} is not an upper-case HTTP "
+                          "method; send it as the catalog names it", reason="method")
+        for name in REWRITE_HEADERS:
+            if name in req.headers:
+                raise Refusal(codes.CAPABILITY_ABSENT, f"the header {name} asks the server to use another path, "
+                              "method or host than the one tether matched; remove it", reason="rewrite_header")
 
     def _check_state_and_headers(self, flow: http.HTTPFlow) -> None:
         """May anything leave now, and do the headers say what the connection does?"""
@@ -311,13 +340,15 @@ class Enforcer:
                 raise Refusal(codes.CAPABILITY_ABSENT, f"MCP method {message.method!r} is not in the catalog")
         self._check_mcp_headers(flow, parsed)
         self._check_state_and_headers(flow)
+        # Every message's method, a batch with tools/call in it included: ToolsFilter reads the answer of any
+        # request that lists tools, whatever else shares its batch.
+        flow.metadata[MCP_METHODS] = [m.method for m in parsed.messages]
         if tools:
             call.capability = tools[0][0] if len(tools) == 1 else ",".join(c for c, _ in tools)
             call.tier = "approval" if any(t == "approval" for _, t in tools) else "direct"
             call.detail = None
             return call.tier == "approval"
         call.detail = call.detail or "mcp"
-        flow.metadata["tether.mcp_methods"] = [m.method for m in parsed.messages]
         return False
 
     @staticmethod
@@ -392,7 +423,12 @@ class Resolver:
 
 
 class ToolsFilter:
-    """Ungranted MCP tools do not exist: remove them from every tools/list result, JSON or SSE."""
+    """Ungranted MCP tools do not exist: remove them from every tools/list result, JSON or SSE.
+
+    Every answer from an MCP server is read before it reaches the agent: SSE streams event by event (any line
+    ending, decoded when the server compressed them), JSON answers to a request that lists tools whole. An
+    answer to a tools/list that cannot be read (an unknown or broken Content-Encoding, a body that is neither
+    JSON nor SSE) is replaced by a JSON-RPC error; it never passes unfiltered."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
@@ -406,28 +442,115 @@ class ToolsFilter:
 
         return allowed
 
-    def _lists_tools(self, flow: http.HTTPFlow) -> bool:
-        return "tools/list" in (flow.metadata.get("tether.mcp_methods") or [])
+    @staticmethod
+    def _lists_tools(flow: http.HTTPFlow) -> bool:
+        return "tools/list" in (flow.metadata.get(MCP_METHODS) or [])
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        # Ask for answers tether reads without decompressing: servers that honour it answer in identity, and
+        # the filter stays cheap. A server that compresses anyway is decoded below (or refused).
+        if flow.metadata.get(MCP_SERVER) is not None and flow.response is None:
+            flow.request.headers["accept-encoding"] = "identity"
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         server = flow.metadata.get(MCP_SERVER)
-        if server is None or flow.response is None or REFUSED in flow.metadata:
+        resp = flow.response
+        if server is None or resp is None or REFUSED in flow.metadata:
             return
-        ctype = flow.response.headers.get("content-type", "")
-        if ctype.startswith("text/event-stream"):
-            # Server-to-client streams (and GET listen streams) may carry tools/list answers too.
-            flow.response.stream = flow.metadata[MCP_SSE] = mcp.SseToolsFilter(self._allowed(server))
-        elif self._lists_tools(flow):
-            flow.metadata[NO_STREAM] = True
+        media = mcp.media_type(resp.headers.get("content-type", ""))
+        if media != mcp.SSE:
+            if self._lists_tools(flow) or is_listen(flow):
+                flow.metadata[NO_STREAM] = True  # read whole and filtered in response()
+            return
+        # Server-to-client streams (and GET listen streams) may carry tools/list answers too.
+        try:
+            codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
+        except mcp.Unreadable as exc:
+            self._refuse_streamed(flow, str(exc))
+            return
+        resp.stream = flow.metadata[MCP_SSE] = mcp.SseToolsFilter(
+            self._allowed(server), mcp.Decoder(codings) if codings else None)
+        # What reaches the agent is identity-coded and of a length no header can know in advance.
+        resp.headers.pop("content-encoding", None)
+        resp.headers.pop("content-length", None)
+        if flow.request.http_version == "HTTP/1.1" and "transfer-encoding" not in resp.headers:
+            resp.headers["transfer-encoding"] = "chunked"
 
     def response(self, flow: http.HTTPFlow) -> None:
         server = flow.metadata.get(MCP_SERVER)
-        if server is None or flow.response is None or REFUSED in flow.metadata or flow.response.stream:
+        resp = flow.response
+        if server is None or resp is None or REFUSED in flow.metadata:
             return
-        if flow.response.headers.get("content-type", "").startswith("application/json") and flow.response.content:
-            body, removed = mcp.filter_json_body(flow.response.content, self._allowed(server))
-            if removed:
-                flow.response.content = body
+        if resp.stream:
+            sse = flow.metadata.get(MCP_SSE)
+            call = call_of(flow)
+            if sse is not None and (sse.broken or sse.dropped) and call is not None:
+                call.detail = f"tools/list filter: {sse.broken or f'{sse.dropped} unreadable events dropped'}"
+            return
+        # An answer to a request that lists tools (or to a listen GET) must be read when it is JSON or succeeded;
+        # an error status with a body that is not JSON carries no tools list for any JSON-RPC client.
+        asks = self._lists_tools(flow) or is_listen(flow)
+        media = mcp.media_type(resp.headers.get("content-type", ""))
+        if not asks and not mcp.is_json(media):
+            return
+        lists = asks and (mcp.is_json(media) or 200 <= resp.status_code < 300)
+        try:
+            codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
+            body = mcp.decode_body(resp.raw_content or b"", codings)
+            if not body.strip():
+                return  # nothing to filter (202 Accepted, 204)
+            if not mcp.is_json(media):
+                raise mcp.Unreadable(f"the answer is {media or 'untyped'}, neither JSON nor SSE")
+            body, removed = mcp.filter_json_body(body, self._allowed(server))
+        except mcp.Unreadable as exc:
+            if lists:
+                self._refuse_answer(flow, str(exc))
+            return  # an unreadable answer to anything else holds no tools list for the client either
+        if removed or "content-encoding" in resp.headers:
+            resp.headers.pop("content-encoding", None)
+            resp.content = body  # sets a matching Content-Length
+
+    def _refusal(self, flow: http.HTTPFlow, reason: str) -> tuple[int, bytes, dict[str, str]]:
+        call = call_of(flow)
+        message = f"the MCP server's answer could not be read, so its tools could not be filtered: {reason}"
+        if call is not None:
+            call.detail = f"tools/list answer refused: {reason}"
+        error = {"code": codes.CAPABILITY_ABSENT, "message": message, "call_id": call.call_id if call else None,
+                 "capability": call.capability if call else None, "reason": "unfilterable_answer"}
+        body = mcp.error_body(flow.metadata.get(MCP_PARSED), None, message, error)
+        log.warning("refusing an MCP answer from %s: %s", flow.request.pretty_url, reason)
+        return 502, body, {"Content-Type": "application/json", "Tether-Error": codes.CAPABILITY_ABSENT,
+                           "Cache-Control": "no-store", "Content-Length": str(len(body))}
+
+    def _refuse_answer(self, flow: http.HTTPFlow, reason: str) -> None:
+        status, body, headers = self._refusal(flow, reason)
+        flow.response = http.Response.make(status, body, headers)
+
+    def _refuse_streamed(self, flow: http.HTTPFlow, reason: str) -> None:
+        """The headers have not left yet: they become the refusal's, and no byte of the server's body follows."""
+        status, body, headers = self._refusal(flow, reason)
+        resp = flow.response
+        assert resp is not None
+        resp.status_code = status
+        resp.reason = "Bad Gateway"
+        resp.headers.clear()
+        resp.headers.update(headers)
+        resp.raw_content = body  # sent as is if the server's answer turns out to have no body at all
+        sent = False
+
+        def only_the_refusal(_chunk: bytes) -> list[bytes]:
+            nonlocal sent
+            if sent:
+                return []
+            sent = True
+            return [body]
+
+        resp.stream = only_the_refusal
+
+
+def is_listen(flow: http.HTTPFlow) -> bool:
+    """A GET on an MCP endpoint: the server's own stream to the client, which may carry tools/list answers."""
+    return flow.request.method == "GET"
 
 
 class Streamer:
@@ -437,10 +560,9 @@ class Streamer:
         resp = flow.response
         if resp is None or resp.stream or flow.metadata.get(NO_STREAM) or REFUSED in flow.metadata:
             return
-        ctype = resp.headers.get("content-type", "")
+        ctype = mcp.media_type(resp.headers.get("content-type", ""))
         length = resp.headers.get("content-length")
-        if ctype.startswith("text/event-stream") or (length is not None and length.isdigit()
-                                                     and int(length) > STREAM_THRESHOLD):
+        if ctype == mcp.SSE or (length is not None and length.isdigit() and int(length) > STREAM_THRESHOLD):
             resp.stream = True
         elif length is None and "chunked" in resp.headers.get("transfer-encoding", ""):
             resp.stream = True

@@ -4,15 +4,26 @@ A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``tools/call`
 naming that server and tool; session plumbing (``initialize``, ``server/discover``, ``ping``, ``tools/list``,
 notifications, and the client's answers to server requests) needs any tool on that server; everything else the catalog
 does not describe (``resources/*``, ``prompts/*`` ...) is absent. ``tools/list`` results are rewritten so
-ungranted tools never reach the model, whether the server answers JSON or SSE.
+ungranted tools never reach the model, whether the server answers JSON or SSE, in any line ending, any
+``Content-Type`` spelling and any content coding mitmproxy can decode (gzip, deflate, br, zstd). An answer
+that cannot be read cannot be filtered: the caller refuses it (see ``Unreadable``), it never passes.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import brotli
+
+try:  # mitmproxy decodes zstd with the same module
+    from compression import zstd  # type: ignore[import-not-found]
+except ImportError:  # Python < 3.14
+    from backports import zstd
 
 PLUMBING = frozenset({"initialize", "ping", "tools/list", "server/discover"})
 JSONRPC_REFUSED = -32003  # implementation-defined server error range; -32001/-32020 mean other things to SDKs
@@ -116,6 +127,143 @@ def error_body(parsed: Parsed | None, fallback_id: Any, message: str, data: dict
     return json.dumps([one(m.id) for m in parsed.messages if m.is_request]).encode()
 
 
+# -- reading answers: media types and content codings ------------------------------------------------
+SSE = "text/event-stream"
+
+
+def media_type(content_type: str) -> str:
+    """``Text/Event-Stream; charset=utf-8`` -> ``text/event-stream``: media types are case-insensitive."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def is_json(media: str) -> bool:
+    return media == "application/json" or media.endswith("+json")
+
+
+class Unreadable(ValueError):
+    """An answer tether cannot read, and so cannot filter: it is refused, never passed."""
+
+
+_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"})
+
+
+def content_codings(header: str) -> tuple[str, ...]:
+    """The codings of a ``Content-Encoding`` header in the order they were applied (``identity`` dropped)."""
+    codings = tuple(c for c in (part.strip().lower() for part in header.split(",")) if c and c != "identity")
+    unknown = [c for c in codings if c not in _CODINGS]
+    if unknown:
+        raise Unreadable(f"the answer is encoded with {unknown[0]!r}, which tether cannot decode")
+    return codings
+
+
+class _Zlib:
+    """gzip (possibly several members) or deflate (zlib-wrapped, or raw as some servers send it)."""
+
+    def __init__(self, coding: str) -> None:
+        self.coding = coding
+        self.fed = False
+        self.head = b""  # deflate: the first two bytes say whether a zlib header is there
+        self.d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if coding != "deflate" else None
+
+    def feed(self, data: bytes) -> bytes:
+        self.fed = self.fed or bool(data)
+        if self.d is None:
+            self.head += data
+            if len(self.head) < 2:
+                return b""
+            b0, b1 = self.head[0], self.head[1]
+            wrapped = b0 & 0x0F == 8 and ((b0 << 8) | b1) % 31 == 0
+            self.d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+            data, self.head = self.head, b""
+        out = []
+        while data:
+            out.append(self.d.decompress(data))
+            data = self.d.unused_data if self.d.eof else b""
+            if data and self.coding != "deflate":  # the next gzip member
+                self.d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            elif data:
+                raise zlib.error("bytes after the end of a deflate stream")
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        if self.d is None:
+            if self.head:
+                raise zlib.error("a deflate stream of one byte")
+            return b""
+        out = self.d.flush()
+        if self.fed and not self.d.eof:
+            raise zlib.error(f"the {self.coding} stream is truncated")
+        return out
+
+
+class _Brotli:
+    def __init__(self) -> None:
+        self.d = brotli.Decompressor()
+        self.fed = False
+
+    def feed(self, data: bytes) -> bytes:
+        self.fed = self.fed or bool(data)
+        return self.d.process(data) if data else b""
+
+    def finish(self) -> bytes:
+        if self.fed and not self.d.is_finished():
+            raise brotli.error("the br stream is truncated")
+        return b""
+
+
+class _Zstd:
+    def __init__(self) -> None:
+        self.d = zstd.ZstdDecompressor()
+        self.fed = False
+
+    def feed(self, data: bytes) -> bytes:
+        self.fed = self.fed or bool(data)
+        out = []
+        while data:
+            out.append(self.d.decompress(data))
+            data = self.d.unused_data if self.d.eof else b""
+            if data:  # the next frame
+                self.d = zstd.ZstdDecompressor()
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        if self.fed and not self.d.eof:
+            raise zstd.ZstdError("the zstd stream is truncated")
+        return b""
+
+
+class Decoder:
+    """Undoes a Content-Encoding chunk by chunk (a listen stream never ends, so nothing waits for the whole).
+    Every failure is ``Unreadable``."""
+
+    def __init__(self, codings: tuple[str, ...]) -> None:
+        self.stages = [_Brotli() if c == "br" else _Zstd() if c == "zstd" else _Zlib(c) for c in reversed(codings)]
+
+    def feed(self, data: bytes) -> bytes:
+        try:
+            for stage in self.stages:
+                data = stage.feed(data)
+        except Exception as exc:  # zlib.error, brotli.error, ZstdError: all mean the same here
+            raise Unreadable(f"the answer does not decode: {exc}") from None
+        return data
+
+    def finish(self) -> bytes:
+        data = b""
+        try:
+            for stage in self.stages:
+                data = stage.feed(data) + stage.finish()
+        except Exception as exc:
+            raise Unreadable(f"the answer does not decode: {exc}") from None
+        return data
+
+
+def decode_body(raw: bytes, codings: tuple[str, ...]) -> bytes:
+    if not codings or not raw:  # an empty body is empty in every coding (a 202 that names one, say)
+        return raw
+    decoder = Decoder(codings)
+    return decoder.feed(raw) + decoder.finish()
+
+
 # -- tools/list filtering ---------------------------------------------------------------------------
 def filter_tools_message(value: Any, allowed: Callable[[str], bool]) -> tuple[Any, int]:
     """Remove ungranted tools from a tools/list result (a message or a batch). Returns (value, removed)."""
@@ -133,51 +281,102 @@ def filter_tools_message(value: Any, allowed: Callable[[str], bool]) -> tuple[An
 
 
 def filter_json_body(body: bytes, allowed: Callable[[str], bool]) -> tuple[bytes, int]:
+    """Filter a JSON answer; ``Unreadable`` when it is not JSON (the caller decides whether that matters)."""
     try:
         value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return body, 0
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise Unreadable("the answer is not JSON") from None
     value, removed = filter_tools_message(value, allowed)
     return (json.dumps(value).encode(), removed) if removed else (body, 0)
 
 
-class SseToolsFilter:
-    """A streaming rewriter for an SSE response: buffers to event boundaries and filters ``data:`` JSON.
+_EOL = re.compile(rb"\r\n|\r|\n")  # SSE lines end in CRLF, LF or a lone CR, all three equally
+_BOM = b"\xef\xbb\xbf"
+DROPPED = b": tether dropped an event it could not read\n\n"
 
-    Used as (part of) mitmproxy's ``flow.response.stream`` callable: it never returns ``b""`` for a
-    non-final chunk (that would end a chunked body early) and flushes what is left on the final call.
+
+class SseToolsFilter:
+    """A streaming rewriter for an SSE response: decodes (when the server compressed), cuts the stream into
+    events exactly as the SSE spec does (CRLF, LF or CR line endings), and filters each ``data:`` payload.
+
+    Used as mitmproxy's ``flow.response.stream`` callable: it never yields an empty chunk (on a chunked
+    answer that would end the body early) and flushes what is left on the final call. An event whose data
+    is not JSON cannot be filtered and is dropped; a stream that stops decoding is cut from there on.
     """
 
-    def __init__(self, allowed: Callable[[str], bool]) -> None:
+    def __init__(self, allowed: Callable[[str], bool], decoder: Decoder | None = None) -> None:
         self.allowed = allowed
+        self.decoder = decoder
         self.buffer = b""
+        self.scanned = 0  # where the line scan of the event in ``buffer`` stopped
+        self.after_cr = False  # the last byte scanned was a CR: an LF right after it belongs to it
+        self.event_start = True
+        self.started = False
+        self.broken: str | None = None
         self.removed = 0
+        self.dropped = 0
         self.answered: set[str] = set()  # ids (id_key) of JSON-RPC responses that passed to the client
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
-        if not chunk:
-            rest, self.buffer = self.buffer, b""
-            return [self._rewrite(rest)] if rest else []
+        if self.broken:
+            return []
+        final = not chunk
+        try:
+            if self.decoder is not None:
+                chunk = self.decoder.finish() if final else self.decoder.feed(chunk)
+        except Unreadable as exc:
+            self.broken = str(exc)
+            return []
+        if self.after_cr and chunk.startswith(b"\n"):
+            # The CR ended its line when it arrived (as a client does, so an idle stream is not held back);
+            # this LF completes that CRLF. Dropping it keeps the client reading exactly the lines read here.
+            chunk = chunk[1:]
+        self.after_cr = False
         self.buffer += chunk
-        out: list[bytes] = []
+        if not self.started:
+            if len(self.buffer) < len(_BOM) and not final:
+                return []
+            self.started = True
+            if self.buffer.startswith(_BOM):  # the client skips one at the start; so does the parse here
+                self.buffer = self.buffer[len(_BOM):]
+        return [out for out in (self._rewrite(event) for event in self._events(final)) if out]
+
+    def _events(self, final: bool) -> list[bytes]:
+        events = []
+        buf = self.buffer
+        line_start = self.scanned
+        begin = 0
         while True:
-            cut = _event_end(self.buffer)
-            if cut < 0:
+            m = _EOL.search(buf, line_start)
+            if m is None:
                 break
-            event, self.buffer = self.buffer[:cut], self.buffer[cut:]
-            out.append(self._rewrite(event))
-        return out
+            blank = m.start() == line_start
+            line_start = m.end()
+            if blank:
+                events.append(buf[begin:line_start])
+                begin = line_start
+        self.after_cr = line_start == len(buf) and buf.endswith(b"\r")
+        self.buffer = buf[begin:]
+        self.scanned = line_start - begin
+        if final and self.buffer:
+            events.append(self.buffer)
+            self.buffer, self.scanned = b"", 0
+        return events
 
     def _rewrite(self, event: bytes) -> bytes:
-        lines = event.split(b"\n")
-        data_idx = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+        lines = _EOL.split(event)
+        data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
         if not data_idx:
             return event
-        payload = b"\n".join(lines[i][5:].lstrip(b" ").rstrip(b"\r") for i in data_idx)
+        values = [lines[i][5:] for i in data_idx]
+        payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
+        if not payload.strip():
+            return event  # an empty data field (the SDK's priming event for resumption)
         try:
             value = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
-            return event
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            self.dropped += 1
+            return DROPPED
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
@@ -185,18 +384,6 @@ class SseToolsFilter:
         if not removed:
             return event
         self.removed += removed
-        first = data_idx[0]
-        ending = b"\r" if lines[first].endswith(b"\r") else b""
-        kept = [line for i, line in enumerate(lines) if i not in data_idx[1:]]
-        kept[first] = b"data: " + json.dumps(value).encode() + ending
-        return b"\n".join(kept)
-
-
-def _event_end(buffer: bytes) -> int:
-    """Index just past the first complete SSE event (blank line), or -1."""
-    best = -1
-    for sep in (b"\n\n", b"\r\n\r\n"):
-        i = buffer.find(sep)
-        if i >= 0 and (best < 0 or i + len(sep) < best):
-            best = i + len(sep)
-    return best
+        kept = [line for i, line in enumerate(lines) if line and i not in data_idx]
+        kept.append(b"data: " + json.dumps(value).encode())
+        return b"\n".join(kept) + b"\n\n"

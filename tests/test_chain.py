@@ -615,10 +615,12 @@ def test_mint_root_drops_absent_and_requires_known_capabilities() -> None:
     [
         ({"depth": -1}, "malformed"),
         ({"ttl_s": 0}, "malformed"),
-        ({"agent": ""}, "malformed"),
-        ({"agent": "a,b"}, "malformed"),
-        ({"agent": "a b"}, "malformed"),
-        ({"agent": "x" * 129}, "malformed"),
+        ({"agent": ""}, "bad_agent_id"),
+        ({"agent": "a,b"}, "bad_agent_id"),
+        ({"agent": "a b"}, "bad_agent_id"),
+        ({"agent": "x" * 129}, "bad_agent_id"),
+        ({"agent": "a/b"}, "bad_agent_id"),
+        ({"agent": "caf\u00e9"}, "bad_agent_id"),
         ({"caps": {"a.read": "sometimes"}}, "malformed"),
     ],
 )
@@ -641,7 +643,7 @@ def test_mint_root_refuses(kwargs: dict[str, Any], reason: str) -> None:
         ("root", {"depth": -1}, ChainInvalid, "depth_not_decreasing"),
         ("leaf", {"caps": {"a.read": "approval"}}, ChainInvalid, "depth_exhausted"),
         ("root", {"ttl_s": 0}, ChainInvalid, "malformed"),
-        ("root", {"agent": "has space"}, ChainInvalid, "malformed"),
+        ("root", {"agent": "has space"}, ChainInvalid, "bad_agent_id"),
         ("root", {"now": T0 + 3600}, ChainExpired, "expired"),
     ],
 )

@@ -11,10 +11,11 @@ import hashlib
 import ipaddress
 import json
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit
 
 import yaml
 
@@ -70,21 +71,52 @@ def normalize_url(url: str) -> str:
     return f"{scheme}://{host}:{port}{path}"
 
 
+_NOT_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")  # %u002e (IIS), a lone %: not percent-encoding
+_IIS_PERCENT_U = re.compile(r"%u[0-9A-Fa-f]{4}")
+_DECODE_ROUNDS = 4
+
+
 def safe_path(path: str) -> str | None:
     """The path with its query removed, or None when it could mean something else to the server.
 
-    Dot segments (``..``, ``.``, in any percent-encoding), encoded slashes and backslashes would let a
-    path that matches a glob reach a resource outside it once the server normalizes it. Fail closed.
+    Matching reads the path as sent; a server may read it after decoding, normalizing and cutting path
+    parameters, so anything that could traverse or change segments after that is refused (fail closed):
+    a fragment (never part of a request target); dot segments, in any percent-encoding, however often
+    encoded (``%252e``), with a path parameter (``..;``, ``..;jsessionid=1`` on Java servers), overlong or
+    otherwise invalid UTF-8 (``%c0%ae``), IIS's ``%u002e``, compatibility forms that normalize to a dot or
+    slash (fullwidth ``U+FF0E``); encoded slashes; backslashes; NUL and control characters.
     """
-    path = path.split("?", 1)[0].split("#", 1)[0]
+    if "#" in path:
+        return None
+    path = path.split("?", 1)[0]
     if not path.startswith("/"):
         return None
-    lowered = path.lower()
-    if "\\" in path or any(enc in lowered for enc in ("%2f", "%5c", "%00", "%252f", "%255c")):
+    if _NOT_PERCENT.search(path):
         return None
-    decoded = unquote(unquote(path))
-    if any(segment in (".", "..") for segment in decoded.split("/")):
+    decoded = path
+    for _ in range(_DECODE_ROUNDS):
+        if _IIS_PERCENT_U.search(decoded):  # ``%25u002e`` decodes to IIS's dot
+            return None
+        try:
+            deeper = unquote_to_bytes(decoded).decode("utf-8")  # strict: overlong forms are invalid UTF-8
+        except UnicodeDecodeError:
+            return None
+        if deeper == decoded:
+            break
+        decoded = deeper
+    else:
+        return None  # still decoding after several rounds: no server reads it that way in good faith
+    if decoded.count("/") != path.count("/") or "\\" in decoded:
+        return None  # an encoded slash, or a backslash some servers read as one
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in decoded):
         return None
+    folded = unicodedata.normalize("NFKC", decoded)
+    if folded.count("/") != decoded.count("/") or "\\" in folded:
+        return None  # a fullwidth or other compatibility slash
+    for segment in folded.split("/"):
+        name = segment.split(";", 1)[0]  # Tomcat and Jetty drop ;params before normalizing
+        if name and "." in name and not name.strip(". "):
+            return None  # ".", "..", "...", ". ." and the like
     return path
 
 

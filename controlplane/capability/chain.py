@@ -15,6 +15,7 @@ import binascii
 import hashlib
 import json
 import os
+import re
 from collections.abc import Container, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +34,17 @@ MAX_LINK_BYTES = 8 * 1024
 MAX_CHAIN_BYTES = 64 * 1024
 LEEWAY_S = 5  # clock skew tolerated between issuer, control plane and sidecar
 CONTROLPLANE_PRINCIPAL = "tether:controlplane"
+# DESIGN.md section 10: an agent id is 1-128 of letters, digits, ".", "_", ":", "-" (ASCII). Checked at
+# minting and wherever a link is parsed, for ``sub`` and ``iss`` (which names the parent's agent, or the
+# control plane as "tether:controlplane"): ids land in URL paths, logs, terminals and record files.
+AGENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """Untrusted text as it may appear in a message: quoted, every control character, lone surrogate and
+    non-ASCII character escaped (no terminal escape, no line forging, nothing an encoder refuses)."""
+    text = value if isinstance(value, str) else repr(value)
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def link_hash(compact: str) -> str:
@@ -76,6 +88,7 @@ class VerifiedChain(NamedTuple):
     links: tuple[Link, ...]
     nbf: float
     exp: float
+    issued: float = 0.0  # the latest iat in the chain
 
     @property
     def leaf(self) -> Link:
@@ -113,6 +126,10 @@ class VerifiedChain(NamedTuple):
                 )
         if now + leeway < self.nbf:
             raise ChainExpired("not_yet_valid", f"the chain is not valid before {self.nbf:.0f}")
+        if now + leeway < self.issued:  # after nbf: a chain not valid yet says so first
+            # A link dated in the future comes from a clock that is wrong or a signer that lies about time.
+            raise ChainExpired("issued_in_future", f"a link of the chain is issued at {self.issued:.0f}, after now "
+                               f"({now:.0f}) beyond the {leeway:g}s clock leeway; check the issuer's clock")
         if now - leeway >= self.exp:
             raise ChainExpired("expired", f"the chain expired at {self.exp:.0f}; ask for a fresh grant")
 
@@ -219,11 +236,9 @@ def mint_child(
 
 
 def _check_principal(agent: str) -> None:
-    if not isinstance(agent, str) or not 0 < len(agent) <= 128 or not agent.isprintable() or any(
-        c in agent for c in ',/ "{}\\'
-    ):
-        raise ChainInvalid("malformed", f"agent id {agent!r} must be 1-128 printable characters without "
-                           ', / " { } \\ or spaces')
+    if not isinstance(agent, str) or not AGENT_ID.fullmatch(agent):
+        raise ChainInvalid("bad_agent_id", f"agent id {shown(agent)} must be 1-128 characters of letters, digits, "
+                           "'.', '_', ':' and '-'")
 
 
 def _check_narrowing(parent: Link, caps: Mapping[str, str], index: int | None) -> None:
@@ -258,6 +273,8 @@ def _is_time(value: Any) -> bool:
 _GRANT_HEADER = {"alg": ALG, "typ": GRANT_TYP}
 _GRANT_HEADER_B64 = keys.b64url(json.dumps(_GRANT_HEADER, separators=(",", ":")).encode())
 _CLAIM_STRINGS = ("iss", "sub", "jti", "cat")
+_AGENT_ID_MATCH = AGENT_ID.fullmatch
+_JTI_MATCH = re.compile(r"[A-Za-z0-9._:-]{16,128}").fullmatch
 _json = json.JSONDecoder().decode
 
 
@@ -308,13 +325,16 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
         jwk = claims["cnf"]["jwk"]
         key_raw = keys.b64url_decode(jwk["x"]) if jwk["kty"] == "OKP" and jwk["crv"] == "Ed25519" else b""
         well_formed = (
-            type(iss) is str and type(sub) is str and type(cat) is str and iss and sub and cat
+            type(iss) is str and type(sub) is str and type(cat) is str and cat
+            and _AGENT_ID_MATCH(sub) is not None
+            and (iss == CONTROLPLANE_PRINCIPAL or _AGENT_ID_MATCH(iss) is not None)
             and type(jti) is str and 16 <= len(jti) <= 128
+            and ((jti.isascii() and jti.isalnum()) or _JTI_MATCH(jti) is not None)  # minted: hex, no regex
             and _is_time(iat) and _is_time(nbf) and _is_time(exp) and nbf <= exp
             and type(dpth) is int and dpth >= 0
             and ((prf is None and "prf" not in claims) or type(prf) is str)
             and type(caps) is dict and all(type(k) is str and v in GRANTED_TIERS for k, v in caps.items())
-            and len(key_raw) == 32
+            and len(key_raw) == 32 and "d" not in jwk
         )
     except (KeyError, TypeError, ValueError, binascii.Error):
         well_formed = False
@@ -340,8 +360,14 @@ def _claims_error(claims: dict[str, Any], index: int) -> ChainInvalid:
     for name in _CLAIM_STRINGS:
         if not isinstance(claims.get(name), str) or not claims[name]:
             return _malformed(index, f"claim {name!r} must be a non-empty string")
+    for name in ("sub", "iss"):
+        if not AGENT_ID.fullmatch(claims[name]):
+            return ChainInvalid("bad_agent_id", f"link {index}: claim {name!r} is {shown(claims[name])}, not an agent "
+                                "id (1-128 characters of letters, digits, '.', '_', ':' and '-')", link=index)
     if not 16 <= len(claims["jti"]) <= 128:
         return _malformed(index, "claim 'jti' must carry at least 128 bits")
+    if not _JTI_MATCH(claims["jti"]):
+        return _malformed(index, "claim 'jti' must be letters, digits, '.', '_', ':' and '-' (it names a URL path)")
     for name in _CLAIM_TIMES:
         if not _is_time(claims.get(name)):
             return _malformed(index, f"claim {name!r} must be a NumericDate")
@@ -363,6 +389,12 @@ def _claims_error(claims: dict[str, Any], index: int) -> ChainInvalid:
         keys.from_jwk(cnf.get("jwk"))
     except KeyError_ as exc:
         return _malformed(index, exc.message)
+    if "d" in cnf["jwk"]:
+        # The subject's private key, published in a token every sidecar and log sees: whoever reads the link
+        # can sign as its subject. Never accepted, so a careless issuer finds out at once.
+        return ChainInvalid("private_key_in_grant", f"link {index}: cnf.jwk carries a private key ('d'); a grant "
+                            "names only the subject's public key. Treat that key as leaked: make a new one",
+                            link=index)
     return _malformed(index, "the claims are not those of a grant link")
 
 
@@ -467,7 +499,8 @@ class Verifier:
                 raise ChainInvalid("duplicate_link", f"link {index}: jti appears twice in the chain", link=index)
             seen.add(link.jti)
         # _check_link made each link's window nest in its parent's: the leaf's is the chain's.
-        return VerifiedChain(tuple(links), nbf=links[-1].nbf, exp=links[-1].exp)
+        return VerifiedChain(tuple(links), nbf=links[-1].nbf, exp=links[-1].exp,
+                             issued=max(link.iat for link in links))
 
 
 def _check_link(parent: Link, link: Link, index: int) -> None:

@@ -34,13 +34,25 @@ STORE_UNAVAILABLE = "tether.store_unavailable"
 KEY_INVALID = "tether.key_invalid"
 
 
+def escape_unprintable(text: str, keep: str = "\n") -> str:
+    """``text`` with every character that is not printable (control characters such as the ESC of terminal
+    escapes, lone surrogates that no encoder accepts, bidi overrides) written as a Python escape, except
+    those in ``keep``. Messages quote untrusted input (a link's claims, a request's fields); printing or
+    logging one must neither crash nor drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else ascii(c)[1:-1] for c in text)
+
+
 class TetherError(Exception):
     """Base of every tether refusal. ``code`` is stable; ``message`` says what to do about it."""
 
     code: str = "tether.error"
     http_status: int = 400
+    keep_in_message = "\n"
 
     def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
+        message = escape_unprintable(str(message), self.keep_in_message)
         super().__init__(message)
         if code is not None:
             self.code = code
@@ -75,6 +87,7 @@ class ChainError(TetherError):
 
     code = CHAIN_INVALID
     http_status = 403
+    keep_in_message = ""  # one line each: nothing a link carries may start another line of a log
 
     def __init__(self, reason: str, message: str, *, link: int | None = None, **details: Any) -> None:
         super().__init__(message, reason=reason, link=link, **details)
