@@ -61,15 +61,30 @@ def _header_dict(headers: Any) -> dict[str, str]:
 def _redact_body(part: dict[str, Any], fields: frozenset[str]) -> None:
     """Redact named JSON fields in a message state's body (decoding it first if it is encoded)."""
     content = part.get("content")
-    headers = _header_dict(part["headers"])
-    if not fields or not content or "json" not in headers.get("content-type", ""):
+    if not fields or not content:
         return
+    headers = _header_dict(part["headers"])
+    media = headers.get("content-type", "").lower()
     encoding = headers.get("content-encoding", "").strip().lower()
     try:
         body = encoding_decode(content, encoding) if encoding and encoding != "identity" else content
+    except ValueError:  # a body we cannot read could hold the secret: keep none of it
+        part["content"] = b"[REDACTED: undecodable encoded body]"
+        return
+    if "x-www-form-urlencoded" in media:
+        redacted = _redact_query(b"?" + body, fields)[1:]
+        if redacted != body:
+            part["content"] = redacted
+            part["headers"] = tuple((k, v) for k, v in part["headers"] if k.lower() != b"content-encoding")
+        return
+    # Whatever the declared media type (in any case, or none, or a wrong one): a body that reads as JSON is
+    # redacted as JSON; a server that parses it leniently would see the secret otherwise.
+    if "json" not in media and body.lstrip()[:1] not in (b"{", b"["):
+        return
+    try:
         value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        if encoding:  # a body we cannot read could hold the secret: keep none of it
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        if encoding and encoding != "identity":
             part["content"] = b"[REDACTED: undecodable encoded body]"
         return
     value, changed = _redact_json(value, fields)

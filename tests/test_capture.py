@@ -136,3 +136,34 @@ def test_tnet_dumps_is_mitmproxys_tnetstring_byte_for_byte(value: object) -> Non
 def test_tnet_dumps_refuses_what_mitmproxy_refuses() -> None:
     with pytest.raises(ValueError):
         tnet_dumps({"x": object()})
+
+
+@pytest.mark.parametrize(("content_type", "body", "secret"), [
+    ("Application/JSON", b'{"password": "hunter2"}', b"hunter2"),
+    ("text/plain", b'  {"api_key": "k-123"}', b"k-123"),
+    ("", b'[{"password": "p-456"}]', b"p-456"),
+    ("application/x-www-form-urlencoded", b"user=a&password=f-789", b"f-789"),
+    ("Application/X-WWW-Form-Urlencoded; charset=utf-8", b"api_key=f-000&x=1", b"f-000"),
+], ids=["json-any-case", "json-as-text", "json-untyped", "form", "form-any-case"])
+def test_configured_fields_are_redacted_whatever_the_declared_media_type(
+        content_type: str, body: bytes, secret: bytes, tmp_path: Path) -> None:
+    flow = tflow.tflow(resp=True)
+    flow.request.method = "POST"
+    if content_type:
+        flow.request.headers["Content-Type"] = content_type
+    flow.request.content = body
+    path = tmp_path / "flows.mitm"
+    path.write_bytes(encode_flow(flow, FIELDS, ConnectionStates()))
+    assert secret not in path.read_bytes()
+    (captured,) = read_flows(path)
+    assert b"REDACTED" in captured.request.content
+
+
+def test_a_body_that_is_not_json_is_kept_as_it_was(tmp_path: Path) -> None:
+    flow = tflow.tflow(resp=True)
+    flow.request.headers["Content-Type"] = "text/plain"
+    flow.request.content = b"password is not a field here"
+    path = tmp_path / "flows.mitm"
+    path.write_bytes(encode_flow(flow, FIELDS, ConnectionStates()))
+    (captured,) = read_flows(path)
+    assert captured.request.content == b"password is not a field here"
