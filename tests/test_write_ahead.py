@@ -271,3 +271,31 @@ def test_a_capture_disk_that_fills_up_leaves_every_later_flow_readable(world: Wo
             sc.stop()
         time.sleep(0.2)
         subprocess.run(["umount", "-l", str(captures)], capture_output=True, timeout=30)
+
+
+def test_a_start_reaches_the_control_plane_long_before_the_next_heartbeat(tmp_path: Path, test_ca: TestCA) -> None:
+    """Heartbeats come every lease TTL / 3 (20 s here); the written-ahead start of a call reaches the control
+    plane within about a second. The sidecar is SIGKILLed two seconds after the call left and never comes
+    back: the record still lists the call, as ``unknown``, from its start alone."""
+    world = build_world(tmp_path, test_ca, lease_ttl=60.0)
+    world.cp.start()
+    try:
+        ident = world.cp.issue("early", {"slow.read": "direct"})
+        sc = world.sidecar(ident)
+        threads = in_background(world, sc, "/slow?s=60", 1)
+        wait_until(lambda: world.tools.hits_for("/slow") == 1, 15, what="the slow call at the tool")
+        time.sleep(2.0)
+        node = next(n for n in world.cp.client().request("GET", "/v1/agents")["agents"] if n["agent"] == "early")
+        assert node["sidecar"]["inflight"] == 0  # no heartbeat has carried the call: only its start can
+        sc.kill()
+        for thread in threads:
+            thread.join(30)
+        tid = terminate(world, "early", "abort", 0)["termination_id"]
+        wait_until(lambda: termination(world, tid)["state"] == "terminated", 30, what="the termination")
+        record = record_of(world, tid)
+        (call,) = [c for c in record["calls"] if c["url"].endswith("/slow")]
+        assert (call["resolution"], call["reported"], call["capability"]) == ("unknown", False, "slow.read")
+        (lost,) = record["agents_unaccounted"]
+        assert [c["call_id"] for c in lost["calls_in_flight_last_known"]] == [call["call_id"]]
+    finally:
+        teardown_world(world)
