@@ -200,11 +200,17 @@ class Demo:
         self.step("Revoke one branch, as its parent",
                   "root signs a revocation of writer's link with its own key (an ancestor may revoke a "
                   "descendant; an agent can never revoke itself). Every chain containing the link dies at once.")
-        root_chain = (self.dir / "root.chain").read_text().strip()
-        signer = Signer("root", parse_chain_unverified(root_chain)[-1].hash, root_key)
-        self.note(f"$ tether revoke {writer['jti']} --chain root.chain --key root.key")
-        self.client.request("POST", f"/v1/grants/{writer['jti']}/revoke", {"reason": "demo: branch revoked"},
-                            signer=signer)
+        if self.console:  # the person revokes in the browser
+            self.note(f"Revoke writer in the console (Agents, 'Revoke writer'): {self.cp_url}/ui/, within 3 minutes")
+            self.wait("writer's link revoked in the console", lambda: any(
+                a["link"] == writer["link"] and a["status"] == "revoked"
+                for a in self.client.request("GET", "/v1/agents")["agents"]), timeout=180)
+        else:
+            root_chain = (self.dir / "root.chain").read_text().strip()
+            signer = Signer("root", parse_chain_unverified(root_chain)[-1].hash, root_key)
+            self.note(f"$ tether revoke {writer['jti']} --chain root.chain --key root.key")
+            self.client.request("POST", f"/v1/grants/{writer['jti']}/revoke", {"reason": "demo: branch revoked"},
+                                signer=signer)
         self.wait("writer to be refused", lambda: any(
             r.get("code") == "tether.chain_revoked" and r.get("link") == writer["link"]
             for r in self.client.request("GET", "/v1/reports?agent=writer")))
@@ -214,12 +220,21 @@ class Demo:
                   "The control plane revokes the whole subtree, tells each sidecar to drain (new calls refused, "
                   "in-flight calls get 4 s to finish, then are cut), collects their final reports and "
                   "acknowledgements, and writes a signed record.")
-        self.note("$ tether terminate root --mode drain --window 4")
-        term = self.client.request("POST", "/v1/agents/root/terminate",
-                                   {"mode": "drain", "window_s": 4, "reason": "demo: stop the fleet"})
+        if self.console:  # the person terminates in the browser
+            earlier = {t["id"] for t in self.client.request("GET", "/v1/terminations")}
+            self.note(f"Terminate root in the console (Agents, 'Terminate root': drain, window 4): {self.cp_url}/ui/, "
+                      "within 3 minutes")
+            term = self.wait("a termination of root from the console", lambda: next(
+                (t for t in self.client.request("GET", "/v1/terminations")
+                 if t["subject"] == "root" and t["id"] not in earlier), None), timeout=180)
+            term = {**term, "termination_id": term["id"]}
+        else:
+            self.note("$ tether terminate root --mode drain --window 4")
+            term = self.client.request("POST", "/v1/agents/root/terminate",
+                                       {"mode": "drain", "window_s": 4, "reason": "demo: stop the fleet"})
         seen = {"requested"}
         doc = term
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 40 + (doc.get("window_s") or 0)
         while doc["state"] != "terminated":
             if time.monotonic() > deadline:
                 raise DemoFailed("the termination did not finish")
