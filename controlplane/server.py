@@ -50,6 +50,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_APPROVAL_TTL_S = 300.0
 MAX_BODY = 8 * 1024 * 1024
+APPROVED, DENIED, CANCELLED = "approved", "denied", "cancelled"  # decisions on a held call (cancelled: by a
+# termination, before the call left; never a person's denial)
 
 
 @dataclass
@@ -808,7 +810,7 @@ class ControlPlane:
         view = self._approval_view(doc)
         if view["status"] != "pending":
             raise ApiError(409, CONFLICT, f"approval {approval_id} is already {view['status']}")
-        if decision == "approved":
+        if decision == APPROVED:
             await self._still_possible(doc)
         if call_hash is not None and call_hash != doc.get("call_hash"):
             raise ApiError(409, CONFLICT, f"approval {approval_id} holds call {doc.get('call_hash')}, not {call_hash}: "
@@ -846,11 +848,11 @@ class ControlPlane:
         call_hash = body.get("call_hash") if isinstance(body, dict) else None
         if call_hash is not None and not isinstance(call_hash, str):
             raise _bad("'call_hash' must be the string shown with the approval")
-        return web.json_response(await self.decide(request.match_info["id"], "approved", "admin", call_hash))
+        return web.json_response(await self.decide(request.match_info["id"], APPROVED, "admin", call_hash))
 
     async def h_deny(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
-        return web.json_response(await self.decide(request.match_info["id"], "denied", "admin"))
+        return web.json_response(await self.decide(request.match_info["id"], DENIED, "admin"))
 
     # -- audit ---------------------------------------------------------------------------------------------
     async def h_surface(self, request: web.Request) -> web.Response:

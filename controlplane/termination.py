@@ -14,12 +14,12 @@ repeats it after restart and the protocol still ends in exactly one record.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .capability import keys
+from .capability.catalog import canonical_json as canonical
 from .runs import accounted, unaccounted_runs
 
 Doc = dict[str, Any]
@@ -131,10 +131,6 @@ def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()
 
 
 # -- the reconciliation record -----------------------------------------------------------------------
-def canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def record_hash(record: Mapping[str, Any]) -> str:
     body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
     return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()

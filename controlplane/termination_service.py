@@ -19,7 +19,7 @@ from . import termination as proto
 from .capability import keys
 from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 from .graph import Graph
-from .server import ControlPlane, _bad, read_json
+from .server import CANCELLED, ControlPlane, _bad, read_json
 from .store import Doc, StoreUnavailable
 
 log = logging.getLogger("tether.termination")
@@ -295,7 +295,9 @@ class TerminationService:
                 of_ours = approval.get("link") in links if approval.get("link") else approval["agent"] in doc["agents"]
                 if of_ours and approval["status"] == "pending":
                     try:
-                        await self.cp.decide(approval["id"], "denied", f"termination:{doc['id']}")
+                        # Nobody denied it: the termination cancelled it before it left (its own status, so
+                        # the sidecar resolves the call cancelled_not_sent, not as a person's denial).
+                        await self.cp.decide(approval["id"], CANCELLED, f"termination:{doc['id']}")
                     except ApiError:
                         pass  # decided meanwhile: nothing to deny
         elif action == proto.SEND_COMMANDS:

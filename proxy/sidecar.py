@@ -378,10 +378,8 @@ class Sidecar:
     def on_approval(self, doc: dict[str, Any]) -> None:
         future = self.approvals.get(doc.get("id", ""))
         if future is not None and not future.done():
-            status = doc.get("status", "denied")
-            if str(doc.get("decided_by", "")).startswith("termination:"):
-                status = "cancelled"  # no person denied it: a termination cancelled it before it left
-            elif status == "approved" and doc.get("call_hash") != getattr(future, "call_hash", None):
+            status = doc.get("status", "denied")  # approved | denied | cancelled (by a termination)
+            if status == "approved" and doc.get("call_hash") != getattr(future, "call_hash", None):
                 # An approval binds to the exact call it showed; one for any other request is not ours.
                 log.error("approval %s names call hash %s, not this call's; refusing the call",
                           doc.get("id"), doc.get("call_hash"))
