@@ -24,8 +24,9 @@ from aiohttp import web
 
 from .. import audit
 from ..auth import CSRF_HEADER, SESSION_COOKIE
+from ..body import bad, read_json
 from ..capability.errors import NOT_FOUND, UNAUTHORIZED, ApiError
-from ..server import ControlPlane, _bad, read_json
+from ..server import ControlPlane
 from ..termination import verify_records
 from .sessions import Sessions
 
@@ -76,9 +77,7 @@ class Console:
     # -- sign-in -------------------------------------------------------------------------------------------------
     async def h_sign_in(self, request: web.Request) -> web.Response:
         body, _ = await read_json(request)
-        token = body.get("token") if isinstance(body, dict) else None
-        if not isinstance(token, str) or not token:
-            raise _bad("body needs 'token': the admin token")
+        token = str(body.string("token", required=True, nullable=False, max_len=4096, non_empty=True))
         expected = self.cp.auth.admin_token
         if not expected or not hmac.compare_digest(token.strip().encode(), expected):
             self.cp.metrics.inc("tether_console_sign_in_refused_total")
@@ -121,9 +120,8 @@ class Console:
     async def h_diff(self, request: web.Request) -> web.Response:
         self.cp.auth.require_admin(request)
         body, _ = await read_json(request)
-        if not isinstance(body, dict) or not all(isinstance(body.get(k), dict) for k in ("old", "new")):
-            raise _bad("body needs 'old' and 'new': two audit surface documents (tether audit surface --json)")
-        widened = diff_surfaces(body["old"], body["new"])
+        old, new = body.obj("old", required=True), body.obj("new", required=True)  # audit surface documents
+        widened = diff_surfaces(old or {}, new or {})
         return web.json_response({"widened": widened, "exit": 1 if widened else 0})
 
     async def h_verify_records(self, request: web.Request) -> web.Response:
@@ -150,7 +148,7 @@ class Console:
         try:
             since, until = parse_when(query.get("since")), parse_when(query.get("until"))
         except Exception as exc:
-            raise _bad(str(exc)) from None
+            raise bad(str(exc)) from None
         record = None
         if termination:
             record = next((r for r in await self.cp.store.records()
