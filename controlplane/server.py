@@ -32,6 +32,7 @@ from .capability.chain import (
     split_chain,
 )
 from .capability.errors import (
+    BAD_REQUEST,
     CONFLICT,
     FORBIDDEN,
     NOT_FOUND,
@@ -88,7 +89,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(400, exc.code, exc.message, **exc.details)
     except StoreUnavailable as exc:
         return json_error(503, STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
-    except web.HTTPException:
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        response = json_error(405, BAD_REQUEST, f"{request.method} is not allowed on {request.path}; use {allowed}")
+        response.headers["Allow"] = exc.headers.get("Allow", allowed)
+        return response
+    except web.HTTPNotFound:
+        return json_error(404, NOT_FOUND, f"no route {request.path}; /openapi.json lists them")
+    except web.HTTPException:  # redirects, and aiohttp's own refusals below the API
         raise
     except (ConnectionError, OSError) as exc:
         log.warning("store error on %s %s: %s", request.method, request.path, exc)

@@ -121,7 +121,10 @@ class Console:
         self.cp.auth.require_admin(request)
         body, _ = await read_json(request)
         old, new = body.obj("old", required=True), body.obj("new", required=True)  # audit surface documents
-        widened = diff_surfaces(old or {}, new or {})
+        try:
+            widened = diff_surfaces(old or {}, new or {})
+        except audit.SurfaceError as exc:
+            raise bad(f"not an audit surface document: {exc}") from None
         return web.json_response({"widened": widened, "exit": 1 if widened else 0})
 
     async def h_verify_records(self, request: web.Request) -> web.Response:
