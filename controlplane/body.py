@@ -41,21 +41,39 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _depth_ok(value: Any, limit: int) -> bool:
+def _unencodable(text: str) -> bool:
+    """A lone surrogate (``"\\ud800"`` is valid JSON text, not valid Unicode): no store, log or terminal
+    can take it, so it is refused here rather than failing wherever it is written."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _problem(value: Any, limit: int) -> str | None:
     """Iterative, so a document as deep as the parser allowed cannot exhaust the stack here either."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, str):
+            if _unencodable(item):
+                return "holds a string that is not valid Unicode (a lone surrogate)"
+            continue
         if isinstance(item, dict):
+            if any(_unencodable(key) for key in item):
+                return "holds a key that is not valid Unicode (a lone surrogate)"
             children: Any = item.values()
         elif isinstance(item, list):
             children = item
         else:
             continue
         if depth > limit:
-            return False
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return True
+            return f"is nested too deeply (at most {limit} levels)"
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list | str))
+    return None
 
 
 def loads(raw: bytes | str, what: str = "the request body") -> Any:
@@ -66,8 +84,9 @@ def loads(raw: bytes | str, what: str = "the request body") -> Any:
         raise bad(f"{what} is nested too deeply (at most {MAX_DEPTH} levels)") from None
     except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise bad(f"{what} is not valid JSON: {exc}") from None
-    if not _depth_ok(value, MAX_DEPTH):
-        raise bad(f"{what} is nested too deeply (at most {MAX_DEPTH} levels)")
+    problem = _problem(value, MAX_DEPTH)
+    if problem is not None:
+        raise bad(f"{what} {problem}")
     return value
 
 

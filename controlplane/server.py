@@ -19,6 +19,7 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import runs
+from . import schemas as sc
 from .auth import Authenticator, Caller
 from .body import MAX_BODY, Fields, bad, parse, query_int, query_number, raw_body, read_json
 from .capability import keys
@@ -43,6 +44,7 @@ from .capability.errors import (
     TetherError,
 )
 from .graph import Graph, surface
+from .schemas import MAX_REASON, MAX_TTL_S, Schema
 from .store import Doc, Event, LinkConflict, Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane")
@@ -50,18 +52,25 @@ log = logging.getLogger("tether.controlplane")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_APPROVAL_TTL_S = 300.0
-MAX_TTL_S = 10 * 365 * 86400.0  # a root grant's longest life
-MAX_REASON = 2000
 
 
 @dataclass
 class Route:
+    """One API route and what ``/openapi.json`` says of it: who may call it, the body it reads, the status
+    and body of its success, its query parameters (name, schema, description)."""
+
     method: str
     path: str
     handler: Handler
     summary: str
-    auth: str  # "none" | "admin" | "sidecar" | "admin-or-ancestor"
+    auth: str  # "none" | "admin" | "sidecar" | "admin-or-ancestor" | "admin-or-sidecar"
     tag: str = "control"
+    body: Schema | None = None
+    ok: Schema | None = None
+    status: int = 200
+    query: tuple[tuple[str, Schema, str], ...] = ()
+    content: str | None = "application/json"  # of the success answer; None: no body (a redirect)
+    extra_responses: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -295,65 +304,53 @@ class ControlPlane:
                        f"{caller.agent} is not an ancestor of {link['sub']}'s link; only an issuer above it may act")
 
     # -- route table ------------------------------------------------------------------------------------
-    def route(self, method: str, path: str, handler: Handler, summary: str, auth: str, tag: str = "control") -> None:
-        self.routes.append(Route(method, path, handler, summary, auth, tag))
+    def route(self, method: str, path: str, handler: Handler, summary: str, auth: str, tag: str = "control",
+              **spec: Any) -> None:
+        """Add a route; ``spec`` is what the OpenAPI document says of it (``Route``'s fields)."""
+        self.routes.append(Route(method, path, handler, summary, auth, tag, **spec))
 
     def _add_core_routes(self) -> None:
         r = self.route
-        r("GET", "/healthz", self.h_healthz, "Liveness and store health", "none", "ops")
-        r("GET", "/metrics", self.h_metrics, "Prometheus metrics (per-agent series to an admin only)", "none", "ops")
-        r("GET", "/openapi.json", self.h_openapi, "This document", "none", "ops")
-        r("POST", "/v1/grants", self.h_issue, "Issue a root grant for an agent", "admin", "grants")
-        r(
-            "POST",
-            "/v1/grants/{jti}/revoke",
-            self.h_revoke,
-            "Revoke a link and every chain containing it",
-            "admin-or-ancestor",
-            "grants",
-        )
-        r(
-            "POST",
-            "/v1/chains/register",
-            self.h_register,
-            "Register a chain (every link before use)",
-            "sidecar",
-            "grants",
-        )
-        r(
-            "POST",
-            "/v1/chains/verify",
-            self.h_verify,
-            "Verify a chain against the keys and revocations",
-            "none",
-            "grants",
-        )
-        r("GET", "/v1/agents", self.h_agents, "The agent graph, as a list and a tree", "admin", "agents")
-        r(
-            "POST",
-            "/v1/agents/{agent}/revoke",
-            self.h_revoke_agent,
-            "Revoke every link an agent holds",
-            "admin",
-            "agents",
-        )
-        r(
-            "GET",
-            "/v1/events",
-            self.h_events,
-            "Sequence-numbered event stream for a sidecar (long poll)",
-            "sidecar",
-            "sidecar",
-        )
-        r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar's lease", "sidecar", "sidecar")
-        r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar", "sidecar")
-        r("GET", "/v1/reports", self.h_reports_out, "Call reports, optionally for one agent", "admin", "sidecar")
-        r("POST", "/v1/approvals", self.h_approval_new, "Ask for approval of a held call", "sidecar", "approvals")
-        r("GET", "/v1/approvals", self.h_approvals, "List approvals", "admin", "approvals")
-        r("GET", "/v1/approvals/{id}", self.h_approval_get, "One approval", "admin-or-sidecar", "approvals")
-        r("POST", "/v1/approvals/{id}/approve", self.h_approve, "Approve a held call", "admin", "approvals")
-        r("POST", "/v1/approvals/{id}/deny", self.h_deny, "Deny a held call", "admin", "approvals")
-        r("GET", "/v1/audit/surface", self.h_surface, "Effective capability list per agent", "admin", "audit")
+        r("GET", "/healthz", self.h_healthz, "Liveness and store health", "none", "ops", ok=sc.HEALTH,
+          extra_responses={503: {"description": "The store is unreachable",
+                                 "content": {"application/json": {"schema": sc.HEALTH}}}})
+        r("GET", "/metrics", self.h_metrics, "Prometheus metrics (per-agent series to an admin only)", "none", "ops",
+          content="text/plain", ok={"type": "string"})
+        r("GET", "/openapi.json", self.h_openapi, "This document", "none", "ops", ok=sc.OPENAPI)
+        r("POST", "/v1/grants", self.h_issue, "Issue a root grant for an agent", "admin", "grants",
+          body=sc.GRANT_REQUEST, ok=sc.GRANT, status=201)
+        r("POST", "/v1/grants/{jti}/revoke", self.h_revoke, "Revoke a link and every chain containing it",
+          "admin-or-ancestor", "grants", body=sc.REASON_REQUEST, ok=sc.REVOKED)
+        r("POST", "/v1/chains/register", self.h_register, "Register a chain (every link before use)", "sidecar",
+          "grants", body=sc.CHAIN_REQUEST, ok=sc.REGISTERED)
+        r("POST", "/v1/chains/verify", self.h_verify, "Verify a chain against the keys and revocations", "none",
+          "grants", body=sc.CHAIN_REQUEST, ok=sc.VERDICT)
+        r("GET", "/v1/agents", self.h_agents, "The agent graph, as a list and a tree", "admin", "agents",
+          ok=sc.AGENTS)
+        r("POST", "/v1/agents/{agent}/revoke", self.h_revoke_agent, "Revoke every link an agent holds", "admin",
+          "agents", body=sc.REASON_REQUEST, ok=sc.AGENT_REVOKED)
+        r("GET", "/v1/events", self.h_events, "Sequence-numbered event stream for a sidecar (long poll)", "sidecar",
+          "sidecar", ok=sc.EVENTS, query=(
+              ("after", sc.INT, "the last sequence number seen (-1 or absent: a full resync)"),
+              ("wait", sc.NUM, "seconds to wait for an event (at most 30)")))
+        r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar run's lease", "sidecar", "sidecar",
+          body=sc.HEARTBEAT_REQUEST, ok=sc.LEASE)
+        r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar",
+          "sidecar", body=sc.REPORTS_REQUEST, ok=sc.ACCEPTED)
+        r("GET", "/v1/reports", self.h_reports_out, "Call reports, optionally for one agent", "admin", "sidecar",
+          ok=sc.REPORTS, query=(("agent", sc.STR, "only this agent's calls"),))
+        r("POST", "/v1/approvals", self.h_approval_new, "Ask for approval of a held call", "sidecar", "approvals",
+          body=sc.APPROVAL_REQUEST, ok=sc.ref("Approval"), status=201)
+        r("GET", "/v1/approvals", self.h_approvals, "List approvals", "admin", "approvals", ok=sc.APPROVALS,
+          query=(("status", sc.STR, "only approvals in this status (pending, approved, denied, expired)"),))
+        r("GET", "/v1/approvals/{id}", self.h_approval_get, "One approval", "admin-or-sidecar", "approvals",
+          ok=sc.ref("Approval"))
+        r("POST", "/v1/approvals/{id}/approve", self.h_approve, "Approve a held call", "admin", "approvals",
+          body=sc.APPROVE_REQUEST, ok=sc.ref("Approval"))
+        r("POST", "/v1/approvals/{id}/deny", self.h_deny, "Deny a held call", "admin", "approvals",
+          body=sc.obj({}), ok=sc.ref("Approval"))
+        r("GET", "/v1/audit/surface", self.h_surface, "Effective capability list per agent", "admin", "audit",
+          ok=sc.ref("Surface"), query=(("agent", sc.STR, "only this agent"),))
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)

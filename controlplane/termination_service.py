@@ -14,6 +14,7 @@ import os
 from aiohttp import web
 
 from . import runs
+from . import schemas as sc
 from . import termination as proto
 from .auth import Caller
 from .body import parse, raw_body
@@ -364,28 +365,20 @@ def _reported_under(report: Doc, links: set[str]) -> bool:
 def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationService:
     service = TerminationService(cp, grace_s if grace_s is not None else cp.grace_s)
     r = cp.route
-    r(
-        "POST",
-        "/v1/agents/{agent}/terminate",
-        service.h_terminate,
-        "Terminate an agent and its subtree",
-        "admin-or-ancestor",
-        "termination",
-    )
-    r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination")
-    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin-or-ancestor", "termination")
-    r(
-        "POST",
-        "/v1/sidecars/quiesced",
-        service.h_quiesced,
-        "A sidecar acknowledges quiescence",
-        "sidecar",
-        "termination",
-    )
-    r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records")
+    r("POST", "/v1/agents/{agent}/terminate", service.h_terminate, "Terminate an agent and its subtree",
+      "admin-or-ancestor", "termination", body=sc.TERMINATE_REQUEST, ok=sc.TERMINATION_STARTED, status=202)
+    r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination", ok=sc.TERMINATIONS)
+    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin-or-ancestor", "termination",
+      ok=sc.TERMINATION_VIEW)
+    r("POST", "/v1/sidecars/quiesced", service.h_quiesced, "A sidecar run acknowledges quiescence", "sidecar",
+      "termination", body=sc.QUIESCED_REQUEST, ok=sc.QUIESCED)
+    r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records",
+      ok=sc.RECORDS)
     r("GET", "/v1/records/{id}", service.h_record, "One record (by record or termination id)", "admin-or-ancestor",
-      "records")
-    r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops")
-    r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops")
+      "records", ok=sc.ref("Record"))
+    r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops",
+      ok=sc.TRUST)
+    r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops",
+      ok=sc.CATALOG)
     cp.background.append(service.run)
     return service
