@@ -842,6 +842,7 @@ class ControlPlane:
 
     async def h_deny(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
+        await read_json(request)  # no fields, but a body that is not an object is refused as everywhere
         return web.json_response(await self.decide(request.match_info["id"], "denied", "admin"))
 
     # -- audit ---------------------------------------------------------------------------------------------
