@@ -120,10 +120,10 @@ def read(doc: Any, source: str = "surface") -> tuple[int, str | None, dict[str, 
 
 def _entry(value: Any, version: int, where: str) -> Entry:
     if version == 1:
-        if value not in _RANK:
+        if not isinstance(value, str) or value not in _RANK:
             raise SurfaceError(f"{where}: expected a tier ({', '.join(TIERS)}), got {value!r}")
         return Entry(value, None, None)
-    if not isinstance(value, Mapping) or value.get("tier") not in _RANK:
+    if not isinstance(value, Mapping) or not isinstance(value.get("tier"), str) or value["tier"] not in _RANK:
         raise SurfaceError(f"{where}: expected {{tier, wire, budget}} with a tier of {', '.join(TIERS)}")
     return Entry(value["tier"], _check_wire(value.get("wire"), where), _check_budget(value.get("budget"), where))
 

@@ -8,22 +8,24 @@ Termination and records live in ``termination_service.py`` and register their ro
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import runs, telemetry
+from . import schemas as sc
 from .auth import Authenticator, Caller
+from .body import MAX_BODY, Fields, bad, parse, query_int, query_number, raw_body, read_json
 from .capability import keys
 from .capability.catalog import TIERS, Catalog
 from .capability.chain import (
+    MAX_LINKS,
     ChainInvalid,
     Verifier,
     mint_root,
@@ -36,32 +38,42 @@ from .capability.errors import (
     FORBIDDEN,
     NOT_FOUND,
     STORE_UNAVAILABLE,
+    UNAUTHORIZED,
     ApiError,
     ChainError,
     TetherError,
 )
 from .graph import Graph, surface
 from .metrics import Metrics, gauge, revocations_acknowledged
-from .store import Doc, Event, Store, StoreUnavailable
+from .schemas import MAX_REASON, MAX_TTL_S, Schema
+from .store import Doc, Event, LinkConflict, Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEFAULT_LEASE_TTL_S = 15.0
 DEFAULT_APPROVAL_TTL_S = 300.0
-MAX_BODY = 8 * 1024 * 1024
 APPROVED, DENIED, CANCELLED = "approved", "denied", "cancelled"  # decisions on a held call (cancelled: by a
 # termination, before the call left; never a person's denial)
 
 
 @dataclass
 class Route:
+    """One API route and what ``/openapi.json`` says of it: who may call it, the body it reads, the status
+    and body of its success, its query parameters (name, schema, description)."""
+
     method: str
     path: str
     handler: Handler
     summary: str
-    auth: str  # "none" | "admin" | "sidecar" | "admin-or-ancestor"
+    auth: str  # "none" | "admin" | "sidecar" | "admin-or-ancestor" | "admin-or-sidecar"
     tag: str = "control"
+    body: Schema | None = None
+    ok: Schema | None = None
+    status: int = 200
+    query: tuple[tuple[str, Schema, str], ...] = ()
+    content: str | None = "application/json"  # of the success answer; None: no body (a redirect)
+    extra_responses: dict[int, Any] = field(default_factory=dict)
 
 
 def json_error(status: int, code: str, message: str, **details: Any) -> web.Response:
@@ -81,7 +93,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(400, exc.code, exc.message, **exc.details)
     except StoreUnavailable as exc:
         return json_error(503, STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
-    except web.HTTPException:
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        response = json_error(405, BAD_REQUEST, f"{request.method} is not allowed on {request.path}; use {allowed}")
+        response.headers["Allow"] = exc.headers.get("Allow", allowed)
+        return response
+    except web.HTTPNotFound:
+        return json_error(404, NOT_FOUND, f"no route {request.path}; /openapi.json lists them")
+    except web.HTTPException:  # redirects, and aiohttp's own refusals below the API
         raise
     except (ConnectionError, OSError) as exc:
         log.warning("store error on %s %s: %s", request.method, request.path, exc)
@@ -91,26 +110,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(500, "tether.internal", "internal error; the control plane log has the details")
 
 
-def _bad(message: str, **details: Any) -> ApiError:
-    return ApiError(400, BAD_REQUEST, message, **details)
-
-
-async def read_json(request: web.Request) -> tuple[Any, bytes]:
-    body = await request.read()
-    if not body:
-        return {}, body
-    try:
-        return json.loads(body), body
-    except ValueError:
-        raise _bad("the request body is not valid JSON") from None
-
-
 def _chain_wire(value: Any) -> str:
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return ",".join(value)
     if isinstance(value, str):
         return value
-    raise _bad("'chain' must be the comma-joined links or a list of links")
+    raise bad("'chain' must be the comma-joined links or a list of links", field="chain")
 
 
 class ControlPlane:
@@ -185,6 +190,10 @@ class ControlPlane:
             revoked = await self.store.revoked_among(list(leaf["chain_jtis"]))
             return [doc for doc in known if doc is not None], 0, sorted(revoked)
         verified = self.verifier.verify(wire, now=self.clock(), revoked=await self.revoked())
+        for link, doc in zip(verified.links, known, strict=True):
+            other = None if doc is not None else await self.store.link_by_jti(link.jti)
+            if other is not None:  # checked before any agent id is claimed (the store checks again, atomically)
+                raise _jti_taken(link.jti, other["hash"])
         await self._claim_agent_ids(verified.links, known)
         now = self.clock()
         docs: list[Doc] = []
@@ -207,7 +216,10 @@ class ControlPlane:
                     "chain_hashes": list(hashes),
                 }
             )
-        new = await self.store.put_links(docs)
+        try:
+            new = await self.store.put_links(docs)
+        except LinkConflict as exc:  # answered, never a 200 for a link that was not stored
+            raise _jti_taken(exc.jti, exc.registered) from None
         if new:
             self.metrics.inc("tether_links_registered_total", new)
         return docs, new, []
@@ -266,90 +278,75 @@ class ControlPlane:
             return doc
         return (await self.store.revocations()).get(link["jti"], doc)
 
-    async def may_act_as_ancestor(self, request: web.Request, link: Doc, body: bytes,
-                                  replay_checked: bool = False) -> str:
-        """Authorize an admin, or a principal that issued ``link`` or any of its ancestors."""
+    async def principal(self, request: web.Request, raw: bytes) -> Caller | None:
+        """Who calls an admin-or-ancestor route, decided before anything it names is looked up: ``None`` for
+        an admin, the chain holder its proof names otherwise, and 401 for anyone else, so an unauthenticated
+        caller learns nothing of which jtis or agents exist."""
         if self.auth.is_admin(request):
+            return None
+        if self.auth.proof_of(request) is None:
+            raise ApiError(401, UNAUTHORIZED,
+                           "send the admin token, or a Tether-Proof signed by an ancestor principal's key")
+        return await self.auth.sidecar(request, raw)
+
+    @staticmethod
+    def ancestor_of(caller: Caller | None, link: Doc) -> str:
+        """Authorize an admin (``caller`` None), or a principal that issued ``link`` or any of its ancestors."""
+        if caller is None:
             return "admin"
-        proof = self.auth.proof_of(request)
-        if proof is None:
-            raise ApiError(
-                401,
-                "tether.unauthorized",
-                "send the admin token, or a Tether-Proof signed by an ancestor principal's key",
-            )
-        for ancestor_hash in reversed(link.get("chain_hashes", [])[:-1]):  # parent first; no graph load
-            ancestor = await self.store.get_link(ancestor_hash)
-            if ancestor is None:
-                continue
-            if ancestor["hash"] == proof.link and ancestor["sub"] == proof.agent:
-                await self.auth.check(request, proof, ancestor["claims"]["cnf"]["jwk"], body,
-                                      consume=not replay_checked)
-                return f"principal:{proof.agent}"
-        raise ApiError(
-            403, FORBIDDEN, f"{proof.agent} is not an ancestor of {link['sub']}'s link; only an issuer above it may act"
-        )
+        if caller.link_hash in link.get("chain_hashes", [])[:-1]:
+            return f"principal:{caller.agent}"
+        raise ApiError(403, FORBIDDEN,
+                       f"{caller.agent} is not an ancestor of {link['sub']}'s link; only an issuer above it may act")
 
     # -- route table ------------------------------------------------------------------------------------
-    def route(self, method: str, path: str, handler: Handler, summary: str, auth: str, tag: str = "control") -> None:
-        self.routes.append(Route(method, path, handler, summary, auth, tag))
+    def route(self, method: str, path: str, handler: Handler, summary: str, auth: str, tag: str = "control",
+              **spec: Any) -> None:
+        """Add a route; ``spec`` is what the OpenAPI document says of it (``Route``'s fields)."""
+        self.routes.append(Route(method, path, handler, summary, auth, tag, **spec))
 
     def _add_core_routes(self) -> None:
         r = self.route
-        r("GET", "/healthz", self.h_healthz, "Liveness and store health", "none", "ops")
-        r("GET", "/metrics", self.h_metrics, "Prometheus metrics", "none", "ops")
-        r("GET", "/openapi.json", self.h_openapi, "This document", "none", "ops")
-        r("POST", "/v1/grants", self.h_issue, "Issue a root grant for an agent", "admin", "grants")
-        r(
-            "POST",
-            "/v1/grants/{jti}/revoke",
-            self.h_revoke,
-            "Revoke a link and every chain containing it",
-            "admin-or-ancestor",
-            "grants",
-        )
-        r(
-            "POST",
-            "/v1/chains/register",
-            self.h_register,
-            "Register a chain (every link before use)",
-            "sidecar",
-            "grants",
-        )
-        r(
-            "POST",
-            "/v1/chains/verify",
-            self.h_verify,
-            "Verify a chain against the keys and revocations",
-            "none",
-            "grants",
-        )
-        r("GET", "/v1/agents", self.h_agents, "The agent graph, as a list and a tree", "admin", "agents")
-        r(
-            "POST",
-            "/v1/agents/{agent}/revoke",
-            self.h_revoke_agent,
-            "Revoke every link an agent holds",
-            "admin",
-            "agents",
-        )
-        r(
-            "GET",
-            "/v1/events",
-            self.h_events,
-            "Sequence-numbered event stream for a sidecar (long poll)",
-            "sidecar",
-            "sidecar",
-        )
-        r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar's lease", "sidecar", "sidecar")
-        r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar", "sidecar")
-        r("GET", "/v1/reports", self.h_reports_out, "Call reports, optionally for one agent", "admin", "sidecar")
-        r("POST", "/v1/approvals", self.h_approval_new, "Ask for approval of a held call", "sidecar", "approvals")
-        r("GET", "/v1/approvals", self.h_approvals, "List approvals", "admin", "approvals")
-        r("GET", "/v1/approvals/{id}", self.h_approval_get, "One approval", "admin-or-sidecar", "approvals")
-        r("POST", "/v1/approvals/{id}/approve", self.h_approve, "Approve a held call", "admin", "approvals")
-        r("POST", "/v1/approvals/{id}/deny", self.h_deny, "Deny a held call", "admin", "approvals")
-        r("GET", "/v1/audit/surface", self.h_surface, "Effective capability list per agent", "admin", "audit")
+        r("GET", "/healthz", self.h_healthz, "Liveness and store health", "none", "ops", ok=sc.HEALTH,
+          extra_responses={503: {"description": "The store is unreachable",
+                                 "content": {"application/json": {"schema": sc.HEALTH}}}})
+        r("GET", "/metrics", self.h_metrics, "Prometheus metrics (per-agent series to an admin only)", "none", "ops",
+          content="text/plain", ok={"type": "string"})
+        r("GET", "/openapi.json", self.h_openapi, "This document", "none", "ops", ok=sc.OPENAPI)
+        r("POST", "/v1/grants", self.h_issue, "Issue a root grant for an agent", "admin", "grants",
+          body=sc.GRANT_REQUEST, ok=sc.GRANT, status=201)
+        r("POST", "/v1/grants/{jti}/revoke", self.h_revoke, "Revoke a link and every chain containing it",
+          "admin-or-ancestor", "grants", body=sc.REASON_REQUEST, ok=sc.REVOKED)
+        r("POST", "/v1/chains/register", self.h_register, "Register a chain (every link before use)", "sidecar",
+          "grants", body=sc.CHAIN_REQUEST, ok=sc.REGISTERED)
+        r("POST", "/v1/chains/verify", self.h_verify, "Verify a chain against the keys and revocations", "none",
+          "grants", body=sc.CHAIN_REQUEST, ok=sc.VERDICT)
+        r("GET", "/v1/agents", self.h_agents, "The agent graph, as a list and a tree", "admin", "agents",
+          ok=sc.AGENTS)
+        r("POST", "/v1/agents/{agent}/revoke", self.h_revoke_agent, "Revoke every link an agent holds", "admin",
+          "agents", body=sc.REASON_REQUEST, ok=sc.AGENT_REVOKED)
+        r("GET", "/v1/events", self.h_events, "Sequence-numbered event stream for a sidecar (long poll)", "sidecar",
+          "sidecar", ok=sc.EVENTS, query=(
+              ("after", sc.INT, "the last sequence number seen (-1 or absent: a full resync)"),
+              ("wait", sc.NUM, "seconds to wait for an event (at most 30)")))
+        r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar run's lease", "sidecar", "sidecar",
+          body=sc.HEARTBEAT_REQUEST, ok=sc.LEASE)
+        r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar",
+          "sidecar", body=sc.REPORTS_REQUEST, ok=sc.ACCEPTED)
+        r("GET", "/v1/reports", self.h_reports_out, "Call reports, optionally for one agent", "admin", "sidecar",
+          ok=sc.REPORTS, query=(("agent", sc.STR, "only this agent's calls"),))
+        r("POST", "/v1/approvals", self.h_approval_new, "Ask for approval of a held call", "sidecar", "approvals",
+          body=sc.APPROVAL_REQUEST, ok=sc.ref("Approval"), status=201)
+        r("GET", "/v1/approvals", self.h_approvals, "List approvals", "admin", "approvals", ok=sc.APPROVALS,
+          query=(("status", sc.STR, "only approvals in this status (pending, approved, denied, expired)"),))
+        r("GET", "/v1/approvals/{id}", self.h_approval_get, "One approval", "admin-or-sidecar", "approvals",
+          ok=sc.ref("Approval"))
+        r("POST", "/v1/approvals/{id}/approve", self.h_approve, "Approve a held call", "admin", "approvals",
+          body=sc.APPROVE_REQUEST, ok=sc.ref("Approval"))
+        r("POST", "/v1/approvals/{id}/deny", self.h_deny, "Deny a held call", "admin", "approvals",
+          body=sc.obj({}), ok=sc.ref("Approval"))
+        r("GET", "/v1/audit/surface", self.h_surface, "Effective capability list per agent", "admin", "audit",
+          ok=sc.ref("Surface"), query=(("agent", sc.STR, "only this agent"),))
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
@@ -382,6 +379,9 @@ class ControlPlane:
         return web.json_response(body, status=200 if ok else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text. Series labelled by agent id name the fleet's agents, so they go to an admin only
+        (a scraper sends the admin token as its bearer); anyone else gets the fleet-wide series."""
+        per_agent = self.auth.is_admin(request)
         lines = gauge("tether_up", "1 while the control plane serves.", [("", 1)])
         now = self.clock()
         try:
@@ -398,8 +398,11 @@ class ControlPlane:
                 lag = max(0, high - int(seen)) if isinstance(seen, int) and seen >= 0 else 0
                 agent = str(doc.get("agent"))
                 lags[agent] = max(lag, lags.get(agent, 0))
-            lines += gauge("tether_subscriber_lag_events", "Events a live sidecar has not read yet, per agent.",
-                           [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
+            lines += gauge("tether_subscriber_lag_events_max", "Events the slowest live sidecar has not read yet.",
+                           [("", max(lags.values(), default=0))])
+            if per_agent:  # series labelled by agent id name the fleet's agents: an admin's only
+                lines += gauge("tether_subscriber_lag_events", "Events a live sidecar has not read yet, per agent.",
+                               [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
             active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
             lines += gauge("tether_terminations_in_flight", "Terminations not yet terminated.", [("", active)])
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
@@ -414,65 +417,56 @@ class ControlPlane:
         return web.json_response(document(self.routes))
 
     # -- grants ---------------------------------------------------------------------------------------
-    def _caps_from(self, body: Doc) -> dict[str, str]:
+    def _caps_from(self, body: Fields) -> dict[str, str]:
         caps: dict[str, str] = {}
-        if body.get("role"):
-            caps.update(self.catalog.role(str(body["role"])))
-        raw = body.get("caps") or {}
-        if not isinstance(raw, dict):
-            raise _bad("'caps' must map capability names to tiers")
+        role = body.string("role", max_len=200)
+        if role:
+            caps.update(self.catalog.role(role))
+        raw = body.obj("caps") or {}
         for name, tier in raw.items():
-            if tier not in TIERS:
-                raise _bad(f"capability {name}: tier must be one of {', '.join(TIERS)}", capability=name)
-            caps[str(name)] = tier
+            if not isinstance(tier, str) or tier not in TIERS:
+                raise bad(f"capability {name}: tier must be one of {', '.join(TIERS)}", capability=name, field="caps")
+            caps[name] = tier
         self.catalog.require(caps)
         return caps
 
     async def h_issue(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
         body, _ = await read_json(request)
-        if not isinstance(body, dict) or not isinstance(body.get("agent"), str):
-            raise _bad("body needs 'agent', 'subject_key' (PEM or JWK) and 'caps' or 'role'")
-        key_raw = body.get("subject_key")
+        agent = body.string("agent", required=True, max_len=128)
+        key_raw = body.raw("subject_key")
         if isinstance(key_raw, dict):
             subject = keys.from_jwk(key_raw)
         elif isinstance(key_raw, str):
             subject = keys.load_public(key_raw.encode(), "subject_key")
         else:
-            raise _bad("'subject_key' must be a PEM public key or an Ed25519 JWK")
-        try:
-            ttl = float(body.get("ttl_s", 3600))
-            depth = int(body.get("depth", 3))
-        except (TypeError, ValueError):
-            raise _bad("'ttl_s' and 'depth' must be numbers") from None
+            raise bad("'subject_key' must be a PEM public key or an Ed25519 JWK", field="subject_key")
         compact = mint_root(
             self.signing_key,
-            agent=body["agent"],
+            agent=str(agent),
             subject_key=subject,
             caps=self._caps_from(body),
             now=self.clock(),
-            ttl_s=ttl,
-            depth=depth,
+            ttl_s=float(body.number("ttl_s", 3600.0, minimum=1, maximum=MAX_TTL_S)),
+            depth=int(body.integer("depth", 3, minimum=0, maximum=MAX_LINKS)),
             catalog=self.catalog,
         )
         docs, _, _ = await self.register_chain(compact)
         self.metrics.inc("tether_grants_issued_total")
         return web.json_response(
-            {"agent": body["agent"], "jti": docs[0]["jti"], "link": compact, "chain": [compact]}, status=201
+            {"agent": agent, "jti": docs[0]["jti"], "link": compact, "chain": [compact]}, status=201
         )
 
     async def h_register(self, request: web.Request) -> web.Response:
         body, raw = await read_json(request)
-        if not isinstance(body, dict) or "chain" not in body:
-            raise _bad("body needs 'chain'")
-        wire = _chain_wire(body["chain"])
+        wire = _chain_wire(body.raw("chain"))
         if not self.auth.is_admin(request):
             links = parse_chain_unverified(split_chain(wire))
             proof = self.auth.proof_of(request)
             if proof is None or proof.link != links[-1].hash or proof.agent != links[-1].sub:
                 raise ApiError(
                     401,
-                    "tether.unauthorized",
+                    UNAUTHORIZED,
                     "register with a Tether-Proof signed by the leaf link's key (or as admin)",
                 )
             await self.auth.check(request, proof, links[-1].claims["cnf"]["jwk"], raw)
@@ -483,9 +477,7 @@ class ControlPlane:
 
     async def h_verify(self, request: web.Request) -> web.Response:
         body, _ = await read_json(request)
-        if not isinstance(body, dict) or "chain" not in body:
-            raise _bad("body needs 'chain'")
-        wire = _chain_wire(body["chain"])
+        wire = _chain_wire(body.raw("chain"))
         try:
             verified = self.verifier.verify(wire, now=self.clock(), revoked=await self.revoked())
         except ChainError as exc:
@@ -504,12 +496,13 @@ class ControlPlane:
 
     async def h_revoke(self, request: web.Request) -> web.Response:
         jti = request.match_info["jti"]
-        body, raw = await read_json(request)
+        raw = await raw_body(request)
+        caller = await self.principal(request, raw)  # before the lookup: no existence oracle
+        reason = parse(raw).string("reason", "", max_len=MAX_REASON) or ""
         link = await self.store.link_by_jti(jti)
         if link is None:
             raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti}")
-        by = await self.may_act_as_ancestor(request, link, raw)
-        reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
+        by = self.ancestor_of(caller, link)
         # Who is cut off is worked out before the revocation goes out, so this replica's CPU is free for
         # the fan-out that follows it.
         below = sorted({d["sub"] for d in (await self.graph()).descendants(link["hash"])})
@@ -519,12 +512,11 @@ class ControlPlane:
     async def h_revoke_agent(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
         agent = request.match_info["agent"]
-        graph = await self.graph()
-        links = graph.links_of(agent)
+        body, _ = await read_json(request)
+        reason = body.string("reason", "", max_len=MAX_REASON) or ""
+        links = (await self.graph()).links_of(agent)
         if not links:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
-        body, _ = await read_json(request)
-        reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
         docs = [await self.revoke_link(link, "admin", reason) for link in links]
         return web.json_response({"agent": agent, "revoked": docs})
 
@@ -573,12 +565,9 @@ class ControlPlane:
 
     # -- sidecar channel -----------------------------------------------------------------------------------
     async def h_events(self, request: web.Request) -> web.Response:
-        caller = await self.auth.sidecar(request, await request.read())
-        try:
-            after = int(request.query.get("after", "-1"))
-            wait = max(0.0, min(float(request.query.get("wait", "0")), 30.0))
-        except ValueError:
-            raise _bad("'after' must be an integer and 'wait' a number of seconds") from None
+        caller = await self.auth.sidecar(request, await raw_body(request))
+        after = query_int(request, "after", -1)
+        wait = max(0.0, min(query_number(request, "wait", 0.0), 30.0))
         link = caller.link
         chain_jtis = set(link.get("chain_jtis", [link["jti"]]))
         low, high = await self.store.event_bounds()
@@ -627,17 +616,17 @@ class ControlPlane:
     async def h_heartbeat(self, request: web.Request) -> web.Response:
         """Renew a run's lease. The in-flight list and state belong to this run alone: a second run (a
         restart, a respawn under a new link) has its own document and never overwrites this one."""
-        raw = await request.read()
+        raw = await raw_body(request)
         caller = await self.auth.run_of(request, raw)
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            raise _bad("the heartbeat body is not JSON") from None
-        if not isinstance(body, dict):
-            raise _bad("the heartbeat body must be an object")
-        inflight = body.get("inflight", [])
-        if not isinstance(inflight, list) or not all(isinstance(c, dict) for c in inflight):
-            raise _bad("'inflight' must be a list of call objects")
+        body = parse(raw, "the heartbeat body")
+        inflight = body.objects("inflight")
+        state = body.string("state", "serving", max_len=32) or "serving"
+        seq = body.integer("seq", nullable=True)
+        proxy = body.string("proxy", max_len=200)
+        pid = body.integer("pid", nullable=True)
+        started_at = body.number("started_at", nullable=True)
+        spooled = body.integer("spooled", 0, nullable=True, minimum=0)
+        supersedes = body.string("supersedes", max_len=64)
         now = self.clock()
         run = str(caller.run)
         previous = await self.store.get_sidecar(run) or {}
@@ -650,21 +639,20 @@ class ControlPlane:
             "link": caller.link_hash,
             "last_seen": now,
             "lease_expires": now + self.lease_ttl_s,
-            "state": str(body.get("state", "serving"))[:32],
+            "state": state,
             "inflight": inflight[:10_000],
-            "seq": body.get("seq") if isinstance(body.get("seq"), int) else None,
-            "proxy": str(body["proxy"])[:200] if body.get("proxy") else None,
-            "pid": body.get("pid") if isinstance(body.get("pid"), int) else None,
-            "started_at": body.get("started_at") if isinstance(body.get("started_at"), int | float) else None,
-            "spooled": body.get("spooled") if isinstance(body.get("spooled"), int) else 0,
+            "seq": seq,
+            "proxy": proxy or None,
+            "pid": pid,
+            "started_at": started_at,
+            "spooled": spooled,
             "replica": self.replica,
         }
-        doc["revocations_acknowledged"] = await revocations_acknowledged(self.store, self.metrics, doc, body, now)
+        doc["revocations_acknowledged"] = await revocations_acknowledged(self.store, self.metrics, doc, body.doc, now)
         if doc["state"] == runs.STOPPED and not previous.get("final"):
             doc.update(final=runs.STOPPED, final_at=now)  # the goodbye: its reports are in, nothing passes
         await self.store.put_sidecar(run, doc)
-        supersedes = body.get("supersedes")
-        if isinstance(supersedes, str) and supersedes != run:
+        if supersedes is not None and supersedes != run:
             await self._supersede(caller, supersedes, now)
         self.metrics.inc("tether_heartbeats_total")
         return web.json_response(
@@ -694,27 +682,25 @@ class ControlPlane:
         if doc.get("final") != state:
             await self.store.put_sidecar(run, {**doc, "final": state, "final_at": self.clock(), "state": state})
 
-    async def ingest_reports(self, caller: Caller, reports: Any, starts: Any = ()) -> tuple[int, int]:
+    async def ingest_reports(self, caller: Caller, reports: list[Doc], starts: list[Doc]) -> tuple[int, int]:
         """The one way call reports come in (batches and acknowledgements alike): each is checked, stamped
         with the agent, link and run that delivered it, and stored idempotently on ``call_id``. ``starts``
         are calls written ahead before they left; a final report always supersedes its start."""
-        if not isinstance(reports, list) or not isinstance(starts, list):
-            raise _bad("'reports' and 'starts' must be lists")
         now = self.clock()
 
-        def stamped(items: list[Any]) -> list[Doc]:
+        def stamped(items: list[Doc], what: str) -> list[Doc]:
             out: list[Doc] = []
-            for item in items:
-                if not isinstance(item, dict) or not isinstance(item.get("call_id"), str) or not item["call_id"]:
-                    raise _bad("every report needs a 'call_id'")
-                if item.get("agent", caller.agent) != caller.agent:
+            for index, item in enumerate(items):
+                fields = Fields(item, f"{what}[{index}]")
+                fields.string("call_id", required=True, nullable=False, max_len=200, non_empty=True)
+                if fields.raw("agent", caller.agent) != caller.agent:
                     raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {item.get('agent')}")
-                run = item.get("run_id") if isinstance(item.get("run_id"), str) else caller.run
+                run = fields.string("run_id", max_len=64) or caller.run
                 out.append({**item, "agent": caller.agent, "link": caller.link_hash, "run_id": run,
                             "received_at": now})
             return out
 
-        clean, early = stamped(reports), stamped(starts)
+        clean, early = stamped(reports, "reports"), stamped(starts, "starts")
         if early:
             await self.store.put_starts(early)
         new, dup = stored = await self.store.put_reports(clean)
@@ -726,15 +712,10 @@ class ControlPlane:
         return new, dup
 
     async def h_reports_in(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        raw = await raw_body(request)
         caller = await self.auth.sidecar(request, raw)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise _bad("the report body is not JSON") from None
-        if not isinstance(body, dict) or not isinstance(body.get("reports", []), list):
-            raise _bad("body needs 'reports': a list")
-        new, dup = await self.ingest_reports(caller, body.get("reports", []), body.get("starts") or [])
+        body = parse(raw, "the report batch")
+        new, dup = await self.ingest_reports(caller, body.objects("reports"), body.objects("starts"))
         return web.json_response({"accepted": new, "duplicates": dup})
 
     async def h_reports_out(self, request: web.Request) -> web.Response:
@@ -744,27 +725,31 @@ class ControlPlane:
 
     # -- approvals -------------------------------------------------------------------------------------
     async def h_approval_new(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        raw = await raw_body(request)
         caller = await self.auth.sidecar(request, raw)
         agent, link = caller.agent, caller.link
-        body = json.loads(raw or b"{}")
-        if not isinstance(body, dict) or not isinstance(body.get("call_id"), str):
-            raise _bad("body needs 'call_id', 'capability', 'method', 'url'")
+        body = parse(raw, "the approval request")
+        call_id = body.string("call_id", required=True, nullable=False, max_len=200, non_empty=True)
+        capability = body.string("capability", max_len=200)
+        method = body.string("method", max_len=32)
+        url = body.string("url", max_len=8192)
+        summary = (body.string("summary", "", max_len=64 * 1024) or "")[:500]
+        # A longer wait than a day is shortened to a day, as it always was; a wait that is not a number is refused.
+        ttl = min(float(body.number("timeout_s", self.approval_ttl_s, minimum=0) or 0.0), 24 * 3600)
+        held = _held_request(body.obj("request"))
         now = self.clock()
         approval_id = "apr-" + os.urandom(6).hex()
-        ttl = min(float(body.get("timeout_s", self.approval_ttl_s)), 24 * 3600)
-        held = _held_request(body.get("request"))
         chain = [await self.store.get_link(h) for h in link.get("chain_hashes", [link["hash"]])]
         doc = {
             "id": approval_id,
             "agent": agent,
             "link": caller.link_hash,
             "run_id": caller.run,
-            "call_id": body["call_id"],
-            "capability": body.get("capability"),
-            "method": body.get("method"),
-            "url": body.get("url"),
-            "summary": str(body.get("summary", ""))[:500],
+            "call_id": call_id,
+            "capability": capability,
+            "method": method,
+            "url": url,
+            "summary": summary,
             # What the approver decides on: the exact request (redacted by the sidecar as captures are), its
             # hash, where the agent sits (agent ids from the root) and who may decide.
             "request": held,
@@ -796,7 +781,7 @@ class ControlPlane:
     async def h_approval_get(self, request: web.Request) -> web.Response:
         doc = await self.store.get_doc("approval", request.match_info["id"])
         if not self.auth.is_admin(request):
-            caller = await self.auth.sidecar(request, await request.read())
+            caller = await self.auth.sidecar(request, await raw_body(request))
             if doc is not None and doc.get("link", caller.link_hash) != caller.link_hash:
                 doc = None
         if doc is None:
@@ -845,13 +830,12 @@ class ControlPlane:
     async def h_approve(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
         body, _ = await read_json(request)
-        call_hash = body.get("call_hash") if isinstance(body, dict) else None
-        if call_hash is not None and not isinstance(call_hash, str):
-            raise _bad("'call_hash' must be the string shown with the approval")
+        call_hash = body.string("call_hash", max_len=200)
         return web.json_response(await self.decide(request.match_info["id"], APPROVED, "admin", call_hash))
 
     async def h_deny(self, request: web.Request) -> web.Response:
         self.auth.require_admin(request)
+        await read_json(request)  # no fields, but a body that is not an object is refused as everywhere
         return web.json_response(await self.decide(request.match_info["id"], DENIED, "admin"))
 
     # -- audit ---------------------------------------------------------------------------------------------
@@ -864,23 +848,31 @@ class ControlPlane:
         return web.json_response(surface(self.catalog, graph, await self.revoked(), self.clock(), agent))
 
 
-def _held_request(value: Any) -> Doc | None:
+def _held_request(value: Doc | None) -> Doc | None:
     """The held call as the sidecar sent it, kept to the shape and sizes the console shows."""
-    if not isinstance(value, dict):
+    if value is None:
         return None
-    headers = value.get("headers")
+    held = Fields(value, "'request'")
+    headers = held.raw("headers")
     return {
-        "method": str(value.get("method", ""))[:32],
-        "url": str(value.get("url", ""))[:8192],
-        "headers": [[str(h[0])[:256], str(h[1])[:4096]] for h in headers[:200] if isinstance(h, list) and len(h) == 2]
+        "method": (held.string("method", "", max_len=1024) or "")[:32],
+        "url": (held.string("url", "", max_len=64 * 1024) or "")[:8192],
+        "headers": [[str(h[0])[:256], str(h[1])[:4096]] for h in headers[:200]
+                    if isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)]
         if isinstance(headers, list) else [],
-        "body": str(value.get("body", ""))[:32 * 1024],
-        "body_encoding": "base64" if value.get("body_encoding") == "base64" else "text",
-        "body_size": int(value.get("body_size") or 0),
-        "body_truncated": bool(value.get("body_truncated")),
-        "body_streamed": bool(value.get("body_streamed")),  # a large upload held at its headers: body not shown
-        "call_hash": str(value["call_hash"])[:80] if value.get("call_hash") else None,
+        "body": (held.string("body", "", max_len=1024 * 1024) or "")[:32 * 1024],
+        "body_encoding": "base64" if held.raw("body_encoding") == "base64" else "text",
+        "body_size": held.integer("body_size", 0, nullable=True, minimum=-1),  # -1: unknown (streamed)
+        "body_truncated": bool(held.boolean("body_truncated", False, nullable=True)),
+        # A large upload held at its headers: its body is not shown.
+        "body_streamed": bool(held.boolean("body_streamed", False, nullable=True)),
+        "call_hash": held.string("call_hash", max_len=80) or None,
     }
+
+
+def _jti_taken(jti: str, registered: str) -> ApiError:
+    return ApiError(409, CONFLICT, f"jti {jti} already names another registered link ({registered}); a jti names "
+                    "one link only: mint the link again", jti=jti)
 
 
 def _visible(kind: str, target: str | None, payload: Doc, link_hash: str, chain_jtis: set[str]) -> bool:

@@ -8,18 +8,20 @@ restarted control plane picks up every termination that is not ``terminated``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 
 from aiohttp import web
 
 from . import runs, telemetry
+from . import schemas as sc
 from . import termination as proto
+from .auth import Caller
+from .body import parse, raw_body
 from .capability import keys
 from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 from .graph import Graph
-from .server import CANCELLED, ControlPlane, _bad, read_json
+from .server import CANCELLED, MAX_REASON, ControlPlane
 from .store import Doc, StoreUnavailable
 
 log = logging.getLogger("tether.termination")
@@ -41,30 +43,24 @@ class TerminationService:
     # -- API ------------------------------------------------------------------------------------------
     async def h_terminate(self, request: web.Request) -> web.Response:
         agent = request.match_info["agent"]
-        body, raw = await read_json(request)
-        if not isinstance(body, dict):
-            raise _bad("body must be an object: {mode, window_s, reason}")
-        mode = body.get("mode", "drain")
-        try:
-            window_s = float(body.get("window_s", 30))
-        except (TypeError, ValueError):
-            raise _bad("'window_s' must be a number of seconds") from None
-        if mode not in proto.MODES:
-            raise _bad("'mode' must be 'drain' or 'abort'")
-        if not 0 <= window_s <= 86400:
-            raise _bad("'window_s' must be between 0 and 86400")
+        raw = await raw_body(request)
+        caller = await self.cp.principal(request, raw)  # before the lookup: no existence oracle
+        body = parse(raw, "the termination request")
+        mode = str(body.choice("mode", proto.MODES, "drain"))
+        window_s = float(body.number("window_s", 30.0, nullable=True, minimum=0, maximum=86400) or 0.0)
+        reason = body.string("reason", "", max_len=MAX_REASON) or ""
         graph = await self.cp.graph()
         links = graph.links_of(agent)
         if not links:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
-        requested_by = await self._authorize(request, links, raw)
+        requested_by = self._authorize(caller, links)
         # The subtree is fixed by link, not by id: a link registered later under the same id (a respawn, a
         # re-grant) is not part of this termination and starts clean.
         subtree = graph.subtree(agent)
         agents = sorted({link["sub"] for link in subtree})
         tid = "term-" + os.urandom(8).hex()
         doc = proto.new_termination(
-            tid, agent, mode, window_s, str(body.get("reason", "")), requested_by, self.cp.clock(), agents, self.grace_s
+            tid, agent, mode, window_s, reason, requested_by, self.cp.clock(), agents, self.grace_s
         )
         doc["links"] = sorted(link["hash"] for link in subtree)
         if not await self.cp.store.cas_doc("termination", tid, 0, doc):
@@ -83,14 +79,10 @@ class TerminationService:
         self.wake()
         return web.json_response({"termination_id": tid, **doc}, status=202)
 
-    async def _authorize(self, request: web.Request, links: list[Doc], raw: bytes) -> str:
+    def _authorize(self, caller: Caller | None, links: list[Doc]) -> str:
         """An admin, or a principal above every link the agent holds (not just one of them)."""
-        if self.cp.auth.is_admin(request):
-            return "admin"
-        allowed: list[str] = []
-        for link in links:
-            allowed.append(await self.cp.may_act_as_ancestor(request, link, raw, replay_checked=bool(allowed)))
-        return allowed[0]
+        verdicts = [self.cp.ancestor_of(caller, link) for link in links]  # each raises if not above that link
+        return verdicts[0]
 
     async def _admin_or_requester(self, request: web.Request, requested_by: str | None) -> None:
         """Admins read every termination; the principal who asked for one may follow it (signed request)."""
@@ -98,7 +90,7 @@ class TerminationService:
             return
         if self.cp.auth.proof_of(request) is None:
             self.cp.auth.require_admin(request)
-        caller = await self.cp.auth.sidecar(request, await request.read())
+        caller = await self.cp.auth.sidecar(request, await raw_body(request))
         if requested_by != f"principal:{caller.agent}":
             raise ApiError(403, FORBIDDEN, f"{caller.agent} did not request this termination")
 
@@ -117,19 +109,15 @@ class TerminationService:
         return web.json_response(await self.cp.store.list_docs("termination"))
 
     async def h_quiesced(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        raw = await raw_body(request)
         caller = await self.cp.auth.run_of(request, raw)
-        try:
-            body = json.loads(raw)
-            tid = body["termination_id"]
-        except (ValueError, KeyError, TypeError):
-            raise _bad("body needs 'termination_id'") from None
-        if not isinstance(tid, str):
-            raise _bad("'termination_id' must be a string")
+        body = parse(raw, "the acknowledgement")
+        tid = str(body.string("termination_id", required=True, nullable=False, max_len=200))
+        reports, starts, calls = body.objects("reports"), body.objects("starts"), body.obj("calls")
         term = await self.cp.store.get_doc("termination", tid)
         if term is None or caller.link_hash not in _links_of(term, await self.cp.graph()):
             raise ApiError(404, NOT_FOUND, f"{caller.agent}'s link is not part of termination {tid}")
-        await self.cp.ingest_reports(caller, body.get("reports") or [], body.get("starts") or [])
+        await self.cp.ingest_reports(caller, reports, starts)
         now = self.cp.clock()
         ack = {
             "agent": caller.agent,
@@ -137,7 +125,7 @@ class TerminationService:
             "run_id": caller.run,
             "termination_id": tid,
             "at": now,
-            "calls": body.get("calls") if isinstance(body.get("calls"), dict) else None,
+            "calls": calls,
             "state": runs.TERMINATED,
         }
         await self.cp.store.put_doc("ack", f"{tid}:{caller.run}", ack)
@@ -381,28 +369,20 @@ def _reported_under(report: Doc, links: set[str]) -> bool:
 def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationService:
     service = TerminationService(cp, grace_s if grace_s is not None else cp.grace_s)
     r = cp.route
-    r(
-        "POST",
-        "/v1/agents/{agent}/terminate",
-        service.h_terminate,
-        "Terminate an agent and its subtree",
-        "admin-or-ancestor",
-        "termination",
-    )
-    r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination")
-    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin-or-ancestor", "termination")
-    r(
-        "POST",
-        "/v1/sidecars/quiesced",
-        service.h_quiesced,
-        "A sidecar acknowledges quiescence",
-        "sidecar",
-        "termination",
-    )
-    r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records")
+    r("POST", "/v1/agents/{agent}/terminate", service.h_terminate, "Terminate an agent and its subtree",
+      "admin-or-ancestor", "termination", body=sc.TERMINATE_REQUEST, ok=sc.TERMINATION_STARTED, status=202)
+    r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination", ok=sc.TERMINATIONS)
+    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin-or-ancestor", "termination",
+      ok=sc.TERMINATION_VIEW)
+    r("POST", "/v1/sidecars/quiesced", service.h_quiesced, "A sidecar run acknowledges quiescence", "sidecar",
+      "termination", body=sc.QUIESCED_REQUEST, ok=sc.QUIESCED)
+    r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records",
+      ok=sc.RECORDS)
     r("GET", "/v1/records/{id}", service.h_record, "One record (by record or termination id)", "admin-or-ancestor",
-      "records")
-    r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops")
-    r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops")
+      "records", ok=sc.ref("Record"))
+    r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops",
+      ok=sc.TRUST)
+    r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops",
+      ok=sc.CATALOG)
     cp.background.append(service.run)
     return service

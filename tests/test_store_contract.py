@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.capability.errors import TetherError
-from controlplane.store import Store, StoreUnavailable, open_store_url
+from controlplane.store import LinkConflict, Store, StoreUnavailable, open_store_url
 from controlplane.store import redis as redis_store
 from controlplane.store import sqlite as sqlite_store
 from controlplane.store.redis import RedisStore
@@ -102,7 +102,13 @@ async def test_links_are_stored_once_and_found_by_hash_and_jti(store: Store) -> 
     assert await store.put_links([link(1), link(2), link(3)]) == 1
     changed = {**link(1), "compact": "something else"}
     assert await store.put_links([changed]) == 0
-    assert await store.put_links([link(4, jti="j1")]) == 0  # a jti names one link only
+    # A jti names one link only: a batch with a link whose jti names another link stores nothing.
+    with pytest.raises(LinkConflict) as info:
+        await store.put_links([link(5), link(4, jti="j1")])
+    assert (info.value.jti, info.value.registered) == ("j1", "h1")
+    with pytest.raises(LinkConflict):
+        await store.put_links([link(6, jti="j6"), link(7, jti="j6")])
+    assert [await store.get_link(h) for h in ("h4", "h5", "h6", "h7")] == [None] * 4
 
     assert await store.get_link("h1") == link(1)
     assert await store.link_by_jti("j2") == link(2)

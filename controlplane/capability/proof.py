@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -19,11 +20,13 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from . import keys
+from .chain import LEEWAY_S
 from .errors import UNAUTHORIZED, ApiError
 
 PROOF_TYP = "tether-proof+jwt"
 RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 MAX_AGE_S = 60
+FUTURE_LEEWAY_S = LEEWAY_S  # a proof may be dated this far ahead: the clock skew tolerated for links too
 
 
 def body_hash(body: bytes) -> str:
@@ -91,18 +94,30 @@ def read_proof(compact: str) -> Proof:
         raise _unauthorized(f"Tether-Proof must be an EdDSA JWS of typ {PROOF_TYP}")
     if not isinstance(claims, dict) or not all(
         isinstance(claims.get(k), str) for k in ("sub", "htm", "htu", "bh", "jti")
-    ) or not isinstance(claims.get("iat"), int | float):
-        raise _unauthorized("Tether-Proof lacks sub, htm, htu, bh, iat or jti")
+    ) or not _finite_number(claims.get("iat")):
+        raise _unauthorized("Tether-Proof lacks sub, htm, htu, bh, jti or a finite numeric iat")
     if "run" in claims and not (isinstance(claims["run"], str) and RUN_ID.fullmatch(claims["run"])):
         raise _unauthorized("Tether-Proof names a malformed run id (1-64 of letters, digits, '.', '_', ':', '-')")
     return Proof(claims, f"{h}.{p}".encode("ascii"), signature)
 
 
+def _finite_number(value: Any) -> bool:
+    """A JSON number a float can hold (``10**400`` cannot; JSON numbers are never booleans)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def check_proof(
     proof: Proof, key: Ed25519PublicKey, *, method: str, path: str, body: bytes, now: float,
-    max_age: float = MAX_AGE_S,
+    max_age: float = MAX_AGE_S, leeway: float = FUTURE_LEEWAY_S,
 ) -> None:
-    """Raise ApiError(401) unless ``proof`` signs exactly this request with ``key``, recently."""
+    """Raise ApiError(401) unless ``proof`` signs exactly this request with ``key``, recently: at most
+    ``max_age`` seconds ago and at most ``leeway`` seconds ahead of ``now`` (a proof dated further ahead
+    would stay fresh past its age bound, and is what a pre-signed replay looks like)."""
     try:
         key.verify(proof.signature, proof.signing_input)
     except InvalidSignature:
@@ -113,8 +128,12 @@ def check_proof(
     if c["bh"] != body_hash(body):
         raise _unauthorized("Tether-Proof does not match the request body")
     # Written so that a NaN iat (JSON allows it) is stale rather than forever fresh.
-    if not abs(now - c["iat"]) <= max_age:
+    iat = float(c["iat"])
+    if not now - max_age <= iat:
         raise _unauthorized(f"Tether-Proof is older than {max_age:.0f}s (or the clocks disagree)")
+    if not iat <= now + leeway:
+        raise _unauthorized(f"Tether-Proof is dated {iat - now:.0f}s in the future (more than the {leeway:.0f}s "
+                            "clock leeway): check the signer's clock")
 
 
-__all__ = ["MAX_AGE_S", "Proof", "body_hash", "check_proof", "make_proof", "read_proof"]
+__all__ = ["FUTURE_LEEWAY_S", "MAX_AGE_S", "Proof", "body_hash", "check_proof", "make_proof", "read_proof"]

@@ -23,9 +23,11 @@ from typing import Any
 from aiohttp import web
 
 from .. import audit
+from .. import schemas as sc
 from ..auth import CSRF_HEADER, SESSION_COOKIE
+from ..body import bad, read_json
 from ..capability.errors import NOT_FOUND, UNAUTHORIZED, ApiError
-from ..server import ControlPlane, _bad, read_json
+from ..server import ControlPlane
 from ..termination import verify_records
 from .sessions import Sessions
 
@@ -76,9 +78,7 @@ class Console:
     # -- sign-in -------------------------------------------------------------------------------------------------
     async def h_sign_in(self, request: web.Request) -> web.Response:
         body, _ = await read_json(request)
-        token = body.get("token") if isinstance(body, dict) else None
-        if not isinstance(token, str) or not token:
-            raise _bad("body needs 'token': the admin token")
+        token = str(body.string("token", required=True, nullable=False, max_len=4096, non_empty=True))
         expected = self.cp.auth.admin_token
         if not expected or not hmac.compare_digest(token.strip().encode(), expected):
             self.cp.metrics.inc("tether_console_sign_in_refused_total")
@@ -121,9 +121,11 @@ class Console:
     async def h_diff(self, request: web.Request) -> web.Response:
         self.cp.auth.require_admin(request)
         body, _ = await read_json(request)
-        if not isinstance(body, dict) or not all(isinstance(body.get(k), dict) for k in ("old", "new")):
-            raise _bad("body needs 'old' and 'new': two audit surface documents (tether audit surface --json)")
-        widened = diff_surfaces(body["old"], body["new"])
+        old, new = body.obj("old", required=True), body.obj("new", required=True)  # audit surface documents
+        try:
+            widened = diff_surfaces(old or {}, new or {})
+        except audit.SurfaceError as exc:
+            raise bad(f"not an audit surface document: {exc}") from None
         return web.json_response({"widened": widened, "exit": 1 if widened else 0})
 
     async def h_verify_records(self, request: web.Request) -> web.Response:
@@ -150,7 +152,7 @@ class Console:
         try:
             since, until = parse_when(query.get("since")), parse_when(query.get("until"))
         except Exception as exc:
-            raise _bad(str(exc)) from None
+            raise bad(str(exc)) from None
         record = None
         if termination:
             record = next((r for r in await self.cp.store.records()
@@ -176,20 +178,25 @@ def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sess
     console = Console(cp, Path(root) if root else None, sessions or Sessions())
     cp.auth.sessions = console.sessions
     r = cp.route
-    r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", "none", "console")
-    r("GET", "/ui/", console.h_index, "The console", "none", "console")
-    r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", "none", "console")
+    r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", "none", "console", status=308, content=None)
+    r("GET", "/ui/", console.h_index, "The console", "none", "console", content="text/html", ok={"type": "string"})
+    r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", "none", "console",
+      content="*/*", ok={"type": "string"})
     r("POST", "/ui/session", console.h_sign_in, "Sign in with the admin token: sets the session cookie", "none",
-      "console")
-    r("GET", "/ui/session", console.h_session, "The signed-in session's CSRF token", "none", "console")
-    r("POST", "/ui/logout", console.h_logout, "End the session", "none", "console")
+      "console", body=sc.SIGN_IN_REQUEST, ok=sc.SESSION)
+    r("GET", "/ui/session", console.h_session, "The signed-in session's CSRF token", "none", "console",
+      ok=sc.SESSION)
+    r("POST", "/ui/logout", console.h_logout, "End the session", "none", "console", ok=sc.SIGNED_OUT)
     r("GET", "/v1/agents/{agent}/subtree", console.h_subtree, "Who terminating or revoking an agent cuts", "admin",
-      "agents")
-    r("POST", "/v1/audit/diff", console.h_diff, "What widened between two audit surface documents", "admin", "audit")
+      "agents", ok=sc.SUBTREE)
+    r("POST", "/v1/audit/diff", console.h_diff, "What widened between two audit surface documents", "admin", "audit",
+      body=sc.DIFF_REQUEST, ok=sc.DIFF)
     r("GET", "/v1/audit/records", console.h_verify_records, "The record log's verification, per record", "admin",
-      "records")
+      "records", ok=sc.RECORDS_VERIFICATION)
     r("GET", "/v1/captures/har", console.h_har, "HAR of captured calls (by termination, agent or time range)",
-      "admin", "records")
+      "admin", "records", ok=sc.HAR, query=(
+          ("termination", sc.STR, "a termination or record id"), ("agent", sc.STR, "one agent's calls"),
+          ("since", sc.STR, "from this time (ISO 8601 or epoch seconds)"), ("until", sc.STR, "until this time")))
     return console
 
 

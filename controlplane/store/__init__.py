@@ -5,7 +5,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from ..capability.errors import BAD_REQUEST, TetherError
-from .base import Doc, Event, Store, StoreUnavailable
+from .base import Doc, Event, LinkConflict, Store, StoreUnavailable
 
 
 def open_store_url(url: str) -> Store:
@@ -28,4 +28,4 @@ def open_store_url(url: str) -> Store:
     raise TetherError(f"--store {url}: expected sqlite:///PATH or redis://HOST:PORT/DB", code=BAD_REQUEST)
 
 
-__all__ = ["Doc", "Event", "Store", "StoreUnavailable", "open_store_url"]
+__all__ = ["Doc", "Event", "LinkConflict", "Store", "StoreUnavailable", "open_store_url"]

@@ -42,6 +42,16 @@ class StoreUnavailable(Exception):
     """The store cannot be reached; the API answers 503 tether.store_unavailable and accepts nothing."""
 
 
+class LinkConflict(Exception):
+    """A link's jti already names another registered link (a jti names one link only). Nothing of the
+    batch was stored; the API answers 409 tether.conflict."""
+
+    def __init__(self, jti: str, registered: str) -> None:
+        super().__init__(f"jti {jti} already names link {registered}")
+        self.jti = jti
+        self.registered = registered
+
+
 class Store(abc.ABC):
     url: str
 
@@ -58,7 +68,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def put_links(self, links: list[Doc]) -> int:
         """Store link docs (keys: hash, jti, iss, sub, prf, compact, claims, registered_at); returns how many
-        were new. A link already present is left as it was."""
+        were new. A link already present (same hash) is left as it was. All or nothing: a link whose jti
+        names another registered link (or another link of the batch) raises LinkConflict, storing none."""
 
     @abc.abstractmethod
     async def get_link(self, link_hash: str) -> Doc | None: ...

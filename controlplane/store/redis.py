@@ -41,7 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from ..capability.errors import BAD_REQUEST, TetherError
-from .base import Doc, Event, Store, Stored, StoreUnavailable
+from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
 log = logging.getLogger("tether.store.redis")
 
@@ -71,20 +71,30 @@ def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable
     return wrapper
 
 
-# KEYS: links, jti index, insertion order. ARGV: (hash, jti, doc) per link. A link whose hash or jti is
-# already known is left as it was. Returns how many were new.
+# KEYS: links, jti index, insertion order. ARGV: (hash, jti, doc) per link. A link whose hash is already
+# known is left as it was. Returns {new} or, when a jti already names another link (stored or earlier in the
+# batch), {-1, jti, that link's hash} having stored nothing.
 _PUT_LINKS = """
+local batch = {}
+for i = 1, #ARGV, 3 do
+  local h, jti = ARGV[i], ARGV[i + 1]
+  local owner = batch[jti] or redis.call('HGET', KEYS[2], jti)
+  if owner and owner ~= h then
+    return {-1, jti, owner}
+  end
+  batch[jti] = h
+end
 local new = 0
 for i = 1, #ARGV, 3 do
   local h, jti = ARGV[i], ARGV[i + 1]
-  if redis.call('HEXISTS', KEYS[1], h) == 0 and redis.call('HEXISTS', KEYS[2], jti) == 0 then
+  if redis.call('HEXISTS', KEYS[1], h) == 0 then
     redis.call('HSET', KEYS[1], h, ARGV[i + 2])
     redis.call('HSET', KEYS[2], jti, h)
     redis.call('RPUSH', KEYS[3], h)
     new = new + 1
   end
 end
-return new
+return {new}
 """
 
 # KEYS: events, sequence. ARGV: entry, retention, channel. Returns the new sequence number.
@@ -228,9 +238,11 @@ class RedisStore(Store):
         args: list[str] = []
         for link in links:
             args += [link["hash"], link["jti"], _dump(link)]
-        return await self._run(
-            "put_links", [self._key("links"), self._key("links", "jti"), self._key("links", "order")], args
-        )
+        keys = [self._key("links"), self._key("links", "jti"), self._key("links", "order")]
+        answer = await self._scripts["put_links"](keys=keys, args=args)
+        if int(answer[0]) < 0:
+            raise LinkConflict(str(answer[1]), str(answer[2]))
+        return int(answer[0])
 
     @_guarded
     async def get_link(self, link_hash: str) -> Doc | None:

@@ -11,7 +11,7 @@ import os
 import sqlite3
 from typing import Any
 
-from .base import Doc, Event, Store, Stored, StoreUnavailable
+from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
 EVENT_RETENTION = 10_000
 
@@ -84,6 +84,9 @@ class SqliteStore(Store):
         try:
             new = 0
             for link in links:
+                row = db.execute("SELECT hash FROM links WHERE jti = ?", (link["jti"],)).fetchone()
+                if row is not None and row[0] != link["hash"]:
+                    raise LinkConflict(link["jti"], row[0])
                 cur = db.execute(
                     "INSERT OR IGNORE INTO links (hash, jti, sub, prf, doc) VALUES (?, ?, ?, ?, ?)",
                     (link["hash"], link["jti"], link["sub"], link.get("prf"), _dump(link)),
