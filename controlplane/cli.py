@@ -399,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--call-timeout", type=float, default=300.0, help="abort a forwarded call after this long")
     p.add_argument("--trust", help="pin the control plane's public key instead of fetching it")
     p.add_argument("--ready-file", help="write the proxy address here once serving")
+    p.add_argument("--secret", action="append", default=[], metavar="NAME=env:VAR|NAME=file:PATH",
+                   help="a catalog credential's secret (OAuth2: the client secret); only the sidecar reads it")
+    p.add_argument("--transparent-listen", metavar="H:P",
+                   help="also intercept transparently here (the egress lock's or --isolate's redirect target)")
+    p.add_argument("--dns-listen", metavar="H:P", help="answer DNS here: every name resolves to the "
+                   "transparent listener's address (used by tether run --isolate)")
     p.set_defaults(func=_lazy("proxy.runner", "cmd_sidecar"))
 
     p = sub.add_parser("run", help="run a command under a sidecar")
@@ -414,6 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=None)
     p.add_argument("--upstream-ca")
     p.add_argument("--approval-timeout", type=float, default=120.0)
+    p.add_argument("--secret", action="append", default=[], metavar="NAME=env:VAR|NAME=file:PATH",
+                   help="given to the sidecar only; env:VAR is removed from the command's environment")
+    p.add_argument("--isolate", action="store_true", help="Linux, root: run the command as --user in its own "
+                   "network namespace whose only way out is the sidecar (transparent interception)")
+    p.add_argument("--user", default=None, help="the unprivileged user for --isolate (default: nobody)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     p.set_defaults(func=_lazy("proxy.run", "cmd_run"))
 

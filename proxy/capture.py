@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import parse_qsl, urlencode
@@ -104,14 +105,27 @@ def _redact_query(path: bytes, fields: frozenset[str]) -> bytes:
     return head + b"?" + urlencode(redacted).encode("latin-1")
 
 
-def _redact_state(state: dict, fields: frozenset[str], secret: frozenset[bytes]) -> dict:
+def _scrub(data: bytes, values: Sequence[bytes]) -> bytes:
+    for value in values:
+        if value in data:
+            data = data.replace(value, REDACTED.encode())
+    return data
+
+
+def _redact_state(state: dict, fields: frozenset[str], secret: frozenset[bytes], values: Sequence[bytes] = ()) -> dict:
     for name in ("request", "response"):
         part = state.get(name)
         if not part:
             continue
         part["headers"] = tuple((k, REDACTED.encode() if k.lower() in secret else v) for k, v in part["headers"])
         _redact_body(part, fields)
+        if values:  # values the sidecar injected, wherever they appear (a tool that echoes its request back)
+            part["headers"] = tuple((k, _scrub(v, values)) for k, v in part["headers"])
+            if part.get("content"):
+                part["content"] = _scrub(part["content"], values)
     state["request"]["path"] = _redact_query(state["request"]["path"], fields)
+    if values:
+        state["request"]["path"] = _scrub(state["request"]["path"], values)
     return state
 
 
@@ -244,16 +258,16 @@ def _tnet_dict(items: list[tuple[str, bytes]]) -> bytes:
 
 
 def encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionStates,
-                secret: frozenset[bytes] = _SECRET) -> bytes:
+                secret: frozenset[bytes] = _SECRET, values: Sequence[bytes] = ()) -> bytes:
     """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged."""
     if flow._backup is not None or flow.websocket is not None:  # not a sidecar's flow: the general path
-        return tnet_dumps(snapshot(flow, fields, secret))
+        return tnet_dumps(_redact_state(_metadata_free_state(flow), fields, secret, values))
     # Flow.get_state and HTTPFlow.get_state, field for field, with the connections left out
     # (tests/test_capture.py holds the result to mitmproxy's own serialisation).
     parts = _redact_state({
         "request": flow.request.get_state(),
         "response": flow.response.get_state() if flow.response else None,
-    }, fields, secret)
+    }, fields, secret, values)
     dumps = tnet_dumps
     return _tnet_dict([
         ("version", dumps(FLOW_FORMAT_VERSION)),
@@ -298,10 +312,17 @@ class CaptureWriter:
         self._clean_end: int | None = None  # where the file must be cut back to before the next write
         self.failures = 0
         self.conns = ConnectionStates()
+        self.secret = _SECRET
+        self.values: Callable[[], Sequence[bytes]] = tuple
+
+    def protect(self, headers: frozenset[bytes], values: Callable[[], Sequence[bytes]]) -> None:
+        """Also redact these headers (a credential's, whatever its name) and these values (what was injected)."""
+        self.secret = _SECRET | headers
+        self.values = values
 
     def write(self, flow: http.HTTPFlow) -> bool:
         try:
-            data = encode_flow(flow, self.fields, self.conns)
+            data = encode_flow(flow, self.fields, self.conns, self.secret, self.values())
             f = self._open()
             start = f.seek(0, os.SEEK_END)
             try:

@@ -24,6 +24,8 @@ from controlplane.capability.chain import mint_child, parse_chain_unverified
 from controlplane.capability.errors import BAD_REQUEST, TetherError
 from controlplane.cli import parse_caps, read_chain, read_file, write_secret
 
+from .credentials import SecretSpec
+
 CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
 
 
@@ -65,6 +67,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     controlplane = args.controlplane or os.environ.get("TETHER_CONTROLPLANE") or "http://127.0.0.1:7000"
     state_dir = state_root / agent
     state_dir.mkdir(parents=True, exist_ok=True)
+    secrets = [SecretSpec.parse(text) for text in args.secret or []]
+    isolation = None
+    if args.isolate:
+        from .isolate import DNS_PORT, TRANSPARENT_PORT, Isolation
+
+        os.chmod(state_dir, 0o700)  # the CA key, spool and captures: the sidecar's, not the command's
+        isolation = Isolation.create(args.user)
     ready = state_dir / "sidecar.ready"
     ready.unlink(missing_ok=True)
     sidecar_cmd = [sys.executable, "-m", "controlplane.cli", "sidecar", "--controlplane", controlplane,
@@ -73,24 +82,47 @@ def cmd_run(args: argparse.Namespace) -> int:
                    "--approval-timeout", str(args.approval_timeout)]
     if args.upstream_ca:
         sidecar_cmd += ["--upstream-ca", args.upstream_ca]
+    for text in args.secret or []:
+        sidecar_cmd += ["--secret", text]
+    if isolation is not None:
+        host = isolation.plan.host_ip
+        sidecar_cmd += ["--transparent-listen", f"{host}:{TRANSPARENT_PORT}", "--dns-listen", f"{host}:{DNS_PORT}"]
     log_path = state_dir / "sidecar.log"
-    with open(log_path, "ab") as log_file:
-        sidecar = subprocess.Popen(sidecar_cmd, stdout=log_file, stderr=log_file, start_new_session=True,
-                                   preexec_fn=_die_with_parent)
+    sidecar = None
     try:
+        if isolation is not None:
+            isolation.check_unreadable([Path(key_path), *(Path(s.ref) for s in secrets if s.kind == "file")])
+        with open(log_path, "ab") as log_file:
+            sidecar = subprocess.Popen(sidecar_cmd, stdout=log_file, stderr=log_file, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
         info = _wait_ready(sidecar, ready, log_path)
         env = dict(os.environ)
-        for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
-            env[name] = info["proxy"]
+        for spec in secrets:  # the secret is the sidecar's alone: the command never sees the variable
+            if spec.kind == "env":
+                env.pop(spec.ref, None)
         env["NO_PROXY"] = env["no_proxy"] = ""
+        if isolation is None:
+            for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+                env[name] = info["proxy"]
+            ca = os.path.abspath(info["ca"])
+        else:
+            # Every connection is intercepted where it goes: no proxy to follow (or to find out of reach).
+            for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+                env.pop(name, None)
+            isolation.check_unreadable(sorted((state_dir / "ca").glob("mitmproxy-ca*.pem")))
+            ca = str(isolation.trust(Path(info["ca"])))
+            env.update({"HOME": str(isolation.workdir / "home"), "USER": isolation.user.name,
+                        "LOGNAME": isolation.user.name})
         for name in CA_VARIABLES:
-            env[name] = os.path.abspath(info["ca"])
+            env[name] = ca
         env.update({"TETHER_AGENT": agent, "TETHER_CHAIN": os.path.abspath(chain_path),
-                    "TETHER_KEY": os.path.abspath(key_path), "TETHER_CONTROLPLANE": controlplane,
-                    "TETHER_STATE_DIR": os.path.abspath(state_root)})
-        print(f"tether: {agent} runs behind its sidecar at {info['proxy']} (log {log_path})", file=sys.stderr,
-              flush=True)
-        child = subprocess.Popen(command, env=env)
+                    "TETHER_CONTROLPLANE": controlplane, "TETHER_STATE_DIR": os.path.abspath(state_root)})
+        if isolation is None:  # an isolated command cannot read the key: naming it would only mislead
+            env["TETHER_KEY"] = os.path.abspath(key_path)
+        where = info["proxy"] if isolation is None else \
+            f"{isolation.plan.host_ip}:{TRANSPARENT_PORT} (isolated in {isolation.plan.netns} as {isolation.user.name})"
+        print(f"tether: {agent} runs behind its sidecar at {where} (log {log_path})", file=sys.stderr, flush=True)
+        child = subprocess.Popen(isolation.wrap(command) if isolation is not None else command, env=env)
         previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in
                     (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -100,7 +132,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 signal.signal(sig, handler)
         return code
     finally:
-        _stop(sidecar)
+        if sidecar is not None:
+            _stop(sidecar)
+        if isolation is not None:
+            isolation.destroy()
 
 
 def _die_with_parent() -> None:

@@ -18,6 +18,7 @@ from controlplane.capability.chain import parse_chain_unverified
 from controlplane.cli import read_chain, read_file
 from controlplane.serve import load_catalog, parse_listen
 
+from .credentials import load_secrets
 from .sidecar import Sidecar, SidecarConfig
 
 
@@ -40,6 +41,10 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         capture_path=Path(args.capture_file) if getattr(args, "capture_file", None) else None,
         call_timeout_s=float(getattr(args, "call_timeout", 300.0)),
         capture=not getattr(args, "no_capture", False),
+        secrets=load_secrets(getattr(args, "secret", None) or []),
+        transparent_listen=parse_listen(args.transparent_listen, 15001) if getattr(args, "transparent_listen", None)
+        else None,
+        dns_listen=parse_listen(args.dns_listen, 53) if getattr(args, "dns_listen", None) else None,
         trust=keys.load_public(read_file(args.trust, "trust key"), args.trust) if getattr(args, "trust", None)
         else None,
     )

@@ -35,10 +35,12 @@ from controlplane.capability.errors import ApiError, ChainError, TetherError
 from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
+from .credentials import Credentials, Injector
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 from .telemetry import call_tracing
+from .transparent import Transparent, serve_dns
 
 log = logging.getLogger("tether.sidecar")
 
@@ -61,6 +63,9 @@ class SidecarConfig:
     capture_path: Path | None = None
     startup_timeout_s: float = 30.0
     capture: bool = True
+    secrets: dict[str, str] = field(default_factory=dict)  # credential name -> secret (proxy/credentials.py)
+    transparent_listen: tuple[str, int] | None = None  # also intercept redirected connections here
+    dns_listen: tuple[str, int] | None = None  # answer DNS here with the transparent address (--isolate)
 
 
 def mitmproxy_addons() -> list[Any]:
@@ -107,6 +112,7 @@ class Sidecar:
                                      config.redact_fields)
         self.allow_uncaptured = config.allow_uncaptured
         self.calls = CallTable()
+        self.credentials = Credentials(config.secrets, config.upstream_ca)
         self.flows: dict[str, http.HTTPFlow] = {}
         self.resolved: list[Callable[[Call], None]] = []  # told of every call's end (proxy/telemetry.py)
         self.catalog: Catalog = config.catalog  # type: ignore[assignment]
@@ -122,6 +128,7 @@ class Sidecar:
         self._commanded_ids: set[str] = set()
         self._acking: set[str] = set()
         self.stopped = asyncio.Event()
+        self._dns: asyncio.DatagramTransport | None = None
 
     # -- start-up ---------------------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -174,7 +181,10 @@ class Sidecar:
                                confdir=str(self.config.state_dir / "ca"))
         master = Master(opts)
         master.addons.add(*mitmproxy_addons())
-        ours: list[Any] = [Tracker(self), *call_tracing(self), Enforcer(self), ToolsFilter(self), Streamer()]
+        self.credentials.bind(self.catalog)
+        self.capture.protect(self.credentials.header_names(), self.credentials.values)
+        ours: list[Any] = [Transparent(), Tracker(self), *call_tracing(self), Enforcer(self), Injector(self),
+                           ToolsFilter(self), Streamer()]
         if self.config.capture:
             ours.append(Capture(self))
         master.addons.add(Pipeline([*ours, Resolver(self)]))
@@ -183,6 +193,13 @@ class Sidecar:
                                    "rawtcp": False}
         if self.config.upstream_ca:
             updates["ssl_verify_upstream_trusted_ca"] = self.config.upstream_ca
+        if self.config.transparent_listen:
+            host, port = self.config.transparent_listen
+            updates["mode"] = [f"regular@{self.config.listen_host}:{self.config.listen_port}",
+                               f"transparent@{host}:{port}"]
+        if self.config.dns_listen:
+            answer = (self.config.transparent_listen or (self.config.listen_host, 0))[0]
+            self._dns = await serve_dns(*self.config.dns_listen, answer)
         master.options.update(**updates)
         self.master = master
         self._tasks.append(asyncio.create_task(master.run()))
@@ -227,6 +244,9 @@ class Sidecar:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.goodbye(), 3.0)
         await self.channel.close()
+        await self.credentials.close()
+        if self._dns is not None:
+            self._dns.close()
         self.capture.close()
         self._lock.close()
         self.stopped.set()

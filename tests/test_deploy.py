@@ -171,7 +171,27 @@ def test_egress_lock_runs_first_for_the_sidecars_uid(agent_pod: dict[str, Any]) 
     assert lock["securityContext"]["runAsUser"] == 0
     uid = sidecar["securityContext"]["runAsUser"]
     assert int(flag(args, "--sidecar-uid")) == uid
-    assert "--transparent" not in args, "the demo uses explicit proxy mode; see docs/deploy.md to switch"
+    # transparent by default (agents that ignore proxy variables), the sidecar listening where the lock redirects
+    assert "--transparent" in args
+    sidecar_args = argv(sidecar)
+    assert flag(sidecar_args, "--transparent-listen") == f"127.0.0.1:{flag(args, '--transparent-port')}"
+    assert flag(args, "--agent-dns"), "in transparent mode the agent resolves names itself"
+
+
+def test_upstream_credentials_are_mounted_into_the_sidecar_only(agent_pod: dict[str, Any]) -> None:
+    spec = agent_pod["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    secret_volumes = {name for name, v in volumes.items() if v.get("secret", {}).get("secretName", "").startswith(
+        "tether-credentials-")}
+    assert secret_volumes
+    sidecar = spec["initContainers"][1]
+    assert secret_volumes <= {m["name"] for m in sidecar["volumeMounts"]}
+    for container in [*spec["containers"], spec["initContainers"][0]]:
+        assert not secret_volumes & {m["name"] for m in container.get("volumeMounts", [])}, container["name"]
+    args = argv(sidecar)
+    secrets_given = [args[i + 1] for i, a in enumerate(args) if a == "--secret"]
+    mount = next(m["mountPath"] for m in sidecar["volumeMounts"] if m["name"] in secret_volumes)
+    assert secrets_given and all(s.split("=", 1)[1].startswith(f"file:{mount}/") for s in secrets_given)
 
 
 def test_tether_is_a_native_sidecar_with_a_fixed_non_root_uid(agent_pod: dict[str, Any]) -> None:

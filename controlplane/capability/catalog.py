@@ -19,6 +19,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 import yaml
 
+from .credentials import Credential, parse_credentials
 from .errors import CatalogError, UnknownCapability
 
 TIERS = ("direct", "approval", "absent")
@@ -26,8 +27,8 @@ GRANTED_TIERS = ("direct", "approval")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
-_TOP_KEYS = {"capabilities", "roles", "version"}
-_CAP_KEYS = {"http", "mcp", "description"}
+_TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
+_CAP_KEYS = {"http", "mcp", "description", "credential"}
 _HTTP_KEYS = {"host", "port", "methods", "path"}
 _MCP_KEYS = {"url", "tool"}
 
@@ -165,6 +166,7 @@ class Capability:
     http: HttpMatch | None = None
     mcp: McpMatch | None = None
     description: str = ""
+    credential: str | None = None  # what the sidecar injects for it (a name in the catalog's credentials)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class Catalog:
     roles: Mapping[str, Mapping[str, str]]
     hash: str
     source: str = "<catalog>"
+    credentials: Mapping[str, Credential] = field(default_factory=dict)
     # Matching is pure, and the catalog never changes: remember answers (bounded; cleared when full).
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -255,6 +258,18 @@ class Catalog:
                     return True
         return False
 
+    def credential_of(self, capability: str) -> Credential | None:
+        cap = self.capabilities.get(capability)
+        return self.credentials.get(cap.credential) if cap is not None and cap.credential else None
+
+    def mcp_credential(self, server: str) -> Credential | None:
+        """The credential an MCP server gets on every request (plumbing included); one per server (parsing
+        refuses a catalog whose tools on one server name different ones)."""
+        for c in self.capabilities.values():
+            if c.mcp is not None and c.mcp.server == server and c.credential:
+                return self.credentials[c.credential]
+        return None
+
     def role(self, name: str) -> dict[str, str]:
         if name not in self.roles:
             raise UnknownCapability(
@@ -274,8 +289,13 @@ class Catalog:
                 entry["mcp"] = c.mcp.to_dict()
             if c.description:
                 entry["description"] = c.description
+            if c.credential:
+                entry["credential"] = c.credential
             caps[c.name] = entry
-        return {"capabilities": caps, "roles": {k: dict(v) for k, v in self.roles.items()}}
+        out = {"capabilities": caps, "roles": {k: dict(v) for k, v in self.roles.items()}}
+        if self.credentials:  # absent when empty: catalogs without credentials keep the hash they had
+            out["credentials"] = {name: cred.to_dict() for name, cred in self.credentials.items()}
+        return out
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -343,6 +363,7 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
     caps_raw = raw["capabilities"]
     if not isinstance(caps_raw, dict) or not caps_raw:
         raise _fail(source, "capabilities", "expected a non-empty mapping of capability names")
+    credentials = parse_credentials(source, raw.get("credentials"))
     caps: dict[str, Capability] = {}
     for name, spec in caps_raw.items():
         where = f"capability {name!r}"
@@ -355,12 +376,23 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
         description = spec.get("description", "")
         if not isinstance(description, str):
             raise _fail(source, f"{where}.description", "expected a string")
+        credential = spec.get("credential")
+        if credential is not None and credential not in credentials:
+            raise _fail(source, f"{where}.credential", f"names {credential!r}, which is not in credentials "
+                        f"(known: {', '.join(sorted(credentials)) or 'none'})")
         if kinds[0] == "http":
             caps[name] = Capability(name, http=_parse_http(source, f"{where}.http", spec["http"]),
-                                    description=description)
+                                    description=description, credential=credential)
         else:
             caps[name] = Capability(name, mcp=_parse_mcp(source, f"{where}.mcp", spec["mcp"]),
-                                    description=description)
+                                    description=description, credential=credential)
+    servers: dict[str, str | None] = {}
+    for cap in caps.values():  # an MCP session is one stream of requests: one credential per server
+        if cap.mcp is not None:
+            seen = servers.setdefault(cap.mcp.server, cap.credential)
+            if seen != cap.credential:
+                raise _fail(source, f"capability {cap.name!r}.credential", f"every tool of the MCP server "
+                            f"{cap.mcp.url} must name the same credential ({seen!r} and {cap.credential!r})")
     roles_raw = raw.get("roles") or {}
     if not isinstance(roles_raw, dict):
         raise _fail(source, "roles", "expected a mapping of role name -> {capability: tier}")
@@ -375,9 +407,9 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
             if tier not in TIERS:
                 raise _fail(source, f"{where}.{cap}", f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
         roles[str(role)] = {str(k): str(v) for k, v in grants.items()}
-    catalog = Catalog(capabilities=caps, roles=roles, hash="", source=source)
+    catalog = Catalog(capabilities=caps, roles=roles, hash="", source=source, credentials=credentials)
     digest = hashlib.sha256(canonical_json(catalog.to_dict())).hexdigest()
-    return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source)
+    return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source, credentials=credentials)
 
 
 def canonical_json(value: Any) -> bytes:

@@ -21,6 +21,7 @@ TERMINATED = "tether.terminated"
 APPROVAL_DENIED = "tether.approval_denied"
 APPROVAL_TIMEOUT = "tether.approval_timeout"
 CAPTURE_UNAVAILABLE = "tether.capture_unavailable"
+CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # DESIGN.md section 10: no secret, no token
 
 # Codes of our own, for input that is not a call (catalog files, API requests, CLI arguments).
 CATALOG_INVALID = "tether.catalog_invalid"

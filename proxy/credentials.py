@@ -1,0 +1,338 @@
+"""Credentials the agent never holds: the sidecar's secrets, its OAuth2 token client, and the injecting addon.
+
+Secrets reach the sidecar only (``--secret NAME=env:VAR | NAME=file:PATH``). For a call whose capability
+names a credential, the sidecar removes every credential header the agent sent (see ``AGENT_HEADERS``:
+an agent that kept a copied key must not have it forwarded, nor mix its own auth with the injected one),
+then injects the catalog's header with the secret, or with an OAuth2 client-credentials token it fetched
+itself. Tokens are cached until shortly before they expire and fetched once per expiry, whatever the call
+rate (concurrent calls share one request). Nothing leaves uncredentialed: no secret, or a token endpoint
+that fails, refuses the call with ``tether.credential_unavailable``.
+
+Every value injected (secrets, tokens, the rendered header values) is handed to the capture writer, which
+redacts it wherever it appears in a captured flow (proxy/capture.py); none is ever logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import ssl
+import time
+from collections.abc import Awaitable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+import aiohttp
+from mitmproxy import http
+
+from controlplane.capability import errors as codes
+from controlplane.capability.catalog import Catalog
+from controlplane.capability.credentials import Credential
+from controlplane.capability.errors import BAD_REQUEST, TetherError
+
+from .addons import MCP_SERVER, call_of, refuse
+from .state import Refusal
+
+if TYPE_CHECKING:
+    from .sidecar import Sidecar
+
+log = logging.getLogger("tether.sidecar.credentials")
+
+# Removed from a request to a destination whose capability injects a credential, besides the injected header
+# itself: the standard and the most common API-key carriers. Cookie too: a session cookie is a credential the
+# agent could have obtained with a key it no longer holds. (Query-string keys are not touched: docs/threat-model.md.)
+AGENT_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "x-auth-token", "cookie")
+DEFAULT_LIFETIME_S = 300.0  # a token answer without expires_in is trusted this long
+FAILURE_HOLD_S = 1.0  # after a failed token request, calls are refused this long before the next attempt
+MIN_SCRUB = 6  # shorter values are not scrubbed from captures by value (they would redact ordinary text)
+
+
+class CredentialUnavailable(Refusal):
+    def __init__(self, message: str, *, credential: str) -> None:
+        super().__init__(codes.CREDENTIAL_UNAVAILABLE, message, credential=credential)
+
+
+# -- secrets ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SecretSpec:
+    name: str
+    kind: str  # "env" | "file"
+    ref: str
+
+    @classmethod
+    def parse(cls, text: str) -> SecretSpec:
+        name, sep, source = text.partition("=")
+        kind, sep2, ref = source.partition(":")
+        if not sep or not sep2 or not name or not ref or kind not in ("env", "file"):
+            raise TetherError(f"--secret {text.split('=', 1)[0]}=...: expected NAME=env:VAR or NAME=file:PATH",
+                              code=BAD_REQUEST)
+        return cls(name, kind, ref)
+
+
+def load_secrets(specs: Iterable[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Read every ``--secret``. A named source that is missing or empty is an error: the operator meant it."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for text in specs:
+        spec = SecretSpec.parse(text)
+        if spec.kind == "env":
+            value = environ.get(spec.ref)
+            if value is None:
+                raise TetherError(f"--secret {spec.name}: the environment variable {spec.ref} is not set",
+                                  code=BAD_REQUEST)
+        else:
+            try:
+                value = Path(spec.ref).read_text()
+            except OSError as exc:
+                raise TetherError(f"--secret {spec.name}: cannot read {spec.ref}: {exc.strerror}",
+                                  code=BAD_REQUEST) from None
+            value = value.rstrip("\r\n")
+        if not value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise TetherError(f"--secret {spec.name}: the value is empty or holds control characters "
+                              "(it must fit in one header line)", code=BAD_REQUEST)
+        out[spec.name] = value
+    return out
+
+
+# -- OAuth2 client credentials ------------------------------------------------------------------------------
+@dataclass
+class Token:
+    value: str
+    expires_at: float  # monotonic
+    refresh_at: float  # monotonic: a new token is fetched from here on
+
+
+def token_times(now: float, expires_in: float) -> tuple[float, float]:
+    """(expires_at, refresh_at): refreshed before it expires, by a tenth of its life (at most 30 s), so a call
+    never leaves with a token that dies on the way."""
+    return now + expires_in, now + expires_in - min(30.0, expires_in / 10)
+
+
+class TokenClient:
+    """One credential's token: cached, refreshed once per expiry, one request in flight at a time."""
+
+    def __init__(self, credential: Credential, client_secret: str, session: aiohttp.ClientSession,
+                 ssl_context: ssl.SSLContext | bool) -> None:
+        assert credential.oauth2 is not None
+        self.credential = credential
+        self.secret = client_secret
+        self.session = session
+        self.ssl = ssl_context
+        self.token: Token | None = None
+        self.issued: list[str] = []  # every token fetched (bounded): redacted from captures by value
+        self.requests = 0
+        self._pending: asyncio.Future[str] | None = None
+        self._failed: tuple[float, str] | None = None
+
+    def cached(self, now: float) -> str | None:
+        if self.token is not None and now < self.token.refresh_at:
+            return self.token.value
+        return None
+
+    async def get(self) -> str:
+        now = time.monotonic()
+        value = self.cached(now)
+        if value is not None:
+            return value
+        if self._failed is not None and now < self._failed[0]:
+            raise CredentialUnavailable(self._failed[1], credential=self.credential.name)
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._fetch())
+            self._pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved"
+        pending = self._pending
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if pending.done() and self._pending is pending:
+                self._pending = None
+
+    async def _fetch(self) -> str:
+        oauth = self.credential.oauth2
+        assert oauth is not None
+        form = {"grant_type": "client_credentials"}
+        if oauth.scope:
+            form["scope"] = oauth.scope
+        if oauth.audience:
+            form["audience"] = oauth.audience
+        headers = {"Accept": "application/json"}
+        if oauth.client_auth == "basic":  # RFC 6749 2.3.1: id and secret form-encoded, then Basic
+            pair = f"{quote(oauth.client_id, safe='')}:{quote(self.secret, safe='')}"
+            headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        else:
+            form.update(client_id=oauth.client_id, client_secret=self.secret)
+        self.requests += 1
+        sent = time.monotonic()
+        why: str
+        try:
+            async with self.session.post(oauth.token_url, data=form, headers=headers, ssl=self.ssl,
+                                         timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                if resp.status != 200:
+                    why = f"the token endpoint {oauth.token_url} answered HTTP {resp.status}"
+                else:
+                    doc = await resp.json(content_type=None)
+                    value, expires_in = _token_from(doc)
+                    expires_at, refresh_at = token_times(sent, expires_in)
+                    self.token = Token(value, expires_at, refresh_at)
+                    self.issued = [*self.issued[-7:], value]
+                    self._failed = None
+                    log.info("credential %s: token fetched from %s (valid %.0fs)", self.credential.name,
+                             oauth.token_url, expires_in)
+                    return value
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            why = f"the token endpoint {oauth.token_url} could not be reached ({type(exc).__name__})"
+        except ValueError as exc:
+            why = f"the token endpoint {oauth.token_url} gave no usable token ({exc})"
+        message = f"no token for credential {self.credential.name}: {why}; the call was not sent"
+        log.warning("%s", message)
+        self._failed = (time.monotonic() + FAILURE_HOLD_S, message)
+        raise CredentialUnavailable(message, credential=self.credential.name)
+
+
+def _token_from(doc: object) -> tuple[str, float]:
+    """The token and its lifetime from a token response (RFC 6749 5.1); ValueError when unusable."""
+    if not isinstance(doc, dict):
+        raise ValueError("the answer is not a JSON object")
+    value = doc.get("access_token")
+    if not isinstance(value, str) or not value or any(ord(c) < 0x21 or ord(c) == 0x7F for c in value):
+        raise ValueError("access_token is missing or not a header-safe string")
+    expires_in = doc.get("expires_in", DEFAULT_LIFETIME_S)
+    if isinstance(expires_in, str) and expires_in.isdigit():
+        expires_in = int(expires_in)
+    if not isinstance(expires_in, int | float) or isinstance(expires_in, bool) or expires_in <= 0:
+        raise ValueError(f"expires_in {expires_in!r} is not a positive number")
+    return value, float(expires_in)
+
+
+# -- the sidecar's credentials ---------------------------------------------------------------------------------
+class Credentials:
+    """The secrets this sidecar holds and the tokens it has fetched, for one catalog."""
+
+    def __init__(self, secrets: Mapping[str, str], upstream_ca: str | None = None) -> None:
+        self.secrets = dict(secrets)
+        self.upstream_ca = upstream_ca
+        self.catalog: Catalog | None = None
+        self.clients: dict[str, TokenClient] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def bind(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        unknown = sorted(set(self.secrets) - set(catalog.credentials))
+        if unknown:
+            log.warning("--secret %s names no credential in the catalog; it is not used", ", ".join(unknown))
+        lacking = sorted(set(catalog.credentials) - set(self.secrets))
+        if lacking:
+            log.warning("no secret for credential(s) %s: calls that need them are refused "
+                        "(tether.credential_unavailable)", ", ".join(lacking))
+
+    def header_names(self) -> frozenset[bytes]:
+        names = {c.header.lower() for c in (self.catalog.credentials.values() if self.catalog else ())}
+        return frozenset(n.encode() for n in names)
+
+    def values(self) -> list[bytes]:
+        """Every value this sidecar may have injected, for redaction by value (longest first)."""
+        out: set[str] = set()
+        creds = self.catalog.credentials if self.catalog else {}
+        for name, secret in self.secrets.items():
+            out.add(secret)
+            if name in creds and creds[name].oauth2 is None:
+                out.add(creds[name].render(secret))
+        for client in self.clients.values():
+            for token in client.issued:
+                out.add(token)
+                out.add(client.credential.render(token))
+        return sorted((v.encode() for v in out if len(v) >= MIN_SCRUB), key=len, reverse=True)
+
+    def _client(self, credential: Credential) -> TokenClient:
+        client = self.clients.get(credential.name)
+        if client is None:
+            if self._session is None:
+                self._session = aiohttp.ClientSession()
+            context: ssl.SSLContext | bool = True
+            if self.upstream_ca:
+                context = ssl.create_default_context()
+                context.load_verify_locations(self.upstream_ca)
+            client = self.clients[credential.name] = TokenClient(credential, self.secrets[credential.name],
+                                                                 self._session, context)
+        return client
+
+    def value(self, credential: Credential) -> str | Awaitable[str]:
+        """The header value now (a static secret, a cached token), or an awaitable when a token must be fetched.
+        Raises CredentialUnavailable when this sidecar holds no secret for it."""
+        secret = self.secrets.get(credential.name)
+        if secret is None:
+            raise CredentialUnavailable(f"this sidecar holds no secret for credential {credential.name} (start it "
+                                        f"with --secret {credential.name}=env:VAR or =file:PATH); the call was "
+                                        "not sent", credential=credential.name)
+        if credential.oauth2 is None:
+            return credential.render(secret)
+        client = self._client(credential)
+        token = client.cached(time.monotonic())
+        if token is not None:
+            return credential.render(token)
+
+        async def fetched() -> str:
+            return credential.render(await client.get())
+
+        return fetched()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class Injector:
+    """Strips the agent's credential headers and injects the sidecar's, for calls whose capability names one.
+
+    Runs after the Enforcer (the call is decided, held calls approved) and before Capture (which redacts what
+    it injected). A streamed upload's headers leave at ``requestheaders``; every other request's at ``request``."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def _credential(self, flow: http.HTTPFlow) -> Credential | None:
+        catalog = self.sidecar.catalog
+        server = flow.metadata.get(MCP_SERVER)
+        if server is not None:
+            return catalog.mcp_credential(server)
+        call = call_of(flow)
+        return catalog.credential_of(call.capability) if call is not None and call.capability else None
+
+    def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        if flow.response is None and flow.request.stream:
+            return self._inject(flow)
+        return None
+
+    def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        if flow.response is None and not flow.request.stream:
+            return self._inject(flow)
+        return None
+
+    def _inject(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        try:
+            credential = self._credential(flow)
+            if credential is None:
+                return None
+            for name in {*AGENT_HEADERS, credential.header.lower()}:
+                flow.request.headers.pop(name, None)
+            value = self.sidecar.credentials.value(credential)
+        except Refusal as refusal:
+            refuse(flow, refusal)
+            return None
+        if isinstance(value, str):
+            flow.request.headers[credential.header] = value
+            return None
+        return self._later(flow, credential, value)
+
+    async def _later(self, flow: http.HTTPFlow, credential: Credential, value: Awaitable[str]) -> None:
+        try:
+            header = await value
+            # The token request took time: a revocation or a drain may have arrived meanwhile.
+            self.sidecar.state.admit(time.time(), time.monotonic())
+        except Refusal as refusal:
+            refuse(flow, refusal)
+            return
+        flow.request.headers[credential.header] = header
