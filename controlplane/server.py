@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from . import runs, telemetry
 from .auth import Authenticator, Caller
 from .capability import keys
+from .capability.budget import GrantError, read_grant
 from .capability.catalog import TIERS, Catalog
 from .capability.chain import (
     ChainInvalid,
@@ -412,16 +413,18 @@ class ControlPlane:
         return web.json_response(document(self.routes))
 
     # -- grants ---------------------------------------------------------------------------------------
-    def _caps_from(self, body: Doc) -> dict[str, str]:
-        caps: dict[str, str] = {}
+    def _caps_from(self, body: Doc) -> dict[str, Any]:
+        caps: dict[str, Any] = {}
         if body.get("role"):
             caps.update(self.catalog.role(str(body["role"])))
         raw = body.get("caps") or {}
         if not isinstance(raw, dict):
             raise _bad("'caps' must map capability names to tiers")
         for name, tier in raw.items():
-            if tier not in TIERS:
-                raise _bad(f"capability {name}: tier must be one of {', '.join(TIERS)}", capability=name)
+            try:  # a tier, or {tier, calls, per_minute} (DESIGN.md section 10, Budgets)
+                read_grant(tier, tiers=TIERS)
+            except GrantError as exc:
+                raise _bad(f"capability {name}: {exc}", capability=name) from None
             caps[str(name)] = tier
         self.catalog.require(caps)
         return caps
@@ -493,7 +496,7 @@ class ControlPlane:
             {
                 "valid": True,
                 "agent": verified.agent,
-                "caps": dict(verified.caps),
+                "caps": dict(verified.leaf.claims["caps"]),
                 "exp": verified.exp,
                 "jtis": list(verified.jtis),
                 "registered": registered,

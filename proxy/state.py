@@ -31,6 +31,8 @@ HTTP_STATUS = {
     codes.APPROVAL_DENIED: 403,
     codes.APPROVAL_TIMEOUT: 403,
     codes.CAPTURE_UNAVAILABLE: 503,
+    codes.BUDGET_EXHAUSTED: 429,
+    codes.RATE_LIMITED: 429,
 }
 
 
