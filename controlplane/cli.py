@@ -208,7 +208,8 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
         print(f"invalid: {exc.code} ({exc.reason}): {exc.message}")
         return 1
     print(
-        f"valid: {verified.agent} holds {_caps_text(verified.leaf.claims['caps'])}; expires in {verified.exp - time.time():.0f}s "
+        f"valid: {verified.agent} holds {_caps_text(verified.leaf.claims['caps'])}; "
+        f"expires in {verified.exp - time.time():.0f}s "
         f"(leeway {LEEWAY_S}s)"
     )
     if args.revoked is None:
@@ -241,6 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_token_from_env(),
         lease_ttl_s=args.lease_ttl,
         grace_s=args.grace,
+        rate_window_s=args.rate_window,
     )
     asyncio.run(serve(cp, host, port))
     return 0
@@ -383,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", default="tether-signing.key")
     p.add_argument("--lease-ttl", type=float, default=15.0, help="seconds a sidecar may go without contact")
     p.add_argument("--grace", type=float, default=5.0, help="seconds past a drain window before reconciling")
+    p.add_argument("--rate-window", type=float, default=None, metavar="S",
+                   help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
+                        "shorter only for tests)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("sidecar", help="run one agent's sidecar proxy")

@@ -40,8 +40,8 @@ from redis import exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from ..capability.errors import BAD_REQUEST, TetherError
 from ..capability.budget import MAX_SLICE
+from ..capability.errors import BAD_REQUEST, TetherError
 from .base import Doc, Event, Store, Stored, StoreUnavailable
 
 log = logging.getLogger("tether.store.redis")
