@@ -30,7 +30,7 @@ from .capability.budget import (
     slice_keys,
     window_of,
 )
-from .capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, NOT_FOUND, RATE_LIMITED, ApiError
+from .capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
 from .graph import Graph, Node
 from .server import ControlPlane, _bad
 from .store import Doc, Store, StoreUnavailable
@@ -87,6 +87,7 @@ class BudgetService:
         if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
             raise _bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
                        "takes nothing twice")
+        await self._settle(caller, body.get("settle") or [])  # used-up slices, piggybacked on the next take
         link = caller.link
         revoked = await self.cp.store.revoked_among(list(link.get("chain_jtis", [])))
         if revoked:
@@ -111,17 +112,21 @@ class BudgetService:
         granted, worst = await self.cp.store.take_slice(
             doc, [(c.key, c.limit) for c in counters], min(want, MAX_SLICE), SLICE_FRACTION, ttl)
         if granted <= 0:
+            # No slice is an answer, not an error of this API: 200 with the refusal the sidecar will give its
+            # calls (the calls themselves are refused 429 by the sidecar).
             tight = counters[worst or 0]
             holder = next((d["sub"] for d in chain if d is not None and d["jti"] == tight.jti), "?")
             self.cp.metrics.inc(f'tether_budget_refusals_total{{kind="{tight.kind}"}}')
             if tight.kind == "per_minute":
                 retry = max(0.0, window_end - now)
-                raise ApiError(429, RATE_LIMITED, f"{capability}: {holder}'s per_minute={tight.limit} is used up in "
-                               f"this window; retry in {retry:.1f}s", capability=capability, jti=tight.jti,
-                               retry_after_s=round(retry, 3))
-            raise ApiError(429, BUDGET_EXHAUSTED, f"{capability}: {holder}'s calls={tight.limit} budget is spent "
-                           "(shared with every delegate below it); ask its issuer for a new grant",
-                           capability=capability, jti=tight.jti)
+                error = {"code": RATE_LIMITED, "retry_after_s": round(retry, 3),
+                         "message": f"{capability}: {holder}'s per_minute={tight.limit} is used up in this "
+                         f"{self.window_s:g}s window; retry in {retry:.1f}s"}
+            else:
+                error = {"code": BUDGET_EXHAUSTED, "message": f"{capability}: {holder}'s calls={tight.limit} budget is "
+                         "spent (it is shared with every delegate below it); ask its issuer for a new grant"}
+            return web.json_response({"slice": None, "calls": 0,
+                                      "error": {**error, "capability": capability, "jti": tight.jti}})
         self.cp.metrics.inc("tether_budget_slices_total")
         return web.json_response({"slice": slice_id, "calls": granted,
                                   "window_ends_in": round(window_end - now, 3) if rated else None})
@@ -129,19 +134,22 @@ class BudgetService:
     async def h_return(self, request: web.Request) -> web.Response:
         raw = await request.read()
         caller = await self.cp.auth.run_of(request, raw)
-        items = _object(raw).get("slices")
+        settled = await self._settle(caller, _object(raw).get("slices"))
+        return web.json_response({"settled": settled})
+
+    async def _settle(self, caller: Any, items: Any) -> list[Doc]:
         if not isinstance(items, list) or not all(
                 isinstance(i, dict) and isinstance(i.get("slice"), str) and type(i.get("used")) is int
                 and i["used"] >= 0 for i in items):
-            raise _bad("body needs 'slices': [{slice, used}] with 'used' a whole number")
+            raise _bad("slices to settle are [{slice, used}] with 'used' a whole number")
         settled = []
         for item in items[:10_000]:
             if not item["slice"].startswith(f"{caller.run}/"):
-                raise ApiError(403, "tether.forbidden", f"slice {item['slice'][:80]!r} is not this run's")
+                raise ApiError(403, FORBIDDEN, f"slice {item['slice'][:80]!r} is not this run's")
             doc = await self.cp.store.settle_slice(item["slice"], item["used"], self.cp.clock())
             if doc is not None:
                 settled.append({"slice": doc["id"], "used": doc["used"], "returned": doc["n"] - doc["used"]})
-        return web.json_response({"settled": settled})
+        return settled
 
     # -- views ------------------------------------------------------------------------------------------
     async def h_budget(self, request: web.Request) -> web.Response:
