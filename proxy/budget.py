@@ -142,6 +142,7 @@ class Budgets:
                 pool.want = next_want(pool.want, now - pool.started_at, HORIZON_S)
             body: dict[str, Any] = {"capability": pool.capability, "want": pool.want, "slice": os.urandom(8).hex(),
                                     "settle": self._settlements()}
+            sent = time.monotonic()  # a window's end is counted from here: never later than the control plane's
             try:
                 self.requests += 1
                 answer = await self.channel.call("POST", "/v1/budgets/slices", body, timeout=5.0)
@@ -161,7 +162,7 @@ class Budgets:
             now = time.monotonic()
             ends = answer.get("window_ends_in")
             size = int(answer["calls"])
-            pool.slices.append(Slice(answer["slice"], size, None if ends is None else now + float(ends)))
+            pool.slices.append(Slice(answer["slice"], size, None if ends is None else sent + float(ends)))
             pool.last_size, pool.started_at, pool.refusal = size, now, None
         finally:
             pool.fetching = None
