@@ -9,7 +9,11 @@ import asyncio
 from controlplane.capability.budget import slice_size
 from controlplane.store import Store
 
-from .test_store_contract import Backend, backend, redis_server, store  # noqa: F401  (fixtures)
+from . import test_store_contract as contract
+from .test_store_contract import Backend
+
+# The contract's fixtures (both stores, a real redis-server), shared rather than copied.
+backend, store, redis_server = contract.backend, contract.store, contract.redis_server
 
 
 def doc(slice_id: str) -> dict:
