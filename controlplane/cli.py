@@ -440,6 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_agents)
 
+    p = sub.add_parser("budgets", help="call budgets as a tree: granted, used, leased per link")
+    _cp_arg(p)
+    p.add_argument("--agent", help="only the links this agent holds, and everything below them")
+    p.add_argument("--jti", help="one link's subtree")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_budgets", "cmd_budgets"))
+
     p = sub.add_parser("terminate", help="terminate an agent and its whole subtree")
     _cp_arg(p)
     p.add_argument("agent")

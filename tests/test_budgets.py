@@ -211,3 +211,28 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
             caller.outcomes
     view = budget_view(b, root.jti)["budgets"]["issues.read"]
     assert view["used"] + view["leased"] == 20 and view["left"] == 0
+
+
+def test_three_level_tree_and_the_budgets_command(world: World) -> None:
+    """A budget narrowing down three levels; ``tether budgets`` shows the whole tree's counts (README)."""
+    import subprocess
+    import sys
+
+    root = world.cp.issue("planner", budgeted(calls=20))
+    mid = world.cp.delegate(root, "researcher", budgeted(calls=10))
+    leaf = world.cp.delegate(mid, "fetcher", budgeted(calls=4))
+    car = world.sidecar(leaf)
+    session = requests.Session()
+    session.trust_env = False
+    statuses = [session.get(f"{world.tools.base}{ISSUES}", proxies=car.proxies(), timeout=10).status_code
+                for _ in range(6)]
+    assert statuses == [200] * 4 + [429] * 2  # the leaf's own budget is the tightest
+    car.stop()
+    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "budgets", "--agent", "planner"],
+                         env=world.cp.env(), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("planner") and "calls 4/20 used, 0 leased, 16 left" in lines[1]
+    assert "researcher" in lines[2] and "calls 4/10 used, 0 leased, 6 left" in lines[3]
+    assert "fetcher" in lines[4] and "calls 4/4 used, 0 leased, 0 left" in lines[5]
