@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .capability import keys
+from .capability.budget import GrantError, parse_cap_spec, read_grant
 from .capability.catalog import TIERS
 from .capability.chain import (
     LEEWAY_S,
@@ -54,15 +55,15 @@ def write_secret(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def parse_caps(values: Sequence[str] | None) -> dict[str, str]:
-    caps: dict[str, str] = {}
+def parse_caps(values: Sequence[str] | None) -> dict[str, Any]:
+    """``--cap NAME=TIER[,calls=N][,per_minute=M]`` values as caps: a tier, or its claim object."""
+    caps: dict[str, Any] = {}
     for value in values or []:
-        name, sep, tier = value.partition("=")
-        if not sep or not name or tier not in TIERS:
-            raise TetherError(
-                f"--cap {value}: expected NAME=TIER with TIER one of {', '.join(TIERS)}", code=BAD_REQUEST
-            )
-        caps[name] = tier
+        try:
+            name, grant = parse_cap_spec(value)
+        except GrantError as exc:
+            raise TetherError(f"{exc} (TIER one of {', '.join(TIERS)})", code=BAD_REQUEST) from None
+        caps[name] = grant if isinstance(grant, str) else grant.claim()
     return caps
 
 
@@ -207,7 +208,8 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
         print(f"invalid: {exc.code} ({exc.reason}): {exc.message}")
         return 1
     print(
-        f"valid: {verified.agent} holds {_caps_text(verified.caps)}; expires in {verified.exp - time.time():.0f}s "
+        f"valid: {verified.agent} holds {_caps_text(verified.leaf.claims['caps'])}; "
+        f"expires in {verified.exp - time.time():.0f}s "
         f"(leeway {LEEWAY_S}s)"
     )
     if args.revoked is None:
@@ -218,8 +220,10 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _caps_text(caps: dict[str, str]) -> str:
-    return ", ".join(f"{c}={t}" for c, t in sorted(caps.items())) or "nothing"
+def _caps_text(caps: dict[str, Any]) -> str:
+    """Caps (tiers or budget objects) as ``cap=direct,calls=20, other=approval``."""
+    return ", ".join(f"{c}={read_grant(t, tiers=TIERS).text() if isinstance(t, dict) else t}"
+                     for c, t in sorted(caps.items())) or "nothing"
 
 
 # -- control plane -------------------------------------------------------------------------------------
@@ -238,6 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin_token_from_env(),
         lease_ttl_s=args.lease_ttl,
         grace_s=args.grace,
+        rate_window_s=args.rate_window,
     )
     asyncio.run(serve(cp, host, port))
     return 0
@@ -339,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--catalog", default="catalog.yaml")
     p.add_argument("--agent", required=True)
     p.add_argument("--subject-key", required=True)
-    p.add_argument("--cap", action="append", metavar="NAME=TIER")
+    p.add_argument("--cap", action="append", metavar="NAME=TIER[,calls=N][,per_minute=M]")
     p.add_argument("--role", help="start from a catalog role's capabilities")
     p.add_argument("--ttl", type=float, default=3600.0)
     p.add_argument("--depth", type=int, default=3)
@@ -351,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", required=True)
     p.add_argument("--agent", required=True)
     p.add_argument("--subject-key", required=True)
-    p.add_argument("--cap", action="append", metavar="NAME=TIER")
+    p.add_argument("--cap", action="append", metavar="NAME=TIER[,calls=N][,per_minute=M]")
     p.add_argument("--ttl", type=float, default=3600.0)
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--catalog", help="check capability names against this catalog")
@@ -380,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", default="tether-signing.key")
     p.add_argument("--lease-ttl", type=float, default=15.0, help="seconds a sidecar may go without contact")
     p.add_argument("--grace", type=float, default=5.0, help="seconds past a drain window before reconciling")
+    p.add_argument("--rate-window", type=float, default=None, metavar="S",
+                   help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
+                        "shorter only for tests)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("sidecar", help="run one agent's sidecar proxy")
@@ -414,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-chain")
     p.add_argument("--parent-key")
     p.add_argument("--agent", help="the child's agent id (with --parent-chain)")
-    p.add_argument("--cap", action="append", metavar="NAME=TIER")
+    p.add_argument("--cap", action="append", metavar="NAME=TIER[,calls=N][,per_minute=M]")
     p.add_argument("--ttl", type=float, default=3600.0)
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--state-dir", default=None)
@@ -442,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_agents)
+
+    p = sub.add_parser("budgets", help="call budgets as a tree: granted, used, leased per link")
+    _cp_arg(p)
+    p.add_argument("--agent", help="only the links this agent holds, and everything below them")
+    p.add_argument("--jti", help="one link's subtree")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("controlplane.cli_budgets", "cmd_budgets"))
 
     p = sub.add_parser("terminate", help="terminate an agent and its whole subtree")
     _cp_arg(p)

@@ -47,7 +47,7 @@ def offline_surface(args: argparse.Namespace) -> dict[str, Any]:
         # Signatures and narrowing only: expiry and revocation are the control plane's to judge, and a
         # chain issued against the catalog under review's predecessor is exactly what is being reviewed.
         links = verifier.structure(wire).links if verifier is not None else parse_chain_unverified(wire)
-        grants.setdefault(links[-1].sub, []).append(links[-1].caps)
+        grants.setdefault(links[-1].sub, []).append(links[-1].claims["caps"])  # tiers and budgets
     for value in args.role or []:
         agent, sep, role = value.partition("=")
         if not sep or not agent or not role:

@@ -23,6 +23,7 @@ from . import schemas as sc
 from .auth import Authenticator, Caller
 from .body import MAX_BODY, Fields, bad, parse, query_int, query_number, raw_body, read_json
 from .capability import keys
+from .capability.budget import GrantError, read_grant
 from .capability.catalog import TIERS, Catalog
 from .capability.chain import (
     MAX_LINKS,
@@ -417,15 +418,17 @@ class ControlPlane:
         return web.json_response(document(self.routes))
 
     # -- grants ---------------------------------------------------------------------------------------
-    def _caps_from(self, body: Fields) -> dict[str, str]:
-        caps: dict[str, str] = {}
+    def _caps_from(self, body: Fields) -> dict[str, Any]:
+        caps: dict[str, Any] = {}
         role = body.string("role", max_len=200)
         if role:
             caps.update(self.catalog.role(role))
         raw = body.obj("caps") or {}
         for name, tier in raw.items():
-            if not isinstance(tier, str) or tier not in TIERS:
-                raise bad(f"capability {name}: tier must be one of {', '.join(TIERS)}", capability=name, field="caps")
+            try:  # a tier, or {tier, calls, per_minute} (DESIGN.md section 10, Budgets)
+                read_grant(tier, tiers=TIERS)
+            except GrantError as exc:
+                raise bad(f"capability {name}: {exc}", capability=name, field="caps") from None
             caps[name] = tier
         self.catalog.require(caps)
         return caps
@@ -487,7 +490,7 @@ class ControlPlane:
             {
                 "valid": True,
                 "agent": verified.agent,
-                "caps": dict(verified.caps),
+                "caps": dict(verified.leaf.claims["caps"]),
                 "exp": verified.exp,
                 "jtis": list(verified.jtis),
                 "registered": registered,

@@ -163,6 +163,7 @@ def build_record(
     prev_hash: str,
     now: float,
     starts: list[Doc] = (),  # type: ignore[assignment]
+    budgets: Mapping[str, Doc] | None = None,  # jti -> {capability: {granted, used, leased, ...}}
 ) -> Doc:
     """Assemble (unsigned) what became of every call and agent in the subtree.
 
@@ -226,6 +227,8 @@ def build_record(
             entry["expired_at"] = exp
         if link["hash"] in lease_of_link:
             entry["sidecar_lease_expires_at"] = lease_of_link[link["hash"]]
+        if budgets and link["jti"] in budgets:
+            entry["budget"] = budgets[link["jti"]]  # what the link's subtree spent of its budgets
         leases.append(entry)
     return {
         "record_id": record_id,

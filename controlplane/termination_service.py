@@ -18,6 +18,7 @@ from . import schemas as sc
 from . import termination as proto
 from .auth import Caller
 from .body import parse, raw_body
+from .budgets import budget_use
 from .capability import keys
 from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 from .graph import Graph
@@ -337,6 +338,7 @@ class TerminationService:
                 acks=acks,
                 prev_hash=records[-1]["hash"] if records else "",
                 now=self.cp.clock(),
+                budgets=await budget_use(store, links, self.cp.clock()),
             )
             sealed = await asyncio.to_thread(_sealed_record, doc, inputs, self.cp.signing_key)
             if await store.append_record(sealed):

@@ -40,6 +40,8 @@ MCP_METHODS = "tether.mcp_methods"
 NO_STREAM = "tether.no_stream"
 STREAM_THRESHOLD = 1024 * 1024
 HOLD_WITH_BODY = "tether.hold_with_body"
+MCP_TOOLS = "tether.mcp_tools"  # the capabilities of a JSON-RPC body's tools/call messages (one unit each)
+PENDING = "tether.pending"  # a call that waits for a budget slice before it is forwarded
 _METHOD = re.compile(r"[A-Z]{1,16}")
 # Headers that frameworks (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override, Rails ...) honour
 # to serve another path, method or host than the request line names. Refused rather than stripped: stripping
@@ -150,7 +152,7 @@ class Enforcer:
             return None
         if self._decide(flow, lambda: self._decide_headers(flow, call)):
             return self._guarded(flow, self._hold_then(flow, call, self._stream_large_upload))
-        return None
+        return self._pending(flow)
 
     def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         call = call_of(flow)
@@ -161,7 +163,12 @@ class Enforcer:
             return None
         if self._decide(flow, lambda: self._decide_body(flow, call)):
             return self._guarded(flow, self._hold_then(flow, call, self._final_look))
-        return None
+        return self._pending(flow)
+
+    def _pending(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """A decision that let the call go but found no budget unit at hand: wait for a slice (or refuse)."""
+        pending = flow.metadata.pop(PENDING, None)
+        return None if pending is None else self._guarded(flow, pending)
 
     def _decide(self, flow: http.HTTPFlow, decision: Callable[[], bool]) -> bool:
         """Run a decision; True when the call must be held. A refusal answers the client, and so does any
@@ -188,9 +195,12 @@ class Enforcer:
                   exc_info=exc)
         refuse(flow, Refusal(codes.CAPABILITY_ABSENT, f"tether could not decide on this call ({exc!r}); refused"))
 
-    async def _hold_then(self, flow: http.HTTPFlow, call: Call, then: Callable[[http.HTTPFlow, Call], None]) -> None:
+    async def _hold_then(self, flow: http.HTTPFlow, call: Call,
+                         then: Callable[[http.HTTPFlow, Call], Awaitable[None] | None]) -> None:
         await self._hold(flow, call)
-        then(flow, call)
+        waiting = then(flow, call)
+        if waiting is not None:
+            await waiting
 
     def _decide_headers(self, flow: http.HTTPFlow, call: Call) -> bool:
         req = flow.request
@@ -222,7 +232,7 @@ class Enforcer:
                 return True  # held at the headers: its body will stream through, unseen by the approver
             flow.metadata[HOLD_WITH_BODY] = True  # held once the body is here: the approver sees what would leave
             return False
-        self._stream_large_upload(flow, call)
+        flow.metadata[PENDING] = self._stream_large_upload(flow, call)
         return False
 
     @staticmethod
@@ -231,12 +241,12 @@ class Enforcer:
         return bool(length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
             "transfer-encoding", "")
 
-    def _stream_large_upload(self, flow: http.HTTPFlow, call: Call) -> None:
+    def _stream_large_upload(self, flow: http.HTTPFlow, call: Call) -> Awaitable[None] | None:
         req = flow.request
         if self._large_upload(req):
             req.stream = True  # large uploads pass through; the decision above is final
-            call.phase = "forwarding"
-            self.sidecar.reporter.start(call)  # write-ahead: spooled before the headers leave
+            return self._spend_then_forward(flow, call)
+        return None
 
     def _decide_body(self, flow: http.HTTPFlow, call: Call) -> bool:
         if flow.metadata.pop(HOLD_WITH_BODY, False):
@@ -245,12 +255,32 @@ class Enforcer:
         if server is not None and flow.request.method == "POST" and MCP_PARSED not in flow.metadata:
             if self._decide_mcp(flow, call, server):
                 return True
-        self._final_look(flow, call)
+        flow.metadata[PENDING] = self._final_look(flow, call)
         return False
 
-    def _final_look(self, flow: http.HTTPFlow, call: Call) -> None:
+    def _final_look(self, flow: http.HTTPFlow, call: Call) -> Awaitable[None] | None:
         # The last look before anything leaves: a revocation or drain may have arrived meanwhile.
         self.sidecar.state.admit(time.time(), time.monotonic())
+        return self._spend_then_forward(flow, call)
+
+    def _spend_then_forward(self, flow: http.HTTPFlow, call: Call) -> Awaitable[None] | None:
+        """Only a forwarded call counts against a budget: its unit is taken here, after every check and any
+        approval, just before it leaves. None when it may leave now; an awaitable when it waits for a slice."""
+        budgets = self.sidecar.budgets
+        if budgets.active:
+            tools = flow.metadata.get(MCP_TOOLS)
+            waiting = budgets.spend(tools if tools is not None else [call.capability or ""], call.call_id)
+            if waiting is not None:
+                return self._forward_after(waiting, call)
+        self._forward(call)
+        return None
+
+    async def _forward_after(self, waiting: Awaitable[None], call: Call) -> None:
+        await waiting
+        self.sidecar.state.admit(time.time(), time.monotonic())  # the wait may have outlasted a revocation
+        self._forward(call)
+
+    def _forward(self, call: Call) -> None:
         call.phase = "forwarding"
         self.sidecar.reporter.start(call)  # write-ahead: spooled before the first byte leaves
 
@@ -344,6 +374,7 @@ class Enforcer:
         # request that lists tools, whatever else shares its batch.
         flow.metadata[MCP_METHODS] = [m.method for m in parsed.messages]
         if tools:
+            flow.metadata[MCP_TOOLS] = [c for c, _ in tools]
             call.capability = tools[0][0] if len(tools) == 1 else ",".join(c for c, _ in tools)
             call.tier = "approval" if any(t == "approval" for _, t in tools) else "direct"
             call.detail = None

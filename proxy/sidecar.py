@@ -33,6 +33,7 @@ from controlplane.capability.chain import Verifier, parse_chain_unverified
 from controlplane.capability.errors import ApiError, ChainError, TetherError
 
 from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
+from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .credentials import Credentials, Injector
@@ -117,6 +118,7 @@ class Sidecar:
         self.resolved: list[Callable[[Call], None]] = []  # told of every call's end (proxy/telemetry.py)
         self.catalog: Catalog = config.catalog  # type: ignore[assignment]
         self.state: SidecarState = None  # type: ignore[assignment]
+        self.budgets = Budgets(None, None)  # the chain's budget slices (proxy/budget.py), once it verified
         self.seq = -1
         self.started_at = time.time()
         self.approvals: dict[str, asyncio.Future[str]] = {}
@@ -172,6 +174,8 @@ class Sidecar:
         if self.retired:
             return
         self.state = SidecarState(verified, verifier, lease_ttl_s=15.0)
+        self.budgets = Budgets(verified, self.channel)
+        self.resolved.append(self.budgets.on_resolved)
         self.state.registered = True
         await self.heartbeat_once()
         await self.sync_events(wait=0)
@@ -216,7 +220,7 @@ class Sidecar:
         host, port = addrs[0][:2]
         self.address = (host, port)
         await self.heartbeat_once()  # starting may have been slow: begin serving on a fresh lease
-        for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop):
+        for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop, self.budgets.run):
             self._tasks.append(asyncio.create_task(job()))
         log.info("sidecar for %s listening on %s:%d", self.agent, host, port)
         return host, port
@@ -241,6 +245,8 @@ class Sidecar:
             left = call.phase in ("forwarding", "forwarded")
             self.resolve(call, "unknown" if left else "cancelled_not_sent",
                          detail="the sidecar stopped while the call was in flight")
+        with contextlib.suppress(Exception):  # unused budget goes back; what is not returned counts as spent
+            await asyncio.wait_for(self.budgets.release(), 3.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.goodbye(), 3.0)
         await self.channel.close()
@@ -505,6 +511,8 @@ class Sidecar:
             self.resolve(call, "unknown" if left else "cancelled_not_sent",
                          detail="aborted; no final event from the proxy")
         self.state.quiesced()
+        with contextlib.suppress(Exception):  # nothing more is forwarded: hand unused budget back
+            await asyncio.wait_for(self.budgets.release(), 5.0)
         # Every termination that reached us while we quiesced is answered, not only the last one.
         for tid in sorted(self._commanded_ids - self._acked):
             self._acking.add(tid)

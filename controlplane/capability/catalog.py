@@ -172,7 +172,7 @@ class Capability:
 @dataclass(frozen=True)
 class Catalog:
     capabilities: Mapping[str, Capability]
-    roles: Mapping[str, Mapping[str, str]]
+    roles: Mapping[str, Mapping[str, Any]]  # capability -> tier or {tier, calls, per_minute}
     hash: str
     source: str = "<catalog>"
     credentials: Mapping[str, Credential] = field(default_factory=dict)
@@ -270,7 +270,7 @@ class Catalog:
                 return self.credentials[c.credential]
         return None
 
-    def role(self, name: str) -> dict[str, str]:
+    def role(self, name: str) -> dict[str, Any]:
         if name not in self.roles:
             raise UnknownCapability(
                 f"role {name!r} is not in the catalog {self.source} "
@@ -396,7 +396,7 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
     roles_raw = raw.get("roles") or {}
     if not isinstance(roles_raw, dict):
         raise _fail(source, "roles", "expected a mapping of role name -> {capability: tier}")
-    roles: dict[str, dict[str, str]] = {}
+    roles: dict[str, dict[str, Any]] = {}
     for role, grants in roles_raw.items():
         where = f"role {role!r}"
         if not isinstance(grants, dict):
@@ -404,9 +404,13 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
         for cap, tier in grants.items():
             if cap not in caps:
                 raise _fail(source, f"{where}.{cap}", "names a capability that is not in the catalog")
-            if tier not in TIERS:
-                raise _fail(source, f"{where}.{cap}", f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
-        roles[str(role)] = {str(k): str(v) for k, v in grants.items()}
+            from .budget import GrantError, read_grant  # budget.py imports this module
+
+            try:
+                read_grant(tier, tiers=TIERS)  # a tier, or {tier, calls, per_minute}: roles may carry budgets
+            except GrantError as exc:
+                raise _fail(source, f"{where}.{cap}", str(exc)) from None
+        roles[str(role)] = {str(k): v if isinstance(v, dict) else str(v) for k, v in grants.items()}
     catalog = Catalog(capabilities=caps, roles=roles, hash="", source=source, credentials=credentials)
     digest = hashlib.sha256(canonical_json(catalog.to_dict())).hexdigest()
     return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source, credentials=credentials)

@@ -24,7 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from . import keys
-from .catalog import GRANTED_TIERS, TIERS, Catalog
+from .budget import Grant, GrantError, normalize, split_caps, widening
+from .catalog import Catalog
 from .errors import ChainExpired, ChainInvalid, ChainRevoked, KeyError_
 
 GRANT_TYP = "tether-grant+jwt"
@@ -72,9 +73,16 @@ class Link(NamedTuple):
     nbf: float
     exp: float
     prf: str | None
-    caps: Mapping[str, str]
+    caps: Mapping[str, str]  # capability -> tier (the claim's objects reduced to their tier)
     dpth: int
     cat: str
+    budgets: Mapping[str, Grant] = {}  # the budgeted capabilities' full grants (DESIGN.md section 10)
+
+    def grant(self, capability: str) -> Grant | None:
+        tier = self.caps.get(capability)
+        if tier is None:
+            return None
+        return self.budgets.get(capability) or Grant(tier)
 
     @property
     def key(self) -> Ed25519PublicKey:
@@ -138,13 +146,12 @@ class VerifiedChain(NamedTuple):
 
 
 # -- minting ---------------------------------------------------------------------------------------
-def _normalize_caps(caps: Mapping[str, str], catalog: Catalog | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, tier in caps.items():
-        if tier not in TIERS:
-            raise ChainInvalid("malformed", f"capability {name}: tier must be one of {', '.join(TIERS)}")
-        if tier != "absent":
-            out[name] = tier
+def _normalize_caps(caps: Mapping[str, Any], catalog: Catalog | None) -> dict[str, Any]:
+    """Caps as given (tiers, ``{tier, calls, per_minute}`` objects or Grants) in their claim form."""
+    try:
+        out = normalize(caps)
+    except GrantError as exc:
+        raise ChainInvalid("malformed", str(exc)) from None
     if catalog is not None:
         catalog.require(out)
     return out
@@ -159,7 +166,7 @@ def mint_root(
     *,
     agent: str,
     subject_key: Ed25519PublicKey,
-    caps: Mapping[str, str],
+    caps: Mapping[str, Any],
     now: float,
     ttl_s: float,
     depth: int,
@@ -193,7 +200,7 @@ def mint_child(
     *,
     agent: str,
     subject_key: Ed25519PublicKey,
-    caps: Mapping[str, str],
+    caps: Mapping[str, Any],
     now: float,
     ttl_s: float,
     depth: int | None = None,
@@ -207,7 +214,7 @@ def mint_child(
         )
     _check_principal(agent)
     child_caps = _normalize_caps(caps, catalog)
-    _check_narrowing(parent, child_caps, index=None)
+    _check_narrowing(parent, *split_caps(child_caps), index=None)
     if parent.dpth <= 0:
         raise ChainInvalid("depth_exhausted", f"{parent.sub}'s grant does not allow further delegation")
     child_depth = parent.dpth - 1 if depth is None else depth
@@ -241,7 +248,7 @@ def _check_principal(agent: str) -> None:
                            "'.', '_', ':' and '-'")
 
 
-def _check_narrowing(parent: Link, caps: Mapping[str, str], index: int | None) -> None:
+def _check_narrowing(parent: Link, caps: Mapping[str, str], budgets: Mapping[str, Grant], index: int | None) -> None:
     for name, tier in caps.items():
         parent_tier = parent.caps.get(name)
         if parent_tier is None:
@@ -258,6 +265,11 @@ def _check_narrowing(parent: Link, caps: Mapping[str, str], index: int | None) -
                 link=index,
                 capability=name,
             )
+        if parent.budgets or budgets:  # budgets: only ever narrowed, never removed
+            wide = widening(parent.grant(name), budgets.get(name) or Grant(tier))
+            if wide is not None:
+                raise ChainInvalid(wide[0], f"{name} for {parent.sub}'s delegate: {wide[1]}", link=index,
+                                   capability=name)
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -333,15 +345,15 @@ def parse_link(compact: str, index: int = 0, digest: str | None = None) -> Link:
             and _is_time(iat) and _is_time(nbf) and _is_time(exp) and nbf <= exp
             and type(dpth) is int and dpth >= 0
             and ((prf is None and "prf" not in claims) or type(prf) is str)
-            and type(caps) is dict and all(type(k) is str and v in GRANTED_TIERS for k, v in caps.items())
             and len(key_raw) == 32 and "d" not in jwk
         )
+        tiers, budgets = split_caps(caps)  # GrantError is a ValueError: a malformed link
     except (KeyError, TypeError, ValueError, binascii.Error):
         well_formed = False
     if not well_formed:
         raise _claims_error(claims, index)
     return Link(compact, digest or link_hash(compact), claims, f"{head}.{body}".encode("ascii"), signature,
-                key_raw, iss, sub, jti, iat, nbf, exp, prf, caps, dpth, cat)
+                key_raw, iss, sub, jti, iat, nbf, exp, prf, tiers, dpth, cat, budgets)
 
 
 def _check_header(header: dict[str, Any], index: int) -> None:
@@ -377,11 +389,11 @@ def _claims_error(claims: dict[str, Any], index: int) -> ChainInvalid:
         return _malformed(index, "claim 'dpth' must be a non-negative integer")
     if "prf" in claims and not isinstance(claims["prf"], str):
         return _malformed(index, "claim 'prf' must be a string")
-    caps = claims.get("caps")
-    if not isinstance(caps, dict) or not all(
-        isinstance(k, str) and v in GRANTED_TIERS for k, v in caps.items()
-    ):
-        return _malformed(index, "claim 'caps' must map capability names to 'direct' or 'approval'")
+    try:
+        split_caps(claims.get("caps"))
+    except GrantError as exc:
+        return _malformed(index, f"claim 'caps' must map capability names to 'direct', 'approval' or "
+                          f"{{tier, calls, per_minute}}: {exc}")
     cnf = claims.get("cnf")
     if not isinstance(cnf, dict):
         return _malformed(index, "claim 'cnf' must hold the subject's jwk")
@@ -513,7 +525,7 @@ def _check_link(parent: Link, link: Link, index: int) -> None:
         raise ChainInvalid("broken_prf", f"link {index}: prf does not name the parent link's hash", link=index)
     if link.cat != parent.cat:
         raise ChainInvalid("catalog_mismatch", f"link {index}: issued against another catalog", link=index)
-    _check_narrowing(parent, link.caps, index)
+    _check_narrowing(parent, link.caps, link.budgets, index)
     if link.nbf < parent.nbf:
         raise ChainInvalid("nbf_before_parent", f"link {index}: nbf is before the parent's", link=index)
     if link.exp > parent.exp:

@@ -22,6 +22,9 @@ APPROVAL_DENIED = "tether.approval_denied"
 APPROVAL_TIMEOUT = "tether.approval_timeout"
 CAPTURE_UNAVAILABLE = "tether.capture_unavailable"
 CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # DESIGN.md section 10: no secret, no token
+# Budgets (DESIGN.md section 10): no slice of a capability's calls budget, or its rate window, is left.
+BUDGET_EXHAUSTED = "tether.budget_exhausted"
+RATE_LIMITED = "tether.rate_limited"
 
 # Codes of our own, for input that is not a call (catalog files, API requests, CLI arguments).
 CATALOG_INVALID = "tether.catalog_invalid"

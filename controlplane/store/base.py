@@ -172,3 +172,29 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
         """Take or renew the named lease for owner; False while another owner holds it."""
+
+    # -- budgets: counters the control plane owns, slices of them leased to sidecars -------------------
+    # A counter (``capability/budget.py`` names it) holds ``used`` and ``leased``; what is left of it is its
+    # limit minus both. A slice is a number of calls taken from several counters at once.
+    @abc.abstractmethod
+    async def take_slice(self, slice_doc: Doc, counters: list[tuple[str, int]], want: int, fraction: float,
+                         ttl_s: float = 0) -> tuple[int, int | None]:
+        """Atomically, all or nothing: grant ``slice_size(want, what is left of each counter, fraction)``
+        calls, add them to every counter's ``leased``, and store ``slice_doc`` (its ``id`` is the key) open
+        with ``n`` set. Returns (granted, None), or (0, index of a counter with nothing left). Idempotent
+        on the slice id: a slice already stored answers its own ``n``. ``ttl_s`` > 0 lets the counters be
+        forgotten that long after their last change (rate windows)."""
+
+    @abc.abstractmethod
+    async def settle_slice(self, slice_id: str, used: int, at: float) -> Doc | None:
+        """Atomically close an open slice: ``used`` (at most its ``n``) moves from every counter's ``leased``
+        to its ``used``, the rest is returned. The settled doc; None when unknown or settled already (a
+        slice is settled once, so never spent twice)."""
+
+    @abc.abstractmethod
+    async def open_slices(self) -> list[Doc]: ...
+
+    @abc.abstractmethod
+    async def budget_counts(self, counters: list[str]) -> dict[str, tuple[int, int]]:
+        """(used, leased) of each counter; (0, 0) for one never drawn on."""
+

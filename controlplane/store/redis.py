@@ -40,6 +40,7 @@ from redis import exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from ..capability.budget import MAX_SLICE
 from ..capability.errors import BAD_REQUEST, TetherError
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
@@ -153,6 +154,59 @@ return 1
 """
 
 
+# KEYS: slice, open slices, then one hash per counter. ARGV: want, fraction, max slice, ttl_ms, slice id, slice
+# doc, then one limit per counter. All or nothing: the slice's size is decided on what is left of the tightest
+# counter (capability/budget.slice_size, mirrored here) and added to every counter's leased, in one step.
+# Returns {granted, index of the tightest counter}; a slice already stored answers its own n (a retried call).
+_TAKE_SLICE = """
+local existing = redis.call('GET', KEYS[1])
+if existing then return {tonumber(cjson.decode(existing)['n']), -1} end
+local left, worst = nil, 0
+for i = 3, #KEYS do
+  local used = tonumber(redis.call('HGET', KEYS[i], 'used') or '0')
+  local leased = tonumber(redis.call('HGET', KEYS[i], 'leased') or '0')
+  local l = tonumber(ARGV[i + 4]) - used - leased
+  if left == nil or l < left then left, worst = l, i - 3 end
+end
+if left == nil or left <= 0 then return {0, worst} end
+local g = math.floor(left * tonumber(ARGV[2]))
+if g > tonumber(ARGV[1]) then g = tonumber(ARGV[1]) end
+if g > tonumber(ARGV[3]) then g = tonumber(ARGV[3]) end
+if g < 1 then g = 1 end
+for i = 3, #KEYS do
+  redis.call('HINCRBY', KEYS[i], 'leased', g)
+  if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
+end
+local doc = cjson.decode(ARGV[6])
+doc['n'] = g
+redis.call('SET', KEYS[1], cjson.encode(doc))
+redis.call('SADD', KEYS[2], ARGV[5])
+return {g, -1}
+"""
+
+# KEYS: slice, open slices, then the slice's counters. ARGV: used, at, slice id. Settles an open slice once:
+# used (at most n) moves from leased to used on every counter. Returns the settled doc, or false.
+_SETTLE_SLICE = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return false end
+local doc = cjson.decode(raw)
+if doc['state'] ~= 'open' then return false end
+local n = tonumber(doc['n'])
+local used = math.max(0, math.min(tonumber(ARGV[1]), n))
+for i = 3, #KEYS do
+  redis.call('HINCRBY', KEYS[i], 'leased', -n)
+  redis.call('HINCRBY', KEYS[i], 'used', used)
+end
+doc['state'] = 'settled'
+doc['used'] = used
+doc['settled_at'] = tonumber(ARGV[2])
+local out = cjson.encode(doc)
+redis.call('SET', KEYS[1], out, 'EX', 86400)
+redis.call('SREM', KEYS[2], ARGV[3])
+return out
+"""
+
+
 class RedisStore(Store):
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -198,6 +252,8 @@ class RedisStore(Store):
             ("put_doc", _PUT_DOC),
             ("append_record", _APPEND_RECORD),
             ("try_lease", _TRY_LEASE),
+            ("take_slice", _TAKE_SLICE),
+            ("settle_slice", _SETTLE_SLICE),
         ):
             self._scripts[name] = client.register_script(source)
         self._listener = asyncio.create_task(self._listen(), name=f"tether-redis-listener {self.url}")
@@ -467,3 +523,43 @@ class RedisStore(Store):
         gc_ms = int(ttl_s * 1000) + LEASE_GC_SLACK_MS
         args = [owner, repr(float(now)), repr(float(now + ttl_s)), gc_ms]
         return bool(await self._run("try_lease", [self._key("lease", name)], args))
+
+    # -- budgets ----------------------------------------------------------------------------------------
+    @_guarded
+    async def take_slice(self, slice_doc: Doc, counters: list[tuple[str, int]], want: int, fraction: float,
+                         ttl_s: float = 0) -> tuple[int, int | None]:
+        doc = {**slice_doc, "state": "open", "keys": [k for k, _ in counters]}
+        keys = [self._key("slice", doc["id"]), self._key("slices", "open")]
+        keys += [self._key("budget", k) for k, _ in counters]
+        args: list[Any] = [int(want), repr(float(fraction)), MAX_SLICE, int(ttl_s * 1000), doc["id"], _dump(doc)]
+        args += [int(limit) for _, limit in counters]
+        granted, worst = await self._scripts["take_slice"](keys=keys, args=args)
+        return int(granted), None if int(worst) < 0 else int(worst)
+
+    @_guarded
+    async def settle_slice(self, slice_id: str, used: int, at: float) -> Doc | None:
+        raw = await self.r.get(self._key("slice", slice_id))
+        if not raw:
+            return None
+        keys = [self._key("slice", slice_id), self._key("slices", "open")]
+        keys += [self._key("budget", k) for k in json.loads(raw)["keys"]]  # fixed when the slice was taken
+        out = await self._scripts["settle_slice"](keys=keys, args=[int(used), repr(float(at)), slice_id])
+        return json.loads(out) if out else None
+
+    @_guarded
+    async def open_slices(self) -> list[Doc]:
+        ids = sorted(await self.r.smembers(self._key("slices", "open")))
+        raws = await self.r.mget([self._key("slice", i) for i in ids]) if ids else []
+        return [json.loads(raw) for raw in raws if raw]
+
+    @_guarded
+    async def budget_counts(self, counters: list[str]) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in counters:
+                pipe.hmget(self._key("budget", key), ["used", "leased"])
+            rows = await pipe.execute()
+        for key, (used, leased) in zip(counters, rows, strict=True):
+            out[key] = (int(used or 0), int(leased or 0))
+        return out
+

@@ -11,6 +11,7 @@ import os
 import sqlite3
 from typing import Any
 
+from ..capability.budget import slice_size
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
 EVENT_RETENTION = 10_000
@@ -33,6 +34,9 @@ CREATE TABLE IF NOT EXISTS records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash 
     prev_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS slices (id TEXT PRIMARY KEY, open INTEGER NOT NULL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS slices_open ON slices(open);
 """
 
 
@@ -291,3 +295,65 @@ class SqliteStore(Store):
         except BaseException:
             db.execute("ROLLBACK")
             raise
+
+    # -- budgets ----------------------------------------------------------------------------------------
+    async def take_slice(self, slice_doc: Doc, counters: list[tuple[str, int]], want: int, fraction: float,
+                         ttl_s: float = 0) -> tuple[int, int | None]:
+        db = self._tx()  # BEGIN IMMEDIATE: one writer at a time, so no two slices see the same remainder
+        try:
+            row = db.execute("SELECT doc FROM slices WHERE id = ?", (slice_doc["id"],)).fetchone()
+            if row is not None:
+                db.execute("ROLLBACK")
+                return int(json.loads(row[0])["n"]), None
+            left: list[int] = []
+            for key, limit in counters:
+                got = db.execute("SELECT used, leased FROM budgets WHERE key = ?", (key,)).fetchone()
+                left.append(limit - (got[0] + got[1] if got else 0))
+            granted = slice_size(want, left, fraction)
+            if granted <= 0:
+                db.execute("ROLLBACK")
+                return 0, min(range(len(left)), key=lambda i: left[i])
+            for key, _limit in counters:
+                db.execute("INSERT INTO budgets (key, used, leased) VALUES (?, 0, ?) "
+                           "ON CONFLICT(key) DO UPDATE SET leased = leased + excluded.leased", (key, granted))
+            doc = {**slice_doc, "n": granted, "state": "open", "keys": [k for k, _ in counters]}
+            db.execute("INSERT INTO slices (id, open, doc) VALUES (?, 1, ?)", (doc["id"], _dump(doc)))
+            db.execute("COMMIT")
+            return granted, None
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def settle_slice(self, slice_id: str, used: int, at: float) -> Doc | None:
+        db = self._tx()
+        try:
+            row = db.execute("SELECT doc FROM slices WHERE id = ? AND open = 1", (slice_id,)).fetchone()
+            if row is None:
+                db.execute("ROLLBACK")
+                return None
+            doc = json.loads(row[0])
+            spent = max(0, min(int(used), int(doc["n"])))
+            for key in doc["keys"]:
+                db.execute("UPDATE budgets SET leased = leased - ?, used = used + ? WHERE key = ?",
+                           (doc["n"], spent, key))
+            doc.update(state="settled", used=spent, settled_at=at)
+            db.execute("UPDATE slices SET open = 0, doc = ? WHERE id = ?", (_dump(doc), slice_id))
+            db.execute("COMMIT")
+            return doc
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def open_slices(self) -> list[Doc]:
+        return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM slices WHERE open = 1 ORDER BY rowid")]
+
+    async def budget_counts(self, counters: list[str]) -> dict[str, tuple[int, int]]:
+        out = dict.fromkeys(counters, (0, 0))
+        for start in range(0, len(counters), 500):
+            part = counters[start:start + 500]
+            marks = ",".join("?" * len(part))
+            for key, used, leased in self.db.execute(
+                    f"SELECT key, used, leased FROM budgets WHERE key IN ({marks})", part):
+                out[key] = (int(used), int(leased))
+        return out
+

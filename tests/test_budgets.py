@@ -1,0 +1,238 @@
+"""Budgets owned by the root, with real processes: control planes (SQLite, and two replicas on a real Redis),
+mitmproxy sidecars and an aiohttp tool server. A root with ``calls=20`` delegates a child ``calls=15``; both
+call as fast as they can from separate sidecars. What a user relies on: the tool server sees exactly the
+budget, the child never more than its own, every other call is refused 429 ``tether.budget_exhausted``, and
+a sidecar killed holding a slice never lets the total exceed the budget.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from . import harness
+from .conftest import World, build_world, teardown_world
+from .harness import ControlPlaneProcess, Identity, RedisServer, SidecarProcess, wait_until
+
+ISSUES = "/repos/o/r/issues"
+QUIET_S = 1.0  # a caller stops once every call has been refused this long (refusals are remembered 0.25 s)
+
+
+def budgeted(calls: int | None = None, per_minute: int | None = None) -> dict:
+    grant: dict = {"tier": "direct"}
+    if calls is not None:
+        grant["calls"] = calls
+    if per_minute is not None:
+        grant["per_minute"] = per_minute
+    return {"issues.read": grant}
+
+
+class Caller(threading.Thread):
+    """Calls through one sidecar as fast as it can until its calls have been refused for QUIET_S."""
+
+    def __init__(self, world: World, sidecar: SidecarProcess, limit_s: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.url = f"{world.tools.base}{ISSUES}"
+        self.sidecar = sidecar
+        self.limit_s = limit_s
+        self.outcomes: Counter[str] = Counter()
+        self.times: list[float] = []  # when each forwarded call's answer came back
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            session = requests.Session()
+            session.trust_env = False
+            refused_since: float | None = None
+            deadline = time.monotonic() + self.limit_s
+            while time.monotonic() < deadline:
+                resp = session.get(self.url, proxies=self.sidecar.proxies(), timeout=15)
+                now = time.monotonic()
+                if resp.status_code == 200:
+                    self.outcomes["forwarded"] += 1
+                    self.times.append(time.time())
+                    refused_since = None
+                    continue
+                self.outcomes[f"{resp.status_code} {resp.headers.get('Tether-Error')}"] += 1
+                refused_since = refused_since or now
+                if now - refused_since >= QUIET_S:
+                    return
+        except BaseException as exc:  # reported by the test, not lost in a thread
+            self.error = exc
+
+
+def run_callers(*callers: Caller) -> None:
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(120)
+        assert caller.error is None, caller.error
+        assert not caller.is_alive()
+
+
+def budget_view(cp: ControlPlaneProcess, jti: str) -> dict:
+    return cp.client().request("GET", f"/v1/budgets/{jti}")["links"][0]
+
+
+def only_budget_refusals(*callers: Caller, code: str = "tether.budget_exhausted") -> None:
+    for caller in callers:
+        refusals = {k: v for k, v in caller.outcomes.items() if k != "forwarded"}
+        assert set(refusals) == {f"429 {code}"}, caller.outcomes
+
+
+def root_and_child(cp: ControlPlaneProcess) -> tuple[Identity, Identity]:
+    root = cp.issue("root", budgeted(calls=20))
+    child = cp.delegate(root, "child", budgeted(calls=15))
+    return root, child
+
+
+# -- one control plane (SQLite) ----------------------------------------------------------------------------
+def test_subtree_budget_is_shared_and_never_exceeded(world: World) -> None:
+    root, child = root_and_child(world.cp)
+    root_car, child_car = world.sidecar(root), world.sidecar(child)
+    a, b = Caller(world, root_car), Caller(world, child_car)
+    run_callers(a, b)
+
+    assert world.tools.hits_for(ISSUES) == 20  # the root's budget, exactly: used, not stranded
+    assert a.outcomes["forwarded"] + b.outcomes["forwarded"] == 20
+    assert b.outcomes["forwarded"] <= 15
+    only_budget_refusals(a, b)
+
+    # The tree: the root's budget counts both, the child's only its own; stopping returns what was leased.
+    root_car.stop()
+    child_car.stop()
+    view = budget_view(world.cp, root.jti)
+    assert view["agent"] == "root" and view["children"][0]["agent"] == "child"
+    assert view["budgets"]["issues.read"] == {"tier": "direct", "granted": 20, "used": 20, "leased": 0, "left": 0}
+    child_budget = view["children"][0]["budgets"]["issues.read"]
+    assert child_budget["granted"] == 15 and child_budget["used"] == b.outcomes["forwarded"]
+    assert child_budget["leased"] == 0
+
+
+def test_a_sidecar_killed_holding_a_slice_never_lets_the_total_exceed_the_budget(world: World) -> None:
+    root, child = root_and_child(world.cp)
+    child_car = world.sidecar(child)
+    session = requests.Session()
+    session.trust_env = False
+    for _ in range(6):  # slices grow with use: the child now holds units it has not spent
+        assert session.get(f"{world.tools.base}{ISSUES}", proxies=child_car.proxies(), timeout=10).status_code == 200
+    child_car.kill()
+    held = budget_view(world.cp, root.jti)["budgets"]["issues.read"]
+    assert held["leased"] > 0, held  # the slice died with the sidecar
+
+    a = Caller(world, world.sidecar(root))
+    run_callers(a)
+    assert world.tools.hits_for(ISSUES) == 6 + a.outcomes["forwarded"] <= 20
+    only_budget_refusals(a)
+    # Once the dead run's lease lapses, its slice is counted as spent (fail closed), never handed out again.
+    after = wait_until(lambda: (v := budget_view(world.cp, root.jti)["budgets"]["issues.read"])["leased"] == 0 and v,
+                       20, what="the dead sidecar's slice settled as spent")
+    assert after["used"] == 20 and after["left"] == 0  # what the dead sidecar held counts: fail closed
+
+
+def test_per_minute_refuses_rate_limited_within_each_window(tmp_path: Path, test_ca: harness.TestCA,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    window = 2.0
+    monkeypatch.setenv("TETHER_RATE_WINDOW_S", str(window))  # the control plane counts in 2 s windows
+    world = build_world(tmp_path, test_ca)
+    world.cp.start()
+    try:
+        root = world.cp.issue("root", budgeted(per_minute=5))
+        child = world.cp.delegate(root, "child", budgeted(per_minute=3))
+        a, b = Caller(world, world.sidecar(root), limit_s=5.0), Caller(world, world.sidecar(child), limit_s=5.0)
+        started = time.time()
+        run_callers(a, b)
+        ended = time.time()
+        windows = int(ended // window) - int(started // window) + 1
+        forwarded = sorted(a.times + b.times)
+        assert len(forwarded) <= 5 * windows  # the root's rate bounds the subtree
+        assert len(b.times) <= 3 * windows
+        assert len(forwarded) > 5  # a rate, not a budget: each new window lets calls through again
+        only_budget_refusals(a, b, code="tether.rate_limited")
+    finally:
+        teardown_world(world)
+
+
+# -- two replicas on Redis, one killed mid-run ---------------------------------------------------------------
+@pytest.fixture
+def redis_world(tmp_path: Path, test_ca: harness.TestCA) -> Iterator[tuple[World, ControlPlaneProcess]]:
+    redis = RedisServer(tmp_path / "redis").start()
+    store = redis.url(0)
+    world = build_world(tmp_path, test_ca, store=store, lease_ttl=10.0)
+    b = ControlPlaneProcess(tmp_path / "cp-b", store=store, lease_ttl=10.0, grace=world.cp.grace)
+    b.directory.mkdir(parents=True)
+    for path in (world.cp.catalog_path, world.cp.signing_key_path):  # one deployment: same catalog, same key
+        shutil.copy(path, b.directory / path.name)
+    try:
+        world.cp.start()
+        b.start()
+        yield world, b
+    finally:
+        b.stop()
+        teardown_world(world)
+        redis.stop()
+
+
+def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
+        redis_world: tuple[World, ControlPlaneProcess]) -> None:
+    world, b = redis_world
+    root, child = root_and_child(world.cp)
+    root_car = world.sidecar(root)  # follows replica A
+    child_car = SidecarProcess(b, child)  # follows replica B
+    world.sidecars.append(child_car)
+    child_car.start(world.ca.ca_pem)
+    a_caller, b_caller = Caller(world, root_car), Caller(world, child_car)
+    a_caller.start()
+    b_caller.start()
+    wait_until(lambda: world.tools.hits_for(ISSUES) >= 4, 30, what="calls under way")
+    world.cp.kill()  # replica A dies mid-run; its sidecar's next slice needs it back
+    world.cp.start()  # a restart on the same Redis: no count lost
+    for caller in (a_caller, b_caller):
+        caller.join(120)
+        assert caller.error is None, caller.error
+    if a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] < 20:
+        # The root's caller may have given up while replica A was down (its calls refused for lack of a slice):
+        # it calls again now that A is back, so nothing it leased is left stranded.
+        again = Caller(world, root_car)
+        run_callers(again)
+        a_caller.outcomes.update(again.outcomes)
+    assert world.tools.hits_for(ISSUES) == 20
+    assert a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] == 20
+    assert b_caller.outcomes["forwarded"] <= 15
+    for caller in (a_caller, b_caller):
+        assert all(k == "forwarded" or k.startswith("429 tether.budget_exhausted") for k in caller.outcomes), \
+            caller.outcomes
+    view = budget_view(b, root.jti)["budgets"]["issues.read"]
+    assert view["used"] + view["leased"] == 20 and view["left"] == 0
+
+
+def test_three_level_tree_and_the_budgets_command(world: World) -> None:
+    """A budget narrowing down three levels; ``tether budgets`` shows the whole tree's counts (README)."""
+    import subprocess
+    import sys
+
+    root = world.cp.issue("planner", budgeted(calls=20))
+    mid = world.cp.delegate(root, "researcher", budgeted(calls=10))
+    leaf = world.cp.delegate(mid, "fetcher", budgeted(calls=4))
+    car = world.sidecar(leaf)
+    session = requests.Session()
+    session.trust_env = False
+    statuses = [session.get(f"{world.tools.base}{ISSUES}", proxies=car.proxies(), timeout=10).status_code
+                for _ in range(6)]
+    assert statuses == [200] * 4 + [429] * 2  # the leaf's own budget is the tightest
+    car.stop()
+    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "budgets", "--agent", "planner"],
+                         env=world.cp.env(), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("planner") and "calls 4/20 used, 0 leased, 16 left" in lines[1]
+    assert "researcher" in lines[2] and "calls 4/10 used, 0 leased, 6 left" in lines[3]
+    assert "fetcher" in lines[4] and "calls 4/4 used, 0 leased, 0 left" in lines[5]
