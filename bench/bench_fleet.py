@@ -586,7 +586,7 @@ async def ingest_http(url: str, senders: list[Holder], batches: int, batch: int)
 
         async def post(s: Holder, body: bytes) -> int:
             proof = make_proof(s.key, agent=s.agent, method="POST", path=REPORTS_PATH, body=body, now=time.time(),
-                               link=s.leaf.hash)
+                               link=s.leaf.hash, run=f"run-{s.agent}")
             async with session.post(url + REPORTS_PATH, data=body, timeout=aiohttp.ClientTimeout(total=60),
                                     headers={"Content-Type": "application/json", "Tether-Proof": proof}) as resp:
                 doc = await resp.json()

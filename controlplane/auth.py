@@ -137,4 +137,12 @@ class Authenticator:
         caller = await self.sidecar(request, body)
         if caller.run is None:
             raise ApiError(400, BAD_REQUEST, "this request belongs to a sidecar run: sign it with a 'run' claim")
+        # A run belongs to the link that first spoke for it. Another link naming it (its id shows in records,
+        # `tether agents` and traces) could otherwise acknowledge, heartbeat or settle slices in its name.
+        run = await self.store.get_sidecar(caller.run)
+        if run is None:
+            await self.store.put_sidecar(caller.run, {"run_id": caller.run, "agent": caller.agent,
+                                                      "link": caller.link_hash, "bound_at": self.clock()})
+        elif run.get("link") != caller.link_hash:
+            raise ApiError(403, FORBIDDEN, f"run {caller.run} belongs to another link; a sidecar signs its own run")
         return caller

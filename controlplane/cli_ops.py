@@ -9,6 +9,7 @@ from typing import Any
 
 from .capability import keys
 from .capability.errors import BAD_REQUEST, TetherError
+from .capability.errors import escape_unprintable as printable
 from .cli import ago, client, path_segment, read_file, signer_from
 from .termination import verify_records
 
@@ -96,7 +97,8 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     if args.action in ("approve", "deny"):
         body = {"call_hash": args.call_hash} if args.call_hash and args.action == "approve" else {}
         doc = c.request("POST", f"/v1/approvals/{args.id}/{args.action}", body)
-        print(f"{doc['id']}: {doc['status']} ({doc['agent']} {doc['method']} {doc['url']})")
+        request_line = printable(f"{doc['method']} {doc['url']}", "")
+        print(f"{doc['id']}: {doc['status']} ({doc['agent']} {request_line})")
         return 0
     docs = c.request("GET", "/v1/approvals" + ("" if args.all else "?status=pending"))
     if args.json:
@@ -105,7 +107,8 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     if not docs:
         print("no pending approvals" if not args.all else "no approvals")
     for d in docs:
-        print(f"{d['id']}  {d['status']:<9} {d['agent']:<16} {d['capability']:<28} {d['method']} {d['url']}  "
+        request_line = printable(f"{d['method']} {d['url']}", "")
+        print(f"{d['id']}  {d['status']:<9} {d['agent']:<16} {d['capability']:<28} {request_line}  "
               f"(asked {ago(d['requested_at'])})")
     return 0
 
@@ -119,22 +122,27 @@ def _confirmed_text(entry: dict | str, acks: dict) -> str:
 
 
 def print_approval(doc: dict) -> None:
-    """A held call as the approver must see it: who asks, from where in the tree, and the exact request."""
+    """A held call as the approver must see it: who asks, from where in the tree, and the exact request.
+
+    Everything the agent wrote (URL, headers, body) is printed with control characters escaped: a body that
+    carries terminal escapes (a carriage return, "erase line", "hidden text") must not show the approver
+    another request than the one that would leave."""
     print(f"approval {doc['id']}: {doc['status']}  (asked {ago(doc['requested_at'])})")
     print(f"  agent       {doc['agent']}   chain {' > '.join(doc.get('chain') or [doc['agent']])}")
     print(f"  capability  {doc.get('capability')}")
     print(f"  deciders    {', '.join(doc.get('deciders') or ['admin'])}")
     req = doc.get("request")
     if not req:
-        print(f"  call        {doc.get('method')} {doc.get('url')}  (the sidecar sent no request details)")
+        print(f"  call        {printable(str(doc.get('method')))} {printable(str(doc.get('url')))}  "
+              "(the sidecar sent no request details)")
         return
     print(f"  call hash   {req.get('call_hash')}")
-    print(f"\n{req['method']} {req['url']}")
+    print(f"\n{printable(req['method'], '')} {printable(req['url'], '')}")
     for name, value in req.get("headers", []):
-        print(f"{name}: {value}")
+        print(f"{printable(name, '')}: {printable(value, '')}")
     size = req.get("body_size", 0)
     note = f"{size} bytes" + (f", first {len(req.get('body', ''))} shown" if req.get("body_truncated") else "")
-    print(f"\n{req.get('body', '')}" + ("" if req.get("body_encoding") == "text" else "  (base64)"))
+    print(f"\n{printable(req.get('body', ''))}" + ("" if req.get("body_encoding") == "text" else "  (base64)"))
     print(f"-- body: {note}")
 
 
@@ -151,12 +159,12 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
     print(f"  calls: {len(record['calls'])}")
     for agent, counts in sorted(per_agent.items()):
         print(f"    {agent:<14} " + ", ".join(f"{n} {r}" for r, n in sorted(counts.items())))
-    shown = [c for c in record["calls"] if all_calls or c["resolution"] != "completed"]
-    if shown:
+    listed = [c for c in record["calls"] if all_calls or c["resolution"] != "completed"]
+    if listed:
         print("  every call:" if all_calls else "  calls that did not simply complete:")
-    for call in shown:
+    for call in listed:
         status = f" {call['status']}" if call.get("status") is not None else ""
-        what = call.get("capability") or f"{call['method']} {call['url']}"
+        what = call.get("capability") or printable(f"{call['method']} {call['url']}", "")
         code = f" ({call['code']})" if call.get("code") else ""
         print(f"    {call['agent']:<14} {call['resolution']:<18}{status:<5} {what}{code}")
     confirmed = [_confirmed_text(entry, record.get("acknowledgements", {})) for entry in record["agents_terminated"]]

@@ -632,9 +632,7 @@ class ControlPlane:
         supersedes = body.string("supersedes", max_len=64)
         now = self.clock()
         run = str(caller.run)
-        previous = await self.store.get_sidecar(run) or {}
-        if previous and previous.get("link") != caller.link_hash:
-            raise ApiError(403, FORBIDDEN, f"run {run} belongs to another link")
+        previous = await self.store.get_sidecar(run) or {}  # bound to this link by run_of
         doc = {
             **previous,
             "run_id": run,
@@ -698,8 +696,8 @@ class ControlPlane:
                 fields.string("call_id", required=True, nullable=False, max_len=200, non_empty=True)
                 if fields.raw("agent", caller.agent) != caller.agent:
                     raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {item.get('agent')}")
-                run = fields.string("run_id", max_len=64) or caller.run
-                out.append({**item, "agent": caller.agent, "link": caller.link_hash, "run_id": run,
+                fields.string("run_id", max_len=64)  # the run that delivers it is the one recorded
+                out.append({**item, "agent": caller.agent, "link": caller.link_hash, "run_id": caller.run,
                             "received_at": now})
             return out
 
@@ -716,7 +714,7 @@ class ControlPlane:
 
     async def h_reports_in(self, request: web.Request) -> web.Response:
         raw = await raw_body(request)
-        caller = await self.auth.sidecar(request, raw)
+        caller = await self.auth.run_of(request, raw)
         body = parse(raw, "the report batch")
         new, dup = await self.ingest_reports(caller, body.objects("reports"), body.objects("starts"))
         return web.json_response({"accepted": new, "duplicates": dup})
@@ -729,7 +727,7 @@ class ControlPlane:
     # -- approvals -------------------------------------------------------------------------------------
     async def h_approval_new(self, request: web.Request) -> web.Response:
         raw = await raw_body(request)
-        caller = await self.auth.sidecar(request, raw)
+        caller = await self.auth.run_of(request, raw)
         agent, link = caller.agent, caller.link
         body = parse(raw, "the approval request")
         call_id = body.string("call_id", required=True, nullable=False, max_len=200, non_empty=True)

@@ -223,7 +223,7 @@ class TerminationService:
         acks: dict[str, Doc] = {}
         for run in mine:
             ack = await self.cp.store.get_doc("ack", f"{doc['id']}:{run['run_id']}")
-            if ack is not None:
+            if ack is not None and ack.get("link") == run.get("link"):  # only the run's own link speaks for it
                 acks[run["run_id"]] = ack
         return mine, acks
 

@@ -281,8 +281,10 @@ class Enforcer:
         self._forward(call)
 
     def _forward(self, call: Call) -> None:
+        if not self.sidecar.reporter.start(call):  # write-ahead: spooled before the first byte leaves
+            raise Refusal(codes.SPOOL_UNAVAILABLE, "the call's start cannot be written to the sidecar's spool "
+                          "(is its disk full?); a call is never sent without a record that survives a crash")
         call.phase = "forwarding"
-        self.sidecar.reporter.start(call)  # write-ahead: spooled before the first byte leaves
 
     @staticmethod
     def _check_request_line(req: http.Request) -> None:

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from controlplane.capability import errors as codes
 from controlplane.capability.errors import ApiError, TetherError
 
 from .channel import ControlChannel
@@ -149,14 +150,18 @@ class Reporter:
         """Calls whose start is spooled and whose final is not."""
         return len(self._starts)
 
-    def start(self, call: Call) -> None:
-        """Write ahead: spool a call's start before its first byte leaves, and queue it for the control plane."""
+    def start(self, call: Call) -> bool:
+        """Write ahead: spool a call's start before its first byte leaves, and queue it for the control plane.
+        False when the spool cannot take it (a full disk): the caller refuses the call rather than send it
+        with no trace that would survive a crash."""
         if call.call_id in self._starts:
-            return
+            return True
         line = json.dumps({"event": START, **{name: getattr(call, name) for name in START_FIELDS}},
                           separators=(",", ":"))
+        if not self._spool_line(line):
+            return False
         self._starts[call.call_id] = self._unsent[call.call_id] = line
-        self._spool_line(line)
+        return True
 
     def add(self, report: dict[str, Any]) -> None:
         """Spool a final report (before anything else) and queue it for the next batch."""
@@ -170,18 +175,23 @@ class Reporter:
         if len(self._lines) >= BATCH:
             self._wake.set()  # a full batch goes now; smaller ones wait for the interval
 
-    def _spool_line(self, line: str) -> None:
+    def _spool_line(self, line: str) -> bool:
+        """Append a line; False when it could not be written (a final report is then kept in memory and
+        delivered from there; a start refuses its call)."""
         try:
             if self._spool is None:
                 self._spool = self._open_spool()
             self._spool.write(line + "\n")
             self._spool.flush()
             self._spool_broken = False
-        except OSError as exc:  # a full disk affects the spool, never the calls
+            return True
+        except OSError as exc:  # a full disk affects the spool and the calls that need it, never the sidecar
             if not self._spool_broken:
-                log.error("cannot spool reports to %s: %s (kept in memory)", self.spool_path, exc)
+                log.error("cannot spool reports to %s: %s (finals kept in memory; new calls refused with %s)",
+                          self.spool_path, exc, codes.SPOOL_UNAVAILABLE)
             self._spool_broken = True
             self._close_spool()
+            return False
 
     def _open_spool(self) -> IO[str]:
         spool = open(self.spool_path, "a")

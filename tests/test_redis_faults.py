@@ -427,7 +427,7 @@ def test_duplicate_and_reordered_reports_across_replicas_are_stored_once(fleet: 
     a, b = fleet.a, fleet.b
     ident = a.issue("dup-d", {"issues.read": "direct"})
     leaf = parse_chain_unverified(ident.wire)[-1]
-    signer = Signer("dup-d", leaf.hash, keys.load_private(ident.key_path.read_bytes()))
+    signer = Signer("dup-d", leaf.hash, keys.load_private(ident.key_path.read_bytes()), "run-dup-d")
     a.client().request("POST", "/v1/chains/register", {"chain": ident.wire}, signer=signer)
     t0 = time.time() - 60
 

@@ -299,3 +299,41 @@ def test_a_start_reaches_the_control_plane_long_before_the_next_heartbeat(tmp_pa
         assert [c["call_id"] for c in lost["calls_in_flight_last_known"]] == [call["call_id"]]
     finally:
         teardown_world(world)
+
+
+def test_a_spool_disk_that_is_full_refuses_calls_rather_than_send_them_unrecorded(world: World) -> None:
+    """The write-ahead is what lets a record account for a call its sidecar died with: a call whose start
+    cannot be spooled is refused (``tether.spool_unavailable``) and never reaches the tool; with space back,
+    calls flow again and every refusal is reported."""
+    ident = world.cp.issue("wal-full", {"issues.read": "direct"})
+    state_dir = world.cp.directory / "sidecars" / "wal-full"
+    mount_tmpfs(state_dir, "4m")
+    sc: SidecarProcess | None = None
+    try:
+        sc = world.sidecar(ident, "--no-capture")
+        assert get(world, sc, "/repos/full/before/issues").status_code == 200
+        filler = state_dir / "filler"
+        fill(filler)
+        # The spool's last page may still have room for a few lines; once it has none, every call is refused.
+        outcomes: list[tuple[int, str | None, int]] = []
+        for n in range(200):
+            path = f"/repos/full/during-{n}/issues"
+            resp = get(world, sc, path)
+            outcomes.append((resp.status_code, resp.headers.get("Tether-Error"), world.tools.hits_for(path)))
+            if len([o for o in outcomes if o[0] == 503]) >= 3:
+                break
+        refused = [o for o in outcomes if o[0] != 200]
+        assert len(refused) == 3, outcomes
+        assert all(o == (503, "tether.spool_unavailable", 0) for o in refused), outcomes  # none reached the tool
+        filler.unlink()
+        assert get(world, sc, "/repos/full/after/issues").status_code == 200
+        total = len(outcomes) + 2
+        reports = wait_until(lambda: (r := reports_for(world.cp, "wal-full")) and len(r) == total and r, 15,
+                             what=f"{total} reports (the refusals kept in memory meanwhile)")
+        assert sorted((r["resolution"], r.get("code")) for r in reports) == sorted(
+            [("completed", None)] * (total - 3) + [("refused", "tether.spool_unavailable")] * 3)
+    finally:
+        if sc is not None:
+            sc.stop()
+        time.sleep(0.2)
+        subprocess.run(["umount", "-l", str(state_dir)], capture_output=True, timeout=30)

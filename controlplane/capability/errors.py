@@ -25,6 +25,8 @@ CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # DESIGN.md section 10
 # Budgets (DESIGN.md section 10): no slice of a capability's calls budget, or its rate window, is left.
 BUDGET_EXHAUSTED = "tether.budget_exhausted"
 RATE_LIMITED = "tether.rate_limited"
+# The call's start cannot be written ahead to the spool (a full disk): it is refused, never sent unrecorded.
+SPOOL_UNAVAILABLE = "tether.spool_unavailable"
 
 # Codes of our own, for input that is not a call (catalog files, API requests, CLI arguments).
 CATALOG_INVALID = "tether.catalog_invalid"
