@@ -110,6 +110,10 @@ class Reporter:
                 if line.strip():
                     log.warning("skipping a torn line in %s", self.spool_path)
                 continue
+            why = self._undeliverable(doc)
+            if why:  # delivered it would be refused, and hold back every report behind it
+                self._quarantine(line, why)
+                continue
             if doc.get("event") == START:
                 starts.setdefault(call_id, doc)
             elif call_id not in final_ids:
@@ -127,6 +131,31 @@ class Reporter:
             log.info("%d report(s) from the spool will be delivered", len(finals))
         if lost or len(starts):
             self._rewrite_spool()  # the recovered finals replace their starts on disk before anything else
+
+    def _undeliverable(self, doc: Any) -> str | None:
+        """Why the control plane would refuse this spooled line (as its report reader does), or None."""
+        if not isinstance(doc, dict):
+            return "not an object"
+        call_id = doc.get("call_id")
+        if not isinstance(call_id, str) or not 0 < len(call_id) <= 200:
+            return "no call_id of 1-200 characters"
+        if doc.get("agent", self.channel.agent) != self.channel.agent:
+            return f"a call of another agent ({str(doc.get('agent'))[:64]!r}: a state dir reused across agents?)"
+        return None
+
+    def _quarantine(self, line: str, why: str) -> None:
+        """Keep a report the control plane refuses beside the spool (``reports.rejected``), never deliver it
+        again, and say so: it must not hold back the reports behind it, and it is not silently lost."""
+        log.error("a spooled report cannot be delivered (%s); kept in %s", why, self.rejected_path)
+        try:
+            with open(self.rejected_path, "a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.error("cannot keep the rejected report in %s: %s; it was: %s", self.rejected_path, exc, line[:2000])
+
+    @property
+    def rejected_path(self) -> Path:
+        return self.spool_path.with_name(self.spool_path.name + ".rejected")
 
     @property
     def pending(self) -> list[dict[str, Any]]:
@@ -247,16 +276,47 @@ class Reporter:
             try:
                 await self.channel.reports(batch, [line for _, line in starts])
             except ApiError as exc:
-                log.debug("report delivery failed: %s", exc)
-                return False
+                if exc.http_status not in (400, 403):  # unreachable, unavailable, a proof out of time: retry
+                    log.debug("report delivery failed: %s", exc)
+                    return False
+                # The control plane refuses the batch for something in it: deliver line by line, so one bad
+                # line cannot hold back the rest forever; the ones it refuses are kept aside.
+                if not await self._deliver_one_by_one(batch, starts):
+                    return False
+                if self._delivered >= target:
+                    return True
+                continue
             for call_id, _ in starts:
                 self._unsent.pop(call_id, None)
             if batch:
-                del self._lines[: len(batch)]
-                self._delivered += len(batch)
-                self._rewrite_spool()
+                self._cut(len(batch))
             if self._delivered >= target:
                 return True
+
+    def _cut(self, n: int) -> None:
+        """The oldest ``n`` finals are delivered (or kept aside): off the queue and the spool."""
+        del self._lines[:n]
+        self._delivered += n
+        self._rewrite_spool()
+
+    async def _deliver_one_by_one(self, batch: list[str], starts: list[tuple[str, str]]) -> bool:
+        for call_id, line in starts:
+            try:
+                await self.channel.reports([], [line])
+            except ApiError as exc:
+                if exc.http_status not in (400, 403):
+                    return False
+                log.error("the control plane refuses the start of call %s: %s", call_id, exc.message)
+            self._unsent.pop(call_id, None)
+        for line in batch:
+            try:
+                await self.channel.reports([line], [])
+            except ApiError as exc:
+                if exc.http_status not in (400, 403):
+                    return False
+                self._quarantine(line, f"{exc.code}: {exc.message}")
+            self._cut(1)
+        return True
 
     async def run(self) -> None:
         attempt = 0

@@ -76,7 +76,8 @@ def registered(world: World, agent: str) -> Identity:
 
 def channel_for(ident: Identity, url: str) -> ControlChannel:
     link = parse_chain_unverified(ident.wire)[-1]
-    return ControlChannel(url, ident.agent, link.hash, keys.load_private(ident.key_path.read_bytes()))
+    return ControlChannel(url, ident.agent, link.hash, keys.load_private(ident.key_path.read_bytes()),
+                          f"run-{ident.agent}")
 
 
 def call(agent: str, n: int) -> Call:
@@ -170,6 +171,32 @@ def test_a_new_reporter_reports_every_started_unfinished_call_as_unknown(cpworld
     assert got == {done.call_id: "completed", lost.call_id: "unknown", delivered_lost.call_id: "unknown"}
     # A third run finds nothing left to recover
     assert Reporter(channel_for(ident, "http://127.0.0.1:9"), spool).count == 0
+
+
+def test_a_report_the_control_plane_refuses_never_holds_back_the_others(cpworld: World, tmp_path: Path) -> None:
+    """A hostile or stale spool line (no call id, another agent's call, a field the control plane refuses) is
+    kept aside in ``reports.spool.rejected`` and said so; every other report is delivered."""
+    ident = registered(cpworld, "wal-bad")
+    spool = tmp_path / "reports.spool"
+    good = [final(call("wal-bad", n)) for n in range(3)]
+    refused_by_server = {**final(call("wal-bad", 9)), "run_id": "r" * 100}  # the reader allows 64 characters
+    lines = [json.dumps(good[0]), '{"call_id": 5}', json.dumps({**good[1], "agent": "someone-else"}),
+             json.dumps(refused_by_server), json.dumps(good[2])]
+    spool.write_text("\n".join(lines) + "\n")
+
+    async def run() -> None:
+        channel = channel_for(ident, cpworld.cp.url)
+        reporter = Reporter(channel, spool)
+        assert reporter.count == 3  # two lines could never be delivered: kept aside at once
+        assert await reporter.flush()
+        assert spool.read_text() == ""
+        await channel.close()
+
+    asyncio.run(run())
+    got = sorted(r["call_id"] for r in reports_for(cpworld.cp, "wal-bad"))
+    assert got == [good[0]["call_id"], good[2]["call_id"]]
+    kept = [json.loads(line) for line in (tmp_path / "reports.spool.rejected").read_text().splitlines()]
+    assert [k["call_id"] for k in kept] == [5, good[1]["call_id"], refused_by_server["call_id"]]
 
 
 def test_the_state_dir_admits_one_sidecar(tmp_path: Path) -> None:
