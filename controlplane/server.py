@@ -229,38 +229,39 @@ class ControlPlane:
         """An agent id belongs to the principal that first delegated it: the parent agent (the control plane
         for a root grant; see runs.owner_key for why the agent and not its key). A link for that id issued
         by anyone else is refused, in the same tree as in another; its owner may delegate it again (a
-        respawn), and an admin's root grant takes it over. Ownership is claimed atomically, so two
-        principals racing for a new id cannot both win."""
+        respawn), and an admin's root grant takes it over. Ids are owned case-insensitively (``Honest`` is
+        not free beside another principal's ``honest``: a lookalike in every list). Ownership is claimed
+        atomically, so two principals racing for a new id cannot both win."""
         for index, link in enumerate(links):
             if known[index] is not None:
                 continue
             issuer = runs.owner_key(None if index == 0 else links[index - 1].sub)
             while True:
-                owner = await self.store.get_doc("owner", link.sub)
-                if owner is None:
-                    owner = await self._owner_from_history(link.sub)
+                owner = await self.store.get_doc("owner", link.sub.lower())
                 if owner is not None and owner["owner"] == issuer:
                     break
                 if owner is not None and index > 0:
                     raise ChainInvalid(
                         "agent_id_taken",
                         f"link {index}: agent id {link.sub!r} belongs to another principal (the one that first "
-                        "delegated it); delegate under a different id", link=index)
-                version = owner["version"] if owner is not None and "version" in owner else 0
+                        "delegated it, or an id differing only in case); delegate under a different id", link=index)
+                version = owner["version"] if owner is not None else 0
                 claim = {"agent": link.sub, "owner": issuer, "since": self.clock(), "link": link.hash,
                          "version": version + 1}
-                if await self.store.cas_doc("owner", link.sub, version, claim):
+                if await self.store.cas_doc("owner", link.sub.lower(), version, claim):
                     break
 
-    async def _owner_from_history(self, agent: str) -> Doc | None:
-        """The owner of an id registered before ownership was recorded: the issuer of its first link."""
+    async def _record_owners(self) -> None:
+        """Ids registered before ownership was recorded (an upgrade): each belongs to the issuer of its first
+        link. Once, at start-up; racing replicas agree through the store's compare-and-set."""
+        if await self.store.list_docs("owner"):
+            return
         graph = await self.graph()
-        earliest = sorted(graph.links_of(agent), key=lambda d: (d.get("registered_at", 0), d["hash"]))
-        if not earliest:
-            return None
-        first = earliest[0]
-        parent = graph.by_hash.get(first.get("prf") or "")
-        return {"agent": agent, "owner": runs.owner_key(parent["sub"] if parent else None), "link": first["hash"]}
+        for link in sorted(graph.by_hash.values(), key=lambda d: (d.get("registered_at", 0), d["hash"])):
+            parent = graph.by_hash.get(link.get("prf") or "")
+            claim = {"agent": link["sub"], "owner": runs.owner_key(parent["sub"] if parent else None),
+                     "since": link.get("registered_at", 0), "link": link["hash"], "version": 1}
+            await self.store.cas_doc("owner", link["sub"].lower(), 0, claim)  # the first one wins
 
     async def revoke_link(self, link: Doc, by: str, reason: str, termination_id: str | None = None) -> Doc:
         now = self.clock()
@@ -360,6 +361,10 @@ class ControlPlane:
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.store.open()
+        try:
+            await self._record_owners()
+        except (StoreUnavailable, ConnectionError, OSError) as exc:  # the API answers 503 until the store is back
+            log.warning("could not record agent-id owners at start-up: %s", exc)
         self._tasks = [asyncio.create_task(job()) for job in self.background]
 
     async def _on_cleanup(self, app: web.Application) -> None:

@@ -309,3 +309,14 @@ def check_har_against_record(har: dict[str, Any], record: dict[str, Any]) -> Non
             assert response["_error"].startswith(f"tether: {call['resolution']}")
             assert entry["time"] == pytest.approx((call["ended_at"] - call["started_at"]) * 1000, abs=1.0)
     assert any(e["_tether"]["resolution"] == "unknown" for e in entries), "the cut call is in the HAR"
+
+
+def test_wrong_tokens_are_throttled_per_client(world: World) -> None:
+    url = world.cp.url
+    for _ in range(10):
+        status, _, body = http(f"{url}/ui/session", "POST", {"token": "guess"})
+        assert status == 401, body
+    status, headers, body = http(f"{url}/ui/session", "POST", {"token": ADMIN_TOKEN})  # even the right one waits
+    assert status == 429 and body["error"]["code"] == "tether.rate_limited" and body["error"]["retry_after_s"] > 0
+    assert headers["Tether-Error"] == "tether.rate_limited"
+    assert "agents" in world.cp.client().request("GET", "/v1/agents")  # the bearer token is not throttled

@@ -281,3 +281,41 @@ def test_a_chain_with_an_unregistered_parent_cannot_borrow_registered_links(worl
     stitched.chain_path.write_text(f"{other.wire},{leaf.compact}")
     err = refused(lambda: register(world, stitched))
     assert err.code == "tether.chain_invalid", err
+
+
+def test_a_run_belongs_to_the_link_that_first_spoke_for_it(world: World) -> None:
+    """A run id shows in records, ``tether agents`` and traces; another link that names it can neither
+    heartbeat, report nor acknowledge a termination in its name (the record would otherwise confirm an
+    agent whose own sidecar never answered)."""
+    cp = world.cp
+    victim, other = cp.issue("victim", CAPS), cp.issue("other", CAPS)
+    for ident in (victim, other):
+        register(world, ident)
+    run = "run-victims-own"
+    as_victim = Signer(victim.agent, signer(victim).link, signer(victim).key, run)
+    as_other = Signer(other.agent, signer(other).link, signer(other).key, run)
+    client = cp.client(admin=False)
+    client.request("POST", "/v1/sidecars/heartbeat", {"state": "serving", "inflight": []}, signer=as_victim)
+    for path, body in (("/v1/sidecars/heartbeat", {"state": "stopped", "inflight": []}),
+                       ("/v1/reports", {"reports": [{"call_id": "c-1"}]})):
+        err = refused(lambda p=path, b=body: client.request("POST", p, b, signer=as_other))
+        assert (err.http_status, err.code) == (403, "tether.forbidden"), err
+    tid = terminate(world, "other")
+    err = refused(lambda: client.request("POST", "/v1/sidecars/quiesced", {"termination_id": tid},
+                                         signer=as_other))
+    assert (err.http_status, err.code) == (403, "tether.forbidden")
+    (node,) = [n for n in cp.client().request("GET", "/v1/agents")["agents"] if n["agent"] == "victim"]
+    assert [(r["run_id"], r["state"]) for r in node["runs"]] == [(run, "serving")]
+
+
+def test_ids_differing_only_in_case_belong_to_one_owner(world: World) -> None:
+    cp = world.cp
+    a = cp.issue("A", CAPS)
+    honest = cp.delegate(a, "honest", CAPS)
+    s = cp.issue("S", CAPS)
+    for ident in (a, honest, s):
+        register(world, ident)
+    lookalike = cp.delegate(s, "Honest", CAPS, name="Honest-lookalike")
+    assert refused(lambda: register(world, lookalike)).details.get("reason") == "agent_id_taken"
+    same_owner = cp.delegate(a, "HONEST", CAPS, name="HONEST-same-owner")  # its owner may use either spelling
+    assert register(world, same_owner)["new"] == 1

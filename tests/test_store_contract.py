@@ -219,6 +219,23 @@ async def test_reports_are_idempotent_on_call_id_and_filtered_by_agent(backend: 
     assert await a.reports([]) == []
 
 
+async def test_starts_keep_the_first_and_end_with_their_agents_own_report(backend: Backend) -> None:
+    """Write-ahead starts: the first of each call id is kept; a final report of the same agent makes it moot
+    (it no longer comes back), another agent's report of the same call id does not."""
+    a, b = await backend.replica(), await backend.replica()
+    await a.put_starts([{**report("s1", "x"), "resolution": None}, {**report("s2", "x"), "resolution": None},
+                        {**report("s3", "y"), "resolution": None}])
+    await b.put_starts([{**report("s1", "x"), "resolution": None, "url": "second"}])  # a repeat changes nothing
+    assert sorted((s["call_id"], s.get("url") == "second") for s in await b.starts(["x"])) == [
+        ("s1", False), ("s2", False)]
+    await b.put_reports([report("s1", "x"), report("s3", "z")])  # s3 named by another agent: not y's report
+    assert [s["call_id"] for s in await a.starts(["x", "y"]) if s["call_id"] != "s2"] == ["s3"]
+    assert [s["call_id"] for s in await a.starts(["x"])] == ["s2"]
+    await a.put_starts([{**report("s1", "x"), "resolution": None}])  # its final is in: a late start is moot
+    assert [s["call_id"] for s in await a.starts(["x"])] == ["s2"]
+    assert await a.starts([]) == []
+
+
 # -- documents ----------------------------------------------------------------------------------------------
 async def test_docs_put_get_list(store: Store) -> None:
     assert await store.get_doc("approval", "a1") is None

@@ -26,10 +26,10 @@ from .. import audit
 from .. import schemas as sc
 from ..auth import CSRF_HEADER, SESSION_COOKIE
 from ..body import bad, read_json
-from ..capability.errors import NOT_FOUND, UNAUTHORIZED, ApiError
+from ..capability.errors import NOT_FOUND, RATE_LIMITED, UNAUTHORIZED, ApiError
 from ..server import ControlPlane
 from ..termination import verify_records
-from .sessions import Sessions
+from .sessions import Sessions, SignInThrottle
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {p.name: p for p in STATIC.iterdir() if p.suffix in (".js", ".css", ".html", ".svg")}
@@ -56,6 +56,7 @@ class Console:
         self.cp = cp
         self.captures = captures
         self.sessions = sessions
+        self.throttle = SignInThrottle()
 
     # -- pages -----------------------------------------------------------------------------------------------
     async def h_root(self, request: web.Request) -> web.Response:
@@ -79,8 +80,14 @@ class Console:
     async def h_sign_in(self, request: web.Request) -> web.Response:
         body, _ = await read_json(request)
         token = str(body.string("token", required=True, nullable=False, max_len=4096, non_empty=True))
+        client, now = request.remote or "?", self.cp.clock()
+        wait = self.throttle.retry_after(client, now)
+        if wait > 0:
+            raise ApiError(429, RATE_LIMITED, f"too many wrong tokens from {client}; try again in {wait:.0f}s",
+                           retry_after_s=round(wait, 1))
         expected = self.cp.auth.admin_token
         if not expected or not hmac.compare_digest(token.strip().encode(), expected):
+            self.throttle.failed(client, now)
             self.cp.metrics.inc("tether_console_sign_in_refused_total")
             raise ApiError(401, UNAUTHORIZED, "that is not the admin token (TETHER_ADMIN_TOKEN of the control plane)")
         session = self.sessions.create(self.cp.clock())

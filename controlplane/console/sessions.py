@@ -52,3 +52,28 @@ class Sessions:
     def _expire(self, now: float) -> None:
         for sid in [s.sid for s in self._live.values() if s.expires_at <= now]:
             del self._live[sid]
+
+
+class SignInThrottle:
+    """Wrong admin tokens, per client address: after ``limit`` within ``window_s`` the address must wait out
+    the window before it may try again (the right token included), so the token cannot be guessed at line
+    speed. Bounded: the table forgets the oldest addresses first."""
+
+    def __init__(self, limit: int = 10, window_s: float = 60.0, max_clients: int = 10_000) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self._failures: OrderedDict[str, list[float]] = OrderedDict()
+
+    def retry_after(self, client: str, now: float) -> float:
+        """Seconds this client must still wait; 0 when it may try."""
+        recent = [t for t in self._failures.get(client, []) if t > now - self.window_s]
+        if len(recent) < self.limit:
+            return 0.0
+        return recent[-self.limit] + self.window_s - now
+
+    def failed(self, client: str, now: float) -> None:
+        recent = [t for t in self._failures.pop(client, []) if t > now - self.window_s]
+        self._failures[client] = [*recent, now][-self.limit:]
+        while len(self._failures) > self.max_clients:
+            self._failures.popitem(last=False)

@@ -54,6 +54,11 @@ POOL_SIZE = 64
 _UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, rex.MasterDownError, OSError)
 
 
+def _start_field(doc: Doc) -> str:
+    """A start is the agent's own: keyed by agent and call id, so no other agent's report can make it moot."""
+    return f"{doc['agent']}/{doc['call_id']}"
+
+
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
@@ -437,10 +442,10 @@ class RedisStore(Store):
             keys.append(self._key("reports", "agent", report["agent"]))
             args += [report["call_id"], _dump(report)]
         new = {str(i) for i in await self._scripts["put_reports"](keys=keys, args=args)}  # decoded: str
-        async with self.r.pipeline(transaction=False) as pipe:  # the calls' starts are moot now
-            pipe.hdel(self._key("starts"), *[r["call_id"] for r in reports])
+        async with self.r.pipeline(transaction=False) as pipe:  # the reporting agents' own starts are moot now
+            pipe.hdel(self._key("starts"), *[_start_field(r) for r in reports])
             for report in reports:
-                pipe.srem(self._key("starts", "agent", report["agent"]), report["call_id"])
+                pipe.srem(self._key("starts", "agent", report["agent"]), _start_field(report))
             await pipe.execute()
         return Stored(new, len(reports))
 
@@ -455,8 +460,8 @@ class RedisStore(Store):
         async with self.r.pipeline(transaction=False) as pipe:
             for start, done in zip(starts, ended, strict=True):
                 if not done:
-                    pipe.hsetnx(self._key("starts"), start["call_id"], _dump(start))
-                    pipe.sadd(self._key("starts", "agent", start["agent"]), start["call_id"])
+                    pipe.hsetnx(self._key("starts"), _start_field(start), _dump(start))
+                    pipe.sadd(self._key("starts", "agent", start["agent"]), _start_field(start))
             await pipe.execute()
 
     @_guarded

@@ -190,7 +190,9 @@ class SqliteStore(Store):
                 )
                 if cur.rowcount:
                     new.add(report["call_id"])
-            db.executemany("DELETE FROM starts WHERE call_id = ?", [(r["call_id"],) for r in reports])
+            # Only the reporting agent's own start is moot (a call id named by another agent deletes nothing).
+            db.executemany("DELETE FROM starts WHERE call_id = ? AND agent = ?",
+                           [(r["call_id"], r["agent"]) for r in reports])
             db.execute("COMMIT")
             return Stored(new, len(reports))
         except BaseException:
