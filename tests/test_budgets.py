@@ -239,3 +239,36 @@ def test_three_level_tree_and_the_budgets_command(world: World) -> None:
     assert lines[0].startswith("planner") and "calls 4/20 used, 0 leased, 16 left" in lines[1]
     assert "researcher" in lines[2] and "calls 4/10 used, 0 leased, 6 left" in lines[3]
     assert "fetcher" in lines[4] and "calls 4/4 used, 0 leased, 0 left" in lines[5]
+
+
+def test_approval_tier_calls_count_when_forwarded_not_when_held(world: World) -> None:
+    """``calls=2`` on an approval-tier capability: a denied call and a held one cost nothing; two approved
+    calls spend the budget; a third, approved too, is refused ``budget_exhausted`` and never reaches the
+    tool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ident = world.cp.issue("approver", {"issues.write": {"tier": "approval", "calls": 2}})
+    car = world.sidecar(ident)
+    admin = world.cp.client()
+
+    def post(n: int) -> requests.Response:
+        return requests.post(f"{world.tools.base}{ISSUES}", json={"n": n}, proxies=car.proxies(), timeout=30)
+
+    def decide(n: int, action: str) -> None:
+        pending = wait_until(lambda: [a for a in admin.request("GET", "/v1/approvals?status=pending")
+                                      if f'"n": {n}' in ((a.get("request") or {}).get("body") or "")], 10,
+                             what=f"call {n} held")
+        admin.request("POST", f"/v1/approvals/{pending[0]['id']}/{action}", {})
+
+    with ThreadPoolExecutor(1) as pool:
+        for n, action, expected in ((0, "deny", (403, "tether.approval_denied")), (1, "approve", (200, None)),
+                                    (2, "approve", (200, None)), (3, "approve", (429, "tether.budget_exhausted"))):
+            held = pool.submit(post, n)
+            decide(n, action)
+            resp = held.result(timeout=30)
+            assert (resp.status_code, resp.headers.get("Tether-Error")) == expected, n
+            if n == 0:  # denied, and while it was held: nothing counted
+                assert budget_view(world.cp, ident.jti)["budgets"]["issues.write"]["used"] == 0
+    assert world.tools.hits_for(ISSUES) == 2
+    view = budget_view(world.cp, ident.jti)["budgets"]["issues.write"]
+    assert view["used"] + view["leased"] >= 2 and view["left"] == 0
