@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .capability.catalog import TIERS, Catalog, host_key, normalize_url
-from .capability.glob import witness
+from .capability.glob import Budget, GlobTooLong, compare
 
 VERSION = 2
 _RANK = {"absent": 0, "approval": 1, "direct": 2}
@@ -179,9 +179,14 @@ def _show(value: Any) -> str:
 
 
 def diff(
-    old_doc: Any, new_doc: Any, old_source: str = "old surface", new_source: str = "new surface"
+    old_doc: Any, new_doc: Any, old_source: str = "old surface", new_source: str = "new surface",
+    budget: Budget | None = None,
 ) -> tuple[list[Widening], list[str]]:
-    """Every widening from ``old_doc`` to ``new_doc`` (surface documents), and notes for the reader."""
+    """Every widening from ``old_doc`` to ``new_doc`` (surface documents), and notes for the reader.
+
+    ``budget`` caps the search for shortest path witnesses over the whole diff (inclusion itself is always
+    decided, in polynomial time): once spent, a widened path is shown with a longer, still real, witness."""
+    budget = budget if budget is not None else Budget()
     old_version, old_catalog, old = read(old_doc, old_source)
     new_version, new_catalog, new = read(new_doc, new_source)
     notes: list[str] = []
@@ -208,7 +213,7 @@ def diff(
                 continue  # it reached nothing before: its wire and budget were not granted then
             if was.wire is None or entry.wire is None:
                 continue  # a version-1 side: no wire, no budget to compare
-            changes = [*_wire_widenings(was.wire, entry.wire), *_budget_widenings(was, entry)]
+            changes = [*_wire_widenings(was.wire, entry.wire, budget), *_budget_widenings(was, entry)]
             found.extend(Widening(agent, cap, kind, o, n, d) for kind, o, n, d in changes)
     return found, notes
 
@@ -216,7 +221,7 @@ def diff(
 Change = tuple[str, Any, Any, str]
 
 
-def _wire_widenings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+def _wire_widenings(old: Mapping[str, Any], new: Mapping[str, Any], budget: Budget) -> list[Change]:
     if set(old) != set(new):
         return [(WIRE, dict(old), dict(new), "the capability now matches a different kind of call")]
     if "mcp" in new:
@@ -236,10 +241,20 @@ def _wire_widenings(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chan
     added = sorted(set(n["methods"]) - set(o["methods"]))
     if added:
         out.append((METHODS, list(o["methods"]), list(n["methods"]), f"adds {', '.join(added)}"))
-    example = witness(n["path"], o["path"]) if n["path"] != o["path"] else None
-    if example is not None:
-        out.append((PATH, o["path"], n["path"], f"admits {example!r}, which the old path refused"))
+    if n["path"] != o["path"]:
+        out.extend(_path_widening(o["path"], n["path"], budget))
     return out
+
+
+def _path_widening(old: str, new: str, budget: Budget) -> list[Change]:
+    try:
+        verdict = compare(new, old, budget)
+    except GlobTooLong as exc:  # no catalog writes such a glob: fail closed rather than spend without bound
+        return [(PATH, old, new, f"not compared, counted as widened: {exc}")]
+    if verdict.included:
+        return []
+    shortest = "" if verdict.shortest else " (not a shortest one: the diff's search budget ran out)"
+    return [(PATH, old, new, f"admits {verdict.example!r}{shortest}, which the old path refused")]
 
 
 def _budget_widenings(was: Entry, now: Entry) -> list[Change]:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
+import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +21,11 @@ from controlplane import audit
 from controlplane.capability import keys
 from controlplane.capability.catalog import HttpMatch, parse_catalog
 from controlplane.capability.chain import mint_root
-from controlplane.capability.glob import included, witness
+from controlplane.capability.errors import CatalogError
+from controlplane.capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
 from controlplane.cli import main
 
-from .harness import PYTHON, ControlPlaneProcess, prepare_controlplane
+from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, prepare_controlplane
 
 
 # -- glob inclusion, against brute force --------------------------------------------------------------------
@@ -79,6 +83,63 @@ def test_glob_inclusion_examples(new: str, old: str, inside: bool) -> None:
     if not inside:
         example = witness(new, old)
         assert example is not None and admits(new, example) and not admits(old, example)
+
+
+@settings(max_examples=300, deadline=None)
+@given(GLOBS)
+def test_the_matcher_agrees_with_a_regex(glob: str) -> None:
+    """The catalog matches greedily (a regex backtracks exponentially on ``*a*b*a*b...``); on short strings
+    a regex is a fine oracle for it."""
+    regex = re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)
+    for s in ALL_STRINGS:
+        assert admits(glob, s) is (regex.fullmatch(s) is not None), (glob, s)
+
+
+def hostile(n: int) -> tuple[str, str]:
+    """The reviewer's pair: each side's subset construction is large, their product exponential."""
+    return "/" + "*a*b" * n + "*", "/" + "*ab" * n + "*c"
+
+
+@pytest.mark.parametrize("n", [80, 110])
+def test_hostile_globs_are_decided_within_a_polynomial_number_of_states(n: int) -> None:
+    new, old = hostile(n)
+    verdict = compare(new, old)
+    # The shortest string new admits is "/abab...ab" (2n+1 characters); old wants 2n+2 at least, ending in c.
+    assert not verdict.included and verdict.shortest and verdict.example == "/" + "ab" * n
+    assert admits(new, verdict.example) and not admits(old, verdict.example)
+    # Positions of new times the states of the automaton of what old refuses: the search cannot visit more
+    # (the product of the two subset constructions it replaced needs exponentially many here).
+    assert 0 < verdict.visited <= bound(new, old)
+    assert included(old, new) and witness(old, new) is None  # the other way round: "/xabxab...xabxc"
+
+
+def test_a_spent_budget_still_gives_a_real_witness() -> None:
+    new, old = hostile(110)
+    budget = Budget(steps=1000)
+    verdict = compare(new, old, budget)
+    assert not verdict.included and not verdict.shortest and budget.left < 0
+    assert verdict.example is not None and admits(new, verdict.example) and not admits(old, verdict.example)
+    assert compare("/*", "/public/*", budget).example is not None  # the budget is shared: spent stays spent
+
+
+def test_hostile_pair_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    new, old = hostile(80)
+    (tmp_path / "old.json").write_text(json.dumps(hostile_surface(old, 1)))
+    (tmp_path / "new.json").write_text(json.dumps(hostile_surface(new, 1)))
+    code, text, _ = run_cli(capsys, "audit", "diff", str(tmp_path / "old.json"), str(tmp_path / "new.json"))
+    assert code == 1 and f"admits {'/' + 'ab' * 80!r}, which the old path refused" in text, text
+    code, text, _ = run_cli(capsys, "audit", "diff", str(tmp_path / "new.json"), str(tmp_path / "old.json"))
+    assert code == 0 and "no capability widened" in text, text
+
+
+def test_overlong_globs_are_refused_by_the_catalog_and_counted_as_widened_by_the_gate() -> None:
+    long = "/" + "a" * MAX_GLOB
+    caps = {"web": {"http": {"host": "a.example", "methods": ["GET"], "path": long}}}
+    with pytest.raises(CatalogError, match=f"at most {MAX_GLOB}"):
+        parse_catalog(catalog_text(caps))
+    parse_catalog(catalog_text({"web": {"http": {"host": "a.example", "methods": ["GET"], "path": long[:-1]}}}))
+    found, _ = audit.diff(hostile_surface(long, 1), hostile_surface(long + "b", 1))
+    assert [(w.kind, w.detail.startswith("not compared, counted as widened")) for w in found] == [(audit.PATH, True)]
 
 
 # -- audit diff through the CLI, on a table of catalog pairs ---------------------------------------------------
@@ -319,3 +380,42 @@ def test_widened_path_served_by_a_restarted_control_plane_fails_the_gate(cp: Con
     assert 'WIDENED reader: site.read path widened: "/public/*" -> "/*"' in gate.stdout
     same = tether(cp, "audit", "diff", "new.json", "new.json", cwd=tmp_path)
     assert same.returncode == 0 and "no capability widened" in same.stdout
+
+
+# -- a hostile diff does not stall the control plane ------------------------------------------------------------
+def hostile_surface(path: str, agents: int) -> dict:
+    wire = {"http": {"host": "h.example", "port": None, "methods": ["GET"], "path": path}}
+    return {"version": 2, "catalog": "sha256:x",
+            "agents": {f"a{i}": {"web": {"tier": "direct", "wire": wire, "budget": None}} for i in range(agents)}}
+
+
+def test_healthz_answers_while_a_hostile_diff_is_computed(cp: ControlPlaneProcess) -> None:
+    """Twelve reviewer pairs: seconds of search (the diff's budget), off the event loop, so the control plane
+    keeps answering; on the loop, /healthz would wait for the diff (the sidecars' lease is 15 s)."""
+    new, old = hostile(110)
+    body = json.dumps({"old": hostile_surface(old, 12), "new": hostile_surface(new, 12)}).encode()
+    done = threading.Event()
+    result: dict = {}
+
+    def post() -> None:
+        req = urllib.request.Request(cp.url + "/v1/audit/diff", data=body, method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                result["doc"] = json.loads(resp.read())
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=post)
+    worker.start()
+    answered_during = 0
+    try:
+        done.wait(0.5)  # let the diff start computing (if it is already done, the loop below proves nothing)
+        while not done.is_set():
+            assert cp.client().request("GET", "/healthz")["status"] == "ok"
+            answered_during += not done.is_set()
+    finally:
+        worker.join(120)
+    assert len(result["doc"]["widened"]) == 12 and result["doc"]["exit"] == 1
+    assert sum("not a shortest one" in line for line in result["doc"]["widened"]) > 0  # the budget was reached
+    assert answered_during >= 3, "the control plane answered /healthz too rarely while the diff ran"

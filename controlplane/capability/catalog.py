@@ -21,6 +21,7 @@ import yaml
 
 from .credentials import Credential, parse_credentials
 from .errors import CatalogError, UnknownCapability
+from .glob import MAX_GLOB, admits
 
 TIERS = ("direct", "approval", "absent")
 GRANTED_TIERS = ("direct", "approval")
@@ -31,11 +32,6 @@ _TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
 _CAP_KEYS = {"http", "mcp", "description", "credential"}
 _HTTP_KEYS = {"host", "port", "methods", "path"}
 _MCP_KEYS = {"url", "tool"}
-
-
-def _glob_regex(glob: str) -> re.Pattern[str]:
-    """``*`` matches any run of characters, ``/`` included; everything else is literal."""
-    return re.compile(".*".join(re.escape(part) for part in glob.split("*")), re.DOTALL)
 
 
 def _default_port(scheme: str) -> int:
@@ -127,17 +123,13 @@ class HttpMatch:
     methods: tuple[str, ...]
     path: str
     port: int | None = None
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_regex", _glob_regex(self.path))
 
     def matches(self, host: str, port: int, method: str, path: str) -> bool:
         return (
             host == self.host
             and (self.port is None or port == self.port)
             and method in self.methods
-            and self._regex.fullmatch(path) is not None
+            and admits(self.path, path)  # greedy, linear per segment: a regex backtracks exponentially
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,6 +325,8 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
     path = raw["path"]
     if not isinstance(path, str) or not path.startswith("/") or "?" in path:
         raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
+    if len(path) > MAX_GLOB:
+        raise _fail(source, f"{where}.path", f"a path glob of {len(path)} characters (at most {MAX_GLOB})")
     return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port)
 
 

@@ -14,6 +14,7 @@ names the sidecars' state dirs).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
@@ -130,7 +131,9 @@ class Console:
         body, _ = await read_json(request)
         old, new = body.obj("old", required=True), body.obj("new", required=True)  # audit surface documents
         try:
-            widened = diff_surfaces(old or {}, new or {})
+            # Off the event loop: a large document costs seconds (bounded: ``audit.diff``'s budget), and the
+            # sidecars' heartbeats and leases must keep being answered meanwhile.
+            widened = await asyncio.to_thread(diff_surfaces, old or {}, new or {})
         except audit.SurfaceError as exc:
             raise bad(f"not an audit surface document: {exc}") from None
         return web.json_response({"widened": widened, "exit": 1 if widened else 0})
