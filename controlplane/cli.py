@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 a negative verdict (invalid chain, widening found, term
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -323,6 +324,7 @@ def _cp_arg(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tether", description="Make a fleet of AI agents stoppable.")
+    parser.add_argument("--version", action="version", version=f"tether {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="the whole story on an embedded store, no setup")
@@ -538,6 +540,15 @@ def _lazy(module: str, name: str) -> Command:
     return run
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tether")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -548,6 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tether records show ID | head`: the reader left, nothing is wrong
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")
+        return 141
 
 
 if __name__ == "__main__":

@@ -33,3 +33,12 @@ def test_a_records_call_urls_are_shown_with_control_characters_escaped(capsys: p
     print_record_summary(record)
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b[2J" in out
+
+
+def test_version() -> None:
+    import subprocess
+
+    from .harness import PYTHON
+
+    out = subprocess.run([PYTHON, "-m", "controlplane.cli", "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("tether ") and out.stdout.split()[1][0].isdigit(), out
