@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .capability import keys
-from .capability.budget import GrantError, parse_cap_spec, read_grant
+from .capability.budget import read_grant
 from .capability.catalog import TIERS
 from .capability.chain import (
     LEEWAY_S,
@@ -28,44 +28,15 @@ from .capability.chain import (
     parse_chain_unverified,
 )
 from .capability.errors import BAD_REQUEST, ChainError, TetherError
+from .capability.shared import parse_caps, parse_listen, read_chain, read_file, write_secret
 from .client import Client, Signer
 
 Command = Callable[[argparse.Namespace], int]
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def read_file(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise TetherError(f"cannot read {what} {path}: {exc.strerror}", code=BAD_REQUEST) from None
 
 
-def read_chain(path: str) -> str:
-    text = read_file(path, "chain").decode("ascii", "replace").strip()
-    return ",".join(part.strip() for part in text.replace("\n", ",").split(",") if part.strip())
-
-
-def write_secret(path: str, data: bytes) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if p.exists():
-        p.unlink()
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
-def parse_caps(values: Sequence[str] | None) -> dict[str, Any]:
-    """``--cap NAME=TIER[,calls=N][,per_minute=M]`` values as caps: a tier, or its claim object."""
-    caps: dict[str, Any] = {}
-    for value in values or []:
-        try:
-            name, grant = parse_cap_spec(value)
-        except GrantError as exc:
-            raise TetherError(f"{exc} (TIER one of {', '.join(TIERS)})", code=BAD_REQUEST) from None
-        caps[name] = grant if isinstance(grant, str) else grant.claim()
-    return caps
 
 
 def path_segment(value: str) -> str:
@@ -120,7 +91,7 @@ def _output_chain(args: argparse.Namespace, wire: str) -> None:
 
 
 def cmd_grant_issue(args: argparse.Namespace) -> int:
-    from .serve import load_catalog
+    from .capability.shared import load_catalog
 
     subject = keys.load_public(read_file(args.subject_key, "subject key"), args.subject_key)
     caps = parse_caps(args.cap)
@@ -160,7 +131,7 @@ def cmd_grant_delegate(args: argparse.Namespace) -> int:
     subject = keys.load_public(read_file(args.subject_key, "subject key"), args.subject_key)
     catalog = None
     if args.catalog:
-        from .serve import load_catalog
+        from .capability.shared import load_catalog
 
         catalog = load_catalog(args.catalog)
     child = mint_child(
@@ -232,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from .serve import admin_token_from_env, build, parse_listen, serve
+    from .serve import admin_token_from_env, build, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = parse_listen(args.listen, 7000)

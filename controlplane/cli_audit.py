@@ -35,7 +35,7 @@ def cmd_audit_surface(args: argparse.Namespace) -> int:
 
 def offline_surface(args: argparse.Namespace) -> dict[str, Any]:
     """The surface from a catalog file, the leaf of each ``--chain`` and each ``--role AGENT=ROLE``."""
-    from .serve import load_catalog
+    from .capability.shared import load_catalog
 
     catalog = load_catalog(args.catalog)
     verifier = None

@@ -12,11 +12,11 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .capability.errors import ApiError
+from .capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
 from .capability.proof import make_proof
 
 DEFAULT_URL = "http://127.0.0.1:7000"
-UNREACHABLE = "tether.controlplane_unreachable"
+UNREACHABLE = CONTROLPLANE_UNREACHABLE
 
 
 @dataclass

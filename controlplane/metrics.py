@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .capability import errors as codes
-from .termination import MODES, RESOLUTIONS
+from .capability.shared import RESOLUTIONS
+from .termination import MODES
 
 # HELP text and type of every family this module renders; a counter incremented under a name not listed
 # here is still rendered (as an untyped family), so nothing counted is ever hidden.

@@ -14,25 +14,13 @@ from pathlib import Path
 from aiohttp import web
 
 from .capability import keys
-from .capability.catalog import Catalog, empty_catalog, parse_catalog
-from .capability.errors import BAD_REQUEST, TetherError
+from .capability.catalog import Catalog, empty_catalog
+from .capability.shared import load_catalog
 from .server import ControlPlane
 from .store import open_store_url
 
 log = logging.getLogger("tether.controlplane")
 
-
-def parse_listen(value: str, default_port: int) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host:
-        host, port = value, str(default_port)
-    try:
-        number = int(port)
-    except ValueError:
-        raise TetherError(f"--listen {value}: expected HOST:PORT", code=BAD_REQUEST) from None
-    if not 0 <= number < 65536:
-        raise TetherError(f"--listen {value}: port out of range", code=BAD_REQUEST)
-    return host.strip("[]"), number
 
 
 def load_serving_catalog(path: str | None) -> Catalog:
@@ -45,13 +33,6 @@ def load_serving_catalog(path: str | None) -> Catalog:
         path = "catalog.yaml"
     return load_catalog(path)
 
-
-def load_catalog(path: str) -> Catalog:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise TetherError(f"cannot read the catalog {path}: {exc.strerror}", code="tether.catalog_invalid") from None
-    return parse_catalog(text, path)
 
 
 def load_or_create_signing_key(path: str) -> keys.Ed25519PrivateKey:

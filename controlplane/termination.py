@@ -20,6 +20,7 @@ from typing import Any
 
 from .capability import keys
 from .capability.catalog import canonical_json as canonical
+from .capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
 from .runs import accounted, unaccounted_runs
 
 Doc = dict[str, Any]
@@ -39,7 +40,6 @@ TRANSITIONS: Mapping[str, tuple[str, ...]] = {
     RECONCILING: (TERMINATED,),
     TERMINATED: (),
 }
-RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
 
 # Actions the driver performs, each idempotent.
 REVOKE_SUBTREE = "revoke_subtree"

@@ -15,9 +15,9 @@ from typing import Any
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from controlplane.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
 from controlplane.capability.errors import ApiError
 from controlplane.capability.proof import make_proof
-from controlplane.client import UNREACHABLE
 
 
 class ControlChannel:

@@ -22,7 +22,7 @@ from pathlib import Path
 from controlplane.capability import keys
 from controlplane.capability.chain import mint_child, parse_chain_unverified
 from controlplane.capability.errors import BAD_REQUEST, TetherError
-from controlplane.cli import parse_caps, read_chain, read_file, write_secret
+from controlplane.capability.shared import parse_caps, read_chain, read_file, write_secret
 
 from .credentials import SecretSpec
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from controlplane.capability import keys
 from controlplane.capability.chain import parse_chain_unverified
-from controlplane.cli import read_chain, read_file
-from controlplane.serve import load_catalog, parse_listen
+from controlplane.capability.shared import load_catalog, parse_listen, read_chain, read_file
 
 from .credentials import load_secrets
 from .sidecar import Sidecar, SidecarConfig

@@ -15,7 +15,7 @@ from typing import Any
 from controlplane.capability import errors as codes
 from controlplane.capability.chain import VerifiedChain, Verifier
 from controlplane.capability.errors import ChainError, TetherError
-from controlplane.termination import RESOLUTIONS
+from controlplane.capability.shared import RESOLUTIONS
 
 SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
 

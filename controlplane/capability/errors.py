@@ -37,6 +37,7 @@ FORBIDDEN = "tether.forbidden"
 NOT_FOUND = "tether.not_found"
 CONFLICT = "tether.conflict"
 STORE_UNAVAILABLE = "tether.store_unavailable"
+CONTROLPLANE_UNREACHABLE = "tether.controlplane_unreachable"
 KEY_INVALID = "tether.key_invalid"
 
 

@@ -1,0 +1,80 @@
+"""What both sides' processes share beyond the capability model: the call resolutions, and the file and
+argument helpers their entry points use (``tether sidecar``, ``tether run``, ``tether controlplane serve``).
+
+Pure or plain file I/O, no network: the sidecar imports this instead of the control plane's CLI and serving
+modules, so a sidecar process loads nothing of the control plane's server, stores or commands (a test
+holds it to that: tests/test_layers.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .budget import GrantError, parse_cap_spec
+from .catalog import TIERS, Catalog, parse_catalog
+from .errors import BAD_REQUEST, CATALOG_INVALID, TetherError
+
+# What became of a call (DESIGN.md section 5): the sidecar resolves each call to one of these, the control
+# plane records them.
+RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
+
+
+def read_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise TetherError(f"cannot read {what} {path}: {exc.strerror}", code=BAD_REQUEST) from None
+
+
+def read_chain(path: str) -> str:
+    """A chain file: the links root first, comma- or newline-separated (as `grant issue/delegate` write it)."""
+    text = read_file(path, "chain").decode("ascii", "replace").strip()
+    return ",".join(part.strip() for part in text.replace("\n", ",").split(",") if part.strip())
+
+
+def write_secret(path: str, data: bytes) -> None:
+    """Write a file only its owner may read (mode 600), replacing any file already there."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists():
+        p.unlink()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def parse_caps(values: Sequence[str] | None) -> dict[str, Any]:
+    """``--cap NAME=TIER[,calls=N][,per_minute=M]`` values as caps: a tier, or its claim object."""
+    caps: dict[str, Any] = {}
+    for value in values or []:
+        try:
+            name, grant = parse_cap_spec(value)
+        except GrantError as exc:
+            raise TetherError(f"{exc} (TIER one of {', '.join(TIERS)})", code=BAD_REQUEST) from None
+        caps[name] = grant if isinstance(grant, str) else grant.claim()
+    return caps
+
+
+def parse_listen(value: str, default_port: int) -> tuple[str, int]:
+    """``--listen HOST:PORT`` (or a bare host, or ``[v6]:PORT``)."""
+    host, _, port = value.rpartition(":")
+    if not host:
+        host, port = value, str(default_port)
+    try:
+        number = int(port)
+    except ValueError:
+        raise TetherError(f"--listen {value}: expected HOST:PORT", code=BAD_REQUEST) from None
+    if not 0 <= number < 65536:
+        raise TetherError(f"--listen {value}: port out of range", code=BAD_REQUEST)
+    return host.strip("[]"), number
+
+
+def load_catalog(path: str) -> Catalog:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TetherError(f"cannot read the catalog {path}: {exc.strerror}", code=CATALOG_INVALID) from None
+    return parse_catalog(text, path)
