@@ -40,6 +40,7 @@ from .capability.errors import (
     ChainError,
     TetherError,
 )
+from .event_stream import KEEPALIVE_S, EventHub, encode, visible
 from .graph import Graph, surface
 from .store import Doc, Event, Store, StoreUnavailable
 
@@ -145,6 +146,7 @@ class ControlPlane:
         self.metrics = Metrics()
         self._event_signal = asyncio.Event()
         self._event_reads: dict[int, asyncio.Future[list[Event]]] = {}
+        self.events = EventHub(store, lambda: self._event_signal, self.wait_event, self.metrics.inc)
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = []
         self._add_core_routes()
@@ -345,6 +347,14 @@ class ControlPlane:
             "sidecar",
             "sidecar",
         )
+        r(
+            "GET",
+            "/v1/events/stream",
+            self.h_events_stream,
+            "The same events on one long-lived response (JSON lines, resumable with after=SEQ)",
+            "sidecar",
+            "sidecar",
+        )
         r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar's lease", "sidecar", "sidecar")
         r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar", "sidecar")
         r("GET", "/v1/reports", self.h_reports_out, "Call reports, optionally for one agent", "admin", "sidecar")
@@ -360,6 +370,7 @@ class ControlPlane:
         for route in self.routes:
             app.router.add_route(route.method, route.path, route.handler)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         app["controlplane"] = self
         return app
@@ -367,6 +378,9 @@ class ControlPlane:
     async def _on_startup(self, app: web.Application) -> None:
         await self.store.open()
         self._tasks = [asyncio.create_task(job()) for job in self.background]
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        await self.events.close()  # open streams end, so the server's wait for its handlers does not hang
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for task in getattr(self, "_tasks", []):
@@ -411,6 +425,7 @@ class ControlPlane:
                 lines.append(f'tether_subscriber_lag_events{{agent="{_label(agent)}"}} {lag}')
             active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
             lines += ["# TYPE tether_terminations_in_flight gauge", f"tether_terminations_in_flight {active}"]
+            lines += ["# TYPE tether_event_streams_open gauge", f"tether_event_streams_open {self.events.open_streams}"]
             lines += ["# TYPE tether_store_up gauge", "tether_store_up 1"]
         except (StoreUnavailable, ConnectionError, OSError):
             lines += ["# TYPE tether_store_up gauge", "tether_store_up 0"]
@@ -521,10 +536,10 @@ class ControlPlane:
             raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti}")
         by = await self.may_act_as_ancestor(request, link, raw)
         reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
-        # Who is cut off is worked out before the revocation goes out, so this replica's CPU is free for
-        # the fan-out that follows it.
-        below = sorted({d["sub"] for d in (await self.graph()).descendants(link["hash"])})
+        # The revocation goes out first; who it cut off is read afterwards from the descendants index, at
+        # a cost that grows with the subtree, never with the whole graph.
         doc = await self.revoke_link(link, by, reason)
+        below = sorted({d["sub"] for d in await self.store.descendants(link["hash"])})
         return web.json_response({**doc, "agents_cut_off": [link["sub"], *below]})
 
     async def h_revoke_agent(self, request: web.Request) -> web.Response:
@@ -599,15 +614,70 @@ class ControlPlane:
         while True:
             signal = self._event_signal  # taken before reading, so a publish meanwhile still wakes us
             events = await self.events_after(after)
-            visible = [e.to_dict() for e in events
-                       if _visible(e.kind, e.target, e.payload, caller.link_hash, chain_jtis)]
+            seen = [e.to_dict() for e in events if visible(e, caller.link_hash, chain_jtis)]
             if events:
                 after = events[-1].seq
             remaining = deadline - self.clock()
-            if visible or remaining <= 0 or len(events) == 500:
-                self.metrics.inc("tether_events_delivered_total", len(visible))
-                return web.json_response({"events": visible, "next": after})
+            if seen or remaining <= 0 or len(events) == 500:
+                self.metrics.inc("tether_events_delivered_total", len(seen))
+                return web.json_response({"events": seen, "next": after})
             await self.wait_event(after, remaining, signal)
+
+    async def h_events_stream(self, request: web.Request) -> web.StreamResponse:
+        """The long poll's documents, one per line, on one response that stays open (see event_stream.py).
+        The subscriber is registered before anything is read, so no event falls between the catch-up read
+        from the store and the shared fan-out that follows it."""
+        caller = await self.auth.sidecar(request, await request.read())
+        try:
+            after = int(request.query.get("after", "-1"))
+        except ValueError:
+            raise _bad("'after' must be an integer") from None
+        jtis = frozenset(_chain_jtis(caller.link))
+        sub = await self.events.subscribe(caller.link_hash, jtis)
+        try:
+            position = self.events.position
+            low, high = await self.store.event_bounds()
+            if after < 0 or after < low - 1 or after > high:
+                opening, sent = await self._resync(caller.link_hash, set(jtis), high), high
+            else:
+                caught: list[Doc] = []
+                sent = after
+                while sent < position:  # what this client missed, read for it alone
+                    events = [e for e in await self.store.events_after(sent, 500) if e.seq <= position]
+                    if not events:
+                        break
+                    caught += [e.to_dict() for e in events if visible(e, caller.link_hash, jtis)]
+                    sent = events[-1].seq
+                sent = max(sent, position, after)
+                opening = {"events": caught, "next": sent}
+                self.metrics.inc("tether_events_delivered_total", len(caught))
+            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+                                                   "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            self.metrics.inc("tether_event_streams_opened_total")
+            try:
+                await response.write(encode(opening))
+                while sub.closed is None:
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
+                        idle = False
+                    except TimeoutError:
+                        idle = True
+                    sub.wake.clear()
+                    lines = [line for seq, line in sub.pending if seq > sent]
+                    if sub.pending:
+                        sent = max(sent, sub.pending[-1][0])
+                        sub.pending.clear()
+                    if idle:  # also moves the client's cursor past events it does not see
+                        sent = max(sent, self.events.position)
+                        lines.append(encode({"events": [], "next": sent}))
+                    if lines:
+                        await response.write(b"".join(lines))
+            except (ConnectionError, OSError):
+                pass  # the sidecar went away; it resumes from its last sequence number
+            return response
+        finally:
+            self.events.unsubscribe(sub)
 
     async def events_after(self, after: int) -> list[Event]:
         """One store read shared by every long poll waiting at the same sequence (a revocation wakes them
@@ -888,14 +958,6 @@ def _held_request(value: Any) -> Doc | None:
         "body_streamed": bool(value.get("body_streamed")),  # a large upload held at its headers: body not shown
         "call_hash": str(value["call_hash"])[:80] if value.get("call_hash") else None,
     }
-
-
-def _visible(kind: str, target: str | None, payload: Doc, link_hash: str, chain_jtis: set[str]) -> bool:
-    """A sidecar sees revocations of its own chain's links and events addressed to its link only (commands
-    and approval decisions belong to a link, never to a bare agent id)."""
-    if kind == "revoke":
-        return payload.get("jti") in chain_jtis
-    return target == link_hash
 
 
 def _chain_jtis(link: Doc) -> list[str]:

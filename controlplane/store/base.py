@@ -58,6 +58,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def all_links(self) -> list[Doc]: ...
 
+    @abc.abstractmethod
+    async def descendants(self, link_hash: str) -> list[Doc]:
+        """Every link registered below ``link_hash`` (children by ``prf``, at any depth; not the link itself).
+        Served from an index on ``prf``: its cost grows with the subtree, never with the whole graph."""
+
     # -- revocations --------------------------------------------------------------------------------
     @abc.abstractmethod
     async def revoke(self, jti: str, doc: Doc) -> bool:

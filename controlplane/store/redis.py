@@ -71,8 +71,9 @@ def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable
     return wrapper
 
 
-# KEYS: links, jti index, insertion order. ARGV: (hash, jti, doc) per link. A link whose hash or jti is
-# already known is left as it was. Returns how many were new.
+# KEYS: links, jti index, insertion order, then per link the set of its parent's children (the descendants
+# index). ARGV: (hash, jti, doc) per link. A link whose hash or jti is already known is left as it was.
+# Returns how many were new.
 _PUT_LINKS = """
 local new = 0
 for i = 1, #ARGV, 3 do
@@ -81,6 +82,7 @@ for i = 1, #ARGV, 3 do
     redis.call('HSET', KEYS[1], h, ARGV[i + 2])
     redis.call('HSET', KEYS[2], jti, h)
     redis.call('RPUSH', KEYS[3], h)
+    redis.call('SADD', KEYS[3 + (i + 2) / 3], h)
     new = new + 1
   end
 end
@@ -162,6 +164,7 @@ class RedisStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._scripts: dict[str, Any] = {}
+        self._children_indexed = False
 
     def _key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -225,12 +228,48 @@ class RedisStore(Store):
     async def put_links(self, links: list[Doc]) -> int:
         if not links:
             return 0
+        await self._index_children()
         args: list[str] = []
+        keys = [self._key("links"), self._key("links", "jti"), self._key("links", "order")]
         for link in links:
             args += [link["hash"], link["jti"], _dump(link)]
-        return await self._run(
-            "put_links", [self._key("links"), self._key("links", "jti"), self._key("links", "order")], args
-        )
+            keys.append(self._children_key(link.get("prf")))
+        return await self._run("put_links", keys, args)
+
+    def _children_key(self, parent: str | None) -> str:
+        """One set per parent link holding its children's hashes (roots share one set)."""
+        return self._key("links", "children", parent) if parent else self._key("links", "roots")
+
+    async def _index_children(self) -> None:
+        """Links registered before the descendants index existed are indexed once, by whichever replica gets
+        here first (SADD is idempotent, so two replicas doing it at once agree)."""
+        if self._children_indexed:
+            return
+        marker = self._key("links", "children-indexed")
+        if not await self.r.exists(marker):
+            links = await self._hmget(self._key("links"), await self.r.lrange(self._key("links", "order"), 0, -1))
+            async with self.r.pipeline(transaction=False) as pipe:
+                for link in links:
+                    pipe.sadd(self._children_key(link.get("prf")), link["hash"])
+                pipe.set(marker, "1")
+                await pipe.execute()
+        self._children_indexed = True
+
+    @_guarded
+    async def descendants(self, link_hash: str) -> list[Doc]:
+        await self._index_children()
+        found: list[str] = []
+        seen = {link_hash}
+        frontier = [link_hash]
+        while frontier:  # one round trip per level of the subtree
+            async with self.r.pipeline(transaction=False) as pipe:
+                for parent in frontier:
+                    pipe.smembers(self._children_key(parent))
+                levels = await pipe.execute()
+            frontier = sorted({h for members in levels for h in members} - seen)
+            seen.update(frontier)
+            found += frontier
+        return await self._hmget(self._key("links"), found)
 
     @_guarded
     async def get_link(self, link_hash: str) -> Doc | None:

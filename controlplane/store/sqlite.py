@@ -19,6 +19,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS links (hash TEXT PRIMARY KEY, jti TEXT UNIQUE NOT NULL, sub TEXT NOT NULL,
     prf TEXT, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS links_sub ON links(sub);
+CREATE INDEX IF NOT EXISTS links_prf ON links(prf);
 CREATE TABLE IF NOT EXISTS revocations (jti TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, target TEXT,
     payload TEXT NOT NULL, at REAL NOT NULL);
@@ -105,6 +106,15 @@ class SqliteStore(Store):
 
     async def all_links(self) -> list[Doc]:
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links ORDER BY rowid")]
+
+    async def descendants(self, link_hash: str) -> list[Doc]:
+        rows = self.db.execute(
+            "WITH RECURSIVE below(hash) AS (SELECT hash FROM links WHERE prf = ? "
+            "UNION SELECT links.hash FROM links JOIN below ON links.prf = below.hash) "
+            "SELECT links.doc FROM links JOIN below ON links.hash = below.hash ORDER BY links.rowid",
+            (link_hash,),
+        )
+        return [json.loads(r[0]) for r in rows]
 
     # -- revocations -----------------------------------------------------------------------------------
     async def revoke(self, jti: str, doc: Doc) -> bool:
