@@ -481,12 +481,14 @@ class RedisStore(Store):
     # -- records ---------------------------------------------------------------------------------------
     @_guarded
     async def append_record(self, record: Doc) -> bool:
-        args = [record["prev_hash"], record["hash"], _dump(record)]
+        # Encoding a record of tens of thousands of calls takes longer than the loop may stall: a thread does it.
+        args = [record["prev_hash"], record["hash"], await asyncio.to_thread(_dump, record)]
         return bool(await self._run("append_record", [self._key("records"), self._key("records", "head")], args))
 
     @_guarded
     async def records(self) -> list[Doc]:
-        return [json.loads(raw) for raw in await self.r.lrange(self._key("records"), 0, -1)]
+        raws = await self.r.lrange(self._key("records"), 0, -1)
+        return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
 
     # -- leases ---------------------------------------------------------------------------------------
     @_guarded
