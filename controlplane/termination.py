@@ -14,11 +14,11 @@ repeats it after restart and the protocol still ends in exactly one record.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import jsonpieces
 from .capability import keys
 from .runs import accounted, unaccounted_runs
 
@@ -132,7 +132,9 @@ def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()
 
 # -- the reconciliation record -----------------------------------------------------------------------
 def canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """Sorted keys, no spaces, UTF-8; encoded in pieces so that hashing a big record in a worker thread
+    never holds the event loop (see jsonpieces.py)."""
+    return jsonpieces.dumps(doc, ensure_ascii=False).encode()
 
 
 def record_hash(record: Mapping[str, Any]) -> str:

@@ -40,6 +40,7 @@ from redis import exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from .. import jsonpieces
 from ..capability.errors import BAD_REQUEST, TetherError
 from .base import Doc, Event, Store, StoreUnavailable
 
@@ -287,11 +288,13 @@ class RedisStore(Store):
         return await self._hmget(self._key("links"), hashes)
 
     async def _hmget(self, key: str, fields: list[str]) -> list[Doc]:
-        docs: list[Doc] = []
-        for start in range(0, len(fields), 1000):
-            raws = await self.r.hmget(key, fields[start : start + 1000])
-            docs += [json.loads(raw) for raw in raws if raw]
-        return docs
+        raws: list[str] = []
+        for start in range(0, len(fields), 1000):  # a page per round trip, as in _zpages
+            raws += [raw for raw in await self.r.hmget(key, fields[start : start + 1000]) if raw]
+        if len(raws) <= 1000:
+            return [json.loads(raw) for raw in raws]
+        # A termination's worth of reports: decoded in a thread, one small call each, so the loop keeps going.
+        return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
 
     # -- revocations -----------------------------------------------------------------------------------
     @_guarded
@@ -441,14 +444,23 @@ class RedisStore(Store):
     @_guarded
     async def reports(self, agents: list[str] | None = None) -> list[Doc]:
         if agents is None:
-            call_ids = await self.r.zrange(self._key("reports", "order"), 0, -1)
+            call_ids = [c for c, _ in await self._zpages(self._key("reports", "order"))]
         else:
-            async with self.r.pipeline(transaction=False) as pipe:
-                for agent in agents:
-                    pipe.zrange(self._key("reports", "agent", agent), 0, -1, withscores=True)
-                ranked = sorted((score, call_id) for rows in await pipe.execute() for call_id, score in rows)
-            call_ids = [call_id for _, call_id in ranked]
+            ranked: list[tuple[float, str]] = []
+            for agent in agents:
+                ranked += [(score, c) for c, score in await self._zpages(self._key("reports", "agent", agent))]
+            call_ids = [call_id for _, call_id in sorted(ranked)]
         return await self._hmget(self._key("reports"), call_ids)
+
+    async def _zpages(self, key: str, page: int = 1000) -> list[tuple[str, float]]:
+        """A whole sorted set, a page per round trip: redis-py parses a reply in Python on the event loop,
+        and a termination's 20,000 reports in one reply would hold the loop for a large part of a second."""
+        out: list[tuple[str, float]] = []
+        while True:
+            rows = await self.r.zrange(key, len(out), len(out) + page - 1, withscores=True)
+            out += rows
+            if len(rows) < page:
+                return out
 
     # -- documents -----------------------------------------------------------------------------------
     def _doc_keys(self, kind: str) -> list[str]:
@@ -482,7 +494,7 @@ class RedisStore(Store):
     @_guarded
     async def append_record(self, record: Doc) -> bool:
         # Encoding a record of tens of thousands of calls takes longer than the loop may stall: a thread does it.
-        args = [record["prev_hash"], record["hash"], await asyncio.to_thread(_dump, record)]
+        args = [record["prev_hash"], record["hash"], await asyncio.to_thread(jsonpieces.dumps, record)]
         return bool(await self._run("append_record", [self._key("records"), self._key("records", "head")], args))
 
     @_guarded

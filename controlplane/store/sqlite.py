@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .. import jsonpieces
 from .base import Doc, Event, Store, StoreUnavailable
 
 EVENT_RETENTION = 10_000
@@ -298,7 +299,7 @@ class SqliteStore(Store):
     # -- records ---------------------------------------------------------------------------------------
     async def append_record(self, record: Doc) -> bool:
         def append(db: sqlite3.Connection) -> bool:
-            encoded = _dump(record)  # before the transaction: the write lock is held for the insert only
+            encoded = jsonpieces.dumps(record)  # before the transaction: the lock is held for the insert only
             db.execute("BEGIN IMMEDIATE")
             try:
                 row = db.execute("SELECT hash FROM records ORDER BY pos DESC LIMIT 1").fetchone()
