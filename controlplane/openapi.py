@@ -45,7 +45,7 @@ def document(routes: list[Any]) -> dict[str, Any]:
             "tags": [route.tag],
             "security": _AUTH[route.auth],
             "responses": {
-                "200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}},
+                "200": {"description": "OK", "content": {route.produces: {"schema": {"type": "object"}}}},
                 "default": {
                     "description": "A refusal with a stable code (also in the Tether-Error header)",
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},

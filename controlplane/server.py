@@ -60,6 +60,7 @@ class Route:
     summary: str
     auth: str  # "none" | "admin" | "sidecar" | "admin-or-ancestor"
     tag: str = "control"
+    produces: str = "application/json"
 
 
 @dataclass
@@ -297,8 +298,9 @@ class ControlPlane:
         )
 
     # -- route table ------------------------------------------------------------------------------------
-    def route(self, method: str, path: str, handler: Handler, summary: str, auth: str, tag: str = "control") -> None:
-        self.routes.append(Route(method, path, handler, summary, auth, tag))
+    def route(self, method: str, path: str, handler: Handler, summary: str, auth: str, tag: str = "control",
+              produces: str = "application/json") -> None:
+        self.routes.append(Route(method, path, handler, summary, auth, tag, produces))
 
     def _add_core_routes(self) -> None:
         r = self.route
@@ -351,9 +353,10 @@ class ControlPlane:
             "GET",
             "/v1/events/stream",
             self.h_events_stream,
-            "The same events on one long-lived response (JSON lines, resumable with after=SEQ)",
+            "The same events on one long-lived response: JSON lines, each a long-poll answer; resume with after=SEQ",
             "sidecar",
             "sidecar",
+            produces="application/x-ndjson",
         )
         r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar's lease", "sidecar", "sidecar")
         r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar", "sidecar")
