@@ -378,6 +378,13 @@ def wait_streaming(workers: list[Worker], total: int, timeout: float = 180) -> N
     time.sleep(1.0)  # quiet before the round
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def cpu_ms(pids: list[int]) -> float:
     """User + system CPU time the processes have used so far (from /proc), in ms."""
     total = 0
@@ -505,10 +512,15 @@ def propagation(directory: Path, a: ControlPlaneProcess, b: ControlPlaneProcess,
         followers[w].append(replica)
     workers = []
     try:
+        assert a.proc is not None and b.proc is not None
+        rss_before = rss_mib(a.proc.pid) + rss_mib(b.proc.pid)
         start_workers(per_worker, a, directory, workers, light=light)
         connecting = time.monotonic()
         wait_streaming(workers, len(fleet))
-        print(f"  {len(fleet)} streams open in {time.monotonic() - connecting:.1f}s", flush=True)
+        rss_after = rss_mib(a.proc.pid) + rss_mib(b.proc.pid)
+        print(f"  {len(fleet)} streams open in {time.monotonic() - connecting:.1f}s; the two replicas' RSS "
+              f"{rss_before:.0f} -> {rss_after:.0f} MiB ({(rss_after - rss_before) * 1024 / len(fleet):.1f} KiB "
+              "per stream)", flush=True)
         jtis = [link.jti for link in parse_chain_unverified(fleet[0].wire)[:rounds]][::-1]
         runs = []
         for i, jti in enumerate(jtis):
@@ -619,6 +631,30 @@ async def ingest_http(url: str, senders: list[Holder], batches: int, batch: int)
     return accepted / wall, accepted
 
 
+async def heartbeats_http(url: str, senders: list[Holder], per_sender: int) -> float:
+    """Every sender renews its lease ``per_sender`` times, as a sidecar does; returns heartbeats per second."""
+    body = json.dumps({"state": "serving", "inflight": [], "seq": 0, "pid": 1, "spooled": 0}).encode()
+    path = "/v1/sidecars/heartbeat"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(senders))) as session:
+
+        async def beat(s: Holder) -> None:
+            proof = make_proof(s.key, agent=s.agent, method="POST", path=path, body=body, now=time.time(),
+                               link=s.leaf.hash, run=f"run-{s.agent}")
+            async with session.post(url + path, data=body, headers={"Content-Type": "application/json",
+                                                                     "Tether-Proof": proof}) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"heartbeat: HTTP {resp.status}: {await resp.text()}")
+
+        async def sender(s: Holder) -> None:
+            for _ in range(per_sender):
+                await beat(s)
+
+        await asyncio.gather(*(beat(s) for s in senders))  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(sender(s) for s in senders))
+        return len(senders) * per_sender / (time.perf_counter() - start)
+
+
 async def ingest_direct(store_url: str, senders: int, batches: int, batch: int) -> tuple[float, int]:
     from controlplane.store import open_store_url
 
@@ -657,7 +693,11 @@ def ingest(directory: Path, redis_cp: ControlPlaneProcess, redis_url: str, n_sen
             rows.append((label, f"POST /v1/reports, {n_senders} senders, batches of {batch}", rate, n))
             rate, n = asyncio.run(ingest_direct(store_url, n_senders, batches, batch))
             rows.append((label, f"store.put_reports in-process, {n_senders} concurrent, batches of {batch}", rate, n))
-            print(f"  {label}: {rows[-2][2]:,.0f} reports/s over HTTP, {rows[-1][2]:,.0f} reports/s direct", flush=True)
+            beats = asyncio.run(heartbeats_http(cp.url, senders, batches * 4))
+            rows.append((label, f"POST /v1/sidecars/heartbeat, {n_senders} senders (heartbeats/s)", beats,
+                         n_senders * batches * 4))
+            print(f"  {label}: {rows[-3][2]:,.0f} reports/s over HTTP, {rows[-2][2]:,.0f} reports/s direct, "
+                  f"{beats:,.0f} heartbeats/s", flush=True)
     finally:
         sqlite_cp.stop()
     return rows
@@ -669,7 +709,8 @@ def print_ingest(rows: list[tuple[str, str, float, int]]) -> None:
     print("|---|---|---:|---:|---:|")
     direct = {store: rate for store, path, rate, _ in rows if "in-process" in path}
     for store, path, rate, n in rows:
-        share = f"{rate / direct[store]:.0%}" if "POST" in path else "(baseline)"
+        share = (f"{rate / direct[store]:.0%}" if "/v1/reports" in path
+                 else "(baseline)" if "in-process" in path else "-")
         print(f"| {store} | {path} | {n:,} | {rate:,.0f} | {share} |")
 
 
