@@ -677,7 +677,7 @@ async def ingest_direct(store_url: str, senders: int, batches: int, batch: int) 
 
 
 def ingest(directory: Path, redis_cp: ControlPlaneProcess, redis_url: str, n_senders: int, batches: int,
-           batch: int) -> list[tuple[str, str, float, int]]:
+           batch: int, redis_pid: int) -> list[tuple[str, str, float, int]]:
     rows: list[tuple[str, str, float, int]] = []
     sqlite_cp = ControlPlaneProcess(directory / "cp-sqlite")
     sqlite_cp.directory.mkdir(parents=True)
@@ -689,8 +689,14 @@ def ingest(directory: Path, redis_cp: ControlPlaneProcess, redis_url: str, n_sen
                                      ("Redis", redis_cp, redis_url)):
             senders = [Holder(h.agent, h.wire, h.key) for h in
                        (mint_tree(cp, f"ingest-{label.lower()}-{s}", 1, 1)[0] for s in range(n_senders))]
+            assert cp.proc is not None
+            asyncio.run(register_all(senders, cp.url, concurrency=len(senders)))
+            before = cpu_ms([cp.proc.pid]), cpu_ms([redis_pid])
             rate, n = asyncio.run(ingest_http(cp.url, senders, batches, batch))
+            used = cpu_ms([cp.proc.pid]) - before[0], cpu_ms([redis_pid]) - before[1]
             rows.append((label, f"POST /v1/reports, {n_senders} senders, batches of {batch}", rate, n))
+            print(f"  {label}: CPU per report: replica {used[0] * 1000 / n:.1f} us, redis-server "
+                  f"{used[1] * 1000 / n:.1f} us (the whole POST phase, warm-up included)", flush=True)
             rate, n = asyncio.run(ingest_direct(store_url, n_senders, batches, batch))
             rows.append((label, f"store.put_reports in-process, {n_senders} concurrent, batches of {batch}", rate, n))
             beats = asyncio.run(heartbeats_http(cp.url, senders, batches * 4))
@@ -774,7 +780,7 @@ def main() -> None:
         rows = []
         if args.batches:
             print("(c) report ingest", flush=True)
-            rows = ingest(directory, a, redis.url(1), args.senders, args.batches, 200)
+            rows = ingest(directory, a, redis.url(1), args.senders, args.batches, 200, redis.proc.pid)
         print_propagation(results)
         if rows:
             print_ingest(rows)
