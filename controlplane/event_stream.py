@@ -18,8 +18,15 @@ unchanged, with no second framing to parse.
 
 Resumption: the client reconnects with ``after=SEQ`` (the ``next`` of the last line it read). What lies
 between ``SEQ`` and the follower's position is read from the store for that client alone; from then on it
-is served from the shared fan-out. A client that reads too slowly to keep ``MAX_PENDING`` lines buffered
-is disconnected and resumes the same way, so one stuck sidecar never holds the others' memory.
+is served from the shared fan-out. A client that reads too slowly (more than ``MAX_BUFFER`` bytes waiting
+in its socket's buffer) is disconnected and resumes the same way, so one stuck sidecar never holds the
+others' memory.
+
+Once a stream's opening line is out, the fan-out writes to its socket directly: the event's line is
+framed as an HTTP/1.1 chunk once, and that one buffer is handed to each subscriber's transport, with no
+task switch and no coroutine per subscriber (the handler only waits for the end, and writes keepalives).
+The first write goes through aiohttp (which sends the headers with it), so the bytes on the wire are
+always: headers, then whole chunks, then aiohttp's closing chunk when the handler returns.
 """
 
 from __future__ import annotations
@@ -36,13 +43,19 @@ from .store import Event, Store, StoreUnavailable
 log = logging.getLogger("tether.controlplane.events")
 
 KEEPALIVE_S = 10.0
-MAX_PENDING = 1_000
+MAX_PENDING = 1_000  # lines queued while a stream's opening is being written
+MAX_BUFFER = 1 << 20  # bytes waiting in a subscriber's socket buffer before it is cut loose
 READ_BATCH = 500
 RETRY_S = 0.5
 
 
 def encode(doc: object) -> bytes:
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+
+
+def chunk(line: bytes) -> bytes:
+    """One HTTP/1.1 chunk (the response is chunked, as aiohttp frames a response of unknown length)."""
+    return b"%x\r\n%b\r\n" % (len(line), line)
 
 
 def visible(event: Event, link_hash: str, chain_jtis: frozenset[str] | set[str]) -> bool:
@@ -55,20 +68,40 @@ def visible(event: Event, link_hash: str, chain_jtis: frozenset[str] | set[str])
 
 @dataclass(eq=False)
 class Subscriber:
-    """One open stream: what its sidecar may see, and the encoded lines waiting to be written to it."""
+    """One open stream: what its sidecar may see, and where its events go: queued (``pending``, as encoded
+    lines) until its opening line is written, then straight to its socket (``transport``)."""
 
     link_hash: str
     jtis: frozenset[str]
     pending: list[tuple[int, bytes]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     closed: str | None = None  # why the stream must end (overflow, shutdown, the follower lost its place)
+    transport: asyncio.Transport | None = None
+    sent: int = 0  # the last sequence number written to the socket
 
-    def push(self, seq: int, line: bytes) -> None:
-        if len(self.pending) >= MAX_PENDING:
-            self.close("overflow")
+    def push(self, seq: int, line: bytes, framed: bytes) -> None:
+        transport = self.transport
+        if transport is None:
+            if len(self.pending) >= MAX_PENDING:
+                self.close("overflow")
+            else:
+                self.pending.append((seq, line))
+                self.wake.set()
             return
-        self.pending.append((seq, line))
-        self.wake.set()
+        if seq <= self.sent:
+            return
+        if transport.is_closing():
+            self.close("gone")
+        elif transport.get_write_buffer_size() > MAX_BUFFER:
+            self.close("overflow")
+        else:
+            transport.write(framed)
+            self.sent = seq
+
+    def attach(self, transport: asyncio.Transport, sent: int) -> None:
+        """From now on events go to the socket directly (called once ``pending`` is written and empty)."""
+        self.sent = sent
+        self.transport = transport
 
     def close(self, why: str) -> None:
         if self.closed is None:
@@ -131,8 +164,9 @@ class EventHub:
         if not subs:
             return
         line = encode({"events": [event.to_dict()], "next": event.seq})  # once, for every subscriber
-        for sub in subs:
-            sub.push(event.seq, line)
+        framed = chunk(line)
+        for sub in list(subs):  # a subscriber cut loose here leaves the index when its handler returns
+            sub.push(event.seq, line, framed)
         self._count("tether_events_delivered_total", len(subs))
 
     async def _follow(self) -> None:

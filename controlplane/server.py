@@ -659,23 +659,23 @@ class ControlPlane:
             await response.prepare(request)
             self.metrics.inc("tether_event_streams_opened_total")
             try:
-                await response.write(encode(opening))
-                while sub.closed is None:
-                    try:
-                        await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
-                        idle = False
-                    except TimeoutError:
-                        idle = True
-                    sub.wake.clear()
+                await response.write(encode(opening))  # with the headers: from here on, whole chunks only
+                while sub.pending:  # what arrived while the opening was read and written
                     lines = [line for seq, line in sub.pending if seq > sent]
-                    if sub.pending:
-                        sent = max(sent, sub.pending[-1][0])
-                        sub.pending.clear()
-                    if idle:  # also moves the client's cursor past events it does not see
-                        sent = max(sent, self.events.position)
-                        lines.append(encode({"events": [], "next": sent}))
+                    sent = max(sent, sub.pending[-1][0])
+                    sub.pending.clear()
                     if lines:
                         await response.write(b"".join(lines))
+                if request.transport is None:
+                    return response
+                sub.attach(request.transport, sent)  # the fan-out writes to the socket directly from now on
+                while sub.closed is None:
+                    sub.wake.clear()
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
+                    except TimeoutError:  # also moves the client's cursor past events it does not see
+                        sub.sent = max(sub.sent, self.events.position)
+                        await response.write(encode({"events": [], "next": sub.sent}))
             except (ConnectionError, OSError):
                 pass  # the sidecar went away; it resumes from its last sequence number
             return response
