@@ -248,13 +248,13 @@ class ControlPlane:
                     break
 
     async def _owner_from_history(self, agent: str) -> Doc | None:
-        """The owner of an id registered before ownership was recorded: the issuer of its first link."""
-        graph = await self.graph()
-        earliest = sorted(graph.links_of(agent), key=lambda d: (d.get("registered_at", 0), d["hash"]))
+        """The owner of an id registered before ownership was recorded: the issuer of its first link (found
+        by the store's index on the subject: registering a new agent id must not load every link)."""
+        earliest = sorted(await self.store.links_held_by(agent), key=lambda d: (d.get("registered_at", 0), d["hash"]))
         if not earliest:
             return None
         first = earliest[0]
-        parent = graph.by_hash.get(first.get("prf") or "")
+        parent = await self.store.get_link(first["prf"]) if first.get("prf") else None
         return {"agent": agent, "owner": runs.owner_key(parent["sub"] if parent else None), "link": first["hash"]}
 
     async def revoke_link(self, link: Doc, by: str, reason: str, termination_id: str | None = None) -> Doc:

@@ -139,6 +139,16 @@ async def test_descendants_are_the_subtree_by_prf_at_any_depth(backend: Backend)
     assert {d["hash"]: d for d in await b.descendants("h3")} == {"h5": child(5, 3)}
 
 
+async def test_links_held_by_an_agent_in_registration_order(backend: Backend) -> None:
+    a, b = await backend.replica(), await backend.replica()
+    await a.put_links([link(1, sub="x"), link(2, sub="y")])
+    await b.put_links([link(3, sub="x"), link(1, sub="x")])  # h1 again: not a second entry
+    for store in (a, b):
+        assert [d["hash"] for d in await store.links_held_by("x")] == ["h1", "h3"]
+        assert await store.links_held_by("y") == [link(2, sub="y")]
+        assert await store.links_held_by("nobody") == []
+
+
 async def test_redis_descendants_index_covers_links_stored_before_it_existed(redis_server: RedisServer) -> None:
     """A deployment upgraded in place: links written without the per-parent sets are indexed on first use."""
     redis_server.flush()
@@ -146,10 +156,11 @@ async def test_redis_descendants_index_covers_links_stored_before_it_existed(red
     try:
         await store.put_links([link(1), child(2, 1), child(3, 2)])
         await store.r.delete(store._key("links", "children", "h1"), store._key("links", "children", "h2"),
-                             store._key("links", "children-indexed"))
+                             store._key("links", "sub", "agent-2"), store._key("links", "indexed"))
         fresh = await _opened(redis_server.url(0))
         try:
             assert sorted(d["hash"] for d in await fresh.descendants("h1")) == ["h2", "h3"]
+            assert [d["hash"] for d in await fresh.links_held_by("agent-2")] == ["h2"]
         finally:
             await fresh.close()
     finally:

@@ -59,6 +59,10 @@ class Store(abc.ABC):
     async def all_links(self) -> list[Doc]: ...
 
     @abc.abstractmethod
+    async def links_held_by(self, agent: str) -> list[Doc]:
+        """The links whose subject is ``agent``, in registration order (an index on ``sub``)."""
+
+    @abc.abstractmethod
     async def descendants(self, link_hash: str) -> list[Doc]:
         """Every link registered below ``link_hash`` (children by ``prf``, at any depth; not the link itself).
         Served from an index on ``prf``: its cost grows with the subtree, never with the whole graph."""

@@ -73,8 +73,8 @@ def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable
 
 
 # KEYS: links, jti index, insertion order, then per link the set of its parent's children (the descendants
-# index). ARGV: (hash, jti, doc) per link. A link whose hash or jti is already known is left as it was.
-# Returns how many were new.
+# index) and the list of its subject's links. ARGV: (hash, jti, doc) per link. A link whose hash or jti is
+# already known is left as it was. Returns how many were new.
 _PUT_LINKS = """
 local new = 0
 for i = 1, #ARGV, 3 do
@@ -83,7 +83,8 @@ for i = 1, #ARGV, 3 do
     redis.call('HSET', KEYS[1], h, ARGV[i + 2])
     redis.call('HSET', KEYS[2], jti, h)
     redis.call('RPUSH', KEYS[3], h)
-    redis.call('SADD', KEYS[3 + (i + 2) / 3], h)
+    redis.call('SADD', KEYS[2 + (i + 2) / 3 * 2], h)
+    redis.call('RPUSH', KEYS[3 + (i + 2) / 3 * 2], h)
     new = new + 1
   end
 end
@@ -165,7 +166,7 @@ class RedisStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._scripts: dict[str, Any] = {}
-        self._children_indexed = False
+        self._links_indexed = False
 
     def _key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -229,36 +230,43 @@ class RedisStore(Store):
     async def put_links(self, links: list[Doc]) -> int:
         if not links:
             return 0
-        await self._index_children()
+        await self._index_links()
         args: list[str] = []
         keys = [self._key("links"), self._key("links", "jti"), self._key("links", "order")]
         for link in links:
             args += [link["hash"], link["jti"], _dump(link)]
-            keys.append(self._children_key(link.get("prf")))
+            keys += [self._children_key(link.get("prf")), self._key("links", "sub", link["sub"])]
         return await self._run("put_links", keys, args)
 
     def _children_key(self, parent: str | None) -> str:
         """One set per parent link holding its children's hashes (roots share one set)."""
         return self._key("links", "children", parent) if parent else self._key("links", "roots")
 
-    async def _index_children(self) -> None:
-        """Links registered before the descendants index existed are indexed once, by whichever replica gets
-        here first (SADD is idempotent, so two replicas doing it at once agree)."""
-        if self._children_indexed:
+    async def _index_links(self) -> None:
+        """Links registered before the indexes by parent and by subject existed are indexed once, by the
+        replica that takes the job (a marker set with NX). A link another replica registers meanwhile may be
+        listed twice under its subject: readers drop repeats."""
+        if self._links_indexed:
             return
-        marker = self._key("links", "children-indexed")
-        if not await self.r.exists(marker):
+        marker = self._key("links", "indexed")
+        if await self.r.set(marker, "1", nx=True):
             links = await self._hmget(self._key("links"), await self.r.lrange(self._key("links", "order"), 0, -1))
             async with self.r.pipeline(transaction=False) as pipe:
                 for link in links:
                     pipe.sadd(self._children_key(link.get("prf")), link["hash"])
-                pipe.set(marker, "1")
+                    pipe.rpush(self._key("links", "sub", link["sub"]), link["hash"])
                 await pipe.execute()
-        self._children_indexed = True
+        self._links_indexed = True
+
+    @_guarded
+    async def links_held_by(self, agent: str) -> list[Doc]:
+        await self._index_links()
+        hashes = await self.r.lrange(self._key("links", "sub", agent), 0, -1)
+        return await self._hmget(self._key("links"), list(dict.fromkeys(hashes)))
 
     @_guarded
     async def descendants(self, link_hash: str) -> list[Doc]:
-        await self._index_children()
+        await self._index_links()
         found: list[str] = []
         seen = {link_hash}
         frontier = [link_hash]

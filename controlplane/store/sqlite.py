@@ -137,6 +137,10 @@ class SqliteStore(Store):
     async def all_links(self) -> list[Doc]:
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links ORDER BY rowid")]
 
+    async def links_held_by(self, agent: str) -> list[Doc]:
+        return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links WHERE sub = ? ORDER BY rowid",
+                                                          (agent,))]
+
     async def descendants(self, link_hash: str) -> list[Doc]:
         rows = self.db.execute(
             "WITH RECURSIVE below(hash) AS (SELECT hash FROM links WHERE prf = ? "
