@@ -542,7 +542,7 @@ class ControlPlane:
         # The revocation goes out first; who it cut off is read afterwards from the descendants index, at
         # a cost that grows with the subtree, never with the whole graph.
         doc = await self.revoke_link(link, by, reason)
-        below = sorted({d["sub"] for d in await self.store.descendants(link["hash"])})
+        below = sorted(set((await self.store.descendants(link["hash"])).values()))
         return web.json_response({**doc, "agents_cut_off": [link["sub"], *below]})
 
     async def h_revoke_agent(self, request: web.Request) -> web.Response:

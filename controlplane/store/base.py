@@ -63,9 +63,10 @@ class Store(abc.ABC):
         """The links whose subject is ``agent``, in registration order (an index on ``sub``)."""
 
     @abc.abstractmethod
-    async def descendants(self, link_hash: str) -> list[Doc]:
-        """Every link registered below ``link_hash`` (children by ``prf``, at any depth; not the link itself).
-        Served from an index on ``prf``: its cost grows with the subtree, never with the whole graph."""
+    async def descendants(self, link_hash: str) -> dict[str, str]:
+        """Every link registered below ``link_hash`` (children by ``prf``, at any depth; not the link itself),
+        as link hash -> agent id: who a revocation cuts off. Served from an index on ``prf`` that holds the
+        agent too, so its cost grows with the subtree, never with the graph, and no link document is read."""
 
     # -- revocations --------------------------------------------------------------------------------
     @abc.abstractmethod

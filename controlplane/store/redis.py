@@ -72,19 +72,19 @@ def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable
     return wrapper
 
 
-# KEYS: links, jti index, insertion order, then per link the set of its parent's children (the descendants
-# index) and the list of its subject's links. ARGV: (hash, jti, doc) per link. A link whose hash or jti is
-# already known is left as it was. Returns how many were new.
+# KEYS: links, jti index, insertion order, then per link its parent's children (the descendants index: a
+# hash of child link -> agent) and the list of its subject's links. ARGV: (hash, jti, doc, agent) per link.
+# A link whose hash or jti is already known is left as it was. Returns how many were new.
 _PUT_LINKS = """
 local new = 0
-for i = 1, #ARGV, 3 do
+for i = 1, #ARGV, 4 do
   local h, jti = ARGV[i], ARGV[i + 1]
   if redis.call('HEXISTS', KEYS[1], h) == 0 and redis.call('HEXISTS', KEYS[2], jti) == 0 then
     redis.call('HSET', KEYS[1], h, ARGV[i + 2])
     redis.call('HSET', KEYS[2], jti, h)
     redis.call('RPUSH', KEYS[3], h)
-    redis.call('SADD', KEYS[2 + (i + 2) / 3 * 2], h)
-    redis.call('RPUSH', KEYS[3 + (i + 2) / 3 * 2], h)
+    redis.call('HSET', KEYS[2 + (i + 3) / 4 * 2], h, ARGV[i + 3])
+    redis.call('RPUSH', KEYS[3 + (i + 3) / 4 * 2], h)
     new = new + 1
   end
 end
@@ -234,12 +234,12 @@ class RedisStore(Store):
         args: list[str] = []
         keys = [self._key("links"), self._key("links", "jti"), self._key("links", "order")]
         for link in links:
-            args += [link["hash"], link["jti"], _dump(link)]
+            args += [link["hash"], link["jti"], _dump(link), link["sub"]]
             keys += [self._children_key(link.get("prf")), self._key("links", "sub", link["sub"])]
         return await self._run("put_links", keys, args)
 
     def _children_key(self, parent: str | None) -> str:
-        """One set per parent link holding its children's hashes (roots share one set)."""
+        """One hash per parent link: its children's link hashes -> their agents (roots share one)."""
         return self._key("links", "children", parent) if parent else self._key("links", "roots")
 
     async def _index_links(self) -> None:
@@ -253,7 +253,7 @@ class RedisStore(Store):
             links = await self._hmget(self._key("links"), await self.r.lrange(self._key("links", "order"), 0, -1))
             async with self.r.pipeline(transaction=False) as pipe:
                 for link in links:
-                    pipe.sadd(self._children_key(link.get("prf")), link["hash"])
+                    pipe.hset(self._children_key(link.get("prf")), link["hash"], link["sub"])
                     pipe.rpush(self._key("links", "sub", link["sub"]), link["hash"])
                 await pipe.execute()
         self._links_indexed = True
@@ -265,20 +265,20 @@ class RedisStore(Store):
         return await self._hmget(self._key("links"), list(dict.fromkeys(hashes)))
 
     @_guarded
-    async def descendants(self, link_hash: str) -> list[Doc]:
+    async def descendants(self, link_hash: str) -> dict[str, str]:
         await self._index_links()
-        found: list[str] = []
-        seen = {link_hash}
+        found: dict[str, str] = {}
         frontier = [link_hash]
         while frontier:  # one round trip per level of the subtree
             async with self.r.pipeline(transaction=False) as pipe:
                 for parent in frontier:
-                    pipe.smembers(self._children_key(parent))
+                    pipe.hgetall(self._children_key(parent))
                 levels = await pipe.execute()
-            frontier = sorted({h for members in levels for h in members} - seen)
-            seen.update(frontier)
-            found += frontier
-        return await self._hmget(self._key("links"), found)
+            below = {h: sub for children in levels for h, sub in children.items() if h not in found}
+            below.pop(link_hash, None)
+            found.update(below)
+            frontier = sorted(below)
+        return found
 
     @_guarded
     async def get_link(self, link_hash: str) -> Doc | None:

@@ -141,14 +141,14 @@ class SqliteStore(Store):
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links WHERE sub = ? ORDER BY rowid",
                                                           (agent,))]
 
-    async def descendants(self, link_hash: str) -> list[Doc]:
+    async def descendants(self, link_hash: str) -> dict[str, str]:
         rows = self.db.execute(
             "WITH RECURSIVE below(hash) AS (SELECT hash FROM links WHERE prf = ? "
             "UNION SELECT links.hash FROM links JOIN below ON links.prf = below.hash) "
-            "SELECT links.doc FROM links JOIN below ON links.hash = below.hash ORDER BY links.rowid",
+            "SELECT links.hash, links.sub FROM links JOIN below ON links.hash = below.hash ORDER BY links.rowid",
             (link_hash,),
         )
-        return [json.loads(r[0]) for r in rows]
+        return {h: sub for h, sub in rows}
 
     # -- revocations -----------------------------------------------------------------------------------
     async def revoke(self, jti: str, doc: Doc) -> bool:
