@@ -228,9 +228,9 @@ def worker_main() -> None:
                 await asyncio.sleep(0.1)
 
         tasks: list[asyncio.Task[None]] = []
-        for start in range(0, len(subs), 250):  # connect in slices, not as one SYN flood
-            tasks += [asyncio.create_task(follow(sub)) for sub in subs[start:start + 250]]
-            await asyncio.sleep(0.05)
+        for start in range(0, len(subs), 100):  # connect in slices, not as one SYN flood
+            tasks += [asyncio.create_task(follow(sub)) for sub in subs[start:start + 100]]
+            await asyncio.sleep(0.1)
         pubsub_times: dict[str, list[float]] = {}
         pubsub_tasks: list[asyncio.Task[None]] = []
         pubsub_clients: list[Any] = []
@@ -699,9 +699,13 @@ def ingest(directory: Path, redis_cp: ControlPlaneProcess, redis_url: str, n_sen
                   f"{used[1] * 1000 / n:.1f} us (the whole POST phase, warm-up included)", flush=True)
             rate, n = asyncio.run(ingest_direct(store_url, n_senders, batches, batch))
             rows.append((label, f"store.put_reports in-process, {n_senders} concurrent, batches of {batch}", rate, n))
+            before = cpu_ms([cp.proc.pid]), cpu_ms([redis_pid])
             beats = asyncio.run(heartbeats_http(cp.url, senders, batches * 4))
+            used = cpu_ms([cp.proc.pid]) - before[0], cpu_ms([redis_pid]) - before[1]
             rows.append((label, f"POST /v1/sidecars/heartbeat, {n_senders} senders (heartbeats/s)", beats,
                          n_senders * batches * 4))
+            print(f"  {label}: CPU per heartbeat: replica {used[0] * 1000 / (n_senders * batches * 4):.0f} us, "
+                  f"redis-server {used[1] * 1000 / (n_senders * batches * 4):.0f} us", flush=True)
             print(f"  {label}: {rows[-3][2]:,.0f} reports/s over HTTP, {rows[-2][2]:,.0f} reports/s direct, "
                   f"{beats:,.0f} heartbeats/s", flush=True)
     finally:

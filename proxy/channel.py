@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -123,4 +124,5 @@ def _refusal(status: int, doc: Any) -> ApiError:
 
 
 async def sleep_backoff(attempt: int, cap: float = 2.0) -> None:
-    await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)))
+    """Exponential, with jitter: a fleet that lost its replica at once must not come back at once."""
+    await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)) * random.uniform(0.5, 1.0))
