@@ -228,8 +228,8 @@ def worker_main() -> None:
                 await asyncio.sleep(0.1)
 
         tasks: list[asyncio.Task[None]] = []
-        for start in range(0, len(subs), 100):  # connect in slices, not as one SYN flood
-            tasks += [asyncio.create_task(follow(sub)) for sub in subs[start:start + 100]]
+        for start in range(0, len(subs), 50):  # connect in slices, as a fleet starting up would, not at once
+            tasks += [asyncio.create_task(follow(sub)) for sub in subs[start:start + 50]]
             await asyncio.sleep(0.1)
         pubsub_times: dict[str, list[float]] = {}
         pubsub_tasks: list[asyncio.Task[None]] = []
@@ -516,7 +516,7 @@ def propagation(directory: Path, a: ControlPlaneProcess, b: ControlPlaneProcess,
         rss_before = rss_mib(a.proc.pid) + rss_mib(b.proc.pid)
         start_workers(per_worker, a, directory, workers, light=light)
         connecting = time.monotonic()
-        wait_streaming(workers, len(fleet))
+        wait_streaming(workers, len(fleet), timeout=600)
         rss_after = rss_mib(a.proc.pid) + rss_mib(b.proc.pid)
         print(f"  {len(fleet)} streams open in {time.monotonic() - connecting:.1f}s; the two replicas' RSS "
               f"{rss_before:.0f} -> {rss_after:.0f} MiB ({(rss_after - rss_before) * 1024 / len(fleet):.1f} KiB "
