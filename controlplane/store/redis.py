@@ -419,10 +419,13 @@ class RedisStore(Store):
             keys.append(self._key("reports", "agent", report["agent"]))
             args += [report["call_id"], _dump(report)]
         new = await self._run("put_reports", keys, args)
+        by_agent: dict[str, list[str]] = {}
+        for report in reports:
+            by_agent.setdefault(report["agent"], []).append(report["call_id"])
         async with self.r.pipeline(transaction=False) as pipe:  # the calls' starts are moot now
             pipe.hdel(self._key("starts"), *[r["call_id"] for r in reports])
-            for report in reports:
-                pipe.srem(self._key("starts", "agent", report["agent"]), report["call_id"])
+            for agent, call_ids in by_agent.items():  # one command per agent, not one per report
+                pipe.srem(self._key("starts", "agent", agent), *call_ids)
             await pipe.execute()
         return new, len(reports) - new
 
