@@ -73,6 +73,11 @@ class Authenticator:
         self.clock = clock
         self.replays = ReplayCache()
         self.sessions: SessionTable | None = None  # set when the console is installed
+        # Registered links never change (a link is named by the hash of its content, and registering it
+        # again leaves it as it was), so each replica keeps the ones its sidecars sign with: one store round
+        # trip less on every heartbeat, report batch and stream connect.
+        self._links: OrderedDict[str, Doc] = OrderedDict()
+        self.max_links = 100_000
 
     def is_admin(self, request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")
@@ -124,9 +129,15 @@ class Authenticator:
         proof = self.proof_of(request)
         if proof is None or not proof.link:
             raise ApiError(401, UNAUTHORIZED, f"sign the request with your chain's key ({PROOF_HEADER} header)")
-        link = await self.store.get_link(proof.link)
+        link = self._links.get(proof.link)
         if link is None:
-            raise ApiError(401, UNAUTHORIZED, "the link named by the proof is not registered; register the chain first")
+            link = await self.store.get_link(proof.link)
+            if link is None:
+                raise ApiError(401, UNAUTHORIZED,
+                               "the link named by the proof is not registered; register the chain first")
+            self._links[proof.link] = link
+            if len(self._links) > self.max_links:
+                self._links.popitem(last=False)
         if link["sub"] != proof.agent:
             raise ApiError(401, UNAUTHORIZED, "the proof's subject does not hold the link it names")
         await self.check(request, proof, link["claims"]["cnf"]["jwk"], body)

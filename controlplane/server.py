@@ -44,6 +44,7 @@ from .capability.errors import (
     ChainError,
     TetherError,
 )
+from .event_stream import KEEPALIVE_S, EventHub, encode, visible
 from .graph import Graph, surface
 from .metrics import Metrics, gauge, revocations_acknowledged
 from .schemas import MAX_REASON, MAX_TTL_S, Schema
@@ -146,6 +147,7 @@ class ControlPlane:
         self.metrics = Metrics(catalog.names())
         self._event_signal = asyncio.Event()
         self._event_reads: dict[int, asyncio.Future[list[Event]]] = {}
+        self.events = EventHub(store, lambda: self._event_signal, self.wait_event, self.metrics.inc)
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = []
         self._add_core_routes()
@@ -331,6 +333,9 @@ class ControlPlane:
           "sidecar", ok=sc.EVENTS, query=(
               ("after", sc.INT, "the last sequence number seen (-1 or absent: a full resync)"),
               ("wait", sc.NUM, "seconds to wait for an event (at most 30)")))
+        r("GET", "/v1/events/stream", self.h_events_stream, "The same events on one long-lived response: JSON lines, "
+          "each a long-poll answer; resume with after=SEQ", "sidecar", "sidecar", content="application/x-ndjson",
+          ok={"type": "string"}, query=(("after", sc.INT, "the last sequence number seen (-1 or absent: a resync)"),))
         r("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar run's lease", "sidecar", "sidecar",
           body=sc.HEARTBEAT_REQUEST, ok=sc.LEASE)
         r("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", "sidecar",
@@ -355,6 +360,7 @@ class ControlPlane:
         for route in self.routes:
             app.router.add_route(route.method, route.path, route.handler)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         app["controlplane"] = self
         return app
@@ -366,6 +372,9 @@ class ControlPlane:
         except (StoreUnavailable, ConnectionError, OSError) as exc:  # the API answers 503 until the store is back
             log.warning("could not record agent-id owners at start-up: %s", exc)
         self._tasks = [asyncio.create_task(job()) for job in self.background]
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        await self.events.close()  # open streams end, so the server's wait for its handlers does not hang
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for task in getattr(self, "_tasks", []):
@@ -411,6 +420,8 @@ class ControlPlane:
                                [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
             active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
             lines += gauge("tether_terminations_in_flight", "Terminations not yet terminated.", [("", active)])
+            lines += gauge("tether_event_streams_open", "Sidecars following the event stream on this replica.",
+                           [("", self.events.open_streams)])
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
         except (StoreUnavailable, ConnectionError, OSError):
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])
@@ -511,10 +522,10 @@ class ControlPlane:
         if link is None:
             raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti}")
         by = self.ancestor_of(caller, link)
-        # Who is cut off is worked out before the revocation goes out, so this replica's CPU is free for
-        # the fan-out that follows it.
-        below = sorted({d["sub"] for d in (await self.graph()).descendants(link["hash"])})
+        # The revocation goes out first; who it cut off is read afterwards from the descendants index, at
+        # a cost that grows with the subtree, never with the whole graph.
         doc = await self.revoke_link(link, by, reason)
+        below = sorted(set((await self.store.descendants(link["hash"])).values()))
         return web.json_response({**doc, "agents_cut_off": [link["sub"], *below]})
 
     async def h_revoke_agent(self, request: web.Request) -> web.Response:
@@ -585,15 +596,67 @@ class ControlPlane:
         while True:
             signal = self._event_signal  # taken before reading, so a publish meanwhile still wakes us
             events = await self.events_after(after)
-            visible = [e.to_dict() for e in events
-                       if _visible(e.kind, e.target, e.payload, caller.link_hash, chain_jtis)]
+            seen = [e.to_dict() for e in events if visible(e, caller.link_hash, chain_jtis)]
             if events:
                 after = events[-1].seq
             remaining = deadline - self.clock()
-            if visible or remaining <= 0 or len(events) == 500:
-                self.metrics.inc("tether_events_delivered_total", len(visible))
-                return web.json_response({"events": visible, "next": after})
+            if seen or remaining <= 0 or len(events) == 500:
+                self.metrics.inc("tether_events_delivered_total", len(seen))
+                return web.json_response({"events": seen, "next": after})
             await self.wait_event(after, remaining, signal)
+
+    async def h_events_stream(self, request: web.Request) -> web.StreamResponse:
+        """The long poll's documents, one per line, on one response that stays open (see event_stream.py).
+        The subscriber is registered before anything is read, so no event falls between the catch-up read
+        from the store and the shared fan-out that follows it."""
+        caller = await self.auth.sidecar(request, await raw_body(request))
+        after = query_int(request, "after", -1)
+        jtis = frozenset(_chain_jtis(caller.link))
+        sub = await self.events.subscribe(caller.link_hash, jtis)
+        try:
+            position = self.events.position
+            low, high = await self.store.event_bounds()
+            if after < 0 or after < low - 1 or after > high:
+                opening, sent = await self._resync(caller.link_hash, set(jtis), high), high
+            else:
+                caught: list[Doc] = []
+                sent = after
+                while sent < position:  # what this client missed, read for it alone
+                    events = [e for e in await self.store.events_after(sent, 500) if e.seq <= position]
+                    if not events:
+                        break
+                    caught += [e.to_dict() for e in events if visible(e, caller.link_hash, jtis)]
+                    sent = events[-1].seq
+                sent = max(sent, position, after)
+                opening = {"events": caught, "next": sent}
+                self.metrics.inc("tether_events_delivered_total", len(caught))
+            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+                                                   "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            self.metrics.inc("tether_event_streams_opened_total")
+            try:
+                await response.write(encode(opening))  # with the headers: from here on, whole chunks only
+                while sub.pending:  # what arrived while the opening was read and written
+                    lines = [line for seq, line in sub.pending if seq > sent]
+                    sent = max(sent, sub.pending[-1][0])
+                    sub.pending.clear()
+                    if lines:
+                        await response.write(b"".join(lines))
+                if request.transport is None:
+                    return response
+                sub.attach(request.transport, sent)  # the fan-out writes to the socket directly from now on
+                while sub.closed is None:
+                    sub.wake.clear()
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
+                    except TimeoutError:  # also moves the client's cursor past events it does not see
+                        sub.sent = max(sub.sent, self.events.position)
+                        await response.write(encode({"events": [], "next": sub.sent}))
+            except (ConnectionError, OSError):
+                pass  # the sidecar went away; it resumes from its last sequence number
+            return response
+        finally:
+            self.events.unsubscribe(sub)
 
     async def events_after(self, after: int) -> list[Event]:
         """One store read shared by every long poll waiting at the same sequence (a revocation wakes them
@@ -880,13 +943,6 @@ def _jti_taken(jti: str, registered: str) -> ApiError:
     return ApiError(409, CONFLICT, f"jti {jti} already names another registered link ({registered}); a jti names "
                     "one link only: mint the link again", jti=jti)
 
-
-def _visible(kind: str, target: str | None, payload: Doc, link_hash: str, chain_jtis: set[str]) -> bool:
-    """A sidecar sees revocations of its own chain's links and events addressed to its link only (commands
-    and approval decisions belong to a link, never to a bare agent id)."""
-    if kind == "revoke":
-        return payload.get("jti") in chain_jtis
-    return target == link_hash
 
 
 def _chain_jtis(link: Doc) -> list[str]:

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import jsonpieces
 from .capability import keys
-from .capability.catalog import canonical_json as canonical
 from .capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
 from .runs import accounted, unaccounted_runs
 
@@ -131,6 +131,12 @@ def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()
 
 
 # -- the reconciliation record -----------------------------------------------------------------------
+def canonical(doc: Any) -> bytes:
+    """Sorted keys, no spaces, UTF-8; encoded in pieces so that hashing a big record in a worker thread
+    never holds the event loop (see jsonpieces.py)."""
+    return jsonpieces.dumps(doc, ensure_ascii=False).encode()
+
+
 def record_hash(record: Mapping[str, Any]) -> str:
     body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
     return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -44,10 +45,7 @@ class ControlChannel:
                    signed: bool = True, encoded: bytes | None = None) -> Any:
         """``body`` is JSON-encoded here, unless the caller already has its bytes (``encoded``)."""
         data = encoded if encoded is not None else b"" if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if signed:
-            headers["Tether-Proof"] = make_proof(self.key, agent=self.agent, method=method, path=path, body=data,
-                                                 now=time.time(), link=self.link, run=self.run)
+        headers = self._headers(method, path, data) if signed else {"Content-Type": "application/json"}
         try:
             async with self.session.request(method, self.url + path, data=data or None, headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -60,9 +58,39 @@ class ControlChannel:
         except ValueError:
             raise ApiError(status, "tether.bad_response", f"{method} {path}: not JSON (HTTP {status})") from None
         if status >= 400:
-            err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
-            raise ApiError(status, err.get("code", "tether.http_error"), err.get("message", f"HTTP {status}"))
+            raise _refusal(status, doc)
         return doc
+
+    def _headers(self, method: str, path: str, data: bytes) -> dict[str, str]:
+        proof = make_proof(self.key, agent=self.agent, method=method, path=path, body=data, now=time.time(),
+                           link=self.link, run=self.run)
+        return {"Content-Type": "application/json", "Tether-Proof": proof}
+
+    async def stream_events(self, after: int, idle_s: float = 35.0) -> AsyncIterator[dict[str, Any]]:
+        """Follow ``GET /v1/events/stream``: yields the long poll's documents, one per line, until the
+        control plane ends the stream. Silence longer than ``idle_s`` (three missed keepalives) counts as a
+        lost connection, as does anything else that breaks it: ApiError tether.controlplane_unreachable."""
+        path = f"/v1/events/stream?after={after}"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=idle_s)
+        try:
+            async with self.session.get(self.url + path, headers=self._headers("GET", path, b""),
+                                        timeout=timeout) as resp:
+                if resp.status >= 400:
+                    raw = await resp.read()
+                    try:
+                        doc = json.loads(raw) if raw else None
+                    except ValueError:
+                        doc = None
+                    raise _refusal(resp.status, doc)
+                buffer = b""
+                async for chunk in resp.content.iter_any():  # lines may be longer than any reader limit
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield json.loads(line)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            raise ApiError(503, UNREACHABLE, f"event stream from {self.url} broken: {exc!r}") from None
 
     # -- the calls a sidecar makes -------------------------------------------------------------------
     async def register(self, wire: str) -> Any:
@@ -90,5 +118,11 @@ class ControlChannel:
         return await self.call("GET", path, signed=False)
 
 
+def _refusal(status: int, doc: Any) -> ApiError:
+    err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
+    return ApiError(status, err.get("code", "tether.http_error"), err.get("message", f"HTTP {status}"))
+
+
 async def sleep_backoff(attempt: int, cap: float = 2.0) -> None:
-    await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)))
+    """Exponential, with jitter: a fleet that lost its replica at once must not come back at once."""
+    await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)) * random.uniform(0.5, 1.0))

@@ -342,7 +342,10 @@ class Sidecar:
                                 self.state.lease_until - time.monotonic())
 
     async def sync_events(self, wait: float) -> None:
-        answer = await self.channel.events(self.seq, wait)
+        self.apply_events(await self.channel.events(self.seq, wait))
+
+    def apply_events(self, answer: dict[str, Any]) -> None:
+        """One document of the event channel (a long poll's answer, or one line of the stream)."""
         if answer.get("resync"):
             self.state.revoke(answer.get("revoked", []), time.monotonic())  # revocations are never undone
             if answer.get("command"):
@@ -354,12 +357,26 @@ class Sidecar:
         self.seq = int(answer.get("next", self.seq))
 
     async def events_loop(self) -> None:
+        """Follow the event stream (one long-lived response); a control plane without it (404) is followed
+        by long poll instead. Either way a broken connection resumes from the last sequence number."""
         attempt = 0
+        streaming = True
         while True:
             try:
-                await self.sync_events(wait=20)
-                attempt = 0
+                if streaming:
+                    async for answer in self.channel.stream_events(self.seq):
+                        self.apply_events(answer)
+                        attempt = 0
+                    await sleep_backoff(0)  # the control plane ended it (a restart, or we fell behind): resume
+                else:
+                    await self.sync_events(wait=20)
+                    attempt = 0
             except ApiError as exc:
+                if streaming and exc.http_status in (404, 405):
+                    log.info("the control plane has no event stream (HTTP %s); following it by long poll",
+                             exc.http_status)
+                    streaming = False
+                    continue
                 attempt += 1
                 if attempt == 1:
                     log.warning("event stream interrupted: %s", exc.message)

@@ -126,6 +126,59 @@ async def test_links_registered_through_one_replica_are_seen_by_another(backend:
     assert await b.link_by_jti("j1") == link(1)
 
 
+def child(n: int, parent: int, sub: str | None = None) -> dict:
+    return {**link(n, sub=sub or f"agent-{n}"), "prf": f"h{parent}"}
+
+
+async def test_descendants_are_the_subtree_by_prf_at_any_depth(backend: Backend) -> None:
+    a, b = await backend.replica(), await backend.replica()
+    #  h1 -> h2 -> h4 -> h6        h1 -> h3 -> h5        h7 (another root) -> h8
+    await a.put_links([link(1), child(2, 1), child(4, 2)])
+    await b.put_links([child(3, 1), child(5, 3), child(6, 4), link(7), child(8, 7)])
+    await a.put_links([child(4, 2)])  # registered again: still one descendant
+    for store in (a, b):
+        assert await store.descendants("h1") == {"h2": "agent-2", "h3": "agent-3", "h4": "agent-4",
+                                                 "h5": "agent-5", "h6": "agent-6"}
+        assert await store.descendants("h2") == {"h4": "agent-4", "h6": "agent-6"}
+        assert await store.descendants("h6") == {}
+        assert await store.descendants("h7") == {"h8": "agent-8"}
+        assert await store.descendants("unknown") == {}
+
+
+async def test_links_held_by_an_agent_in_registration_order(backend: Backend) -> None:
+    a, b = await backend.replica(), await backend.replica()
+    await a.put_links([link(1, sub="x"), link(2, sub="y")])
+    await b.put_links([link(3, sub="x"), link(1, sub="x")])  # h1 again: not a second entry
+    for store in (a, b):
+        assert [d["hash"] for d in await store.links_held_by("x")] == ["h1", "h3"]
+        assert await store.links_held_by("y") == [link(2, sub="y")]
+        assert await store.links_held_by("nobody") == []
+
+
+async def test_redis_descendants_index_covers_links_stored_before_it_existed(redis_server: RedisServer) -> None:
+    """A deployment upgraded in place: links written without the per-parent sets are indexed on first use."""
+    redis_server.flush()
+    store = await _opened(redis_server.url(0))
+    try:
+        await store.put_links([link(1), child(2, 1), child(3, 2)])
+        await store.r.delete(store._key("links", "children", "h1"), store._key("links", "children", "h2"),
+                             store._key("links", "sub", "agent-2"), store._key("links", "indexed"))
+        fresh = await _opened(redis_server.url(0))
+        try:
+            assert await fresh.descendants("h1") == {"h2": "agent-2", "h3": "agent-3"}
+            assert [d["hash"] for d in await fresh.links_held_by("agent-2")] == ["h2"]
+        finally:
+            await fresh.close()
+    finally:
+        await store.close()
+
+
+async def _opened(url: str) -> RedisStore:
+    store = RedisStore(url)
+    await store.open()
+    return store
+
+
 # -- revocations ------------------------------------------------------------------------------------------
 async def test_revoke_is_recorded_once(backend: Backend) -> None:
     a, b = await backend.replica(), await backend.replica()

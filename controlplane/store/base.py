@@ -80,6 +80,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def all_links(self) -> list[Doc]: ...
 
+    @abc.abstractmethod
+    async def links_held_by(self, agent: str) -> list[Doc]:
+        """The links whose subject is ``agent``, in registration order (an index on ``sub``)."""
+
+    @abc.abstractmethod
+    async def descendants(self, link_hash: str) -> dict[str, str]:
+        """Every link registered below ``link_hash`` (children by ``prf``, at any depth; not the link itself),
+        as link hash -> agent id: who a revocation cuts off. Served from an index on ``prf`` that holds the
+        agent too, so its cost grows with the subtree, never with the graph, and no link document is read."""
+
     # -- revocations --------------------------------------------------------------------------------
     @abc.abstractmethod
     async def revoke(self, jti: str, doc: Doc) -> bool:

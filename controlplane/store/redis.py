@@ -40,6 +40,7 @@ from redis import exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from .. import jsonpieces
 from ..capability.budget import MAX_SLICE
 from ..capability.errors import BAD_REQUEST, TetherError
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
@@ -77,12 +78,13 @@ def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable
     return wrapper
 
 
-# KEYS: links, jti index, insertion order. ARGV: (hash, jti, doc) per link. A link whose hash is already
-# known is left as it was. Returns {new} or, when a jti already names another link (stored or earlier in the
-# batch), {-1, jti, that link's hash} having stored nothing.
+# KEYS: links, jti index, insertion order, then per link its parent's children (the descendants index: a
+# hash of child link -> agent) and the list of its subject's links. ARGV: (hash, jti, doc, agent) per link.
+# A link whose hash is already known is left as it was. Returns {new} or, when a jti already names another
+# link (stored or earlier in the batch), {-1, jti, that link's hash} having stored nothing.
 _PUT_LINKS = """
 local batch = {}
-for i = 1, #ARGV, 3 do
+for i = 1, #ARGV, 4 do
   local h, jti = ARGV[i], ARGV[i + 1]
   local owner = batch[jti] or redis.call('HGET', KEYS[2], jti)
   if owner and owner ~= h then
@@ -91,12 +93,14 @@ for i = 1, #ARGV, 3 do
   batch[jti] = h
 end
 local new = 0
-for i = 1, #ARGV, 3 do
+for i = 1, #ARGV, 4 do
   local h, jti = ARGV[i], ARGV[i + 1]
   if redis.call('HEXISTS', KEYS[1], h) == 0 then
     redis.call('HSET', KEYS[1], h, ARGV[i + 2])
     redis.call('HSET', KEYS[2], jti, h)
     redis.call('RPUSH', KEYS[3], h)
+    redis.call('HSET', KEYS[2 + (i + 3) / 4 * 2], h, ARGV[i + 3])
+    redis.call('RPUSH', KEYS[3 + (i + 3) / 4 * 2], h)
     new = new + 1
   end
 end
@@ -231,6 +235,7 @@ class RedisStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._scripts: dict[str, Any] = {}
+        self._links_indexed = False
 
     def _key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -296,14 +301,58 @@ class RedisStore(Store):
     async def put_links(self, links: list[Doc]) -> int:
         if not links:
             return 0
+        await self._index_links()
         args: list[str] = []
-        for link in links:
-            args += [link["hash"], link["jti"], _dump(link)]
         keys = [self._key("links"), self._key("links", "jti"), self._key("links", "order")]
+        for link in links:
+            args += [link["hash"], link["jti"], _dump(link), link["sub"]]
+            keys += [self._children_key(link.get("prf")), self._key("links", "sub", link["sub"])]
         answer = await self._scripts["put_links"](keys=keys, args=args)
         if int(answer[0]) < 0:
             raise LinkConflict(str(answer[1]), str(answer[2]))
         return int(answer[0])
+
+    def _children_key(self, parent: str | None) -> str:
+        """One hash per parent link: its children's link hashes -> their agents (roots share one)."""
+        return self._key("links", "children", parent) if parent else self._key("links", "roots")
+
+    async def _index_links(self) -> None:
+        """Links registered before the indexes by parent and by subject existed are indexed once, by the
+        replica that takes the job (a marker set with NX). A link another replica registers meanwhile may be
+        listed twice under its subject: readers drop repeats."""
+        if self._links_indexed:
+            return
+        marker = self._key("links", "indexed")
+        if await self.r.set(marker, "1", nx=True):
+            links = await self._hmget(self._key("links"), await self.r.lrange(self._key("links", "order"), 0, -1))
+            async with self.r.pipeline(transaction=False) as pipe:
+                for link in links:
+                    pipe.hset(self._children_key(link.get("prf")), link["hash"], link["sub"])
+                    pipe.rpush(self._key("links", "sub", link["sub"]), link["hash"])
+                await pipe.execute()
+        self._links_indexed = True
+
+    @_guarded
+    async def links_held_by(self, agent: str) -> list[Doc]:
+        await self._index_links()
+        hashes = await self.r.lrange(self._key("links", "sub", agent), 0, -1)
+        return await self._hmget(self._key("links"), list(dict.fromkeys(hashes)))
+
+    @_guarded
+    async def descendants(self, link_hash: str) -> dict[str, str]:
+        await self._index_links()
+        found: dict[str, str] = {}
+        frontier = [link_hash]
+        while frontier:  # one round trip per level of the subtree
+            async with self.r.pipeline(transaction=False) as pipe:
+                for parent in frontier:
+                    pipe.hgetall(self._children_key(parent))
+                levels = await pipe.execute()
+            below = {h: sub for children in levels for h, sub in children.items() if h not in found}
+            below.pop(link_hash, None)
+            found.update(below)
+            frontier = sorted(below)
+        return found
 
     @_guarded
     async def get_link(self, link_hash: str) -> Doc | None:
@@ -321,11 +370,13 @@ class RedisStore(Store):
         return await self._hmget(self._key("links"), hashes)
 
     async def _hmget(self, key: str, fields: list[str]) -> list[Doc]:
-        docs: list[Doc] = []
-        for start in range(0, len(fields), 1000):
-            raws = await self.r.hmget(key, fields[start : start + 1000])
-            docs += [json.loads(raw) for raw in raws if raw]
-        return docs
+        raws: list[str] = []
+        for start in range(0, len(fields), 1000):  # a page per round trip, as in _zpages
+            raws += [raw for raw in await self.r.hmget(key, fields[start : start + 1000]) if raw]
+        if len(raws) <= 1000:
+            return [json.loads(raw) for raw in raws]
+        # A termination's worth of reports: decoded in a thread, one small call each, so the loop keeps going.
+        return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
 
     # -- revocations -----------------------------------------------------------------------------------
     @_guarded
@@ -442,10 +493,13 @@ class RedisStore(Store):
             keys.append(self._key("reports", "agent", report["agent"]))
             args += [report["call_id"], _dump(report)]
         new = {str(i) for i in await self._scripts["put_reports"](keys=keys, args=args)}  # decoded: str
+        by_agent: dict[str, list[str]] = {}
+        for report in reports:
+            by_agent.setdefault(report["agent"], []).append(_start_field(report))
         async with self.r.pipeline(transaction=False) as pipe:  # the reporting agents' own starts are moot now
-            pipe.hdel(self._key("starts"), *[_start_field(r) for r in reports])
-            for report in reports:
-                pipe.srem(self._key("starts", "agent", report["agent"]), _start_field(report))
+            pipe.hdel(self._key("starts"), *[f for fields in by_agent.values() for f in fields])
+            for agent, fields in by_agent.items():  # one command per agent, not one per report
+                pipe.srem(self._key("starts", "agent", agent), *fields)
             await pipe.execute()
         return Stored(new, len(reports))
 
@@ -475,14 +529,23 @@ class RedisStore(Store):
     @_guarded
     async def reports(self, agents: list[str] | None = None) -> list[Doc]:
         if agents is None:
-            call_ids = await self.r.zrange(self._key("reports", "order"), 0, -1)
+            call_ids = [c for c, _ in await self._zpages(self._key("reports", "order"))]
         else:
-            async with self.r.pipeline(transaction=False) as pipe:
-                for agent in agents:
-                    pipe.zrange(self._key("reports", "agent", agent), 0, -1, withscores=True)
-                ranked = sorted((score, call_id) for rows in await pipe.execute() for call_id, score in rows)
-            call_ids = [call_id for _, call_id in ranked]
+            ranked: list[tuple[float, str]] = []
+            for agent in agents:
+                ranked += [(score, c) for c, score in await self._zpages(self._key("reports", "agent", agent))]
+            call_ids = [call_id for _, call_id in sorted(ranked)]
         return await self._hmget(self._key("reports"), call_ids)
+
+    async def _zpages(self, key: str, page: int = 1000) -> list[tuple[str, float]]:
+        """A whole sorted set, a page per round trip: redis-py parses a reply in Python on the event loop,
+        and a termination's 20,000 reports in one reply would hold the loop for a large part of a second."""
+        out: list[tuple[str, float]] = []
+        while True:
+            rows = await self.r.zrange(key, len(out), len(out) + page - 1, withscores=True)
+            out += rows
+            if len(rows) < page:
+                return out
 
     # -- documents -----------------------------------------------------------------------------------
     def _doc_keys(self, kind: str) -> list[str]:
@@ -515,12 +578,14 @@ class RedisStore(Store):
     # -- records ---------------------------------------------------------------------------------------
     @_guarded
     async def append_record(self, record: Doc) -> bool:
-        args = [record["prev_hash"], record["hash"], _dump(record)]
+        # Encoding a record of tens of thousands of calls takes longer than the loop may stall: a thread does it.
+        args = [record["prev_hash"], record["hash"], await asyncio.to_thread(jsonpieces.dumps, record)]
         return bool(await self._run("append_record", [self._key("records"), self._key("records", "head")], args))
 
     @_guarded
     async def records(self) -> list[Doc]:
-        return [json.loads(raw) for raw in await self.r.lrange(self._key("records"), 0, -1)]
+        raws = await self.r.lrange(self._key("records"), 0, -1)
+        return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
 
     # -- leases ---------------------------------------------------------------------------------------
     @_guarded

@@ -1,16 +1,23 @@
 """The embedded store: one SQLite file in WAL mode, durable across restarts.
 
-Statements are short and local, so they run on the event loop thread; every write is its own
-transaction, committed before the API answers.
+Most statements are short and local, so they run on the event loop thread; every write is its own
+transaction, committed before the API answers. The few whose size grows with a termination (its
+reports, the records, appending a record of tens of thousands of calls) run in worker threads, each with
+a connection of its own: WAL lets them read while the loop writes, and a record is encoded before its
+write transaction begins, so the loop's writers wait on the lock only for the insert itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sqlite3
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from .. import jsonpieces
 from ..capability.budget import slice_size
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
@@ -20,6 +27,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS links (hash TEXT PRIMARY KEY, jti TEXT UNIQUE NOT NULL, sub TEXT NOT NULL,
     prf TEXT, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS links_sub ON links(sub);
+CREATE INDEX IF NOT EXISTS links_prf ON links(prf);
 CREATE TABLE IF NOT EXISTS revocations (jti TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, target TEXT,
     payload TEXT NOT NULL, at REAL NOT NULL);
@@ -49,6 +57,9 @@ class SqliteStore(Store):
         self.path = path
         self.url = f"sqlite:///{path}"
         self._db: sqlite3.Connection | None = None
+        self._local = threading.local()
+        self._thread_dbs: list[sqlite3.Connection] = []
+        self._thread_lock = threading.Lock()
 
     async def open(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
@@ -64,6 +75,26 @@ class SqliteStore(Store):
         if self._db is not None:
             self._db.close()
             self._db = None
+        with self._thread_lock:
+            for db in self._thread_dbs:
+                db.close()
+            self._thread_dbs.clear()
+        self._local = threading.local()
+
+    def _thread_db(self) -> sqlite3.Connection:
+        """This worker thread's own connection to the file (made on its first use)."""
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            self.db  # noqa: B018 - raises StoreUnavailable when the store is closed
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=5000")
+            self._local.db = db
+            with self._thread_lock:
+                self._thread_dbs.append(db)
+        return db
+
+    async def _off_loop[R](self, work: Callable[[sqlite3.Connection], R]) -> R:
+        return await asyncio.to_thread(lambda: work(self._thread_db()))
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -112,6 +143,19 @@ class SqliteStore(Store):
 
     async def all_links(self) -> list[Doc]:
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links ORDER BY rowid")]
+
+    async def links_held_by(self, agent: str) -> list[Doc]:
+        return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links WHERE sub = ? ORDER BY rowid",
+                                                          (agent,))]
+
+    async def descendants(self, link_hash: str) -> dict[str, str]:
+        rows = self.db.execute(
+            "WITH RECURSIVE below(hash) AS (SELECT hash FROM links WHERE prf = ? "
+            "UNION SELECT links.hash FROM links JOIN below ON links.prf = below.hash) "
+            "SELECT links.hash, links.sub FROM links JOIN below ON links.hash = below.hash ORDER BY links.rowid",
+            (link_hash,),
+        )
+        return {h: sub for h, sub in rows}
 
     # -- revocations -----------------------------------------------------------------------------------
     async def revoke(self, jti: str, doc: Doc) -> bool:
@@ -200,12 +244,15 @@ class SqliteStore(Store):
             raise
 
     async def reports(self, agents: list[str] | None = None) -> list[Doc]:
-        if agents is None:
-            rows = self.db.execute("SELECT doc FROM reports ORDER BY rowid")
-        else:
-            marks = ",".join("?" * len(agents))
-            rows = self.db.execute(f"SELECT doc FROM reports WHERE agent IN ({marks}) ORDER BY rowid", agents)
-        return [json.loads(r[0]) for r in rows]
+        def read(db: sqlite3.Connection) -> list[Doc]:
+            if agents is None:
+                rows = db.execute("SELECT doc FROM reports ORDER BY rowid")
+            else:
+                marks = ",".join("?" * len(agents))
+                rows = db.execute(f"SELECT doc FROM reports WHERE agent IN ({marks}) ORDER BY rowid", agents)
+            return [json.loads(r[0]) for r in rows]
+
+        return await self._off_loop(read)
 
     async def put_starts(self, starts: list[Doc]) -> None:
         db = self._tx()
@@ -222,8 +269,12 @@ class SqliteStore(Store):
 
     async def starts(self, agents: list[str]) -> list[Doc]:
         marks = ",".join("?" * len(agents))
-        rows = self.db.execute(f"SELECT doc FROM starts WHERE agent IN ({marks}) ORDER BY rowid", agents)
-        return [json.loads(r[0]) for r in rows]
+
+        def read(db: sqlite3.Connection) -> list[Doc]:
+            rows = db.execute(f"SELECT doc FROM starts WHERE agent IN ({marks}) ORDER BY rowid", agents)
+            return [json.loads(r[0]) for r in rows]
+
+        return await self._off_loop(read)
 
     # -- documents -----------------------------------------------------------------------------------
     async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None:
@@ -261,25 +312,28 @@ class SqliteStore(Store):
 
     # -- records ---------------------------------------------------------------------------------------
     async def append_record(self, record: Doc) -> bool:
-        db = self._tx()
-        try:
-            row = db.execute("SELECT hash FROM records ORDER BY pos DESC LIMIT 1").fetchone()
-            head = row[0] if row else ""
-            if record["prev_hash"] != head:
+        def append(db: sqlite3.Connection) -> bool:
+            encoded = jsonpieces.dumps(record)  # before the transaction: the lock is held for the insert only
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute("SELECT hash FROM records ORDER BY pos DESC LIMIT 1").fetchone()
+                head = row[0] if row else ""
+                if record["prev_hash"] != head:
+                    db.execute("ROLLBACK")
+                    return False
+                db.execute("INSERT INTO records (hash, prev_hash, doc) VALUES (?, ?, ?)",
+                           (record["hash"], record["prev_hash"], encoded))
+                db.execute("COMMIT")
+                return True
+            except BaseException:
                 db.execute("ROLLBACK")
-                return False
-            db.execute(
-                "INSERT INTO records (hash, prev_hash, doc) VALUES (?, ?, ?)",
-                (record["hash"], record["prev_hash"], _dump(record)),
-            )
-            db.execute("COMMIT")
-            return True
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+                raise
+
+        return await self._off_loop(append)
 
     async def records(self) -> list[Doc]:
-        return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM records ORDER BY pos")]
+        return await self._off_loop(
+            lambda db: [json.loads(r[0]) for r in db.execute("SELECT doc FROM records ORDER BY pos")])
 
     # -- leases ---------------------------------------------------------------------------------------
     async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
