@@ -1,6 +1,7 @@
 """What enforcement costs per call: tether's sidecar against bare mitmproxy and against no proxy at all.
 
-Run: python bench/bench_sidecar.py          (1-3 minutes on 2 cores, depending on load; --quick for a smoke run)
+Run: python bench/bench_sidecar.py          (2-9 minutes on 2 cores, depending on load; --quick for a smoke run)
+     python bench/bench_sidecar.py --boundary  (as root: also the --isolate rows, about 1.5 minutes more)
 
 Four setups, all measured in this run with the same client: *direct* (client -> tool server), *mitmdump*
 (bare mitmproxy, no addons: ``mitmdump --set connection_strategy=lazy -q``), *tether* (a real
