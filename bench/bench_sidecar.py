@@ -1,6 +1,7 @@
 """What enforcement costs per call: tether's sidecar against bare mitmproxy and against no proxy at all.
 
-Run: python bench/bench_sidecar.py          (1-3 minutes on 2 cores, depending on load; --quick for a smoke run)
+Run: python bench/bench_sidecar.py          (2-9 minutes on 2 cores, depending on load; --quick for a smoke run)
+     python bench/bench_sidecar.py --boundary  (as root: also the --isolate rows, about 1.5 minutes more)
 
 Four setups, all measured in this run with the same client: *direct* (client -> tool server), *mitmdump*
 (bare mitmproxy, no addons: ``mitmdump --set connection_strategy=lazy -q``), *tether* (a real
@@ -27,6 +28,16 @@ Also printed: RSS of an idle sidecar against an idle bare mitmdump, after start 
 and the call reports the control plane received from each sidecar (every call must arrive). The control
 plane's CPU per call is metered over all rounds and divided by the calls of both sidecars (their reports are
 batched (every second, or per 200), so they cannot be told apart per round).
+
+Credentials and isolation (issue 13). *tether + credential* is a fourth sidecar like *tether* (capture on),
+whose agent holds a capability naming a catalog credential, given as ``--secret bench=file:PATH``: every call
+to the same tool gets ``Authorization: Bearer <secret>`` injected (the tool server's answer says it saw one).
+It is in the rotation above; target: p50 no slower than *tether*'s within noise (<= 1.05x).
+With ``--boundary`` (Linux, root, ``ip netns``, iptables; skipped with the reason printed otherwise): one
+``tether run --isolate`` sidecar serves two copies of the same client program (aiohttp, one keep-alive
+connection per client, run as a child process): one on the host through the sidecar's explicit listener
+(``proxy=``), one inside the isolated namespace as ``nobody`` with no proxy variables, dialling the tool by
+name, intercepted transparently. Rounds alternate; target: transparent p50 within 1.10x of explicit's.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ import asyncio
 import json
 import os
 import platform
+import secrets
+import shlex
 import shutil
 import socket
 import ssl
@@ -65,6 +78,8 @@ from tests.harness import (  # noqa: E402
 )
 
 P50_RATIO_TARGET = 1.10
+CRED_RATIO_TARGET = 1.05  # "no slower within noise": repeated runs of one setup differ by a few per cent
+ISO_RATIO_TARGET = 1.10
 P99_DELTA_TARGET_MS = 1.0
 ISSUES = "/repos/o/r/issues"
 MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
@@ -72,7 +87,25 @@ CORE = "mitmproxy, sidecar addon set"
 TETHER = "tether"
 NOCAP = "tether --no-capture"
 TRACED = "tether + tracing"
-SIDECARS = (TETHER, NOCAP, TRACED)
+CRED = "tether + credential"
+SIDECARS = (TETHER, NOCAP, TRACED, CRED)
+EXPLICIT = "explicit"
+TRANSPARENT = "transparent (--isolate)"
+BOUNDARY_HOST = "tools.bench"  # the tool's name for the isolated client (resolved by the sidecar's /etc/hosts)
+CREDENTIAL_CATALOG = """
+credentials:
+  bench: {header: Authorization, format: "Bearer {secret}"}
+"""
+CREDENTIAL_CAPS = """
+  cred.issues: {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/repos/*/*/issues*"}},
+                credential: bench}}
+  cred.secure: {{http: {{host: localhost, port: {https}, methods: [GET], path: "/repos/*/*/issues*"}},
+                credential: bench}}
+"""
+BOUNDARY_CAPS = """
+  iso.issues:    {{http: {{host: {host}, port: {http}, methods: [GET], path: "/repos/*/*/issues*"}}}}
+  iso.secure:    {{http: {{host: {host}, port: {https}, methods: [GET], path: "/repos/*/*/issues*"}}}}
+"""
 
 # The tool server in a process of its own. stdin takes commands ("active", "hits"); EOF stops it.
 TOOL_SERVER_CODE = """
@@ -114,6 +147,74 @@ threading.Thread(target=serve, daemon=True).start()
 print("ready", flush=True)
 for line in sys.stdin:
     print(spans[0], flush=True)
+"""
+
+
+# The client of the --boundary rows, in a process of its own: the same program on the host (explicit: through the
+# proxy, CONNECT for HTTPS) and inside the isolated namespace (transparent: no proxy, the tool dialled by name).
+# Standard library only (the system's python3: the isolated user, nobody, cannot read a venv under /root); one
+# thread and one keep-alive connection per concurrent client. argv: JSON config. stdin: "setup SCHEME CONC"
+# (connections opened, warmed up) -> "ok"; "run N" (N calls per client) -> JSON latencies in seconds; "close";
+# EOF ends it. First line out: who and where it runs.
+CLIENT_PYTHON = "/usr/bin/python3"
+CLIENT_CODE = r"""
+import http.client, json, os, ssl, sys, threading, time
+from urllib.parse import urlsplit
+cfg = json.loads(sys.argv[1])
+proxy = urlsplit(cfg["proxy"]) if cfg.get("proxy") else None
+ctx = ssl.create_default_context(cafile=cfg.get("cafile") or os.environ.get("SSL_CERT_FILE"))
+print(json.dumps({"uid": os.getuid(), "proxy_env": sorted(k for k in os.environ if k.lower().endswith("_proxy")
+                                                          and os.environ[k]), "proxy": cfg.get("proxy")}), flush=True)
+
+class Client:
+    def __init__(self, url):
+        u = urlsplit(url)
+        tls = u.scheme == "https"
+        host, port = (proxy.hostname, proxy.port) if proxy else (u.hostname, u.port)
+        self.conn = (http.client.HTTPSConnection(host, port, context=ctx, timeout=30) if tls
+                     else http.client.HTTPConnection(host, port, timeout=30))
+        if proxy and tls:
+            self.conn.set_tunnel(u.hostname, u.port)
+        self.target = url if proxy and not tls else u.path
+
+    def one(self):
+        start = time.perf_counter()
+        self.conn.request("GET", self.target)
+        resp = self.conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status} {resp.getheader('Tether-Error')} {body[:300]!r}")
+        return time.perf_counter() - start
+
+    def many(self, n, out):
+        out.extend(self.one() for _ in range(n))
+
+def together(clients, n):
+    outs = [[] for _ in clients]
+    threads = [threading.Thread(target=c.many, args=(n, o)) for c, o in zip(clients, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [x for o in outs for x in o]
+
+clients = []
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "setup":
+        clients = [Client(cfg["urls"][cmd[1]]) for _ in range(int(cmd[2]))]
+        together(clients, cfg["warmup"])
+        print("ok", flush=True)
+    elif cmd[0] == "run":
+        lat = together(clients, int(cmd[1]))
+        if len(lat) != int(cmd[1]) * len(clients):
+            raise SystemExit("a client failed")
+        print(json.dumps(lat), flush=True)
+    elif cmd[0] == "close":
+        for c in clients:
+            c.conn.close()
+        clients = []
+        print("ok", flush=True)
 """
 
 
@@ -354,6 +455,173 @@ async def measure(setups: list[Setup], url: str, concurrency: int, rounds: int, 
     return figures, sent
 
 
+# -- credentials and isolation (issue 13) ----------------------------------------------------------------------
+def boundary_not_permitted() -> str | None:
+    """Why the --isolate rows cannot run here, or None."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "needs root on Linux (network namespaces, iptables, setpriv)"
+    missing = [t for t in ("ip", "iptables", "setpriv", "unshare", "mount", "sysctl") if not shutil.which(t)]
+    if missing:
+        return f"needs {', '.join(missing)}"
+    probe = subprocess.run(["ip", "netns", "add", "tether-bench-perm"], capture_output=True, text=True, check=False)
+    subprocess.run(["ip", "netns", "del", "tether-bench-perm"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    if subprocess.run(["iptables", "-w", "-S", "INPUT"], capture_output=True, check=False).returncode != 0:
+        return "iptables cannot be used here"
+    from proxy.isolate import User, readable_by
+
+    nobody = User.lookup(None)
+    for path in (Path(CLIENT_PYTHON).resolve(),):
+        if not path.exists() or not readable_by(path, nobody):
+            return f"{path} is not readable by {nobody.name}, who runs the isolated client"
+    return None
+
+
+class ClientProcess:
+    """CLIENT_CODE in a child process (``command`` runs it, directly or under ``tether run --isolate``)."""
+
+    def __init__(self, name: str, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log = log
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log, "ab"), text=True, env=env)
+        self.hello = json.loads(self._line())
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"{self.name} client ended: {self.log.read_text(errors='replace')[-3000:]}")
+        return line
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def stop(self) -> None:
+        close_stdin_and_wait(self.proc)
+
+
+def boundary_rounds(clients: dict[str, ClientProcess], pid: int, scheme: str, conc: int, rounds: int,
+                    per_client: int) -> dict[str, Figures]:
+    """Explicit and transparent rounds through one sidecar, alternating; its CPU metered per round."""
+    figures = {name: Figures() for name in clients}
+    for c in clients.values():
+        assert c.ask(f"setup {scheme} {conc}").strip() == "ok", c.name
+    names = list(clients)
+    for r in range(rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            u0, s0 = cpu_split(pid)
+            start = time.perf_counter()
+            lat = json.loads(clients[name].ask(f"run {per_client}"))
+            fig = figures[name]
+            fig.wall += time.perf_counter() - start
+            u1, s1 = cpu_split(pid)
+            fig.cpu += (u1 - u0) + (s1 - s0)
+            fig.sys_cpu += s1 - s0
+            fig.latencies += lat
+            fig.requests += len(lat)
+    for c in clients.values():
+        assert c.ask("close").strip() == "ok", c.name
+    return figures
+
+
+def run_boundary(stack: ExitStack, work: Path, cp: object, tools: ToolServerProcess, args: argparse.Namespace) -> list:
+    """One ``tether run --isolate`` sidecar; its isolated command is the transparent client."""
+    identity = cp.issue("bench-agent-iso", {"iso.issues": "direct", "iso.secure": "direct"})  # type: ignore[attr-defined]
+    public = Path(tempfile.mkdtemp(prefix="tether-bench-iso-", dir="/tmp"))  # the client program, for nobody
+    stack.callback(shutil.rmtree, public, True)
+    os.chmod(public, 0o755)
+    client = public / "client.py"
+    client.write_text(CLIENT_CODE)
+    os.chmod(client, 0o644)
+    hosts = work / "hosts"  # the sidecar's view (a private mount): the tool's name is this machine
+    hosts.write_text(f"127.0.0.1 localhost {BOUNDARY_HOST}\n")
+    state = work / "iso-state"
+    urls = {"http": f"http://{BOUNDARY_HOST}:{tools.http_port}{ISSUES}",
+            "https": f"https://{BOUNDARY_HOST}:{tools.https_port}{ISSUES}"}
+    inner = (f"mount --bind {hosts} /etc/hosts && exec {shlex.quote(sys.executable)} -m controlplane.cli run "
+             f"--isolate --listen 127.0.0.1:0 --controlplane {cp.url} --chain {identity.chain_path} "  # type: ignore[attr-defined]
+             f"--key {identity.key_path} --state-dir {state} --upstream-ca {tools.ca.ca_pem} -- "
+             f"{CLIENT_PYTHON} -I {client} {shlex.quote(json.dumps({'urls': urls, 'warmup': 20}))}")
+    env = {**cp.env(), "PYTHONPATH": str(ROOT)}  # type: ignore[attr-defined]
+    print(f"  --isolate: unshare --mount --propagation private sh -c {shlex.quote(inner)}", flush=True)
+    transparent = stack.enter_context(stopping(ClientProcess(
+        TRANSPARENT, ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner], work / "iso-run.log",
+        env=env)))
+    info = json.loads((state / identity.agent / "sidecar.ready").read_text())
+    explicit = stack.enter_context(stopping(ClientProcess(
+        EXPLICIT, [CLIENT_PYTHON, "-I", str(client), json.dumps({"urls": urls, "warmup": 20, "proxy": info["proxy"],
+                                                             "cafile": info["ca"]})], work / "explicit.log")))
+    print(f"  --isolate sidecar pid {info['pid']}; transparent client {transparent.hello}; "
+          f"explicit client {explicit.hello}", flush=True)
+    clients = {EXPLICIT: explicit, TRANSPARENT: transparent}
+    rows = []
+    for scheme in ("http", "https"):
+        for conc, total in ((1, args.requests_c1), (8, args.requests_c8)):
+            per_client = max(1, total // (args.rounds * conc))
+            figures = boundary_rounds(clients, info["pid"], scheme, conc, args.rounds, per_client)
+            rows.append((scheme, conc, figures))
+            print(f"  measured --isolate {scheme} c={conc}: " + ", ".join(
+                f"{n} p50 {f.pct(0.5):.2f} ms" for n, f in figures.items()), flush=True)
+    return rows
+
+
+def injected(sidecar: SidecarProcess, url: str) -> bool:
+    """Whether the tool server saw an Authorization header on a call through this sidecar."""
+    import requests
+
+    resp = requests.get(url, proxies=sidecar.proxies(), verify=sidecar.ca, timeout=10)
+    resp.raise_for_status()
+    return bool(resp.json()["authorization_seen"])
+
+
+def print_credential(rows: list, seen: dict[str, bool]) -> None:
+    print()
+    print(f"injected credential against none ({CRED} against {TETHER}; target p50 <= {CRED_RATIO_TARGET:.2f}x):")
+    print()
+    print("| scheme | clients | p50 without ms | p50 with ms | p50 ratio | p50 target | p99 delta ms "
+          "| CPU/call ratio |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
+    met = True
+    for scheme, conc, figures, _ in rows:
+        on, off = figures[CRED], figures[TETHER]
+        ratio = on.pct(0.5) / off.pct(0.5)
+        met &= ratio <= CRED_RATIO_TARGET
+        print(f"| {scheme} | {conc} | {off.pct(0.5):.2f} | {on.pct(0.5):.2f} | {ratio:.2f}x | "
+              f"{'met' if ratio <= CRED_RATIO_TARGET else 'MISSED'} | {on.pct(0.99) - off.pct(0.99):+.2f} | "
+              f"{on.cpu_ms_per_call / off.cpu_ms_per_call:.2f}x |")
+    print()
+    print("Authorization seen by the tool server: " + ", ".join(f"{k} {v}" for k, v in seen.items()))
+    print(f"verdict, credential: p50 target {'met' if met else 'MISSED'}")
+
+
+def print_boundary(rows: list | None, skipped: str | None) -> None:
+    print()
+    if rows is None:
+        print(f"transparent (--isolate) against explicit: SKIPPED: {skipped}")
+        return
+    print("transparent mode under --isolate against explicit mode, one sidecar "
+          f"(target p50 <= {ISO_RATIO_TARGET:.2f}x):")
+    print()
+    print("| scheme | clients | requests | p50 explicit ms | p50 transparent ms | p50 ratio | p50 target "
+          "| p99 explicit ms | p99 transparent ms | sidecar CPU/call explicit ms | transparent ms |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    met = True
+    for scheme, conc, figures in rows:
+        e, t = figures[EXPLICIT], figures[TRANSPARENT]
+        ratio = t.pct(0.5) / e.pct(0.5)
+        met &= ratio <= ISO_RATIO_TARGET
+        print(f"| {scheme} | {conc} | {t.requests} | {e.pct(0.5):.2f} | {t.pct(0.5):.2f} | {ratio:.2f}x | "
+              f"{'met' if ratio <= ISO_RATIO_TARGET else 'MISSED'} | {e.pct(0.99):.2f} | {t.pct(0.99):.2f} | "
+              f"{e.cpu_ms_per_call:.2f} | {t.cpu_ms_per_call:.2f} |")
+    print()
+    print(f"verdict, transparent under --isolate: p50 target {'met' if met else 'MISSED'}")
+
+
 def context(cafile: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(cafile))
 
@@ -365,6 +633,8 @@ def main() -> int:
     parser.add_argument("--requests-c1", type=int, default=1200, help="counted requests per setup at concurrency 1")
     parser.add_argument("--requests-c8", type=int, default=4800, help="counted requests per setup at concurrency 8")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--boundary", action="store_true", help="also transparent mode under tether run --isolate "
+                        "against explicit mode (root, ip netns, iptables; ~1 minute more)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests_c1, args.requests_c8 = 2, 100, 320
@@ -379,12 +649,30 @@ def main() -> int:
             ca = make_test_ca(work / "toolca")
             tools = stack.enter_context(stopping(ToolServerProcess(ca).start()))
             cp = prepare_controlplane(work / "cp", tools.http_port, tools.https_port, free_port(), lease_ttl=15.0)
+            skipped = boundary_not_permitted() if args.boundary else "not asked for (--boundary)"
+            extra_caps = CREDENTIAL_CAPS.format(http=tools.http_port, https=tools.https_port).lstrip("\n")
+            if skipped is None:  # a tool server whose certificate names the tool as the isolated client dials it
+                from tests.test_isolate import _cert
+
+                (work / "isoca").mkdir()
+                iso_tools = stack.enter_context(stopping(ToolServerProcess(TestCA(*_cert(work / "isoca",
+                                                                                         [BOUNDARY_HOST]))).start()))
+                extra_caps += BOUNDARY_CAPS.format(host=BOUNDARY_HOST, http=iso_tools.http_port,
+                                                   https=iso_tools.https_port).lstrip("\n")
+            cp.catalog_path.write_text(CREDENTIAL_CATALOG.lstrip("\n") + cp.catalog_path.read_text().replace(
+                "roles:", extra_caps + "roles:"))
+            secret = work / "bench.secret"  # the sidecar's alone; the client sends no Authorization
+            secret.write_text("bench-" + secrets.token_hex(16) + "\n")
+            os.chmod(secret, 0o600)
             stack.enter_context(stopping(cp.start()))
             caps = {"issues.read": "direct", "secure.issues": "direct"}
             receiver = stack.enter_context(stopping(ReceiverProcess().start()))
             sidecars = {TETHER: SidecarProcess(cp, cp.issue("bench-agent", caps)),
                         NOCAP: SidecarProcess(cp, cp.issue("bench-agent-nocap", caps), extra=["--no-capture"]),
-                        TRACED: SidecarProcess(cp, cp.issue("bench-agent-traced", caps))}
+                        TRACED: SidecarProcess(cp, cp.issue("bench-agent-traced", caps)),
+                        CRED: SidecarProcess(cp, cp.issue("bench-agent-cred", {"cred.issues": "direct",
+                                                                               "cred.secure": "direct"}),
+                                             extra=["--secret", f"bench=file:{secret}"])}
             for n, sc in sidecars.items():
                 stack.enter_context(stopping(sc))
                 # Only the traced sidecar inherits the exporter's variables (the control plane runs already).
@@ -429,6 +717,11 @@ def main() -> int:
                     print(f"  measured {scheme} c={conc}: " + ", ".join(
                         f"{n} p50 {f.pct(0.5):.2f} ms" for n, f in figures.items()), flush=True)
 
+            seen = {n: injected(sidecars[n], tools.http_base + ISSUES) for n in (TETHER, CRED)}
+            for n in seen:
+                sent_through[n] += 1  # its report is awaited below with the others
+            boundary = run_boundary(stack, work, cp, iso_tools, args) if skipped is None else None
+
             # Every call through each sidecar must reach the control plane as a report.
             client = cp.client()
 
@@ -456,6 +749,9 @@ def main() -> int:
                                                          interval=0.5, what="spans") and receiver.ask("spans"))
         print_results(rows, rss_start, rss_end, delivery, time.monotonic() - started)
         print_tracing(rows, exported, spans)
+        print_credential(rows, seen)
+        print_boundary(boundary, skipped)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
     except BaseException:
         args.keep = True  # the logs of what failed stay for a look
         raise
