@@ -258,18 +258,19 @@ class Reporter:
             log.error("cannot rewrite the spool %s: %s", self.spool_path, exc)
             self._close_spool()
 
-    async def flush(self, mark: int | None = None) -> bool:
+    async def flush(self, mark: int | None = None, batch: int = BATCH) -> bool:
         """Deliver the reports queued before ``mark`` (default: now) and the starts not sent yet; True when
         all of those are delivered. Reports queued meanwhile wait for the next flush. One delivery at a time:
         the loop, a termination's acknowledgement and the goodbye may all flush, and each removes what it
-        sent."""
+        sent. ``batch``: reports per request (a termination's acknowledgement sends bigger ones: on a slow
+        link each request costs its round trips, whatever its size)."""
         target = self._added if mark is None else mark
         async with self._flushing:
-            return await self._flush(target)
+            return await self._flush(target, batch)
 
-    async def _flush(self, target: int) -> bool:
+    async def _flush(self, target: int, size: int = BATCH) -> bool:
         while True:
-            batch = self._lines[:max(0, min(BATCH, target - self._delivered))]
+            batch = self._lines[:max(0, min(size, target - self._delivered))]
             starts = list(self._unsent.items())
             if not batch and not starts:
                 return True
@@ -300,6 +301,24 @@ class Reporter:
         self._rewrite_spool()
 
     async def _deliver_one_by_one(self, batch: list[str], starts: list[tuple[str, str]]) -> bool:
+        """Deliver a refused batch line by line. A line is kept aside only when the control plane takes other
+        lines of the same batch: if it refuses every one, the fault is not in the lines (a sidecar and a
+        control plane of different versions, say) and they all stay queued, to be retried."""
+        refused: list[tuple[str, ApiError]] = []
+        delivered = 0
+        for line in batch:
+            try:
+                await self.channel.reports([line], [])
+                delivered += 1
+            except ApiError as exc:
+                if exc.http_status not in (400, 403):
+                    return False
+                refused.append((line, exc))
+        if batch and not delivered:
+            log.error("the control plane refuses every report (%s); they stay in the spool", refused[0][1].message)
+            return False
+        for line, exc in refused:
+            self._quarantine(line, f"{exc.code}: {exc.message}")
         for call_id, line in starts:
             try:
                 await self.channel.reports([], [line])
@@ -308,14 +327,7 @@ class Reporter:
                     return False
                 log.error("the control plane refuses the start of call %s: %s", call_id, exc.message)
             self._unsent.pop(call_id, None)
-        for line in batch:
-            try:
-                await self.channel.reports([line], [])
-            except ApiError as exc:
-                if exc.http_status not in (400, 403):
-                    return False
-                self._quarantine(line, f"{exc.code}: {exc.message}")
-            self._cut(1)
+        self._cut(len(batch))
         return True
 
     async def run(self) -> None:

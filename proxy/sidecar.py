@@ -44,6 +44,7 @@ from .telemetry import call_tracing
 from .transparent import Transparent, serve_dns
 
 log = logging.getLogger("tether.sidecar")
+ACK_BATCH = 2000  # reports per request when an acknowledgement delivers what was pending: fewer round trips
 
 
 @dataclass
@@ -546,7 +547,7 @@ class Sidecar:
         attempt = 0
         while True:
             try:
-                await self.reporter.flush(mark)
+                await self.reporter.flush(mark, batch=ACK_BATCH)
                 await self.channel.quiesced({"termination_id": tid, "reports": self.reporter.pending_until(mark),
                                              "calls": dict(self.calls.counts), "state": TERMINATED})
                 self._acked.add(tid)

@@ -128,7 +128,7 @@ def test_concurrent_flushes_deliver_every_report_once(world: World, tmp_path: Pa
     world.cp.client(admin=False).request("POST", "/v1/chains/register", {"chain": ident.wire}, signer=s)
 
     async def run() -> None:
-        channel = ControlChannel(world.cp.url, s.agent, s.link, s.key)
+        channel = ControlChannel(world.cp.url, s.agent, s.link, s.key, "run-flusher")
         reporter = Reporter(channel, tmp_path / "spool")
         for i in range(3):
             reporter.add({"call_id": f"f{i}", "resolution": "completed"})

@@ -199,6 +199,27 @@ def test_a_report_the_control_plane_refuses_never_holds_back_the_others(cpworld:
     assert [k["call_id"] for k in kept] == [5, good[1]["call_id"], refused_by_server["call_id"]]
 
 
+def test_when_the_control_plane_refuses_every_report_none_is_kept_aside(cpworld: World, tmp_path: Path) -> None:
+    """A refusal of every line is no fault of the lines (here: requests that name no sidecar run): they stay
+    queued and spooled for the next try, and nothing goes to ``reports.spool.rejected``."""
+    ident = registered(cpworld, "wal-all-refused")
+    spool = tmp_path / "reports.spool"
+
+    async def run() -> None:
+        link = parse_chain_unverified(ident.wire)[-1]
+        no_run = ControlChannel(cpworld.cp.url, ident.agent, link.hash, keys.load_private(ident.key_path.read_bytes()))
+        reporter = Reporter(no_run, spool)
+        for n in range(3):
+            reporter.add(final(call("wal-all-refused", n)))
+        assert not await reporter.flush()
+        assert reporter.count == 3 and len(spool_lines(spool)) == 3
+        await no_run.close()
+
+    asyncio.run(run())
+    assert not (tmp_path / "reports.spool.rejected").exists()
+    assert reports_for(cpworld.cp, "wal-all-refused") == []
+
+
 def test_the_state_dir_admits_one_sidecar(tmp_path: Path) -> None:
     held = lock_state_dir(tmp_path)
     try:
