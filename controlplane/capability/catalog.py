@@ -161,6 +161,79 @@ class Capability:
     credential: str | None = None  # what the sidecar injects for it (a name in the catalog's credentials)
 
 
+def _first_segment(path: str) -> str:
+    """The first segment of a path that starts with ``/``: ``"repos"`` for ``/repos/o/r``, ``""`` for ``/``."""
+    end = path.find("/", 1)
+    return path[1:] if end < 0 else path[1:end]
+
+
+def _glob_segment(glob: str) -> str | None:
+    """The first segment every path this glob matches must have, or None when a ``*`` reaches into it.
+
+    A glob whose first segment is literal either goes on with ``/`` (so every match starts ``/seg/``) or
+    ends there with no ``*`` at all (so the only match is ``/seg``): either way the match's first segment
+    is ``seg``. That is what makes bucketing by first segment give the same answers as trying every glob.
+    """
+    segment = _first_segment(glob)
+    return None if "*" in segment else segment
+
+
+class _Index:
+    """Where a catalog's capabilities live, worked out once when the catalog is built.
+
+    HTTP capabilities are bucketed by (host, method, first path segment of the glob); a glob whose first
+    segment holds a ``*`` goes in the host and method's ``None`` bucket, tried for every path. A request
+    then tries only the globs of its own host and method whose literal start could fit its path, so the
+    cost of matching does not grow with the capabilities of other hosts or other paths. Every entry keeps
+    its place in the catalog so answers come back in catalog order, as the linear scan gave them.
+    """
+
+    __slots__ = ("any_port_hosts", "host_ports", "http", "mcp_credentials", "mcp_servers", "mcp_tools")
+
+    def __init__(self, capabilities: Mapping[str, Capability]) -> None:
+        # (host, method, segment or None) -> entries (catalog position, port or None, fullmatch, name)
+        http: dict[tuple[str, str, str | None], list[tuple[int, int | None, Any, str]]] = {}
+        any_port_hosts: set[str] = set()  # knows_host: a host any port of which some capability names
+        host_ports: set[tuple[str, int]] = set()  # ... and the (host, port) pairs ports narrow to
+        mcp_tools: dict[str, dict[str, list[str]]] = {}  # normalized server -> tool -> names
+        mcp_credentials: dict[str, str] = {}  # normalized server -> the first credential named for it
+        for position, cap in enumerate(capabilities.values()):
+            if cap.http is not None:
+                h = cap.http
+                entry = (position, h.port, h._regex.fullmatch, cap.name)
+                segment = _glob_segment(h.path)
+                for method in dict.fromkeys(h.methods):  # a method listed twice still matches once
+                    http.setdefault((h.host, method, segment), []).append(entry)
+                if h.port is None:
+                    any_port_hosts.add(h.host)
+                else:
+                    host_ports.add((h.host, h.port))
+            if cap.mcp is not None:
+                server = cap.mcp.server
+                mcp_tools.setdefault(server, {}).setdefault(cap.mcp.tool, []).append(cap.name)
+                if cap.credential:
+                    mcp_credentials.setdefault(server, cap.credential)
+                parts = urlsplit(server)
+                host_ports.add((host_key(parts.hostname or ""), parts.port))  # normalized: port explicit
+        self.http = {key: tuple(entries) for key, entries in http.items()}
+        self.any_port_hosts = frozenset(any_port_hosts)
+        self.host_ports = frozenset(host_ports)
+        self.mcp_servers = frozenset(mcp_tools)
+        self.mcp_tools = mcp_tools
+        self.mcp_credentials = mcp_credentials
+
+    def match_http(self, host: str, port: int, method: str, path: str) -> tuple[str, ...]:
+        """``host``, ``method`` and ``path`` as the catalog compares them (host_key, upper case, safe_path)."""
+        literal = self.http.get((host, method, _first_segment(path)), ())
+        starred = self.http.get((host, method, None), ())
+        found = [(position, name) for entries in (literal, starred)
+                 for position, cap_port, fullmatch, name in entries
+                 if (cap_port is None or cap_port == port) and fullmatch(path) is not None]
+        if literal and starred:
+            found.sort()  # two buckets: back to catalog order
+        return tuple(name for _, name in found)
+
+
 @dataclass(frozen=True)
 class Catalog:
     capabilities: Mapping[str, Capability]
@@ -169,7 +242,12 @@ class Catalog:
     source: str = "<catalog>"
     credentials: Mapping[str, Credential] = field(default_factory=dict)
     # Matching is pure, and the catalog never changes: remember answers (bounded; cleared when full).
+    # The memo still pays on top of the index: a miss runs safe_path, which costs more than the lookup.
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _index: _Index = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", _Index(self.capabilities))
 
     # -- queries ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -199,13 +277,7 @@ class Catalog:
         clean = safe_path(path)
         if clean is None:
             return ()
-        host = host_key(host)
-        method = method.upper()
-        return tuple(
-            c.name
-            for c in self.capabilities.values()
-            if c.http is not None and c.http.matches(host, port, method, clean)
-        )
+        return self._index.match_http(host_key(host), port, method.upper(), clean)
 
     def mcp_server(self, url: str) -> str | None:
         """The normalized endpoint when ``url`` is one of the catalog's MCP servers."""
@@ -218,37 +290,19 @@ class Catalog:
 
     def _mcp_server(self, url: str) -> str | None:
         normalized = normalize_url(url)
-        for c in self.capabilities.values():
-            if c.mcp is not None and c.mcp.server == normalized:
-                return normalized
-        return None
+        return normalized if normalized in self._index.mcp_servers else None
 
     def match_mcp(self, server: str, tool: str) -> list[str]:
-        return [
-            c.name
-            for c in self.capabilities.values()
-            if c.mcp is not None and c.mcp.server == server and c.mcp.tool == tool
-        ]
+        return list(self._index.mcp_tools.get(server, {}).get(tool, ()))
 
     def mcp_tools(self, server: str) -> dict[str, list[str]]:
         """tool name -> capability names, for one MCP server."""
-        out: dict[str, list[str]] = {}
-        for c in self.capabilities.values():
-            if c.mcp is not None and c.mcp.server == server:
-                out.setdefault(c.mcp.tool, []).append(c.name)
-        return out
+        return {tool: list(names) for tool, names in self._index.mcp_tools.get(server, {}).items()}
 
     def knows_host(self, host: str, port: int) -> bool:
         """True when some capability could be reached at host:port (used to refuse CONNECTs early)."""
         host = host_key(host)
-        for c in self.capabilities.values():
-            if c.http is not None and c.http.host == host and c.http.port in (None, port):
-                return True
-            if c.mcp is not None:
-                parts = urlsplit(c.mcp.server)
-                if host_key(parts.hostname or "") == host and parts.port == port:
-                    return True
-        return False
+        return host in self._index.any_port_hosts or (host, port) in self._index.host_ports
 
     def credential_of(self, capability: str) -> Credential | None:
         cap = self.capabilities.get(capability)
@@ -257,10 +311,8 @@ class Catalog:
     def mcp_credential(self, server: str) -> Credential | None:
         """The credential an MCP server gets on every request (plumbing included); one per server (parsing
         refuses a catalog whose tools on one server name different ones)."""
-        for c in self.capabilities.values():
-            if c.mcp is not None and c.mcp.server == server and c.credential:
-                return self.credentials[c.credential]
-        return None
+        name = self._index.mcp_credentials.get(server)
+        return self.credentials[name] if name is not None else None
 
     def role(self, name: str) -> dict[str, Any]:
         if name not in self.roles:
