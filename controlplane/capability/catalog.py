@@ -191,8 +191,8 @@ class _Index:
     __slots__ = ("any_port_hosts", "host_ports", "http", "mcp_credentials", "mcp_servers", "mcp_tools")
 
     def __init__(self, capabilities: Mapping[str, Capability]) -> None:
-        # (host, method, segment or None) -> entries (catalog position, port or None, fullmatch, name)
-        http: dict[tuple[str, str, str | None], list[tuple[int, int | None, Any, str]]] = {}
+        # (host, method, segment or None) -> entries (catalog position, port or None, path glob, name)
+        http: dict[tuple[str, str, str | None], list[tuple[int, int | None, str, str]]] = {}
         any_port_hosts: set[str] = set()  # knows_host: a host any port of which some capability names
         host_ports: set[tuple[str, int]] = set()  # ... and the (host, port) pairs ports narrow to
         mcp_tools: dict[str, dict[str, list[str]]] = {}  # normalized server -> tool -> names
@@ -200,7 +200,7 @@ class _Index:
         for position, cap in enumerate(capabilities.values()):
             if cap.http is not None:
                 h = cap.http
-                entry = (position, h.port, h._regex.fullmatch, cap.name)
+                entry = (position, h.port, h.path, cap.name)
                 segment = _glob_segment(h.path)
                 for method in dict.fromkeys(h.methods):  # a method listed twice still matches once
                     http.setdefault((h.host, method, segment), []).append(entry)
@@ -227,8 +227,8 @@ class _Index:
         literal = self.http.get((host, method, _first_segment(path)), ())
         starred = self.http.get((host, method, None), ())
         found = [(position, name) for entries in (literal, starred)
-                 for position, cap_port, fullmatch, name in entries
-                 if (cap_port is None or cap_port == port) and fullmatch(path) is not None]
+                 for position, cap_port, glob, name in entries
+                 if (cap_port is None or cap_port == port) and admits(glob, path)]
         if literal and starred:
             found.sort()  # two buckets: back to catalog order
         return tuple(name for _, name in found)
