@@ -46,7 +46,7 @@ from .capability.errors import (
 )
 from .event_stream import KEEPALIVE_S, EventHub, encode, visible
 from .graph import Graph, surface
-from .metrics import Metrics, gauge, revocations_acknowledged
+from .metrics import LoopWatch, Metrics, gauge, revocations_acknowledged
 from .schemas import MAX_REASON, MAX_TTL_S, Schema
 from .store import Doc, Event, LinkConflict, Store, StoreUnavailable
 
@@ -150,6 +150,8 @@ class ControlPlane:
         self.events = EventHub(store, lambda: self._event_signal, self.wait_event, self.metrics.inc)
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = []
+        self.loop_watch = LoopWatch()
+        self.background.append(self.loop_watch.run)
         self._add_core_routes()
 
     # -- events ---------------------------------------------------------------------------------------
@@ -398,6 +400,7 @@ class ControlPlane:
         (a scraper sends the admin token as its bearer); anyone else gets the fleet-wide series."""
         per_agent = self.auth.is_admin(request)
         lines = gauge("tether_up", "1 while the control plane serves.", [("", 1)])
+        lines += self.loop_watch.lines()
         now = self.clock()
         try:
             sidecars = await self.store.all_sidecars()
