@@ -7,6 +7,7 @@ which agent speaks and no agent can read another's commands or forge its reports
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import random
 import time
@@ -19,6 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from controlplane.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
 from controlplane.capability.errors import ApiError
 from controlplane.capability.proof import make_proof
+
+COMPRESS_ABOVE = 16 * 1024  # bytes of a request body above which it is sent gzip-compressed
 
 
 class ControlChannel:
@@ -46,8 +49,15 @@ class ControlChannel:
         """``body`` is JSON-encoded here, unless the caller already has its bytes (``encoded``)."""
         data = encoded if encoded is not None else b"" if body is None else json.dumps(body).encode()
         headers = self._headers(method, path, data) if signed else {"Content-Type": "application/json"}
+        sent = data
+        if len(data) > COMPRESS_ABOVE:
+            # Report batches are repetitive JSON: compressed they cross a slow or narrow link several times
+            # faster (an acknowledgement that must carry a drain's worth of refusals most of all). The proof
+            # signs the body as the control plane reads it, decompressed.
+            sent = gzip.compress(data, compresslevel=1)
+            headers = {**headers, "Content-Encoding": "gzip"}
         try:
-            async with self.session.request(method, self.url + path, data=data or None, headers=headers,
+            async with self.session.request(method, self.url + path, data=sent or None, headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 raw = await resp.read()
                 status = resp.status

@@ -93,6 +93,7 @@ class Reporter:
         self._spool_broken = False
         self._spool: IO[str] | None = None
         self._flushing = asyncio.Lock()
+        self._urgent = 0  # acknowledgements waiting to flush
         self.recovered = 0
         self._load()
 
@@ -258,17 +259,24 @@ class Reporter:
             log.error("cannot rewrite the spool %s: %s", self.spool_path, exc)
             self._close_spool()
 
-    async def flush(self, mark: int | None = None, batch: int = BATCH) -> bool:
+    async def flush(self, mark: int | None = None, batch: int = BATCH, background: bool = False) -> bool:
         """Deliver the reports queued before ``mark`` (default: now) and the starts not sent yet; True when
         all of those are delivered. Reports queued meanwhile wait for the next flush. One delivery at a time:
         the loop, a termination's acknowledgement and the goodbye may all flush, and each removes what it
         sent. ``batch``: reports per request (a termination's acknowledgement sends bigger ones: on a slow
-        link each request costs its round trips, whatever its size)."""
+        link each request costs its round trips, whatever its size). ``background``: the periodic delivery,
+        which stops between requests when an acknowledgement waits to flush (it returns True then: the rest
+        goes on its next round)."""
         target = self._added if mark is None else mark
-        async with self._flushing:
-            return await self._flush(target, batch)
+        urgent = mark is not None  # an acknowledgement: the background delivery yields to it between batches
+        self._urgent += urgent
+        try:
+            async with self._flushing:
+                return await self._flush(target, batch, background)
+        finally:
+            self._urgent -= urgent
 
-    async def _flush(self, target: int, size: int = BATCH) -> bool:
+    async def _flush(self, target: int, size: int = BATCH, background: bool = False) -> bool:
         while True:
             batch = self._lines[:max(0, min(size, target - self._delivered))]
             starts = list(self._unsent.items())
@@ -292,6 +300,8 @@ class Reporter:
             if batch:
                 self._cut(len(batch))
             if self._delivered >= target:
+                return True
+            if background and self._urgent:  # an acknowledgement waits: let it go first, the rest follows
                 return True
 
     def _cut(self, n: int) -> None:
@@ -339,4 +349,4 @@ class Reporter:
                 pass
             self._wake.clear()
             if self._lines or self._unsent:
-                attempt = 0 if await self.flush() else attempt + 1
+                attempt = 0 if await self.flush(background=True) else attempt + 1

@@ -44,7 +44,9 @@ from .telemetry import call_tracing
 from .transparent import Transparent, serve_dns
 
 log = logging.getLogger("tether.sidecar")
-ACK_BATCH = 2000  # reports per request when an acknowledgement delivers what was pending: fewer round trips
+# Reports per request when an acknowledgement delivers what was pending (sent compressed): on a slow link each
+# request costs its round trips whatever its size, and a drain's worth of refusals must not outlast the grace.
+ACK_BATCH = 5000
 
 
 @dataclass

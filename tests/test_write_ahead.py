@@ -190,7 +190,10 @@ def test_an_agent_calling_through_a_drain_cannot_starve_the_acknowledgement(slow
     assert world.tools.hits_for("/admin") == 0  # ground truth: not one of them reached the tool
     codes = {code for _, code in answers}
     assert {"tether.capability_absent", "tether.terminated"} <= codes, codes
-    assert all(status == 503 or code == "tether.capability_absent" for status, code in answers)
+    # Every answer is a tether refusal: absent before, then (the subtree is revoked before the drain command
+    # goes out) chain_revoked, draining or terminated.
+    refusals = {"tether.capability_absent", "tether.chain_revoked", "tether.draining", "tether.terminated"}
+    assert all(code in refusals for _, code in answers), set(answers)
 
     # Reports that came during the acknowledgement travel after it: every refusal is reported in the end.
     relay.delay = 0
