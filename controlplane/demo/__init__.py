@@ -309,6 +309,9 @@ def _port_open(port: int) -> bool:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # Ctrl-C stops the demo and everything it started, even when whoever started it had Ctrl-C ignored (an
+    # ignored SIGINT is inherited across exec; a handler is not).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tether-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
     print(f"{BOLD}tether demo{RESET}: a fleet of agents made stoppable. Everything runs on 127.0.0.1 and stops "
