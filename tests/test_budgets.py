@@ -200,12 +200,16 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     for caller in (a_caller, b_caller):
         caller.join(120)
         assert caller.error is None, caller.error
-    if a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] < 20:
-        # The root's caller may have given up while replica A was down (its calls refused for lack of a slice):
-        # it calls again now that A is back, so nothing it leased is left stranded.
-        again = Caller(world, root_car)
-        run_callers(again)
-        a_caller.outcomes.update(again.outcomes)
+    for _ in range(3):
+        if a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] >= 20:
+            break
+        # A caller may have given up while replica A was down (its calls refused for lack of a slice), or
+        # while the other sidecar still held units of a slice: both call again, so what either leased is
+        # spent, not left stranded (a held slice is the holder's to spend or return, never another's).
+        again_a, again_b = Caller(world, root_car), Caller(world, child_car)
+        run_callers(again_a, again_b)
+        a_caller.outcomes.update(again_a.outcomes)
+        b_caller.outcomes.update(again_b.outcomes)
     assert world.tools.hits_for(ISSUES) == 20
     assert a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] == 20
     assert b_caller.outcomes["forwarded"] <= 15
