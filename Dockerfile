@@ -18,6 +18,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/tether
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY capability ./capability
 COPY controlplane ./controlplane
 COPY proxy ./proxy
 RUN /opt/tether/bin/pip install --no-compile . \

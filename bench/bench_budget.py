@@ -31,8 +31,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane.capability import keys
-from controlplane.capability.chain import Verifier
+from capability import keys
+from capability.chain import Verifier
 from proxy.budget import Budgets
 from proxy.channel import ControlChannel
 from proxy.state import Refusal

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import cryptography
 
-from controlplane.capability import keys
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.chain import Verifier, mint_child, mint_root, parse_link
+from capability import keys
+from capability.catalog import parse_catalog
+from capability.chain import Verifier, mint_child, mint_root, parse_link
 
 DEPTHS = (1, 3, 5, 8)
 REVOKED = 10_000

@@ -57,11 +57,11 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from controlplane.capability import keys  # noqa: E402
-from controlplane.capability.catalog import parse_catalog  # noqa: E402
-from controlplane.capability.chain import mint_child, mint_root, parse_chain_unverified  # noqa: E402
-from controlplane.capability.errors import ApiError  # noqa: E402
-from controlplane.capability.proof import make_proof  # noqa: E402
+from capability import keys  # noqa: E402
+from capability.catalog import parse_catalog  # noqa: E402
+from capability.chain import mint_child, mint_root, parse_chain_unverified  # noqa: E402
+from capability.errors import ApiError  # noqa: E402
+from capability.proof import make_proof  # noqa: E402
 from tests.harness import (  # noqa: E402
     ControlPlaneProcess,
     RedisServer,
@@ -157,7 +157,7 @@ def worker_main() -> None:
     """Runs in a child process. First stdin line: the subscribers; then one JSON command per line."""
     import logging
 
-    from controlplane.capability.chain import Verifier
+    from capability.chain import Verifier
     from proxy.channel import ControlChannel, sleep_backoff
     from proxy.sidecar import Sidecar
     from proxy.state import SidecarState

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
+from capability import keys  # noqa: E402
+from capability.chain import mint_root  # noqa: E402
 from controlplane.auth import Caller  # noqa: E402
-from controlplane.capability import keys  # noqa: E402
-from controlplane.capability.chain import mint_root  # noqa: E402
 from controlplane.serve import build  # noqa: E402
 from tests.harness import RedisServer, free_port, prepare_controlplane  # noqa: E402
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .capability.catalog import TIERS, Catalog, host_key, normalize_url
-from .capability.glob import Budget, GlobTooLong, compare
+from capability.catalog import TIERS, Catalog, host_key, normalize_url
+from capability.glob import Budget, GlobTooLong, compare
 
 VERSION = 2
 _RANK = {"absent": 0, "approval": 1, "direct": 2}

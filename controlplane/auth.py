@@ -14,9 +14,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from .capability import keys
-from .capability.errors import BAD_REQUEST, FORBIDDEN, UNAUTHORIZED, ApiError
-from .capability.proof import MAX_AGE_S, Proof, check_proof, read_proof
+from capability import keys
+from capability.errors import BAD_REQUEST, FORBIDDEN, UNAUTHORIZED, ApiError
+from capability.proof import MAX_AGE_S, Proof, check_proof, read_proof
+
 from .store import Doc, Store
 
 PROOF_HEADER = "Tether-Proof"

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .capability.errors import BAD_REQUEST, ApiError
+from capability.errors import BAD_REQUEST, ApiError
 
 MAX_BODY = 8 * 1024 * 1024  # a report batch of ~10k calls fits; aiohttp's client_max_size is set to this too
 MAX_DEPTH = 32  # deeper than any document tether reads; the deepest legitimate one (a surface) is 5

@@ -19,10 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import runs
-from .body import bad as _bad
-from .body import parse, raw_body
-from .capability.budget import (
+from capability.budget import (
     DEFAULT_WINDOW_S,
     MAX_SLICE,
     SLICE_FRACTION,
@@ -31,7 +28,11 @@ from .capability.budget import (
     slice_keys,
     window_of,
 )
-from .capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
+from capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
+
+from . import runs
+from .body import bad as _bad
+from .body import parse, raw_body
 from .graph import Graph, Node
 from .server import ControlPlane
 from .store import Doc, Store, StoreUnavailable

@@ -17,18 +17,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from .capability import keys
-from .capability.budget import read_grant
-from .capability.catalog import TIERS
-from .capability.chain import (
+from capability import keys
+from capability.budget import read_grant
+from capability.catalog import TIERS
+from capability.chain import (
     LEEWAY_S,
     Verifier,
     mint_child,
     mint_root,
     parse_chain_unverified,
 )
-from .capability.errors import BAD_REQUEST, ChainError, TetherError
-from .capability.shared import parse_caps, parse_listen, read_chain, read_file, write_secret
+from capability.errors import BAD_REQUEST, ChainError, TetherError
+from capability.shared import parse_caps, parse_listen, read_chain, read_file, write_secret
+
 from .client import Client, Signer
 
 Command = Callable[[argparse.Namespace], int]
@@ -91,7 +92,7 @@ def _output_chain(args: argparse.Namespace, wire: str) -> None:
 
 
 def cmd_grant_issue(args: argparse.Namespace) -> int:
-    from .capability.shared import load_catalog
+    from capability.shared import load_catalog
 
     subject = keys.load_public(read_file(args.subject_key, "subject key"), args.subject_key)
     caps = parse_caps(args.cap)
@@ -131,7 +132,7 @@ def cmd_grant_delegate(args: argparse.Namespace) -> int:
     subject = keys.load_public(read_file(args.subject_key, "subject key"), args.subject_key)
     catalog = None
     if args.catalog:
-        from .capability.shared import load_catalog
+        from capability.shared import load_catalog
 
         catalog = load_catalog(args.catalog)
     child = mint_child(

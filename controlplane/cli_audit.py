@@ -8,10 +8,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from capability import keys
+from capability.chain import Verifier, parse_chain_unverified
+from capability.errors import BAD_REQUEST, TetherError
+
 from . import audit
-from .capability import keys
-from .capability.chain import Verifier, parse_chain_unverified
-from .capability.errors import BAD_REQUEST, TetherError
 from .cli import client, read_chain, read_file
 
 
@@ -35,7 +36,7 @@ def cmd_audit_surface(args: argparse.Namespace) -> int:
 
 def offline_surface(args: argparse.Namespace) -> dict[str, Any]:
     """The surface from a catalog file, the leaf of each ``--chain`` and each ``--role AGENT=ROLE``."""
-    from .capability.shared import load_catalog
+    from capability.shared import load_catalog
 
     catalog = load_catalog(args.catalog)
     verifier = None

@@ -7,9 +7,10 @@ import json
 import time
 from typing import Any
 
-from .capability import keys
-from .capability.errors import BAD_REQUEST, TetherError
-from .capability.errors import escape_unprintable as printable
+from capability import keys
+from capability.errors import BAD_REQUEST, TetherError
+from capability.errors import escape_unprintable as printable
+
 from .cli import ago, client, path_segment, read_file, signer_from
 from .termination import verify_records
 

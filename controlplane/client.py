@@ -12,8 +12,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from .capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
-from .capability.proof import make_proof
+from capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
+from capability.proof import make_proof
 
 DEFAULT_URL = "http://127.0.0.1:7000"
 UNREACHABLE = CONTROLPLANE_UNREACHABLE

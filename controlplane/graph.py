@@ -9,8 +9,9 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from capability.catalog import Catalog
+
 from . import audit
-from .capability.catalog import Catalog
 
 Doc = dict[str, Any]
 

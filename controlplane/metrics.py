@@ -16,8 +16,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .capability import errors as codes
-from .capability.shared import RESOLUTIONS
+from capability import errors as codes
+from capability.shared import RESOLUTIONS
+
 from .termination import MODES
 
 # HELP text and type of every family this module renders; a counter incremented under a name not listed

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .capability.chain import MAX_LINKS
+from capability.chain import MAX_LINKS
 
 Schema = dict[str, Any]
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .capability import keys
-from .capability.catalog import Catalog, empty_catalog
-from .capability.shared import load_catalog
+from capability import keys
+from capability.catalog import Catalog, empty_catalog
+from capability.shared import load_catalog
+
 from .server import ControlPlane
 from .store import open_store_url
 

@@ -18,14 +18,10 @@ from typing import Any
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from . import runs, telemetry
-from . import schemas as sc
-from .auth import Authenticator, Caller
-from .body import MAX_BODY, Fields, bad, parse, query_int, query_number, raw_body, read_json
-from .capability import keys
-from .capability.budget import GrantError, read_grant
-from .capability.catalog import TIERS, Catalog
-from .capability.chain import (
+from capability import keys
+from capability.budget import GrantError, read_grant
+from capability.catalog import TIERS, Catalog
+from capability.chain import (
     MAX_LINKS,
     ChainInvalid,
     Verifier,
@@ -33,7 +29,7 @@ from .capability.chain import (
     parse_chain_unverified,
     split_chain,
 )
-from .capability.errors import (
+from capability.errors import (
     BAD_REQUEST,
     CONFLICT,
     FORBIDDEN,
@@ -44,6 +40,11 @@ from .capability.errors import (
     ChainError,
     TetherError,
 )
+
+from . import runs, telemetry
+from . import schemas as sc
+from .auth import Authenticator, Caller
+from .body import MAX_BODY, Fields, bad, parse, query_int, query_number, raw_body, read_json
 from .event_stream import KEEPALIVE_S, EventHub, encode, visible
 from .graph import Graph, surface
 from .metrics import LoopWatch, Metrics, gauge, revocations_acknowledged

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .capability.tracing import tracer
+from capability.tracing import tracer
 
 if TYPE_CHECKING:
     from .termination_service import TerminationService

@@ -18,9 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from capability import keys
+from capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
+
 from . import jsonpieces
-from .capability import keys
-from .capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
 from .runs import accounted, unaccounted_runs
 
 Doc = dict[str, Any]

@@ -13,14 +13,15 @@ import os
 
 from aiohttp import web
 
+from capability import keys
+from capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
+
 from . import runs, telemetry
 from . import schemas as sc
 from . import termination as proto
 from .auth import Caller
 from .body import parse, raw_body
 from .budgets import budget_use
-from .capability import keys
-from .capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 from .graph import Graph
 from .server import CANCELLED, MAX_REASON, ControlPlane
 from .store import Doc, StoreUnavailable

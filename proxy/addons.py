@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mitmproxy import http
 
-from controlplane.capability import errors as codes
+from capability import errors as codes
 
 from . import mcp
 from .state import Call, Refusal, error_resolution

@@ -22,14 +22,14 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from controlplane.capability import errors as codes
-from controlplane.capability.budget import next_want
-from controlplane.capability.errors import ApiError
+from capability import errors as codes
+from capability.budget import next_want
+from capability.errors import ApiError
 
 from .state import Refusal
 
 if TYPE_CHECKING:
-    from controlplane.capability.chain import VerifiedChain
+    from capability.chain import VerifiedChain
 
     from .channel import ControlChannel
     from .state import Call

@@ -26,7 +26,7 @@ from mitmproxy.io import tnetstring
 from mitmproxy.net.encoding import decode as encoding_decode
 from mitmproxy.version import FLOW_FORMAT_VERSION
 
-from controlplane.capability.errors import BAD_REQUEST, TetherError
+from capability.errors import BAD_REQUEST, TetherError
 
 log = logging.getLogger("tether.sidecar.capture")
 REDACTED = "[REDACTED]"

@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from controlplane.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
-from controlplane.capability.errors import ApiError
-from controlplane.capability.proof import make_proof
+from capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
+from capability.errors import ApiError
+from capability.proof import make_proof
 
 COMPRESS_ABOVE = 16 * 1024  # bytes of a request body above which it is sent gzip-compressed
 

@@ -29,10 +29,10 @@ from urllib.parse import quote
 import aiohttp
 from mitmproxy import http
 
-from controlplane.capability import errors as codes
-from controlplane.capability.catalog import Catalog
-from controlplane.capability.credentials import Credential
-from controlplane.capability.errors import BAD_REQUEST, TetherError
+from capability import errors as codes
+from capability.catalog import Catalog
+from capability.credentials import Credential
+from capability.errors import BAD_REQUEST, TetherError
 
 from .addons import MCP_SERVER, call_of, refuse
 from .state import Refusal

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from controlplane.capability.errors import TetherError
+from capability.errors import TetherError
 
 EGRESS_FAILED = "tether.egress_failed"
 CHAIN = "TETHER_OUTPUT"

@@ -34,7 +34,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controlplane.capability.errors import TetherError
+from capability.errors import TetherError
 
 log = logging.getLogger("tether.isolate")
 

@@ -24,8 +24,8 @@ import os
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from controlplane.capability import errors as codes
-from controlplane.capability.errors import ApiError, TetherError
+from capability import errors as codes
+from capability.errors import ApiError, TetherError
 
 from .channel import ControlChannel
 

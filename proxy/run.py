@@ -19,10 +19,10 @@ import time
 import uuid
 from pathlib import Path
 
-from controlplane.capability import keys
-from controlplane.capability.chain import mint_child, parse_chain_unverified
-from controlplane.capability.errors import BAD_REQUEST, TetherError
-from controlplane.capability.shared import parse_caps, read_chain, read_file, write_secret
+from capability import keys
+from capability.chain import mint_child, parse_chain_unverified
+from capability.errors import BAD_REQUEST, TetherError
+from capability.shared import parse_caps, read_chain, read_file, write_secret
 
 from .credentials import SecretSpec
 

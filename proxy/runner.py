@@ -13,9 +13,9 @@ import signal
 import sys
 from pathlib import Path
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
-from controlplane.capability.shared import load_catalog, parse_listen, read_chain, read_file
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.shared import load_catalog, parse_listen, read_chain, read_file
 
 from .credentials import load_secrets
 from .sidecar import Sidecar, SidecarConfig

@@ -26,11 +26,11 @@ from mitmproxy import ctx, http, options
 from mitmproxy.addons import block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 
-from controlplane.capability import errors as codes
-from controlplane.capability import keys
-from controlplane.capability.catalog import Catalog, empty_catalog, parse_catalog
-from controlplane.capability.chain import Verifier, parse_chain_unverified
-from controlplane.capability.errors import ApiError, ChainError, TetherError
+from capability import errors as codes
+from capability import keys
+from capability.catalog import Catalog, empty_catalog, parse_catalog
+from capability.chain import Verifier, parse_chain_unverified
+from capability.errors import ApiError, ChainError, TetherError
 
 from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
 from .budget import Budgets

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from controlplane.capability import errors as codes
-from controlplane.capability.chain import VerifiedChain, Verifier
-from controlplane.capability.errors import ChainError, TetherError
-from controlplane.capability.shared import RESOLUTIONS
+from capability import errors as codes
+from capability.chain import VerifiedChain, Verifier
+from capability.errors import ChainError, TetherError
+from capability.shared import RESOLUTIONS
 
 SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from controlplane.capability.tracing import enabled, tracer
+from capability.tracing import enabled, tracer
 
 from .addons import MCP_PARSED, call_of
 

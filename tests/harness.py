@@ -27,9 +27,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from controlplane.capability import keys
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.chain import mint_child, mint_root, parse_chain_unverified
+from capability import keys
+from capability.catalog import parse_catalog
+from capability.chain import mint_child, mint_root, parse_chain_unverified
 from controlplane.client import Client
 
 ADMIN_TOKEN = "test-admin-token"

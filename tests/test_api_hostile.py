@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from controlplane.capability import keys
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.chain import mint_root, parse_chain_unverified
-from controlplane.capability.proof import make_proof
+from capability import keys
+from capability.catalog import parse_catalog
+from capability.chain import mint_root, parse_chain_unverified
+from capability.proof import make_proof
 from controlplane.client import Signer
 
 from .harness import ADMIN_TOKEN, ControlPlaneProcess, Identity, prepare_controlplane

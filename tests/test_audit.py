@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capability import keys
+from capability.catalog import HttpMatch, parse_catalog
+from capability.chain import mint_root
+from capability.errors import CatalogError
+from capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
 from controlplane import audit
-from controlplane.capability import keys
-from controlplane.capability.catalog import HttpMatch, parse_catalog
-from controlplane.capability.chain import mint_root
-from controlplane.capability.errors import CatalogError
-from controlplane.capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
 from controlplane.cli import main
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, prepare_controlplane

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from capability.errors import ApiError
 from controlplane.body import MAX_DEPTH, Fields, parse
-from controlplane.capability.errors import ApiError
 
 
 def refused(call: Any) -> str:

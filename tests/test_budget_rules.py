@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.capability import keys
-from controlplane.capability.budget import (
+from capability import keys
+from capability.budget import (
     Grant,
     GrantError,
     next_want,
@@ -19,9 +19,9 @@ from controlplane.capability.budget import (
     slice_size,
     widening,
 )
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
-from controlplane.capability.errors import CatalogError, ChainInvalid
+from capability.catalog import parse_catalog
+from capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
+from capability.errors import CatalogError, ChainInvalid
 
 CATALOG = parse_catalog("""
 capabilities:
@@ -69,7 +69,7 @@ def test_cap_spec_refused(spec: str) -> None:
     with pytest.raises(GrantError):
         grant = parse_cap_spec(spec)[1]
         if isinstance(grant, Grant) and grant.tier == "absent":
-            from controlplane.capability.budget import normalize
+            from capability.budget import normalize
 
             normalize({"x": grant})
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane.capability.budget import slice_size
+from capability.budget import slice_size
 from controlplane.store import Store
 
 from . import test_store_contract as contract

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from controlplane.capability import keys
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.chain import (
+from capability import keys
+from capability.catalog import parse_catalog
+from capability.chain import (
     CONTROLPLANE_PRINCIPAL,
     GRANT_TYP,
     LEEWAY_S,
@@ -35,7 +35,7 @@ from controlplane.capability.chain import (
     parse_chain_unverified,
     parse_link,
 )
-from controlplane.capability.errors import (
+from capability.errors import (
     CHAIN_EXPIRED,
     CHAIN_INVALID,
     CHAIN_REVOKED,
@@ -47,7 +47,7 @@ from controlplane.capability.errors import (
     ChainRevoked,
     UnknownCapability,
 )
-from controlplane.capability.proof import check_proof, make_proof, read_proof
+from capability.proof import check_proof, make_proof, read_proof
 
 CATALOG = parse_catalog(
     "capabilities:\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.capability.chain import parse_chain_unverified
+from capability.chain import parse_chain_unverified
 
 from .harness import PYTHON, ControlPlaneProcess, prepare_controlplane
 

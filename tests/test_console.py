@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 import requests
 
-from controlplane.capability.errors import ApiError
+from capability.errors import ApiError
 
 from .conftest import World
 from .harness import ADMIN_TOKEN, wait_until

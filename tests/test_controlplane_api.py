@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
-from controlplane.capability.errors import ApiError
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.errors import ApiError
 from controlplane.client import Client, Signer
 
 from .harness import ControlPlaneProcess, Identity, prepare_controlplane
@@ -83,7 +83,7 @@ def test_register_needs_possession_of_the_leaf_key(cp: ControlPlaneProcess) -> N
 
 
 def test_a_proof_is_used_once(cp: ControlPlaneProcess) -> None:
-    from controlplane.capability.proof import make_proof
+    from capability.proof import make_proof
 
     ident = cp.issue("replay", {"issues.read": "direct"})
     register(cp, ident)

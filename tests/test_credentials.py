@@ -26,8 +26,8 @@ import pytest
 import requests
 from aiohttp import web
 
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.errors import CatalogError
+from capability.catalog import parse_catalog
+from capability.errors import CatalogError
 from proxy.credentials import load_secrets, token_times
 
 from .harness import (
@@ -195,7 +195,7 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CredWorld]:
     cp = ControlPlaneProcess(root / "cp")
     cp.directory.mkdir(parents=True)
     cp.catalog_path.write_text(CATALOG.format(token=servers.token_port, tool=servers.tool_port))
-    from controlplane.capability import keys
+    from capability import keys
 
     key = keys.generate()
     cp.signing_key_path.write_bytes(keys.private_pem(key))

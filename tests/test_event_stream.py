@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import requests
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
+from capability import keys
+from capability.chain import parse_chain_unverified
 from proxy.channel import ControlChannel
 
 from . import harness

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
-from controlplane.capability.errors import ApiError
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.errors import ApiError
 from controlplane.client import Signer
 from proxy import mcp
 from proxy.channel import ControlChannel

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import requests
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
-from controlplane.capability.errors import ApiError
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.errors import ApiError
 from controlplane.client import Signer
 from controlplane.termination import terminated_agents
 

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from controlplane.capability import keys
+from capability import keys
 from proxy.isolate import Plan, User, readable_by
 
 from .harness import PYTHON, ControlPlaneProcess, free_port

@@ -42,10 +42,10 @@ import aiohttp
 import pytest
 import requests
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
-from controlplane.capability.errors import ApiError
-from controlplane.capability.proof import make_proof
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.errors import ApiError
+from capability.proof import make_proof
 from controlplane.client import Signer
 from controlplane.termination import terminated_agents
 

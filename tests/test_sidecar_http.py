@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
-from controlplane.capability import keys
-from controlplane.capability.catalog import parse_catalog
-from controlplane.capability.chain import mint_root
+from capability import keys
+from capability.catalog import parse_catalog
+from capability.chain import mint_root
 from proxy.capture import read_flows
 
 from .conftest import World, build_world, teardown_world
@@ -112,7 +112,7 @@ def issue_expiring(world: World, agent: str, caps: dict[str, str], expires_in: f
     Chains are checked with a clock leeway (LEEWAY_S), so a grant that expired a little less than the
     leeway ago still starts a sidecar; it then expires for good ``expires_in`` seconds later.
     """
-    from controlplane.capability.chain import LEEWAY_S
+    from capability.chain import LEEWAY_S
 
     signing = keys.load_private(world.cp.signing_key_path.read_bytes())
     catalog = parse_catalog(world.cp.catalog_path.read_text(), str(world.cp.catalog_path))

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from mitmproxy.test import tflow
 
-from controlplane.capability import keys
-from controlplane.capability.chain import parse_chain_unverified
-from controlplane.capability.errors import TetherError
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.errors import TetherError
 from controlplane.client import Signer
 from proxy.capture import CaptureWriter, read_flows, to_har
 from proxy.channel import ControlChannel

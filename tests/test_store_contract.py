@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.capability.errors import TetherError
+from capability.errors import TetherError
 from controlplane.store import LinkConflict, Store, StoreUnavailable, open_store_url
 from controlplane.store import redis as redis_store
 from controlplane.store import sqlite as sqlite_store

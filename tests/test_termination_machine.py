@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capability import keys
 from controlplane import termination as proto
-from controlplane.capability import keys
 
 T0 = 1_750_000_000.0
 STATES = (proto.REQUESTED, proto.DRAINING, proto.ABORTING, proto.RECONCILING, proto.TERMINATED)

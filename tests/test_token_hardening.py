@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.capability import keys
-from controlplane.capability.chain import LEEWAY_S, Verifier, parse_link
-from controlplane.capability.errors import ChainExpired, ChainInvalid, escape_unprintable
+from capability import keys
+from capability.chain import LEEWAY_S, Verifier, parse_link
+from capability.errors import ChainExpired, ChainInvalid, escape_unprintable
 
 from .harness import PYTHON, prepare_controlplane
 from .test_chain import CP, NOW, T0, Node, forge, forge_child, forge_root, root_claims, wire

@@ -23,11 +23,12 @@ from typing import Any
 
 from aiohttp import web
 
+from capability.errors import NOT_FOUND, RATE_LIMITED, UNAUTHORIZED, ApiError
+
 from .. import audit
 from .. import schemas as sc
 from ..auth import CSRF_HEADER, SESSION_COOKIE
 from ..body import bad, read_json
-from ..capability.errors import NOT_FOUND, RATE_LIMITED, UNAUTHORIZED, ApiError
 from ..server import ControlPlane
 from ..termination import verify_records
 from .sessions import Sessions, SignInThrottle

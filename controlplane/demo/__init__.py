@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..capability import keys
-from ..capability.chain import parse_chain_unverified
+from capability import keys
+from capability.chain import parse_chain_unverified
+
 from ..client import Client, Signer
 from ..termination import verify_records
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from ..capability.errors import BAD_REQUEST, TetherError
+from capability.errors import BAD_REQUEST, TetherError
+
 from .base import Doc, Event, LinkConflict, Store, StoreUnavailable
 
 

@@ -17,8 +17,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from capability.budget import slice_size
+
 from .. import jsonpieces
-from ..capability.budget import slice_size
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
 EVENT_RETENTION = 10_000
