@@ -19,7 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .catalog import GRANTED_TIERS, TIERS
+TIERS = ("direct", "approval", "absent")  # what a catalog role or a grant may name
+GRANTED_TIERS = ("direct", "approval")  # what a chain link may carry
 
 BUDGET_FIELDS = ("calls", "per_minute")
 MAX_BUDGET = 10**12  # a bound a JSON number, a Redis integer and an SQLite integer all hold exactly

@@ -19,12 +19,11 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 import yaml
 
+from .budget import TIERS, GrantError, read_grant
 from .credentials import Credential, parse_credentials
 from .errors import CatalogError, UnknownCapability
 from .glob import MAX_GLOB, admits
 
-TIERS = ("direct", "approval", "absent")
-GRANTED_TIERS = ("direct", "approval")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
@@ -450,8 +449,6 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
         for cap, tier in grants.items():
             if cap not in caps:
                 raise _fail(source, f"{where}.{cap}", "names a capability that is not in the catalog")
-            from .budget import GrantError, read_grant  # budget.py imports this module
-
             try:
                 read_grant(tier, tiers=TIERS)  # a tier, or {tier, calls, per_minute}: roles may carry budgets
             except GrantError as exc:
