@@ -9,6 +9,8 @@ control plane, real sockets) is tested end to end in test_sidecar_http and test_
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -173,3 +175,20 @@ def test_tunnels_only_to_the_catalog_and_no_raw_streams(tmp_path: Path) -> None:
     raw = tflow.ttcpflow()
     rig.pipeline.tcp_start(raw)
     assert raw.error is not None  # killed
+
+
+@pytest.mark.parametrize("module", ["addons", "enforce", "flowstate", "credentials", "decision", "state"])
+def test_no_addon_imports_the_sidecar(module: str) -> None:
+    """The sidecar builds the addons; an addon (or what it imports) never imports the sidecar back, and the
+    credential injector and the flow state do not need the other addons."""
+    code = f"import sys, json, proxy.{module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert "proxy.sidecar" not in loaded
+    assert module == "addons" or "proxy.addons" not in loaded
+
+
+def test_the_decision_imports_no_mitmproxy() -> None:
+    code = "import sys, proxy.decision; print([m for m in sys.modules if m.split('.')[0] == 'mitmproxy'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
