@@ -52,6 +52,22 @@ def large_upload(req: http.Request) -> bool:
         "transfer-encoding", "")
 
 
+_READ = frozenset({*(n.encode() for n in REWRITE_HEADERS), b"upgrade", b"tether-chain", b"mcp-method", b"mcp-name",
+                   b"content-encoding"})
+
+
+def header_facts(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
+    """The headers the decision reads, by lower-case name, in one pass over the request's fields (a lookup in
+    mitmproxy's ``Headers`` scans them all, per name). Repeated fields join with ", " as ``Headers`` joins them."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in fields:
+        key = raw_name.lower()
+        if key in _READ:
+            name, value = key.decode(), raw_value.decode("utf-8", "surrogateescape")
+            found[name] = f"{found[name]}, {value}" if name in found else value
+    return found
+
+
 def undecided(flow: http.HTTPFlow, exc: Exception) -> None:
     log.error("could not decide on %s %s; refusing it", flow.request.method, flow.request.pretty_url, exc_info=exc)
     refuse(flow, Refusal(codes.CAPABILITY_ABSENT, f"tether could not decide on this call ({exc!r}); refused"))
@@ -143,13 +159,13 @@ class Enforcer:
 
     @staticmethod
     def _facts(req: http.Request, call: Call, body: bytes | None) -> Facts:
-        headers = req.headers
+        found = header_facts(req.headers.fields)
         return Facts(method=req.method, sent_method=req.data.method.decode("utf-8", "replace"), host=req.host,
                      port=req.port, path=req.path, url=call.url, now=time.time(), now_mono=time.monotonic(),
-                     rewrite_headers=tuple(n for n in REWRITE_HEADERS if n in headers), upgrade="upgrade" in headers,
-                     chain_header=headers.get("Tether-Chain"), host_header=req.host_header,
-                     mcp_method=headers.get("mcp-method"), mcp_name=headers.get("mcp-name"),
-                     content_encoding=headers.get("content-encoding"), body=body)
+                     rewrite_headers=tuple(n for n in REWRITE_HEADERS if n in found), upgrade="upgrade" in found,
+                     chain_header=found.get("tether-chain"), host_header=req.host_header,
+                     mcp_method=found.get("mcp-method"), mcp_name=found.get("mcp-name"),
+                     content_encoding=found.get("content-encoding"), body=body)
 
     def _apply(self, flow: http.HTTPFlow, state: FlowState, call: Call, answer: Decision, at_headers: bool) -> None:
         call.capability, call.tier, call.detail = answer.capability, answer.tier, answer.detail  # for the report
