@@ -283,8 +283,9 @@ class Credentials:
 class Injector:
     """Strips the agent's credential headers and injects the sidecar's, for calls whose capability names one.
 
-    Runs after the Enforcer (the call is decided, held calls approved) and before Capture (which redacts what
-    it injected). A streamed upload's headers leave at ``requestheaders``; every other request's at ``request``."""
+    Runs after the enforcement addons (proxy/enforce.py: the call is decided, held calls approved) and before
+    Capture (which redacts what it injected). A streamed upload's headers leave at ``requestheaders``; every
+    other request's at ``request``."""
 
     def __init__(self, catalog: Catalog, credentials: Credentials, chain: ChainState) -> None:
         self.catalog, self.credentials, self.chain = catalog, credentials, chain
