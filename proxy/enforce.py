@@ -151,9 +151,8 @@ class Enforcer:
             return
         try:
             req = flow.request
-            answer = decide(self.catalog, self.chain, self._facts(req, state.call, None if at_headers else
-                                                                  req.raw_content or b""))
-            self._apply(flow, state, state.call, answer, at_headers)
+            facts = self._facts(req, state.call, None if at_headers else req.raw_content or b"")
+            self._apply(flow, state, state.call, decide(self.catalog, self.chain, facts), facts)
         except Exception as exc:
             undecided(flow, exc)
 
@@ -167,13 +166,12 @@ class Enforcer:
                      mcp_method=found.get("mcp-method"), mcp_name=found.get("mcp-name"),
                      content_encoding=found.get("content-encoding"), body=body)
 
-    def _apply(self, flow: http.HTTPFlow, state: FlowState, call: Call, answer: Decision, at_headers: bool) -> None:
+    def _apply(self, flow: http.HTTPFlow, state: FlowState, call: Call, answer: Decision, facts: Facts) -> None:
         call.capability, call.tier, call.detail = answer.capability, answer.tier, answer.detail  # for the report
         state.mcp_server, state.mcp_parsed = answer.server, answer.parsed
         if isinstance(answer, ReadBody):
             return
-        own = flow.request.headers.get("Tether-Chain")
-        if own is not None and own.strip() == self.chain.wire:
+        if facts.chain_header is not None and facts.chain_header.strip() == self.chain.wire:
             del flow.request.headers["Tether-Chain"]  # the sidecar's own chain is not the tool's business
         if isinstance(answer, Refused):
             refuse(flow, answer.refusal)
@@ -187,7 +185,7 @@ class Enforcer:
         if isinstance(answer, Hold):
             # Held at the headers only when the body will stream through (unseen by the approver); otherwise
             # once the body is here, so the approver sees what would leave.
-            state.hold = "headers" if at_headers and large_upload(flow.request) else "body"
+            state.hold = "headers" if facts.body is None and large_upload(flow.request) else "body"
 
 
 class Holds:

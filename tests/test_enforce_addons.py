@@ -124,6 +124,12 @@ async def test_a_refusal_answers_the_agent_and_nothing_leaves(tmp_path: Path, fl
     assert rig.reporter.inflight == 0 and rig.calls.counts["refused"] == 1 and call.code == code
 
 
+async def test_the_sidecars_own_chain_does_not_reach_the_tool(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    flow = await rig.send(request(tether_chain=rig.state.wire))
+    assert state_of(flow).refused is None and "Tether-Chain" not in flow.request.headers
+
+
 async def test_a_revocation_between_the_headers_and_the_body_stops_the_call(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     flow = request()
