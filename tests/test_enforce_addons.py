@@ -23,7 +23,8 @@ from capability import errors as codes
 from capability import keys
 from capability.catalog import parse_catalog
 from capability.chain import Verifier, mint_root
-from proxy.addons import Resolver, Tracker
+from proxy.addons import Capture, Resolver, Tracker
+from proxy.capture import CaptureWriter
 from proxy.channel import ControlChannel
 from proxy.enforce import Enforcer, Forwarder, Holds, Tunnels
 from proxy.flowstate import state_of
@@ -45,7 +46,8 @@ TRUST, AGENT = keys.generate(), keys.generate()
 class Rig:
     """The enforcement part of a sidecar's pipeline, around one chain state."""
 
-    def __init__(self, tmp_path: Path, answer: str = "approved") -> None:
+    def __init__(self, tmp_path: Path, answer: str = "approved", *, spool: Path | None = None,
+                 capture: Capture | None = None) -> None:
         wire = mint_root(TRUST, agent="agent-1", subject_key=AGENT.public_key(), now=time.time(), ttl_s=600, depth=0,
                          caps={"files.read": "direct", "files.write": "approval", "mail.send": "direct"},
                          catalog=CATALOG)
@@ -53,13 +55,14 @@ class Rig:
         self.state = SidecarState(verifier.verify(wire, now=time.time()), verifier, lease_ttl_s=15.0)
         self.state.renewed(time.monotonic())
         self.calls = CallTable()
-        self.reporter = Reporter(ControlChannel("http://127.0.0.1:9", "agent-1", "link", AGENT), tmp_path / "spool")
+        self.spool = spool or tmp_path / "spool"
+        self.reporter = Reporter(ControlChannel("http://127.0.0.1:9", "agent-1", "link", AGENT), self.spool)
         self.answer = answer
         self.asked: list[str | None] = []
         self.pipeline = Pipeline([
             Tracker("agent-1", self.track), Tunnels(CATALOG, self.state, self.track, self.resolve),
             Enforcer(CATALOG, self.state), Holds(self.state, self.approve),
-            Forwarder(self.state, None, self.reporter.start), Resolver(self.resolve)])
+            Forwarder(self.state, None, self.reporter.start), *([capture] if capture else []), Resolver(self.resolve)])
 
     def track(self, call: Call, flow: http.HTTPFlow) -> None:
         self.calls.start(call)
@@ -102,7 +105,7 @@ async def test_a_granted_call_is_written_ahead_and_leaves(tmp_path: Path) -> Non
     assert flow.response is not None and flow.response.status_code == 200  # the tool's answer
     state = state_of(flow)
     assert state.refused is None and state.call is not None and state.call.capability == "files.read"
-    assert rig.reporter.inflight == 1 and "files.read" in (tmp_path / "spool").read_text()  # its start, spooled
+    assert rig.reporter.inflight == 1 and "files.read" in rig.spool.read_text()  # its start, spooled
     assert rig.calls.counts["completed"] == 1
 
 
@@ -128,6 +131,28 @@ async def test_the_sidecars_own_chain_does_not_reach_the_tool(tmp_path: Path) ->
     rig = Rig(tmp_path)
     flow = await rig.send(request(tether_chain=rig.state.wire))
     assert state_of(flow).refused is None and "Tether-Chain" not in flow.request.headers
+
+
+async def test_no_call_leaves_without_its_start_on_disk(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, spool=tmp_path / "missing" / "spool")
+    flow = await rig.send(request())
+    assert flow.response is not None and flow.response.status_code == 503
+    assert flow.response.headers["Tether-Error"] == codes.SPOOL_UNAVAILABLE
+
+
+@pytest.mark.parametrize("allow_uncaptured", [False, True])
+async def test_a_call_that_cannot_be_captured(tmp_path: Path, allow_uncaptured: bool) -> None:
+    (tmp_path / "a-directory").mkdir()  # the capture file cannot be opened
+    rig = Rig(tmp_path, capture=Capture(CaptureWriter(tmp_path / "a-directory"), allow_uncaptured))
+    flow = await rig.send(request())
+    assert flow.response is not None
+    if allow_uncaptured:
+        call = state_of(flow).call
+        assert flow.response.status_code == 200 and call is not None and call.detail is not None
+        assert call.detail.startswith("uncaptured")
+    else:
+        assert flow.response.status_code == 503
+        assert flow.response.headers["Tether-Error"] == codes.CAPTURE_UNAVAILABLE
 
 
 async def test_a_revocation_between_the_headers_and_the_body_stops_the_call(tmp_path: Path) -> None:
