@@ -67,8 +67,8 @@ class Rig:
     def track(self, call: Call, flow: http.HTTPFlow) -> None:
         self.calls.start(call)
 
-    def resolve(self, call: Call, resolution: str, **more: Any) -> None:
-        self.calls.resolve(call.call_id, resolution, time.time(), **more)
+    def resolve(self, call: Call, resolution: str, *, detail: str | None = None, **more: Any) -> None:
+        self.calls.resolve(call.call_id, resolution, time.time(), detail=detail or call.detail, **more)
 
     async def approve(self, call: Call) -> str:
         self.asked.append(call.capability)
