@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import aiohttp
@@ -34,11 +33,8 @@ from capability.catalog import Catalog
 from capability.credentials import Credential
 from capability.errors import BAD_REQUEST, TetherError
 
-from .addons import MCP_SERVER, call_of, refuse
-from .state import Refusal
-
-if TYPE_CHECKING:
-    from .sidecar import Sidecar
+from .decision import ChainState, Refusal
+from .flowstate import refuse, state_of
 
 log = logging.getLogger("tether.sidecar.credentials")
 
@@ -287,19 +283,19 @@ class Credentials:
 class Injector:
     """Strips the agent's credential headers and injects the sidecar's, for calls whose capability names one.
 
-    Runs after the Enforcer (the call is decided, held calls approved) and before Capture (which redacts what
-    it injected). A streamed upload's headers leave at ``requestheaders``; every other request's at ``request``."""
+    Runs after the enforcement addons (proxy/enforce.py: the call is decided, held calls approved) and before
+    Capture (which redacts what it injected). A streamed upload's headers leave at ``requestheaders``; every
+    other request's at ``request``."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, catalog: Catalog, credentials: Credentials, chain: ChainState) -> None:
+        self.catalog, self.credentials, self.chain = catalog, credentials, chain
 
     def _credential(self, flow: http.HTTPFlow) -> Credential | None:
-        catalog = self.sidecar.catalog
-        server = flow.metadata.get(MCP_SERVER)
-        if server is not None:
-            return catalog.mcp_credential(server)
-        call = call_of(flow)
-        return catalog.credential_of(call.capability) if call is not None and call.capability else None
+        state = state_of(flow)
+        if state.mcp_server is not None:
+            return self.catalog.mcp_credential(state.mcp_server)
+        call = state.call
+        return self.catalog.credential_of(call.capability) if call is not None and call.capability else None
 
     def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         if flow.response is None and flow.request.stream:
@@ -318,7 +314,7 @@ class Injector:
                 return None
             for name in {*AGENT_HEADERS, credential.header.lower()}:
                 flow.request.headers.pop(name, None)
-            value = self.sidecar.credentials.value(credential)
+            value = self.credentials.value(credential)
         except Refusal as refusal:
             refuse(flow, refusal)
             return None
@@ -331,7 +327,9 @@ class Injector:
         try:
             header = await value
             # The token request took time: a revocation or a drain may have arrived meanwhile.
-            self.sidecar.state.admit(time.time(), time.monotonic())
+            refusal = self.chain.refusal(time.time(), time.monotonic())
+            if refusal is not None:
+                raise refusal
         except Refusal as refusal:
             refuse(flow, refusal)
             return

@@ -32,11 +32,13 @@ from capability.catalog import Catalog, empty_catalog, parse_catalog
 from capability.chain import Verifier, parse_chain_unverified
 from capability.errors import ApiError, ChainError, TetherError
 
-from .addons import ABORTED, MCP_PARSED, Capture, Enforcer, Resolver, Streamer, ToolsFilter, Tracker
+from .addons import Capture, Resolver, Streamer, ToolsFilter, Tracker
 from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .credentials import Credentials, Injector
+from .enforce import Enforcer, Forwarder, Holds, Tunnels
+from .flowstate import state_of
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
@@ -176,7 +178,7 @@ class Sidecar:
             self.retired = f"the chain is revoked ({', '.join(answer['revoked'])})"
         if self.retired:
             return
-        self.state = SidecarState(verified, verifier, lease_ttl_s=15.0)
+        self.state = SidecarState(verified, verifier, lease_ttl_s=15.0, wire=self.wire)
         self.budgets = Budgets(verified, self.channel)
         self.resolved.append(self.budgets.on_resolved)
         self.state.registered = True
@@ -190,11 +192,7 @@ class Sidecar:
         master.addons.add(*mitmproxy_addons())
         self.credentials.bind(self.catalog)
         self.capture.protect(self.credentials.header_names(), self.credentials.values)
-        ours: list[Any] = [Transparent(), Tracker(self), *call_tracing(self), Enforcer(self), Injector(self),
-                           ToolsFilter(self), Streamer()]
-        if self.config.capture:
-            ours.append(Capture(self))
-        master.addons.add(Pipeline([*ours, Resolver(self)]))
+        master.addons.add(Pipeline(self.addons()))
         # rawtcp off: bytes mitmproxy cannot read as HTTP are never passed through as a raw stream.
         updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600,
                                    "rawtcp": False}
@@ -227,6 +225,18 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(job()))
         log.info("sidecar for %s listening on %s:%d", self.agent, host, port)
         return host, port
+
+    def addons(self) -> list[Any]:
+        """tether's addons in pipeline order, each given only what it uses (proxy/addons.py, proxy/enforce.py)."""
+        catalog, state = self.catalog, self.state
+        spend = self.budgets.spend if self.budgets.active else None
+        ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *call_tracing(self),
+                           Tunnels(catalog, state, self.track, self.resolve), Enforcer(catalog, state),
+                           Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
+                           Injector(catalog, self.credentials, state), ToolsFilter(catalog, state.tier), Streamer()]
+        if self.config.capture:
+            ours.append(Capture(self.capture, self.allow_uncaptured))
+        return [*ours, Resolver(self.resolve)]
 
     @property
     def ca_cert(self) -> Path:
@@ -462,7 +472,7 @@ class Sidecar:
 
     def abort_flow(self, flow: http.HTTPFlow) -> None:
         """Cut a forwarded call off now (mitmproxy's kill only acts at the next hook)."""
-        flow.metadata[ABORTED] = "tether.aborted"
+        state_of(flow).aborted = "tether.aborted"
         self._notify_mcp_cancel(flow)
         if flow.killable:
             flow.kill()
@@ -474,7 +484,7 @@ class Sidecar:
 
     def _notify_mcp_cancel(self, flow: http.HTTPFlow) -> None:
         """Closing the stream is cancellation to MCP; where the session has an id, say so explicitly too."""
-        parsed = flow.metadata.get(MCP_PARSED)
+        parsed = state_of(flow).mcp_parsed
         session = flow.request.headers.get("mcp-session-id")
         if parsed is None or session is None or (flow.response is not None and not flow.response.stream):
             return

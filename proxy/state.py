@@ -1,6 +1,7 @@
 """The sidecar's decision state and its in-flight table. Pure: no I/O, time passed in.
 
-``SidecarState.admit`` answers one question for every call: may anything leave right now? It holds
+``SidecarState.refusal`` answers one question for every call: may anything leave right now? (``admit`` raises
+its answer.) It is the chain state ``proxy.decision`` reads: the tiers, and it holds
 the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
 the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
 
@@ -14,41 +15,21 @@ from typing import Any
 
 from capability import errors as codes
 from capability.chain import VerifiedChain, Verifier
-from capability.errors import ChainError, TetherError
+from capability.errors import ChainError
 from capability.shared import RESOLUTIONS
+
+from .decision import Refusal
+
+__all__ = ["Call", "CallTable", "Refusal", "SidecarState", "error_resolution"]  # Refusal: its old home, still read
 
 SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
 
-HTTP_STATUS = {
-    codes.CAPABILITY_ABSENT: 403,
-    codes.UNKNOWN_DESTINATION: 403,
-    codes.CHAIN_INVALID: 403,
-    codes.CHAIN_REVOKED: 403,
-    codes.CHAIN_EXPIRED: 403,
-    codes.LEASE_EXPIRED: 503,
-    codes.DRAINING: 503,
-    codes.TERMINATED: 503,
-    codes.APPROVAL_DENIED: 403,
-    codes.APPROVAL_TIMEOUT: 403,
-    codes.CAPTURE_UNAVAILABLE: 503,
-    codes.SPOOL_UNAVAILABLE: 503,
-    codes.CREDENTIAL_UNAVAILABLE: 503,
-    codes.BUDGET_EXHAUSTED: 429,
-    codes.RATE_LIMITED: 429,
-}
-
-
-class Refusal(TetherError):
-    """A call tether refuses; nothing was sent upstream."""
-
-    def __init__(self, code: str, message: str, **details: Any) -> None:
-        super().__init__(message, code=code, **details)
-        self.http_status = HTTP_STATUS.get(code, 403)
-
 
 class SidecarState:
-    def __init__(self, chain: VerifiedChain, verifier: Verifier, lease_ttl_s: float) -> None:
+    def __init__(self, chain: VerifiedChain, verifier: Verifier, lease_ttl_s: float, wire: str | None = None) -> None:
         self.chain = chain
+        self.wire = chain.wire if wire is None else wire  # as the sidecar was given it (Tether-Chain must equal it)
+        self.agent = chain.agent
         self.verifier = verifier
         self.lease_ttl_s = lease_ttl_s
         self.revoked: set[str] = set()
@@ -95,17 +76,24 @@ class SidecarState:
     # -- the decision ---------------------------------------------------------------------------------
     def admit(self, now: float, now_mono: float) -> None:
         """Raise Refusal unless a call may be forwarded now."""
+        refusal = self.refusal(now, now_mono)
+        if refusal is not None:
+            raise refusal
+
+    def refusal(self, now: float, now_mono: float) -> Refusal | None:
+        """Why no call may be forwarded now, or None when one may."""
         if self.mode == TERMINATED:
-            raise Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
+            return Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
         if self.mode in (DRAINING, ABORTING):
-            raise Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
+            return Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
         try:
             self.chain.check(now, self.revoked, self.verifier.leeway)
         except ChainError as exc:
-            raise Refusal(exc.code, exc.message, reason=exc.reason) from None
+            return Refusal(exc.code, exc.message, reason=exc.reason)
         if now_mono >= self.lease_until:
-            raise Refusal(codes.LEASE_EXPIRED, "no contact with the control plane within the lease; "
-                          "calls resume when it is reachable again")
+            return Refusal(codes.LEASE_EXPIRED, "no contact with the control plane within the lease; "
+                           "calls resume when it is reachable again")
+        return None
 
     def tier(self, capability: str) -> str:
         return self.chain.tier(capability)

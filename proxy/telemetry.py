@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from capability.tracing import enabled, tracer
 
-from .addons import MCP_PARSED, call_of
+from .flowstate import call_of, state_of
 
 log = logging.getLogger("tether.sidecar")
 
@@ -74,7 +74,7 @@ class CallTracing:
         span, flow = self.open.pop(call.call_id, (None, None))
         if span is None:  # resolved before its headers reached this stage (a refused CONNECT)
             span = self.tracer.start_span("execute_tool", kind=self._kind, start_time=int(call.started_at * 1e9))
-        parsed = flow.metadata.get(MCP_PARSED) if flow is not None else None
+        parsed = state_of(flow).mcp_parsed if flow is not None else None
         tools = [m.tool for m in parsed.messages if m.method == "tools/call" and m.tool] if parsed else []
         plumbing = [m.method for m in parsed.messages if m.method] if parsed and not tools else []
         name = ",".join(tools) or call.capability or ",".join(plumbing) or "unknown"

@@ -1,0 +1,310 @@
+"""The enforcement decision, pure: catalog + chain state + call facts -> an answer. No I/O, no flows, no clock.
+
+``decide`` answers for one request as the agent sent it: ``Allow`` (forward it once the final look, the budget
+and the write-ahead record let it leave), ``Hold`` (a person decides first), ``ReadBody`` (a JSON-RPC POST to
+an MCP server: decide again once its body is here) or ``Refused`` with a ``Refusal`` that carries a stable
+code from DESIGN.md section 5. Every answer also says what the call matched (capability, tier, MCP server),
+for the report and for the error body. ``decide_tunnel`` answers for a CONNECT, ``after_approval`` for a held
+call once the person's decision (or its absence) is known.
+
+The facts come from the edge (proxy/enforce.py reads them off a mitmproxy flow); the time comes in with them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from capability import errors as codes
+from capability.catalog import Catalog
+from capability.errors import TetherError
+
+from . import mcp
+
+HTTP_STATUS = {
+    codes.CAPABILITY_ABSENT: 403,
+    codes.UNKNOWN_DESTINATION: 403,
+    codes.CHAIN_INVALID: 403,
+    codes.CHAIN_REVOKED: 403,
+    codes.CHAIN_EXPIRED: 403,
+    codes.LEASE_EXPIRED: 503,
+    codes.DRAINING: 503,
+    codes.TERMINATED: 503,
+    codes.APPROVAL_DENIED: 403,
+    codes.APPROVAL_TIMEOUT: 403,
+    codes.CAPTURE_UNAVAILABLE: 503,
+    codes.SPOOL_UNAVAILABLE: 503,
+    codes.CREDENTIAL_UNAVAILABLE: 503,
+    codes.BUDGET_EXHAUSTED: 429,
+    codes.RATE_LIMITED: 429,
+}
+
+# Headers that frameworks (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override, Rails ...) honour
+# to serve another path, method or host than the request line names. Refused rather than stripped: stripping
+# would silently change what the agent asked for, and a request that needs one is not the one tether matched.
+REWRITE_HEADERS = ("x-original-url", "x-rewrite-url", "x-http-method-override", "x-http-method",
+                   "x-method-override", "x-forwarded-host", "x-forwarded-prefix", "forwarded")
+_METHOD = re.compile(r"[A-Z]{1,16}")
+_RANK = {"direct": 0, "approval": 1}
+
+
+class Refusal(TetherError):
+    """A call tether refuses; nothing was sent upstream."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message, code=code, **details)
+        self.http_status = HTTP_STATUS.get(code, 403)
+
+
+class ChainState(Protocol):
+    """What the decision reads of the sidecar's state (``proxy.state.SidecarState``)."""
+
+    mode: str
+
+    @property
+    def agent(self) -> str: ...
+
+    @property
+    def wire(self) -> str: ...
+
+    def tier(self, capability: str) -> str: ...
+
+    def refusal(self, now: float, now_mono: float) -> Refusal | None: ...
+
+
+# Facts and answers are built once per call on the sidecar's hot path and never changed after: plain slotted
+# dataclasses, not frozen ones (a frozen dataclass's __init__ costs three times as much).
+@dataclass(slots=True, kw_only=True)
+class Facts:
+    """One request as the agent sent it, and when: everything ``decide`` reads."""
+
+    method: str  # as matched: upper-cased
+    sent_method: str  # as sent (methods are case-sensitive)
+    host: str
+    port: int
+    path: str  # the request target, query included
+    url: str  # scheme://host:port/path, no query: the call's URL
+    now: float
+    now_mono: float
+    rewrite_headers: tuple[str, ...] = ()  # those of REWRITE_HEADERS the request carries, in that order
+    upgrade: bool = False
+    chain_header: str | None = None  # Tether-Chain
+    host_header: str | None = None  # Host, or :authority
+    mcp_method: str | None = None  # the mcp-method header
+    mcp_name: str | None = None  # the mcp-name header
+    content_encoding: str | None = None
+    body: bytes | None = None  # None until the body is here
+
+
+@dataclass(slots=True, kw_only=True)
+class Answer:
+    capability: str | None = None  # what the call matched (several, comma-joined, for a batch of tools/call)
+    tier: str | None = None
+    server: str | None = None  # the MCP endpoint, when the call goes to one
+    detail: str | None = None  # for the report: which MCP plumbing it was
+    tools: tuple[str, ...] | None = None  # the capabilities of a JSON-RPC body's tools/call messages
+    parsed: mcp.Parsed | None = None  # the JSON-RPC body, once read
+
+
+@dataclass(slots=True, kw_only=True)
+class Allow(Answer):
+    pass
+
+
+@dataclass(slots=True, kw_only=True)
+class Hold(Answer):
+    pass
+
+
+@dataclass(slots=True, kw_only=True)
+class ReadBody(Answer):
+    pass
+
+
+@dataclass(slots=True, kw_only=True)
+class Refused(Answer):
+    refusal: Refusal
+
+
+Decision = Allow | Hold | ReadBody | Refused
+
+
+def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
+    """The answer for one request: see the module docstring."""
+    refusal = _request_line(facts)
+    if refusal is not None:
+        return Refused(refusal=refusal)
+    server = catalog.mcp_server(facts.url)
+    if server is not None and facts.method == "POST":
+        if facts.body is None:
+            return ReadBody(server=server)
+        return _decide_rpc(catalog, chain, facts, server)
+    names = catalog.match_http(facts.host, facts.port, facts.method, facts.path)
+    capability, tier = _best(chain, names) if names else (None, None)
+    refusal = _state_and_headers(chain, facts)
+    if refusal is None and server is not None:
+        return _decide_stream(catalog, chain, facts, server, capability, tier)
+    if refusal is None and not names:
+        refusal = (Refusal(codes.CAPABILITY_ABSENT, f"no capability covers {facts.method} {facts.path} on {facts.host}")
+                   if catalog.knows_host(facts.host, facts.port) else _unknown(facts.host, facts.port))
+    if refusal is None and tier == "absent":
+        refusal = Refusal(codes.CAPABILITY_ABSENT, f"{capability} is not granted to {chain.agent}")
+    if refusal is not None:
+        return Refused(refusal=refusal, capability=capability, tier=tier, server=server)
+    return (Hold if tier == "approval" else Allow)(capability=capability, tier=tier)
+
+
+def decide_tunnel(catalog: Catalog, chain: ChainState, host: str, port: int, now: float,
+                  now_mono: float) -> Refusal | None:
+    """May a CONNECT open a tunnel? Only to a destination in the catalog, and only while calls may leave."""
+    if not catalog.knows_host(host, port):
+        return _unknown(host, port)
+    return chain.refusal(now, now_mono)  # a terminated agent opens no tunnel
+
+
+def after_approval(decision: str, chain: ChainState, capability: str | None, now: float,
+                   now_mono: float) -> tuple[Refusal | None, str]:
+    """A held call once its approval was decided: (the refusal or None, the resolution a refusal gets)."""
+    if decision == "approved":
+        return chain.refusal(now, now_mono), "refused"
+    if decision == "denied":
+        return Refusal(codes.APPROVAL_DENIED, f"a person denied {capability} for this call"), "refused"
+    if decision == "cancelled":
+        return Refusal(codes.TERMINATED if chain.mode == "terminated" else codes.DRAINING,
+                       "the held call was cancelled: this agent is being terminated"), "cancelled_not_sent"
+    return Refusal(codes.APPROVAL_TIMEOUT, f"no approval for {capability} arrived in time ({decision})"), "refused"
+
+
+# -- the parts ------------------------------------------------------------------------------------------
+def _unknown(host: str, port: int) -> Refusal:
+    return Refusal(codes.UNKNOWN_DESTINATION, f"{host}:{port} is not a destination in the capability catalog")
+
+
+def _best(chain: ChainState, names: list[str]) -> tuple[str, str]:
+    ranked = sorted(names, key=lambda n: _RANK.get(chain.tier(n), 2))
+    return ranked[0], chain.tier(ranked[0])
+
+
+def _request_line(facts: Facts) -> Refusal | None:
+    """The server must read the method and path tether matched, and nothing that rewrites them."""
+    if not facts.path.startswith("/"):
+        return Refusal(codes.CAPABILITY_ABSENT, f"the request target {facts.path[:64]!r} is not a path (asterisk "
+                       "or authority form); only requests for a path are forwarded", reason="request_target")
+    if "#" in facts.path:
+        return Refusal(codes.CAPABILITY_ABSENT, "a request target never carries a fragment ('#'); servers "
+                       "disagree on what follows it, so it is not forwarded", reason="request_target")
+    if not _METHOD.fullmatch(facts.sent_method):
+        # Methods are case-sensitive (RFC 9110): "get" is not GET, though some servers treat it as GET, and
+        # the catalog matched the upper-cased name.
+        return Refusal(codes.CAPABILITY_ABSENT, f"the method {facts.sent_method[:32]!r} is not an upper-case HTTP "
+                       "method; send it as the catalog names it", reason="method")
+    if facts.rewrite_headers:
+        return Refusal(codes.CAPABILITY_ABSENT, f"the header {facts.rewrite_headers[0]} asks the server to use "
+                       "another path, method or host than the one tether matched; remove it", reason="rewrite_header")
+    return None
+
+
+def _state_and_headers(chain: ChainState, facts: Facts) -> Refusal | None:
+    """May anything leave now, and do the headers say what the connection does?"""
+    refusal = chain.refusal(facts.now, facts.now_mono)
+    if refusal is not None:
+        return refusal
+    if facts.upgrade or facts.method == "CONNECT":
+        # A websocket or other upgraded stream would outlive the call's decision (and a revocation,
+        # drain or abort): tether does not let one start.
+        return Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades (websockets, h2c, tunnels in tunnels) "
+                       "are not forwarded")
+    if facts.chain_header is not None and facts.chain_header.strip() != chain.wire:
+        return Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
+                       "an agent cannot borrow another chain", reason="foreign_chain")
+    host_header = facts.host_header
+    if host_header:
+        name, port = host_header, None
+        if not host_header.endswith("]") and ":" in host_header:
+            name, _, port = host_header.rpartition(":")
+        same_port = port is None or (port.isdigit() and int(port) == facts.port)
+        if name.strip("[]").lower().rstrip(".") != facts.host.lower().rstrip(".") or not same_port:
+            return Refusal(codes.UNKNOWN_DESTINATION,
+                           f"Host header {host_header!r} does not name the destination {facts.host}:{facts.port}")
+    return None
+
+
+def _plumbing(catalog: Catalog, chain: ChainState, server: str) -> Refusal | None:
+    """Session plumbing needs some tool on that server."""
+    if any(chain.tier(c) != "absent" for caps in catalog.mcp_tools(server).values() for c in caps):
+        return None
+    return Refusal(codes.CAPABILITY_ABSENT, f"no tool on {server} is granted to {chain.agent}")
+
+
+def _decide_stream(catalog: Catalog, chain: ChainState, facts: Facts, server: str, capability: str | None,
+                   tier: str | None) -> Decision:
+    """A GET (the server's stream to the client) or DELETE (the session's end) on an MCP endpoint."""
+    if facts.method not in ("GET", "DELETE"):
+        refusal: Refusal | None = Refusal(codes.CAPABILITY_ABSENT,
+                                          f"{facts.method} to an MCP endpoint is not in the catalog")
+    else:
+        refusal = _plumbing(catalog, chain, server)
+    if refusal is not None:
+        return Refused(refusal=refusal, capability=capability, tier=tier, server=server)
+    return Allow(capability=capability, tier=tier, server=server, detail=f"mcp {facts.method}")
+
+
+def _read_rpc(facts: Facts) -> mcp.Parsed | Refusal:
+    try:
+        # The server reads the bytes as sent: match those, and never a body we would have to decode.
+        encoding = (facts.content_encoding or "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise mcp.NotJsonRpc(f"an encoded body (Content-Encoding: {encoding}) is not matched")
+        return mcp.parse(facts.body or b"")
+    except mcp.NotJsonRpc as exc:
+        return Refusal(codes.CAPABILITY_ABSENT, f"not a JSON-RPC message tether can match: {exc}")
+
+
+def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) -> Decision:
+    """A JSON-RPC POST (one message or a batch): every message must be granted, or none leaves."""
+    parsed = _read_rpc(facts)
+    if isinstance(parsed, Refusal):
+        return Refused(refusal=parsed, server=server)
+    capability: str | None = None
+    detail: str | None = None
+    tools: list[tuple[str, str]] = []
+    refusal: Refusal | None = None
+    for message in parsed.messages:
+        if message.method == "tools/call":
+            names = catalog.match_mcp(server, message.tool or "")
+            capability, tier = _best(chain, names) if names else (f"mcp:{message.tool}", "absent")
+            if tier == "absent":
+                refusal = Refusal(codes.CAPABILITY_ABSENT, f"tool {message.tool!r} is not granted to {chain.agent}",
+                                  capability=capability)
+                break
+            tools.append((capability, tier))
+        elif message.is_plumbing:
+            refusal = _plumbing(catalog, chain, server)
+            if refusal is not None:
+                break
+            detail = f"mcp {message.method or 'response'}"
+        else:
+            refusal = Refusal(codes.CAPABILITY_ABSENT, f"MCP method {message.method!r} is not in the catalog")
+            break
+    refusal = refusal or _rpc_headers(facts, parsed) or _state_and_headers(chain, facts)
+    if refusal is not None:
+        return Refused(refusal=refusal, capability=capability, server=server, detail=detail, parsed=parsed)
+    if not tools:
+        return Allow(server=server, detail=detail or "mcp", parsed=parsed)
+    names = tuple(c for c, _ in tools)
+    held = any(t == "approval" for _, t in tools)
+    return (Hold if held else Allow)(capability=",".join(names), tier="approval" if held else "direct",
+                                     server=server, tools=names, parsed=parsed)
+
+
+def _rpc_headers(facts: Facts, parsed: mcp.Parsed) -> Refusal | None:
+    """Servers may route on the mcp-method / mcp-name headers: they must say what the body says."""
+    if parsed.batch:
+        return None
+    message = parsed.messages[0]
+    if facts.mcp_method is not None and facts.mcp_method != message.method:
+        return Refusal(codes.CAPABILITY_ABSENT, "the mcp-method header does not match the JSON-RPC body")
+    if facts.mcp_name is not None and message.method == "tools/call" and facts.mcp_name != message.tool:
+        return Refusal(codes.CAPABILITY_ABSENT, "the mcp-name header does not match the tool in the body")
+    return None

@@ -1,0 +1,152 @@
+"""The sidecar's state and its in-flight table (proxy/state.py), directly: no proxy, no control plane.
+
+``SidecarState`` is what every decision reads (mode, revocations, lease, chain time); ``CallTable`` gives
+every call exactly one of the five resolutions. Both take the time as an argument, so every rule is
+checked at the instant it turns.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from capability import errors as codes
+from capability import keys
+from capability.catalog import parse_catalog
+from capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
+from capability.shared import RESOLUTIONS
+from proxy.decision import Refusal
+from proxy.state import ABORTING, DRAINING, SERVING, TERMINATED, Call, CallTable, SidecarState, error_resolution
+
+CATALOG = parse_catalog("capabilities:\n  a.read: {http: {host: a.example, methods: [GET], path: /a}}\n")
+TRUST = keys.generate()
+PARENT, CHILD = keys.generate(), keys.generate()
+T0 = 1_750_000_000.0
+TTL = 600
+
+
+def two_links() -> str:
+    root = mint_root(TRUST, agent="parent", subject_key=PARENT.public_key(), caps={"a.read": "direct"}, now=T0,
+                     ttl_s=TTL, depth=1, catalog=CATALOG)
+    child = mint_child(parse_chain_unverified(root)[0], PARENT, agent="child", subject_key=CHILD.public_key(),
+                       caps={"a.read": "approval"}, now=T0, ttl_s=TTL)
+    return f"{root},{child}"
+
+
+WIRE = two_links()
+
+
+def new_state(lease_ttl_s: float = 15.0) -> SidecarState:
+    verifier = Verifier(TRUST.public_key(), catalog_hash=CATALOG.hash, leeway=30)
+    return SidecarState(verifier.verify(WIRE, now=T0), verifier, lease_ttl_s=lease_ttl_s)
+
+
+def code(state: SidecarState, now: float = T0 + 1, mono: float = 101.0) -> str | None:
+    refusal = state.refusal(now, mono)
+    return refusal.code if refusal else None
+
+
+def test_the_chain_it_reads() -> None:
+    state = new_state()
+    assert (state.agent, state.wire) == ("child", WIRE)
+    assert state.tier("a.read") == "approval" and state.tier("b.write") == "absent"
+
+
+def test_no_call_leaves_before_the_first_lease_and_after_it_runs_out() -> None:
+    state = new_state()
+    assert code(state) == codes.LEASE_EXPIRED
+    state.renewed(100.0)  # the heartbeat that succeeded was sent at 100
+    assert code(state, mono=114.99) is None
+    assert code(state, mono=115.0) == codes.LEASE_EXPIRED
+    state.renewed(90.0)  # a late answer to an older heartbeat never shortens the lease
+    assert code(state, mono=114.99) is None
+    state.renewed(110.0, ttl_s=5.0)  # the control plane sets the TTL
+    assert state.lease_ttl_s == 5.0 and code(state, mono=114.99) is None and code(state, mono=115.0) is not None
+    with pytest.raises(Refusal) as raised:
+        state.admit(T0, 200.0)
+    assert raised.value.code == codes.LEASE_EXPIRED and raised.value.http_status == 503
+
+
+def test_revocations_of_any_link_refuse_and_are_acknowledged_with_their_age() -> None:
+    state = new_state()
+    state.renewed(100.0)
+    assert state.revoke(["someone-elses"], 100.5) is False and code(state) is None
+    parent_jti = parse_chain_unverified(WIRE)[0].jti
+    assert state.revoke([parent_jti], 100.5) is True  # an ancestor's revocation ends the chain
+    assert code(state) == codes.CHAIN_REVOKED
+    assert state.revoke([parent_jti], 103.0) is True  # learned once: the age runs from the first time
+    assert state.revocations_held(101.0) == {parent_jti: 0.5}
+
+
+def test_chain_time_with_its_leeway() -> None:
+    state = new_state()
+    state.renewed(100.0)
+    assert code(state, now=T0 - 30) is None and code(state, now=T0 - 31) == codes.CHAIN_EXPIRED
+    assert code(state, now=T0 + TTL + 29) is None and code(state, now=T0 + TTL + 30) == codes.CHAIN_EXPIRED
+
+
+@pytest.mark.parametrize(("commands", "mode", "refused"), [
+    ([], SERVING, None),
+    ([{"termination_id": "t1", "mode": "drain"}], DRAINING, codes.DRAINING),
+    ([{"termination_id": "t1", "mode": "abort"}], ABORTING, codes.DRAINING),
+    # the same termination escalates from drain to abort, never back
+    ([{"termination_id": "t1", "mode": "drain"}, {"termination_id": "t1", "mode": "abort"}], ABORTING, codes.DRAINING),
+    ([{"termination_id": "t1", "mode": "abort"}, {"termination_id": "t1", "mode": "drain"}], ABORTING, codes.DRAINING),
+    # another termination takes over
+    ([{"termination_id": "t1", "mode": "abort"}, {"termination_id": "t2", "mode": "drain"}], DRAINING, codes.DRAINING),
+])
+def test_commands(commands: list[dict], mode: str, refused: str | None) -> None:
+    state = new_state()
+    state.renewed(100.0)
+    for command in commands:
+        state.commanded(command)
+    assert state.mode == mode and code(state) == refused
+    assert (state.command or {}).get("mode", "serve") == {SERVING: "serve", DRAINING: "drain", ABORTING: "abort"}[mode]
+
+
+def test_terminated_is_final_and_refuses_before_anything_else() -> None:
+    state = new_state()
+    state.commanded({"termination_id": "t1", "mode": "drain"})
+    state.quiesced()
+    state.revoke([state.chain.jtis[-1]], 0.0)
+    assert state.commanded({"termination_id": "t2", "mode": "drain"}) == TERMINATED
+    assert code(state, mono=0.0) == codes.TERMINATED  # no lease, revoked: the termination is what it says
+
+
+def call(call_id: str = "c1") -> Call:
+    return Call(call_id=call_id, agent="child", method="GET", url="http://a.example:80/a", started_at=T0)
+
+
+def test_a_call_resolves_once() -> None:
+    table = CallTable()
+    first = table.start(call())
+    assert table.snapshot() == [{"call_id": "c1", "capability": None, "method": "GET",
+                                 "url": "http://a.example:80/a", "started_at": T0, "phase": "arrived"}]
+    done = table.resolve("c1", "completed", T0 + 2, status=201, detail="ok")
+    assert done is first and (done.resolution, done.status, done.ended_at, done.phase) == ("completed", 201, T0 + 2,
+                                                                                          "done")
+    assert table.resolve("c1", "unknown", T0 + 3) is None  # a later resolution is ignored
+    assert first.resolution == "completed" and table.inflight == {} and table.snapshot() == []
+    assert table.counts == {**dict.fromkeys(RESOLUTIONS, 0), "completed": 1}
+
+
+def test_every_resolution_is_counted_and_no_other_is_taken() -> None:
+    table = CallTable()
+    for index, resolution in enumerate(RESOLUTIONS):
+        table.start(call(f"c{index}"))
+        table.resolve(f"c{index}", resolution, T0, code="tether.x" if resolution == "refused" else None)
+    assert table.counts == dict.fromkeys(RESOLUTIONS, 1)
+    table.start(call("bad"))
+    with pytest.raises(ValueError):
+        table.resolve("bad", "maybe", T0)
+
+
+@pytest.mark.parametrize(("connected", "sent", "aborted", "resolution"), [
+    (False, False, False, "failed_not_sent"),
+    (False, False, True, "cancelled_not_sent"),
+    (True, False, False, "unknown"),
+    (True, False, True, "unknown"),
+    (False, True, False, "unknown"),
+    (True, True, True, "unknown"),
+])
+def test_error_resolution(connected: bool, sent: bool, aborted: bool, resolution: str) -> None:
+    assert error_resolution(connected=connected, sent=sent, aborted=aborted) == resolution
