@@ -183,24 +183,16 @@ def _command_env(args: argparse.Namespace, info: dict, secrets: list, isolation:
 
 
 def _run_command(command: list[str], env: dict[str, str]) -> int:
-    """Run the command to its end, passing it SIGTERM and SIGINT; its exit status (a signal's as 128+N, and
-    Ctrl-C as 130 even when the command exits cleanly on it)."""
+    """Run the command to its end, passing it SIGTERM and SIGINT; its exit status, a death by signal N as 128+N
+    (so Ctrl-C, which the command gets too, ends run with 130 as it does the command)."""
     child = subprocess.Popen(command, env=env)
-    interrupted: list[int] = []
-
-    def forward(sig: int, _frame: Any) -> None:
-        interrupted.append(sig)
-        child.send_signal(sig)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if code < 0:
-        return 128 - code
-    return 130 if code == 0 and signal.SIGINT in interrupted else code
+    return 128 - code if code < 0 else code
 
 
 def _die_with_parent() -> None:

@@ -178,8 +178,9 @@ async def prepare(sidecar: Sidecar, url: str) -> None:
         except ApiError as exc:
             if exc.code != CONTROLPLANE_UNREACHABLE:
                 raise
-            status(f"waiting for the control plane at {url}: unreachable for {time.monotonic() - started:.0f}s "
-                   f"({exc.message}); still trying, Ctrl-C to give up")
+            # (the first failure's details were logged as it happened, within the first second)
+            status(f"waiting for the control plane at {url}: unreachable for {time.monotonic() - started:.0f}s, "
+                   "still trying (Ctrl-C to give up)")
 
 
 async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
@@ -188,6 +189,7 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
 
     from proxy.sidecar import Sidecar
 
+    check_listen(config.listen_host, config.listen_port)  # before registering a run that could never serve
     sidecar = Sidecar(config)
     try:
         await prepare(sidecar, config.controlplane)
@@ -215,6 +217,24 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     stopped_by = await wait_for_signal()
     await sidecar.stop()
     return 130 if stopped_by == signal.SIGINT else 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail now, and plainly, when the proxy's address is taken (mitmproxy would say so after start-up, suggesting
+    its own flags). A port freed or taken in between is still caught when the proxy starts."""
+    import socket
+
+    from .controlplane import listen_error
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxy binds: TIME_WAIT is no conflict
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise listen_error(f"the sidecar cannot listen on {host}:{port}", exc) from None
 
 
 async def wait_for_signal() -> int:
