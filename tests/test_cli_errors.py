@@ -90,6 +90,13 @@ def test_capture_export_without_its_captures_dir_fails(tmp_path: Path) -> None:
     clean(out)
 
 
+def test_a_command_against_an_unreachable_control_plane_names_it(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    out = tether("agents", "--controlplane", url, cwd=tmp_path)
+    assert out.returncode == 2 and "tether.controlplane_unreachable" in out.stderr and url in out.stderr
+    clean(out)
+
+
 def test_control_plane_on_a_port_in_use(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
