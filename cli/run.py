@@ -128,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                        stdout=log_file, stderr=log_file, start_new_session=True,
                                        preexec_fn=_die_with_parent)
         info = _wait_ready(sidecar, ready, log_path)
-        env = _command_env(args, info, secrets, isolation, state_dir)
+        env = _command_env(info, secrets, isolation, state_dir)
         env.update({"TETHER_AGENT": agent, "TETHER_CHAIN": os.path.abspath(chain_path),
                     "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE,
                     "TETHER_STATE_DIR": os.path.abspath(state_root)})
@@ -159,7 +159,7 @@ def _identity(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str
     raise TetherError("give --chain and --key, or --parent-chain, --parent-key and --cap", code=BAD_REQUEST)
 
 
-def _command_env(args: argparse.Namespace, info: dict, secrets: list, isolation: Any, state_dir: Path) -> dict:
+def _command_env(info: dict, secrets: list, isolation: Any, state_dir: Path) -> dict:
     """The command's environment: the proxy (or, isolated, none to follow), the CA, and no sidecar secret."""
     env = dict(os.environ)
     for spec in secrets:  # the secret is the sidecar's alone: the command never sees the variable
