@@ -19,6 +19,7 @@ RUN python -m venv /opt/tether
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY capability ./capability
+COPY cli ./cli
 COPY controlplane ./controlplane
 COPY proxy ./proxy
 RUN /opt/tether/bin/pip install --no-compile . \

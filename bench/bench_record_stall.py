@@ -2,7 +2,7 @@
 
 Run: python bench/bench_record_stall.py        (about 1 minute; --calls N, --store sqlite|redis|both)
 
-Real parts, in this process: the control plane's aiohttp app (``controlplane.serve.build``, the same one
+Real parts, in this process: the control plane's aiohttp app (``cli.controlplane.build``, the same one
 ``tether controlplane serve`` runs) listening on loopback, over SQLite and over a ``redis-server`` started
 here. One registered agent has 20,000 final call reports (ingested through ``ControlPlane.ingest_reports``,
 before the clock starts). Then ``POST /v1/agents/{agent}/terminate {"mode": "abort", "window_s": 0}`` over
@@ -38,8 +38,8 @@ from aiohttp import web  # noqa: E402
 
 from capability import keys  # noqa: E402
 from capability.chain import mint_root  # noqa: E402
+from cli.controlplane import build  # noqa: E402
 from controlplane.auth import Caller  # noqa: E402
-from controlplane.serve import build  # noqa: E402
 from tests.harness import RedisServer, free_port, prepare_controlplane  # noqa: E402
 
 TOKEN = "bench-admin-token"

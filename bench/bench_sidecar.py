@@ -543,7 +543,7 @@ def run_boundary(stack: ExitStack, work: Path, cp: object, tools: ToolServerProc
     state = work / "iso-state"
     urls = {"http": f"http://{BOUNDARY_HOST}:{tools.http_port}{ISSUES}",
             "https": f"https://{BOUNDARY_HOST}:{tools.https_port}{ISSUES}"}
-    inner = (f"mount --bind {hosts} /etc/hosts && exec {shlex.quote(sys.executable)} -m controlplane.cli run "
+    inner = (f"mount --bind {hosts} /etc/hosts && exec {shlex.quote(sys.executable)} -m cli run "
              f"--isolate --listen 127.0.0.1:0 --controlplane {cp.url} --chain {identity.chain_path} "  # type: ignore[attr-defined]
              f"--key {identity.key_path} --state-dir {state} --upstream-ca {tools.ca.ca_pem} -- "
              f"{CLIENT_PYTHON} -I {client} {shlex.quote(json.dumps({'urls': urls, 'warmup': 20}))}")

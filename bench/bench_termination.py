@@ -5,7 +5,7 @@ Run: python bench/bench_termination.py      (about 1 minute on 2 cores; --no-for
 Real parts: a ``tether controlplane serve`` process (SQLite), 50 ``tether sidecar`` processes for a delegation
 tree (root -> 7 children -> 6 grandchildren each), and the harness's aiohttp tool server in a process of its
 own. The sidecars are forked from a zygote that imported their code once (each then runs
-``controlplane.cli.main(["sidecar", ...])`` as a process of its own); ``--no-fork`` starts fresh interpreters
+``cli.main.main(["sidecar", ...])`` as a process of its own); ``--no-fork`` starts fresh interpreters
 instead, which on 2 cores spends minutes importing. Each sidecar carries 10 slow calls (``/slow?s=N``): 5
 short ones that end inside the drain window and 5 long ones that the window cuts: 500 calls in flight when the
 root is terminated with ``mode=drain``. Every call carries a unique tag in its query string, so the record can
@@ -286,13 +286,13 @@ async def scenario(cp: ControlPlaneProcess, tools: ToolServerProcess, sidecars: 
 
 
 # A zygote: imports the sidecar's code once, then forks one child per sidecar that runs exactly what
-# ``python -m controlplane.cli sidecar ...`` runs. Each child is a full sidecar process of its own; only
+# ``python -m cli sidecar ...`` runs. Each child is a full sidecar process of its own; only
 # the ~2 s of imports per process is shared, which 50 processes on 2 cores would otherwise pay in turn.
 ZYGOTE_CODE = """
 import json, os, signal, sys
 sys.path.insert(0, {root!r})
-import controlplane.cli as cli
-import proxy.runner, proxy.sidecar
+import cli.main as cli
+import cli.sidecar, proxy.sidecar
 from mitmproxy.addons import default_addons
 default_addons()
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel

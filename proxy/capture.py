@@ -6,7 +6,6 @@ forwarded) and again when it resolves; readers keep the last state per flow id.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import dataclasses
 import errno
@@ -348,8 +347,9 @@ class CaptureWriter:
     def _open(self) -> IO[bytes]:
         if self._file is not None:
             return self._file
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "ab", buffering=0)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # 0600: the flows hold what the agent sent and received, redacted or not, and are the sidecar's alone
+        f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab", buffering=0)
         if self._clean_end is not None:
             try:
                 if f.seek(0, os.SEEK_END) > self._clean_end:  # (a smaller file is another file: leave it)
@@ -508,26 +508,3 @@ def selection(root: Path, record: dict[str, Any] | None, agent: str | None) -> d
         return {agent: None}
     return {d.name: None for d in sorted(root.iterdir()) if (d / "captures" / CAPTURE_FILE).exists()} \
         if root.is_dir() else {}
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from controlplane.client import Client
-
-    root = Path(args.captures)
-    since, until = parse_when(args.since), parse_when(args.until)
-    if not (args.termination or args.agent or since is not None or until is not None):
-        raise TetherError("give --agent ID, --termination ID, or a time range (--since/--until)", code=BAD_REQUEST)
-    client = Client(args.controlplane)
-    record = client.request("GET", f"/v1/records/{args.termination}") if args.termination else None
-    wanted = selection(root, record, args.agent)
-    if record is not None:
-        calls = record["calls"]
-    else:
-        query = f"?agent={args.agent}" if args.agent else ""
-        calls = client.request("GET", f"/v1/reports{query}")
-    har, count, missing = export(root, wanted, calls, since, until)
-    for agent in missing:
-        print(f"warning: no capture for {agent} under {root}")
-    Path(args.har).write_text(json.dumps(har, indent=1))
-    print(f"wrote {args.har}: {count} call(s) from {len(wanted) - len(missing)} agent(s), in time order")
-    return 0

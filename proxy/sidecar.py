@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,25 +53,28 @@ ACK_BATCH = 5000
 
 @dataclass
 class SidecarConfig:
+    """Every field but the last comes from an option of ``tether sidecar`` (cli/sidecar.py's table holds the
+    defaults, so there is no second one here)."""
+
     controlplane: str
     chain: str
     key: Ed25519PrivateKey
     state_dir: Path
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8080
-    catalog: Catalog | None = None
-    trust: Any = None  # Ed25519PublicKey, else fetched from the control plane
-    upstream_ca: str | None = None
-    redact_fields: list[str] = field(default_factory=list)
-    approval_timeout_s: float = 120.0
-    allow_uncaptured: bool = False
-    call_timeout_s: float = 300.0
-    capture_path: Path | None = None
-    startup_timeout_s: float = 30.0
-    capture: bool = True
-    secrets: dict[str, str] = field(default_factory=dict)  # credential name -> secret (proxy/credentials.py)
-    transparent_listen: tuple[str, int] | None = None  # also intercept redirected connections here
-    dns_listen: tuple[str, int] | None = None  # answer DNS here with the transparent address (--isolate)
+    listen_host: str
+    listen_port: int
+    catalog: Catalog | None
+    trust: Any  # Ed25519PublicKey, else (None) fetched from the control plane
+    upstream_ca: str | None
+    redact_fields: list[str]
+    approval_timeout_s: float
+    allow_uncaptured: bool
+    call_timeout_s: float
+    capture_path: Path | None
+    capture: bool
+    secrets: dict[str, str]  # credential name -> secret (proxy/credentials.py)
+    transparent_listen: tuple[str, int] | None  # also intercept redirected connections here
+    dns_listen: tuple[str, int] | None  # answer DNS here with the transparent address (--isolate)
+    startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
 
 
 def mitmproxy_addons() -> list[Any]:
@@ -108,7 +111,7 @@ class Sidecar:
         self.wire = config.chain
         links = parse_chain_unverified(self.wire)
         self.agent = links[-1].sub
-        config.state_dir.mkdir(parents=True, exist_ok=True)
+        config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # CA key, spool, captures: ours alone
         self._lock = lock_state_dir(config.state_dir)  # before the spool is read: it has one owner
         self.run_id, self.supersedes = new_run(config.state_dir, links[-1].hash)
         self.channel = ControlChannel(config.controlplane, self.agent, links[-1].hash, config.key, self.run_id)

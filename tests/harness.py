@@ -335,7 +335,7 @@ class ControlPlaneProcess:
         log = open(self.directory / "controlplane.log", "ab")
         store = self.store or f"sqlite:///{self.directory / 'tether.db'}"
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "controlplane.cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
+            [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
              "--store", store, "--catalog", str(self.catalog_path), "--signing-key", str(self.signing_key_path),
              "--lease-ttl", str(self.lease_ttl), "--grace", str(self.grace)],
             stdout=log, stderr=log, env=self.env())
@@ -427,7 +427,7 @@ class SidecarProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ready = self.state_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [PYTHON, "-m", "controlplane.cli", "sidecar", "--controlplane", self.cp.url,
+        args = [PYTHON, "-m", "cli", "sidecar", "--controlplane", self.cp.url,
                 "--chain", str(self.identity.chain_path), "--key", str(self.identity.key_path),
                 "--listen", "127.0.0.1:0", "--state-dir", str(self.state_dir), "--ready-file", str(ready),
                 *self.extra]

@@ -22,8 +22,8 @@ from capability.catalog import HttpMatch, parse_catalog
 from capability.chain import mint_root
 from capability.errors import CatalogError
 from capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
+from cli.main import main
 from controlplane import audit
-from controlplane.cli import main
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, prepare_controlplane
 
@@ -348,7 +348,7 @@ def cp(tmp_path: Path) -> Iterator[ControlPlaneProcess]:
 
 
 def tether(cp: ControlPlaneProcess, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "controlplane.cli", *args], cwd=cwd, env=cp.env(), capture_output=True,
+    return subprocess.run([PYTHON, "-m", "cli", *args], cwd=cwd, env=cp.env(), capture_output=True,
                           text=True, timeout=60)
 
 

@@ -122,7 +122,7 @@ def test_approval_shows_the_redacted_call_and_binds_to_its_hash(world: World) ->
         assert len(req["body"].encode()) <= 16 * 1024 and req["call_hash"].startswith("sha256:")
         assert approval["call_hash"] == req["call_hash"]
 
-        out = subprocess.run([sys.executable, "-m", "controlplane.cli", "approvals", "show", approval["id"]],
+        out = subprocess.run([sys.executable, "-m", "cli", "approvals", "show", approval["id"]],
                              env=w.cp.env(), capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert f"POST {w.tools.base}/echo" in out.stdout and "authorization: [redacted]" in out.stdout.lower()

@@ -354,7 +354,7 @@ def test_tether_run_removes_the_secret_variable_from_the_command(cworld: CredWor
         "print(json.dumps(out))\n")
     env = {**cworld.cp.env(), "TEST_STATIC_SECRET": STATIC}
     done = subprocess.run(
-        [PYTHON, "-m", "controlplane.cli", "run", "--controlplane", cworld.cp.url, "--chain", str(identity.chain_path),
+        [PYTHON, "-m", "cli", "run", "--controlplane", cworld.cp.url, "--chain", str(identity.chain_path),
          "--key", str(identity.key_path), "--state-dir", str(cworld.root / "run-state"), *cworld.secret_args(),
          "--", PYTHON, str(script), f"http://127.0.0.1:{cworld.servers.tool_port}"],
         capture_output=True, text=True, timeout=90, env=env, check=False)
@@ -379,7 +379,7 @@ def test_zz_no_secret_value_in_any_capture_har_spool_report_log_or_record(cworld
         sidecar.stop()
     har = cworld.root / "all.har"
     for agent_dir in (cworld.cp.directory / "sidecars").iterdir():
-        subprocess.run([PYTHON, "-m", "controlplane.cli", "capture", "export", "--agent", agent_dir.name,
+        subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", agent_dir.name,
                         "--captures", str(agent_dir.parent), "--har", str(har.with_suffix(f".{agent_dir.name}.har"))],
                        capture_output=True, timeout=60, env=cworld.cp.env(), check=False)
     assert list(cworld.root.glob("all.*.har")), "no HAR was exported"

@@ -147,7 +147,7 @@ def test_concurrent_flushes_deliver_every_report_once(world: World, tmp_path: Pa
 
 def test_controlplane_serve_with_flags_only(tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([PYTHON, "-m", "controlplane.cli", "controlplane", "serve", "--listen",
+    proc = subprocess.Popen([PYTHON, "-m", "cli", "controlplane", "serve", "--listen",
                              f"127.0.0.1:{port}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:

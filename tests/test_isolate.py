@@ -297,7 +297,7 @@ def test_isolated_command_is_enforced_whatever_transport_it_uses(iso_world: dict
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "secret_files": {"key": str(identity.key_path), "secret": str(iso_world["secret"]),
                             "ca key": str(state / "iso.agent" / "ca" / "mitmproxy-ca.pem")}}
-    inner = (f"mount --bind {iso_world['hosts']} /etc/hosts && exec {PYTHON} -m controlplane.cli run --isolate "
+    inner = (f"mount --bind {iso_world['hosts']} /etc/hosts && exec {PYTHON} -m cli run --isolate "
              f"--controlplane {cp.url} --chain {identity.chain_path} --key {identity.key_path} "
              f"--state-dir {state} --upstream-ca {iso_world['ca']} --secret tool=file:{iso_world['secret']} "
              f"--secret env=env:ISO_SECRET -- /usr/bin/python3 -I {iso_world['public'] / 'agent.py'} "

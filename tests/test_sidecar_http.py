@@ -384,7 +384,7 @@ def captured(shared: World, tmp_path_factory: pytest.TempPathFactory) -> Capture
     wait_until(answered, 10, what="both calls captured with their responses")
     wait_reports(w, "cap-a", 2)
     har_path = tmp_path_factory.mktemp("har") / "cap.har"
-    out = subprocess.run([PYTHON, "-m", "controlplane.cli", "capture", "export", "--agent", "cap-a",
+    out = subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", "cap-a",
                           "--har", str(har_path), "--captures", str(w.cp.directory / "sidecars")],
                          capture_output=True, text=True, timeout=60, env=w.cp.env())
     assert out.returncode == 0, out.stdout + out.stderr
@@ -514,7 +514,7 @@ def _tether_run(world: World, state_root: Path, run_args: list[str], tag: str) -
     env = {k: v for k, v in world.cp.env().items()
            if k.upper() not in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE",
                                 "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")}
-    cmd = [PYTHON, "-m", "controlplane.cli", "run", "--controlplane", world.cp.url, "--state-dir", str(state_root),
+    cmd = [PYTHON, "-m", "cli", "run", "--controlplane", world.cp.url, "--state-dir", str(state_root),
            "--upstream-ca", str(world.ca.ca_pem), *run_args, "--",
            PYTHON, str(script), world.tools.base, f"https://localhost:{world.secure.port}", tag]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

@@ -232,7 +232,7 @@ def assert_record_matches_reports(world: World, record: dict[str, Any], agents: 
 def run_cli(world: World, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**world.cp.env(), "TETHER_ADMIN_TOKEN": ADMIN_TOKEN}
     return subprocess.run(
-        [PYTHON, "-m", "controlplane.cli", *args, "--controlplane", world.cp.url],
+        [PYTHON, "-m", "cli", *args, "--controlplane", world.cp.url],
         env=env,
         capture_output=True,
         text=True,

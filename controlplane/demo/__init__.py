@@ -140,7 +140,7 @@ class Demo:
         (self.dir / "catalog.yaml").write_text(CATALOG.format(http=self.ports["http"], mcp=self.ports["mcp"]))
         self.start("tickets", [py, "-m", "controlplane.demo.tools", "http", str(self.ports["http"])])
         self.start("mcp", [py, "-m", "controlplane.demo.tools", "mcp", str(self.ports["mcp"])])
-        self.start("controlplane", [py, "-m", "controlplane.cli", "controlplane", "serve", "--listen",
+        self.start("controlplane", [py, "-m", "cli", "controlplane", "serve", "--listen",
                                     f"127.0.0.1:{self.ports['cp']}", "--store", "sqlite:///tether.db",
                                     "--catalog", "catalog.yaml", "--signing-key", "signing.key",
                                     "--lease-ttl", "5", "--grace", "2"])
@@ -166,7 +166,7 @@ class Demo:
         self.step("Run the root agent under tether",
                   "`tether run` starts a sidecar and runs the unmodified agent script with HTTP_PROXY pointing "
                   "at it. The agent spawns its own sub-agents, each under `tether run` with a narrower grant.")
-        root = self.start("root", [py, "-m", "controlplane.cli", "run", "--chain", "root.chain", "--key",
+        root = self.start("root", [py, "-m", "cli", "run", "--chain", "root.chain", "--key",
                                    "root.key", "--state-dir", "agents", "--", py, "-m",
                                    "controlplane.demo.agent", "root"], stdout=subprocess.PIPE, text=True)
         relay = self.relay(root)
@@ -190,10 +190,10 @@ class Demo:
         self.pause(1.5)
         self.step("The delegation tree", "Every link is registered before use, so the control plane knows "
                   "every descendant ($ tether agents --tree):")
-        from ..cli import _print_tree
+        from cli.agents import print_tree
 
         for node in tree:
-            _print_tree(node, "   ", True, top=True)
+            print_tree(node, "   ", True, top=True)
 
         # The live link (a demo run again into the same directory re-grants every id: the old links stay, revoked).
         writer = next(a for a in self.client.request("GET", "/v1/agents")["agents"]
@@ -251,7 +251,7 @@ class Demo:
         relay.join(timeout=5)
         self.step("The reconciliation record", "What became of every call, from outside the workload "
                   "($ tether records show ID):")
-        from ..cli_ops import print_record_summary
+        from cli.ops import print_record_summary
 
         print_record_summary(record)
         records = self.client.request("GET", "/v1/records")

@@ -7,7 +7,16 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-from .cli import client, path_segment
+from .remote import add_controlplane, client, path_segment
+
+
+def add_budgets(sub: Any) -> None:
+    p = sub.add_parser("budgets", help="call budgets as a tree: granted, used, leased per link")
+    add_controlplane(p)
+    p.add_argument("--agent", help="only the links this agent holds, and everything below them")
+    p.add_argument("--jti", help="one link's subtree")
+    p.add_argument("--json", action="store_true", help="print the control plane's answer as JSON")
+    p.set_defaults(func=cmd_budgets)
 
 
 def cmd_budgets(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""CLI commands for operators: terminate, terminations, approvals, records."""
+"""Operators' commands: ``tether terminate``, ``terminations``, ``approvals`` and ``records``."""
 
 from __future__ import annotations
 
@@ -7,22 +7,63 @@ import json
 import time
 from typing import Any
 
-from capability import keys
 from capability.errors import BAD_REQUEST, TetherError
 from capability.errors import escape_unprintable as printable
 
-from .cli import ago, client, path_segment, read_file, signer_from
-from .termination import verify_records
+from .remote import add_controlplane, client, path_segment, signer_from
+from .text import ago
+from .text import print_json as _print_json
+from .text import when as _when
 
 
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True))
+# -- parsers ---------------------------------------------------------------------------------------------
+def add_terminate(sub: Any) -> None:
+    p = sub.add_parser("terminate", help="terminate an agent and its whole subtree")
+    add_controlplane(p)
+    p.add_argument("agent", help="the agent whose subtree ends")
+    p.add_argument("--mode", choices=["drain", "abort"], default="drain",
+                   help="drain: in-flight calls may finish within the window; abort: cut them now")
+    p.add_argument("--window", type=float, default=30.0, metavar="S", help="a drain's window in seconds")
+    p.add_argument("--reason", default="", help="kept in the record")
+    p.add_argument("--chain", metavar="F", help="act as an ancestor principal holding this chain (needs --key)")
+    p.add_argument("--key", metavar="F", help="the private key of --chain's leaf")
+    p.add_argument("--wait", action="store_true", help="wait until terminated and print the record")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_terminate)
 
 
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+def add_terminations(sub: Any) -> None:
+    p = sub.add_parser("terminations", help="show terminations")
+    add_controlplane(p)
+    p.add_argument("id", nargs="?", help="one termination (default: list them all)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_terminations)
 
 
+def add_approvals(sub: Any) -> None:
+    p = sub.add_parser("approvals", help="list, show, approve or deny held calls")
+    add_controlplane(p)
+    p.add_argument("action", nargs="?", choices=["list", "show", "approve", "deny"], default="list",
+                   help="what to do")
+    p.add_argument("id", nargs="?", help="the approval (show, approve, deny)")
+    p.add_argument("--call-hash", help="approve only if the held call is still this one (from approvals show)")
+    p.add_argument("--all", action="store_true", help="list decided ones too")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_approvals)
+
+
+def add_records(sub: Any) -> None:
+    p = sub.add_parser("records", help="reconciliation records")
+    add_controlplane(p)
+    p.add_argument("action", nargs="?", choices=["list", "show", "verify"], default="list", help="what to do")
+    p.add_argument("id", nargs="?", help="the record (show)")
+    p.add_argument("--trust", metavar="F.pub", help="control plane public key (default: fetched from it)")
+    p.add_argument("--file", metavar="F", help="verify a JSON list of records saved from /v1/records instead")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_records)
+
+
+# -- commands --------------------------------------------------------------------------------------------
 def cmd_terminate(args: argparse.Namespace) -> int:
     c = client(args)
     signer = None
@@ -182,6 +223,10 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
 
 
 def cmd_records(args: argparse.Namespace) -> int:
+    from capability import keys
+    from capability.shared import read_file
+    from controlplane.termination import verify_records
+
     c = client(args)
     if args.action == "verify":
         if args.file:

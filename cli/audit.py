@@ -8,12 +8,38 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from capability import keys
-from capability.chain import Verifier, parse_chain_unverified
 from capability.errors import BAD_REQUEST, TetherError
 
-from . import audit
-from .cli import client, read_chain, read_file
+from .remote import add_controlplane, client
+
+
+def add_audit(sub: Any) -> None:
+    audit = sub.add_parser("audit", help="capability surface and release gates").add_subparsers(
+        dest="audit_command", required=True, metavar="ACTION")
+    add_audit_surface(audit)
+    add_audit_diff(audit)
+
+
+def add_audit_surface(sub: Any) -> None:
+    p = sub.add_parser("surface", help="effective capability list per agent: tier, wire meaning, budget")
+    add_controlplane(p)
+    p.add_argument("--agent", help="only this agent")
+    p.add_argument("--json", action="store_true", help="print the surface as JSON (the input of audit diff)")
+    p.add_argument("--catalog", metavar="F",
+                   help="offline: compute the surface from this catalog file and the grants below")
+    p.add_argument("--chain", action="append", metavar="F",
+                   help="offline: a chain file; its leaf's agent holds its caps (repeat)")
+    p.add_argument("--trust", metavar="F.pub", help="offline: verify each --chain's signatures against this key")
+    p.add_argument("--role", action="append", metavar="AGENT=ROLE", help="offline: AGENT holds the catalog's ROLE")
+    p.set_defaults(func=cmd_audit_surface)
+
+
+def add_audit_diff(sub: Any) -> None:
+    p = sub.add_parser("diff", help="exit 1 when any capability widened from OLD to NEW (2: unreadable input)")
+    p.add_argument("old", help="the surface before (tether audit surface --json)")
+    p.add_argument("new", help="the surface after")
+    p.add_argument("--json", action="store_true", help="print the widenings as JSON")
+    p.set_defaults(func=cmd_audit_diff)
 
 
 def cmd_audit_surface(args: argparse.Namespace) -> int:
@@ -36,7 +62,10 @@ def cmd_audit_surface(args: argparse.Namespace) -> int:
 
 def offline_surface(args: argparse.Namespace) -> dict[str, Any]:
     """The surface from a catalog file, the leaf of each ``--chain`` and each ``--role AGENT=ROLE``."""
-    from capability.shared import load_catalog
+    from capability import keys
+    from capability.chain import Verifier, parse_chain_unverified
+    from capability.shared import load_catalog, read_chain, read_file
+    from controlplane import audit
 
     catalog = load_catalog(args.catalog)
     verifier = None
@@ -80,6 +109,9 @@ def _budget_text(budget: Mapping[str, Any] | None) -> str:
 
 
 def cmd_audit_diff(args: argparse.Namespace) -> int:
+    from capability.shared import read_file
+    from controlplane import audit
+
     docs = []
     for path in (args.old, args.new):
         try:

@@ -1,0 +1,164 @@
+"""``tether controlplane serve``: a control plane wired from files and flags, served until a signal.
+
+The server, its stores and aiohttp are imported when the command runs, never when the parser is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from capability.errors import TetherError
+
+if TYPE_CHECKING:
+    from capability import keys
+    from capability.catalog import Catalog
+    from controlplane.server import ControlPlane
+
+LISTEN_FAILED = "tether.listen_failed"
+
+
+def add_controlplane_group(sub: Any) -> None:
+    cp = sub.add_parser("controlplane", help="run the control plane").add_subparsers(
+        dest="cp_command", required=True, metavar="ACTION")
+    add_serve(cp)
+
+
+def add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the control plane API (admin token: $TETHER_ADMIN_TOKEN)")
+    p.add_argument("--store", default="sqlite:///tether.db", metavar="sqlite:///PATH|redis://HOST:PORT/DB",
+                   help="where grants, runs, terminations and records live")
+    p.add_argument("--listen", default="127.0.0.1:7000", metavar="H:P", help="the API's address")
+    p.add_argument("--catalog", default=None, metavar="F",
+                   help="the capability catalog (default ./catalog.yaml; without one, everything is absent)")
+    p.add_argument("--signing-key", default="tether-signing.key", metavar="F",
+                   help="the control plane's signing key (created, mode 0600, when missing)")
+    p.add_argument("--lease-ttl", type=float, default=15.0, metavar="S",
+                   help="seconds a sidecar may go without contact")
+    p.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="seconds past a drain window before reconciling")
+    p.add_argument("--rate-window", type=float, default=None, metavar="S",
+                   help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
+                        "shorter only for tests)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from capability.shared import parse_listen
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host, port = parse_listen(args.listen, 7000)
+    cp = build(args.store, args.catalog, args.signing_key, admin_token_from_env(), lease_ttl_s=args.lease_ttl,
+               grace_s=args.grace, rate_window_s=args.rate_window)
+    stopped_by = asyncio.run(serve(cp, host, port))
+    return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: the shell's convention; SIGTERM: a clean stop
+
+
+def load_serving_catalog(path: str | None) -> Catalog:
+    """``--catalog``, or ./catalog.yaml when it exists, or an empty catalog (everything absent) with a warning."""
+    from capability.catalog import empty_catalog
+    from capability.shared import load_catalog
+
+    if path is None:
+        if not Path("catalog.yaml").exists():
+            print("tether: no --catalog and no ./catalog.yaml: serving an empty catalog, so every capability "
+                  "is absent and every call refused", file=sys.stderr)
+            return empty_catalog()
+        path = "catalog.yaml"
+    return load_catalog(path)
+
+
+
+def load_or_create_signing_key(path: str) -> keys.Ed25519PrivateKey:
+    from capability import keys
+
+    p = Path(path)
+    if p.exists():
+        return keys.load_private(p.read_bytes(), path)
+    key = keys.generate()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(keys.private_pem(key))
+    Path(f"{path}.pub").write_bytes(keys.public_pem(key.public_key()))
+    print(f"tether: created signing key {path} (public half {path}.pub)", file=sys.stderr)
+    return key
+
+
+def admin_token_from_env() -> str:
+    token = os.environ.get("TETHER_ADMIN_TOKEN", "")
+    if token:
+        return token
+    token = secrets.token_urlsafe(24)
+    print(
+        f"tether: TETHER_ADMIN_TOKEN is not set; this run's admin token is\n    export TETHER_ADMIN_TOKEN={token}",
+        file=sys.stderr,
+    )
+    return token
+
+
+def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin_token: str,
+          rate_window_s: float | None = None, **options: float) -> ControlPlane:
+    from controlplane import budgets, console
+    from controlplane.server import ControlPlane
+    from controlplane.store import open_store_url
+    from controlplane.termination_service import install
+
+    catalog = load_serving_catalog(catalog_path)  # before any file is created: bad input leaves nothing behind
+    store = open_store_url(store_url)
+    cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token, **options)
+    install(cp)
+    budgets.install(cp, rate_window_s)  # slices of call budgets, /v1/budgets
+    console.install(cp)  # the web console at /ui/
+    return cp
+
+
+async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM or SIGINT; returns the signal that stopped it."""
+    from aiohttp import web
+
+    runner = web.AppRunner(cp.app(), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise listen_error(f"the control plane cannot listen on {host}:{port}", exc) from None
+    print(
+        f"tether: control plane {cp.replica} listening on http://{host}:{port} (store {cp.store.url}, "
+        f"catalog {cp.catalog.hash[:19]}…)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = asyncio.Event()
+    stopped_by: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, lambda sig=sig: (stopped_by.append(sig), stop.set()))
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return stopped_by[0]
+
+
+def listen_error(what: str, exc: OSError) -> TetherError:
+    """A listen that failed, said plainly: an address in use names the usual way out."""
+    if exc.errno == errno.EADDRINUSE:
+        return TetherError(f"{what}: the address is in use (another process listens there; pick another with "
+                           "--listen)", code=LISTEN_FAILED)
+    return TetherError(f"{what}: {exc.strerror or exc}", code=LISTEN_FAILED)

@@ -1,0 +1,253 @@
+"""``tether run``: put an unmodified command under a sidecar.
+
+It starts ``tether sidecar`` as a separate process, waits until the proxy listens, then runs the command
+with ``HTTP_PROXY``/``HTTPS_PROXY`` and the CA variables set (``NO_PROXY`` emptied, so nothing bypasses
+it). With ``--parent-chain/--parent-key`` it first delegates a narrower chain to a fresh key for the
+child. When the command exits, the sidecar is stopped cleanly; the command's exit code is returned.
+Every sidecar option is accepted here and forwarded to the sidecar as given (``SIDECAR_OPTIONS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from capability.errors import BAD_REQUEST, TetherError
+
+from .grant import CAP_METAVAR
+from .remote import DEFAULT_CONTROLPLANE, add_controlplane
+from .sidecar import SIDECAR_OPTIONS, default_state_root
+
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
+# The sidecar options whose meaning differs under run: run decides the chain, key and state dir it hands on.
+RUN_OVERRIDES: dict[str, dict[str, Any]] = {
+    "chain": {"required": False, "help": "the agent's chain file (or --parent-chain and friends)"},
+    "key": {"required": False, "help": "the private key of the chain's leaf"},
+    "listen": {"default": "127.0.0.1:0", "help": "where the sidecar's proxy listens (default: a free port)"},
+    "state_dir": {"help": "the root of the state dirs: the agent's is STATE_DIR/AGENT (default: $XDG_STATE_HOME/"
+                          "tether, else ~/.local/state/tether)"},
+    "secret": {"help": "a catalog credential's secret, given to the sidecar only; env:VAR is removed from the "
+                       "command's environment (repeat)"},
+}
+SET_BY_RUN = ("chain", "key", "state_dir", "ready_file")  # forwarded as run resolved them, not as given
+
+
+def add_run(sub: Any) -> None:
+    p = sub.add_parser("run", help="run a command under a sidecar (every sidecar option is forwarded to it)")
+    add_controlplane(p)
+    for option in SIDECAR_OPTIONS:
+        option.add_to(p, **RUN_OVERRIDES.get(option.dest, {}))
+    p.add_argument("--parent-chain", metavar="F", help="delegate the command a child link under this chain")
+    p.add_argument("--parent-key", metavar="F", help="the private key of --parent-chain's leaf")
+    p.add_argument("--agent", help="the child's agent id (with --parent-chain; default PARENT.RANDOM)")
+    p.add_argument("--cap", action="append", metavar=CAP_METAVAR,
+                   help="the child's capability and tier (with --parent-chain; repeat)")
+    p.add_argument("--ttl", type=float, default=3600.0, metavar="S", help="seconds the child link lives")
+    p.add_argument("--isolate", action="store_true", help="Linux, root: run the command as --user in its own "
+                   "network namespace whose only way out is the sidecar (transparent interception)")
+    p.add_argument("--user", default=None, help="the unprivileged user for --isolate (default: nobody)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
+    p.set_defaults(func=cmd_run)
+
+
+def sidecar_argv(args: argparse.Namespace, *, chain: str, key: str, state_dir: Path, ready: Path) -> list[str]:
+    """The ``tether sidecar`` command line for this run: every sidecar option as given to run."""
+    argv = [sys.executable, "-m", "cli", "sidecar", "--controlplane", args.controlplane or DEFAULT_CONTROLPLANE]
+    resolved = {"chain": chain, "key": key, "state_dir": str(state_dir), "ready_file": str(ready)}
+    for option in SIDECAR_OPTIONS:
+        argv += option.argv(resolved[option.dest] if option.dest in SET_BY_RUN else getattr(args, option.dest))
+    return argv
+
+
+def _delegate(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str]:
+    """Mint a child link for the command; returns (chain path, key path, agent)."""
+    from capability import keys
+    from capability.chain import mint_child, parse_chain_unverified
+    from capability.shared import parse_caps, read_chain, read_file, write_secret
+
+    parent_wire = read_chain(args.parent_chain)
+    parent = parse_chain_unverified(parent_wire)[-1]
+    parent_key = keys.load_private(read_file(args.parent_key, "parent key"), args.parent_key)
+    agent = args.agent or f"{parent.sub}.{uuid.uuid4().hex[:6]}"
+    child_key = keys.generate()
+    child = mint_child(parent, parent_key, agent=agent, subject_key=child_key.public_key(),
+                       caps=parse_caps(args.cap), now=time.time(), ttl_s=args.ttl)
+    directory = state_root / agent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    chain_path, key_path = directory / "chain", directory / "key"
+    chain_path.write_text(f"{parent_wire},{child}\n")
+    write_secret(str(key_path), keys.private_pem(child_key))
+    return str(chain_path), str(key_path), agent
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise TetherError("give the command after --, e.g. tether run --chain c --key k -- python agent.py",
+                          code=BAD_REQUEST)
+    if args.isolate and (args.transparent_listen or args.dns_listen):
+        raise TetherError("--isolate chooses the transparent and DNS listeners itself: drop --transparent-listen "
+                          "and --dns-listen", code=BAD_REQUEST)
+    from proxy.credentials import SecretSpec
+
+    secrets = [SecretSpec.parse(text) for text in args.secret or []]  # before anything is written
+    state_root = Path(args.state_dir) if args.state_dir else default_state_root()
+    chain_path, key_path, agent = _identity(args, state_root)
+    state_dir = state_root / agent
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    isolation = None
+    if args.isolate:
+        from proxy.isolate import DNS_PORT, TRANSPARENT_PORT, Isolation
+
+        os.chmod(state_dir, 0o700)  # the CA key, spool and captures: the sidecar's, not the command's
+        isolation = Isolation.create(args.user)
+        host = isolation.plan.host_ip
+        args = argparse.Namespace(**{**vars(args), "transparent_listen": f"{host}:{TRANSPARENT_PORT}",
+                                     "dns_listen": f"{host}:{DNS_PORT}"})
+    ready = Path(args.ready_file) if args.ready_file else state_dir / "sidecar.ready"
+    ready.unlink(missing_ok=True)
+    log_path = state_dir / "sidecar.log"
+    sidecar = None
+    try:
+        if isolation is not None:
+            isolation.check_unreadable([Path(key_path), *(Path(s.ref) for s in secrets if s.kind == "file")])
+        with open(log_path, "ab") as log_file:
+            sidecar = subprocess.Popen(sidecar_argv(args, chain=chain_path, key=key_path, state_dir=state_dir,
+                                                    ready=ready),
+                                       stdout=log_file, stderr=log_file, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
+        info = _wait_ready(sidecar, ready, log_path)
+        env = _command_env(info, secrets, isolation, state_dir)
+        env.update({"TETHER_AGENT": agent, "TETHER_CHAIN": os.path.abspath(chain_path),
+                    "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE,
+                    "TETHER_STATE_DIR": os.path.abspath(state_root)})
+        if isolation is None:  # an isolated command cannot read the key: naming it would only mislead
+            env["TETHER_KEY"] = os.path.abspath(key_path)
+        where = info["proxy"] if isolation is None else \
+            f"{isolation.plan.host_ip}:{TRANSPARENT_PORT} (isolated in {isolation.plan.netns} as {isolation.user.name})"
+        print(f"tether: {agent} runs behind its sidecar at {where} (log {log_path})", file=sys.stderr, flush=True)
+        return _run_command(isolation.wrap(command) if isolation is not None else command, env)
+    finally:
+        if sidecar is not None:
+            _stop(sidecar)
+        if isolation is not None:
+            isolation.destroy()
+
+
+def _identity(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str]:
+    """The chain and key the sidecar serves (given, or delegated for this command), and the agent's id."""
+    if args.parent_chain:
+        if not args.parent_key or not args.cap:
+            raise TetherError("--parent-chain needs --parent-key and at least one --cap NAME=TIER", code=BAD_REQUEST)
+        return _delegate(args, state_root)
+    if args.chain and args.key:
+        from capability.chain import parse_chain_unverified
+        from capability.shared import read_chain
+
+        return args.chain, args.key, parse_chain_unverified(read_chain(args.chain))[-1].sub
+    raise TetherError("give --chain and --key, or --parent-chain, --parent-key and --cap", code=BAD_REQUEST)
+
+
+def _command_env(info: dict, secrets: list, isolation: Any, state_dir: Path) -> dict:
+    """The command's environment: the proxy (or, isolated, none to follow), the CA, and no sidecar secret."""
+    env = dict(os.environ)
+    for spec in secrets:  # the secret is the sidecar's alone: the command never sees the variable
+        if spec.kind == "env":
+            env.pop(spec.ref, None)
+    env["NO_PROXY"] = env["no_proxy"] = ""
+    proxies = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
+    if isolation is None:
+        env.update(dict.fromkeys(proxies, info["proxy"]))
+        ca = os.path.abspath(info["ca"])
+    else:
+        # Every connection is intercepted where it goes: no proxy to follow (or to find out of reach).
+        for name in proxies:
+            env.pop(name, None)
+        isolation.check_unreadable(sorted((state_dir / "ca").glob("mitmproxy-ca*.pem")))
+        ca = str(isolation.trust(Path(info["ca"])))
+        env.update({"HOME": str(isolation.workdir / "home"), "USER": isolation.user.name,
+                    "LOGNAME": isolation.user.name})
+    env.update(dict.fromkeys(CA_VARIABLES, ca))
+    return env
+
+
+def _run_command(command: list[str], env: dict[str, str]) -> int:
+    """Run the command to its end, passing it SIGTERM and SIGINT; its exit status, a death by signal N as 128+N
+    (so Ctrl-C, which the command gets too, ends run with 130 as it does the command)."""
+    child = subprocess.Popen(command, env=env)
+    previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _die_with_parent() -> None:
+    """In the sidecar child: if `tether run` dies (even by SIGKILL), the kernel sends us SIGTERM."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the sidecar outlives a killed parent; stop it by hand
+        pass
+
+
+def _wait_ready(sidecar: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 45.0) -> dict:
+    """Wait for the sidecar's ready file, showing its status lines as they come: while it says it is still
+    trying to reach the control plane, so does run (Ctrl-C gives up)."""
+    deadline = time.monotonic() + timeout
+    shown = log_path.stat().st_size if log_path.exists() else 0
+    while time.monotonic() < deadline:
+        if ready.exists():
+            return json.loads(ready.read_text())
+        shown, waiting = _relay_status(log_path, shown)
+        if waiting:
+            deadline = time.monotonic() + timeout
+        if sidecar.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise TetherError("the sidecar did not start:\n  " + "\n  ".join(tail), code="tether.sidecar_failed")
+        time.sleep(0.05)
+    raise TetherError(f"the sidecar did not become ready within {timeout:.0f}s (see {log_path})",
+                      code="tether.sidecar_failed")
+
+
+def _relay_status(log_path: Path, offset: int) -> tuple[int, bool]:
+    """Print the sidecar's new ``tether: waiting ...`` lines; returns how far the log was read and whether
+    there was one."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except OSError:
+        return offset, False
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    waiting = [line for line in complete.decode(errors="replace").splitlines() if line.startswith("tether: waiting")]
+    for line in waiting:
+        print(line, file=sys.stderr, flush=True)
+    return offset + len(complete), bool(waiting)
+
+
+def _stop(sidecar: subprocess.Popen) -> None:
+    if sidecar.poll() is not None:
+        return
+    sidecar.send_signal(signal.SIGTERM)
+    try:
+        sidecar.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            sidecar.kill()
+        sidecar.wait()
