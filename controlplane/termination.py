@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from capability import keys
+from capability.jsonpieces import canonical_json
 from capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
 
-from . import jsonpieces
 from .runs import accounted, unaccounted_runs
 
 Doc = dict[str, Any]
@@ -132,15 +132,9 @@ def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()
 
 
 # -- the reconciliation record -----------------------------------------------------------------------
-def canonical(doc: Any) -> bytes:
-    """Sorted keys, no spaces, UTF-8; encoded in pieces so that hashing a big record in a worker thread
-    never holds the event loop (see jsonpieces.py)."""
-    return jsonpieces.dumps(doc, ensure_ascii=False).encode()
-
-
 def record_hash(record: Mapping[str, Any]) -> str:
     body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
-    return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
 
 
 _CALL_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status", "capture_ref")
