@@ -28,7 +28,7 @@ def test_a_sidecar_process_loads_no_control_plane_module() -> None:
 
 
 @pytest.mark.parametrize("module", ["budget", "catalog", "chain", "credentials", "errors", "glob", "keys", "proof",
-                                    "shared", "tracing"])
+                                    "shared", "tracing", "jsonpieces", "report", "events"])
 def test_the_shared_model_imports_neither_side(module: str) -> None:
     modules = loaded_after(f"import capability.{module}")
     assert not [m for m in modules if m.split(".")[0] in ("proxy", "controlplane")]
