@@ -20,6 +20,7 @@ from typing import Any
 
 from capability import keys
 from capability.jsonpieces import canonical_json
+from capability.report import RECORD_FIELDS
 from capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
 
 from .runs import accounted, unaccounted_runs
@@ -137,15 +138,12 @@ def record_hash(record: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
 
 
-_CALL_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status", "capture_ref")
-
-
 def _in_order(reports: list[Doc]) -> list[Doc]:
     return sorted(reports, key=lambda r: (r.get("started_at") or 0, r["call_id"]))
 
 
 def _call_entry(report: Doc) -> Doc:
-    entry = {f: report.get(f) for f in _CALL_FIELDS}
+    entry = {f: report.get(f) for f in RECORD_FIELDS}
     for extra in ("ended_at", "code", "termination_id", "run_id"):
         if report.get(extra) is not None:
             entry[extra] = report[extra]
@@ -195,7 +193,7 @@ def build_record(
                 {
                     "agent": agent,
                     "last_seen": max((r.get("last_seen") or 0 for r in silent), default=None) or None,
-                    "calls_in_flight_last_known": [{f: c.get(f) for f in _CALL_FIELDS} for c in inflight],
+                    "calls_in_flight_last_known": [{f: c.get(f) for f in RECORD_FIELDS} for c in inflight],
                     "lease_expires_at": max((r.get("lease_expires") or 0 for r in silent), default=None) or None,
                     "runs": [{"run_id": r["run_id"], "last_seen": r.get("last_seen"),
                               "lease_expires_at": r.get("lease_expires"), "state": r.get("state")} for r in silent],
@@ -206,7 +204,7 @@ def build_record(
             seen.add(call["call_id"])
             calls.append(
                 {
-                    **{f: call.get(f) for f in _CALL_FIELDS},
+                    **{f: call.get(f) for f in RECORD_FIELDS},
                     "agent": agent,
                     "resolution": "unknown",
                     "status": None,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mitmproxy import http
 
 from capability import errors as codes
+from capability.events import APPROVED, CANCELLED, DENIED
 
 from . import mcp
 from .state import Call, Refusal, error_resolution
@@ -402,12 +403,12 @@ class Enforcer:
         call.phase = "held"
         decision = await self.sidecar.await_approval(call)
         call.phase = "arrived"
-        if decision == "approved":
+        if decision == APPROVED:
             self.sidecar.state.admit(time.time(), time.monotonic())
             return
-        if decision == "denied":
+        if decision == DENIED:
             raise Refusal(codes.APPROVAL_DENIED, f"a person denied {call.capability} for this call")
-        if decision == "cancelled":
+        if decision == CANCELLED:
             flow.metadata[OUTCOME] = "cancelled_not_sent"
             raise Refusal(codes.TERMINATED if self.sidecar.state.mode == "terminated" else codes.DRAINING,
                           "the held call was cancelled: this agent is being terminated")
