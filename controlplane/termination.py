@@ -171,14 +171,40 @@ def build_record(
     An agent is terminated only when every one of its runs said so (runs.accounted)."""
     acked = accounted(termination["agents"], runs, acks)
     calls = [_call_entry(report) for report in _in_order(reports)]
-    seen = {call["call_id"] for call in calls}
     terminated = [_terminated_entry(acked[a]) for a in sorted(termination["agents"]) if a in acked]
+    unaccounted = _unaccounted(termination["agents"], acked, calls, list(starts), runs, acks)
+    leases = _leases(links, revocations, runs, acked, budgets)
+    return {
+        "record_id": record_id,
+        "termination_id": termination["id"],
+        "subject": termination["subject"],
+        "mode": termination["mode"],
+        "requested_by": termination["requested_by"],
+        "requested_at": termination["requested_at"],
+        "completed_at": now,
+        "window_s": termination["window_s"],
+        "reason": termination.get("reason", ""),
+        "calls": calls,
+        "leases": leases,
+        "agents_terminated": terminated,
+        "agents_unaccounted": unaccounted,
+        "acknowledgements": {e["agent"]: {"at": e["at"], "state": e["state"], "run_id": e["run_id"]}
+                             for e in terminated},
+        "prev_hash": prev_hash,
+    }
+
+
+def _unaccounted(agents: list[str], acked: Mapping[str, Doc], calls: list[Doc], starts: list[Doc], runs: list[Doc],
+                 acks: Mapping[str, Doc]) -> list[Doc]:
+    """The agents no run of which accounted for; appends to ``calls`` every call last seen in flight (or
+    written ahead) and never heard of again, as ``unknown``."""
+    seen = {call["call_id"] for call in calls}
     unaccounted: list[Doc] = []
     never_ended: dict[str, list[Doc]] = {}
-    for start in _in_order(list(starts)):
+    for start in _in_order(starts):
         if start["call_id"] not in seen:
             never_ended.setdefault(start.get("agent", ""), []).append(start)
-    for agent in termination["agents"]:
+    for agent in agents:
         known: dict[str, Doc] = {}
         silent = [] if agent in acked else unaccounted_runs(agent, runs, acks)
         for run in silent:
@@ -200,17 +226,16 @@ def build_record(
                 }
             )
         for call in inflight:
-            # A call we last saw in flight (or whose start was written ahead) and never heard of again.
             seen.add(call["call_id"])
-            calls.append(
-                {
-                    **{f: call.get(f) for f in RECORD_FIELDS},
-                    "agent": agent,
-                    "resolution": "unknown",
-                    "status": None,
-                    "reported": False,
-                }
-            )
+            calls.append({**{f: call.get(f) for f in RECORD_FIELDS}, "agent": agent, "resolution": "unknown",
+                          "status": None, "reported": False})
+    return unaccounted
+
+
+def _leases(links: list[Doc], revocations: Mapping[str, Doc], runs: list[Doc], acked: Mapping[str, Doc],
+            budgets: Mapping[str, Doc] | None) -> list[Doc]:
+    """How each link ended (revoked or expired), the last lease an unaccounted run held under it, and what
+    its subtree spent of its budgets."""
     leases: list[Doc] = []
     lease_of_link: dict[str, float] = {}
     for run in runs:
@@ -227,26 +252,9 @@ def build_record(
         if link["hash"] in lease_of_link:
             entry["sidecar_lease_expires_at"] = lease_of_link[link["hash"]]
         if budgets and link["jti"] in budgets:
-            entry["budget"] = budgets[link["jti"]]  # what the link's subtree spent of its budgets
+            entry["budget"] = budgets[link["jti"]]
         leases.append(entry)
-    return {
-        "record_id": record_id,
-        "termination_id": termination["id"],
-        "subject": termination["subject"],
-        "mode": termination["mode"],
-        "requested_by": termination["requested_by"],
-        "requested_at": termination["requested_at"],
-        "completed_at": now,
-        "window_s": termination["window_s"],
-        "reason": termination.get("reason", ""),
-        "calls": calls,
-        "leases": leases,
-        "agents_terminated": terminated,
-        "agents_unaccounted": unaccounted,
-        "acknowledgements": {e["agent"]: {"at": e["at"], "state": e["state"], "run_id": e["run_id"]}
-                             for e in terminated},
-        "prev_hash": prev_hash,
-    }
+    return leases
 
 
 def _terminated_entry(evidence: Doc) -> Doc:
