@@ -92,7 +92,7 @@ class BudgetService:
             raise _bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
                        "takes nothing twice")
         await self._settle(who, body.get("settle") or [])  # used-up slices, piggybacked on the next take
-        link = caller.link
+        link = who.link
         revoked = await self.cp.store.revoked_among(list(link.get("chain_jtis", [])))
         if revoked:
             raise ApiError(403, CHAIN_REVOKED, f"the chain is revoked ({', '.join(sorted(revoked))}); no slice")
@@ -102,15 +102,15 @@ class BudgetService:
         now = self.cp.clock()
         caps_chain = [(doc["jti"], doc["claims"]["caps"]) for doc in chain if doc is not None]
         if capability not in link["claims"]["caps"]:
-            raise _bad(f"{capability} is not granted to {caller.agent}", capability=capability)
+            raise _bad(f"{capability} is not granted to {who.agent}", capability=capability)
         counters = slice_keys(caps_chain, capability, now, self.window_s)
         if not counters:
-            raise _bad(f"no link of {caller.agent}'s chain budgets {capability}; its calls are not counted",
+            raise _bad(f"no link of {who.agent}'s chain budgets {capability}; its calls are not counted",
                        capability=capability)
         _, window_end = window_of(now, self.window_s)
         rated = any(c.kind == "per_minute" for c in counters)
-        slice_id = f"{caller.run}/{tag}"  # the run owns its slices: only it may return them
-        doc = {"id": slice_id, "run": caller.run, "agent": caller.agent, "link": caller.link_hash,
+        slice_id = f"{who.run}/{tag}"  # the run owns its slices: only it may return them
+        doc = {"id": slice_id, "run": who.run, "agent": who.agent, "link": who.link_hash,
                "capability": capability, "taken_at": now, "window_end": window_end if rated else None}
         ttl = 2 * self.window_s + 3600 if rated else 0  # rate-window counters are forgotten after a while
         granted, worst = await self.cp.store.take_slice(
@@ -139,14 +139,14 @@ class BudgetService:
         settled = await self._settle(caller(request), _object(await body_bytes(request)).get("slices"))
         return web.json_response({"settled": settled})
 
-    async def _settle(self, caller: Any, items: Any) -> list[Doc]:
+    async def _settle(self, who: Any, items: Any) -> list[Doc]:
         if not isinstance(items, list) or not all(
                 isinstance(i, dict) and isinstance(i.get("slice"), str) and type(i.get("used")) is int
                 and i["used"] >= 0 for i in items):
             raise _bad("slices to settle are [{slice, used}] with 'used' a whole number")
         settled = []
         for item in items[:10_000]:
-            if not item["slice"].startswith(f"{caller.run}/"):
+            if not item["slice"].startswith(f"{who.run}/"):
                 raise ApiError(403, FORBIDDEN, f"slice {item['slice'][:80]!r} is not this run's")
             doc = await self.cp.store.settle_slice(item["slice"], item["used"], self.cp.clock())
             if doc is not None:
