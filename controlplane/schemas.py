@@ -90,12 +90,19 @@ CALL: Schema = obj({
     "agent": STR,
     "run_id": nullable({"type": "string", "maxLength": 64}),
     "capability": nullable(STR),
+    "tier": nullable(STR),
     "method": nullable(STR),
     "url": nullable(STR),
     "started_at": nullable(NUM),
-    "resolution": STR,
+    "resolution": nullable(STR),
     "status": nullable(INT),
-}, "call_id", description="A call report or start; fields beyond these are kept as sent")
+    "code": nullable(STR),
+    "ended_at": nullable(NUM),
+    "capture_ref": nullable(STR),
+    "termination_id": nullable(STR),
+    "detail": nullable(STR),
+}, "call_id", description="A call report or start (capability.report.CallReport); fields beyond these are not "
+   "kept")
 HEARTBEAT_REQUEST = obj({
     "state": {"type": ["string", "null"], "maxLength": 32},
     "inflight": nullable(array(ANY_OBJ)),
