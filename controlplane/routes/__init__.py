@@ -48,6 +48,8 @@ ADMIN_OR_HOLDER = "admin-or-holder"  # an admin, or a proof by the leaf of the c
 AUTH_KINDS = (NONE, ADMIN, SIDECAR, RUN, ADMIN_OR_SIDECAR, ADMIN_OR_ANCESTOR, ADMIN_OR_HOLDER)
 
 _CALLER = "tether.caller"
+_KIND = "tether.auth"
+_ADMIN_LETS_IN = (ADMIN, ADMIN_OR_SIDECAR, ADMIN_OR_ANCESTOR, ADMIN_OR_HOLDER)
 _RAW = "tether.raw"
 
 
@@ -95,8 +97,11 @@ def caller(request: web.Request) -> Caller:
 
 
 def principal(request: web.Request) -> Caller | None:
-    """Who called an admin-or-... route: None for an admin, the chain holder otherwise."""
-    return request.get(_CALLER)
+    """Who called an admin-or-... route: None for an admin, the chain holder otherwise. Only on such a route:
+    on a public one, None would read as an admin."""
+    if request.get(_KIND) not in _ADMIN_LETS_IN:
+        raise RuntimeError(f"{request.path}: principal() on a route that does not let an admin in")
+    return request[_CALLER]
 
 
 def chain_wire(value: Any) -> str:
@@ -163,6 +168,7 @@ def enforced(route: Route, auth: Authenticator) -> Handler:
     check = _CHECKS[route.auth]
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        request[_KIND] = route.auth
         request[_CALLER] = await check(auth, request)
         return await route.handler(request)
 
