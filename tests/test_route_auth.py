@@ -91,3 +91,27 @@ def test_a_budget_view_is_an_admins_or_an_ancestors(cp: ControlPlaneProcess) -> 
     with pytest.raises(ApiError) as info:
         client.request("GET", f"/v1/budgets/{root.jti}", signer=signer(child))
     assert (info.value.http_status, info.value.code) == (403, "tether.forbidden")
+
+
+def test_an_acknowledgement_reads_its_reports_as_a_batch_does(cp: ControlPlaneProcess) -> None:
+    """One way in: a quiesce acknowledgement's reports meet the same reader and the same agent check as
+    ``POST /v1/reports``, and nothing of a refused acknowledgement is stored."""
+    ident = cp.issue("ack-one-way", {"issues.read": "direct"})
+    client = cp.client(admin=False)
+    client.request("POST", "/v1/chains/register", {"chain": ident.wire}, signer=signer(ident))
+    tid = cp.client().request("POST", "/v1/agents/ack-one-way/terminate", {"mode": "abort", "window_s": 30})[
+        "termination_id"]
+    for reports, status, code in (([{"call_id": "k-1", "status": "200"}], 400, "tether.bad_request"),
+                                  ([{"call_id": "k-1", "agent": "someone-else"}], 403, "tether.forbidden")):
+        for path, doc in (("/v1/reports", {"reports": reports}),
+                          ("/v1/sidecars/quiesced", {"termination_id": tid, "reports": reports})):
+            with pytest.raises(ApiError) as info:
+                client.request("POST", path, doc, signer=signer(ident))
+            assert (info.value.http_status, info.value.code) == (status, code), (path, reports)
+    assert cp.client().request("GET", "/v1/reports?agent=ack-one-way") == []
+    assert "ack-one-way" in cp.client().request("GET", f"/v1/terminations/{tid}")["waiting_for"]
+    answer = client.request("POST", "/v1/sidecars/quiesced", {"termination_id": tid, "reports": [
+        {"call_id": "k-1", "resolution": "completed", "status": 200}]}, signer=signer(ident))
+    assert answer["ok"] is True
+    stored = cp.client().request("GET", "/v1/reports?agent=ack-one-way")
+    assert [(r["call_id"], r["agent"], r["run_id"]) for r in stored] == [("k-1", "ack-one-way", answer["run_id"])]
