@@ -4,7 +4,7 @@ Run: python bench/bench_record_stall.py        (about 1 minute; --calls N, --sto
 
 Real parts, in this process: the control plane's aiohttp app (``cli.controlplane.build``, the same one
 ``tether controlplane serve`` runs) listening on loopback, over SQLite and over a ``redis-server`` started
-here. One registered agent has 20,000 final call reports (ingested through ``ControlPlane.ingest_reports``,
+here. One registered agent has 20,000 final call reports (ingested through ``RecordService.ingest``,
 before the clock starts). Then ``POST /v1/agents/{agent}/terminate {"mode": "abort", "window_s": 0}`` over
 HTTP, and a probe task on the control plane's own loop sleeps 2 ms at a time and records how late each
 wake-up is: the loop's lag. Reported: the worst lag from the request until the termination is
@@ -68,12 +68,12 @@ async def measure(directory: Path, store_url: str, calls: int) -> dict[str, Any]
         key = keys.generate()
         wire = mint_root(cp.signing_key, agent="big", subject_key=key.public_key(), caps={"issues.read": "direct"},
                          now=time.time(), ttl_s=3600, depth=2, catalog=cp.catalog)
-        docs, _, _ = await cp.register_chain(wire)
+        docs, _, _ = await cp.grants.register_chain(wire)
         caller = Caller("big", docs[-1], "run-bench")
         now = time.time()
         for start in range(0, calls, 1000):
             batch = [report_doc("big", i, now) for i in range(start, min(calls, start + 1000))]
-            await cp.ingest_reports(caller, batch, [])
+            await cp.records.ingest(caller, batch, [])
         await asyncio.sleep(6.0)  # past the termination driver's reconnection grace after its start
 
         lags: list[tuple[float, float]] = []

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping
@@ -23,6 +22,7 @@ from .budget import TIERS, GrantError, read_grant
 from .credentials import Credential, parse_credentials
 from .errors import CatalogError, UnknownCapability
 from .glob import MAX_GLOB, admits
+from .jsonpieces import canonical_json
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
@@ -457,10 +457,6 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
     catalog = Catalog(capabilities=caps, roles=roles, hash="", source=source, credentials=credentials)
     digest = hashlib.sha256(canonical_json(catalog.to_dict())).hexdigest()
     return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source, credentials=credentials)
-
-
-def canonical_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def empty_catalog(source: str = "<empty catalog>") -> Catalog:

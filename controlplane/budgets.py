@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -32,10 +32,13 @@ from capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FO
 
 from . import runs
 from .body import bad as _bad
-from .body import parse, raw_body
+from .body import parse
 from .graph import Graph, Node
-from .server import ControlPlane
+from .routes import ADMIN, ADMIN_OR_ANCESTOR, RUN, body_bytes, caller, principal
 from .store import Doc, Store, StoreUnavailable
+
+if TYPE_CHECKING:
+    from .app import ControlPlane
 
 log = logging.getLogger("tether.budgets")
 SWEEP_INTERVAL_S = 1.0
@@ -80,17 +83,16 @@ class BudgetService:
 
     # -- slices ---------------------------------------------------------------------------------------
     async def h_take(self, request: web.Request) -> web.Response:
-        raw = await raw_body(request)
-        caller = await self.cp.auth.run_of(request, raw)
-        body = _object(raw)
+        who = caller(request)
+        body = _object(await body_bytes(request))
         capability, want, tag = body.get("capability"), body.get("want", 1), body.get("slice")
         if not isinstance(capability, str) or type(want) is not int or want < 1:
             raise _bad("body needs 'capability' (a name) and 'want' (a whole number of calls, 1 or more)")
         if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
             raise _bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
                        "takes nothing twice")
-        await self._settle(caller, body.get("settle") or [])  # used-up slices, piggybacked on the next take
-        link = caller.link
+        await self._settle(who, body.get("settle") or [])  # used-up slices, piggybacked on the next take
+        link = who.link
         revoked = await self.cp.store.revoked_among(list(link.get("chain_jtis", [])))
         if revoked:
             raise ApiError(403, CHAIN_REVOKED, f"the chain is revoked ({', '.join(sorted(revoked))}); no slice")
@@ -100,15 +102,15 @@ class BudgetService:
         now = self.cp.clock()
         caps_chain = [(doc["jti"], doc["claims"]["caps"]) for doc in chain if doc is not None]
         if capability not in link["claims"]["caps"]:
-            raise _bad(f"{capability} is not granted to {caller.agent}", capability=capability)
+            raise _bad(f"{capability} is not granted to {who.agent}", capability=capability)
         counters = slice_keys(caps_chain, capability, now, self.window_s)
         if not counters:
-            raise _bad(f"no link of {caller.agent}'s chain budgets {capability}; its calls are not counted",
+            raise _bad(f"no link of {who.agent}'s chain budgets {capability}; its calls are not counted",
                        capability=capability)
         _, window_end = window_of(now, self.window_s)
         rated = any(c.kind == "per_minute" for c in counters)
-        slice_id = f"{caller.run}/{tag}"  # the run owns its slices: only it may return them
-        doc = {"id": slice_id, "run": caller.run, "agent": caller.agent, "link": caller.link_hash,
+        slice_id = f"{who.run}/{tag}"  # the run owns its slices: only it may return them
+        doc = {"id": slice_id, "run": who.run, "agent": who.agent, "link": who.link_hash,
                "capability": capability, "taken_at": now, "window_end": window_end if rated else None}
         ttl = 2 * self.window_s + 3600 if rated else 0  # rate-window counters are forgotten after a while
         granted, worst = await self.cp.store.take_slice(
@@ -134,19 +136,17 @@ class BudgetService:
                                   "window_ends_in": round(window_end - now, 3) if rated else None})
 
     async def h_return(self, request: web.Request) -> web.Response:
-        raw = await raw_body(request)
-        caller = await self.cp.auth.run_of(request, raw)
-        settled = await self._settle(caller, _object(raw).get("slices"))
+        settled = await self._settle(caller(request), _object(await body_bytes(request)).get("slices"))
         return web.json_response({"settled": settled})
 
-    async def _settle(self, caller: Any, items: Any) -> list[Doc]:
+    async def _settle(self, who: Any, items: Any) -> list[Doc]:
         if not isinstance(items, list) or not all(
                 isinstance(i, dict) and isinstance(i.get("slice"), str) and type(i.get("used")) is int
                 and i["used"] >= 0 for i in items):
             raise _bad("slices to settle are [{slice, used}] with 'used' a whole number")
         settled = []
         for item in items[:10_000]:
-            if not item["slice"].startswith(f"{caller.run}/"):
+            if not item["slice"].startswith(f"{who.run}/"):
                 raise ApiError(403, FORBIDDEN, f"slice {item['slice'][:80]!r} is not this run's")
             doc = await self.cp.store.settle_slice(item["slice"], item["used"], self.cp.clock())
             if doc is not None:
@@ -158,16 +158,13 @@ class BudgetService:
         jti = request.match_info["jti"]
         link = await self.cp.store.link_by_jti(jti)
         if link is None:
-            self.cp.auth.require_admin(request)  # an unknown jti is nobody's business but an admin's
             raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r}")
-        if not self.cp.auth.is_admin(request):
-            await self.cp.may_act_as_ancestor(request, link, b"")
-        graph = await self.cp.graph()
+        self.cp.grants.ancestor_of(principal(request), link)  # an admin, or a principal above the link
+        graph = await self.cp.grants.graph()
         return web.json_response(await self.tree(graph, [link["hash"]]))
 
     async def h_budgets(self, request: web.Request) -> web.Response:
-        self.cp.auth.require_admin(request)
-        graph = await self.cp.graph()
+        graph = await self.cp.grants.graph()
         agent = request.query.get("agent")
         if agent:
             held = {link["hash"] for link in graph.links_of(agent)}
@@ -252,13 +249,13 @@ def window_from_env(default: float = DEFAULT_WINDOW_S) -> float:
 def install(cp: ControlPlane, window_s: float | None = None) -> BudgetService:
     service = BudgetService(cp, window_s or window_from_env())
     r = cp.route
-    r("POST", "/v1/budgets/slices", service.h_take, "Lease a slice of a capability's calls budget", "sidecar",
+    r("POST", "/v1/budgets/slices", service.h_take, "Lease a slice of a capability's calls budget", RUN,
       "budgets")
-    r("POST", "/v1/budgets/slices/return", service.h_return, "Return what a slice did not use", "sidecar",
+    r("POST", "/v1/budgets/slices/return", service.h_return, "Return what a slice did not use", RUN,
       "budgets")
     r("GET", "/v1/budgets", service.h_budgets, "Budgets as a tree: every root, or ?agent=A's links",
-      "admin", "budgets")
+      ADMIN, "budgets")
     r("GET", "/v1/budgets/{jti}", service.h_budget, "A link's subtree: granted, used, leased per capability",
-      "admin-or-ancestor", "budgets")
+      ADMIN_OR_ANCESTOR, "budgets")
     cp.background.append(service.run)
     return service

@@ -38,6 +38,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from capability.events import REVOKE
+
 from .store import Event, Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane.events")
@@ -61,7 +63,7 @@ def chunk(line: bytes) -> bytes:
 def visible(event: Event, link_hash: str, chain_jtis: frozenset[str] | set[str]) -> bool:
     """A sidecar sees revocations of its own chain's links and events addressed to its link only (commands
     and approval decisions belong to a link, never to a bare agent id)."""
-    if event.kind == "revoke":
+    if event.kind == REVOKE:
         return event.payload.get("jti") in chain_jtis
     return event.target == link_hash
 
@@ -159,7 +161,7 @@ class EventHub:
                 await self._task
 
     def dispatch(self, event: Event) -> None:
-        subs = self.by_jti.get(event.payload.get("jti", "")) if event.kind == "revoke" else (
+        subs = self.by_jti.get(event.payload.get("jti", "")) if event.kind == REVOKE else (
             self.by_link.get(event.target or ""))
         if not subs:
             return

@@ -1,7 +1,7 @@
 """The OpenAPI document, built from the same route table that wires the server, so they cannot drift.
 
 Each route carries its request schema, its success status and schema, its query parameters and its auth
-(``server.Route``); the shapes themselves live in ``schemas.py``. Every refusal is documented with the
+(``routes.Route``); the shapes themselves live in ``schemas.py``. Every refusal is documented with the
 ``{"error": {...}}`` body and its ``Tether-Error`` header.
 """
 
@@ -16,8 +16,10 @@ _AUTH = {
     "none": [],
     "admin": [{"admin": []}, {"session": []}],
     "sidecar": [{"proof": []}],
+    "run": [{"proof": []}],
     "admin-or-ancestor": [{"admin": []}, {"session": []}, {"proof": []}],
     "admin-or-sidecar": [{"admin": []}, {"session": []}, {"proof": []}],
+    "admin-or-holder": [{"admin": []}, {"session": []}, {"proof": []}],
 }
 
 # The refusals a route can answer, by what it takes: who may call it, whether it has a body and path ids.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from capability.chain import MAX_LINKS
+from capability.events import APPROVED, CANCELLED, DENIED, EXPIRED, PENDING
 
 Schema = dict[str, Any]
 
@@ -89,12 +90,19 @@ CALL: Schema = obj({
     "agent": STR,
     "run_id": nullable({"type": "string", "maxLength": 64}),
     "capability": nullable(STR),
+    "tier": nullable(STR),
     "method": nullable(STR),
     "url": nullable(STR),
     "started_at": nullable(NUM),
-    "resolution": STR,
+    "resolution": nullable(STR),
     "status": nullable(INT),
-}, "call_id", description="A call report or start; fields beyond these are kept as sent")
+    "code": nullable(STR),
+    "ended_at": nullable(NUM),
+    "capture_ref": nullable(STR),
+    "termination_id": nullable(STR),
+    "detail": nullable(STR),
+}, "call_id", description="A call report or start (capability.report.CallReport); fields beyond these are not "
+   "kept")
 HEARTBEAT_REQUEST = obj({
     "state": {"type": ["string", "null"], "maxLength": 32},
     "inflight": nullable(array(ANY_OBJ)),
@@ -173,7 +181,7 @@ APPROVAL = obj({
     "id": STR, "agent": STR, "link": nullable(STR), "run_id": nullable(STR), "call_id": STR,
     "capability": nullable(STR), "method": nullable(STR), "url": nullable(STR), "summary": nullable(STR),
     "request": nullable(ANY_OBJ), "call_hash": nullable(STR), "chain": STRINGS, "deciders": STRINGS,
-    "status": {"enum": ["pending", "approved", "denied", "expired"]}, "requested_at": NUM, "expires_at": NUM,
+    "status": {"enum": [PENDING, APPROVED, DENIED, CANCELLED, EXPIRED]}, "requested_at": NUM, "expires_at": NUM,
     "decided_at": nullable(NUM), "decided_by": nullable(STR), "version": INT,
 }, "id", "agent", "call_id", "status", "requested_at", "expires_at")
 EVENTS = obj({"events": array(ref("Event")), "next": INT, "resync": BOOL, "revoked": STRINGS,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from capability.tracing import tracer
 
 if TYPE_CHECKING:
-    from .termination_service import TerminationService
+    from .services.terminations import TerminationService
 
 log = logging.getLogger("tether.telemetry")
 
@@ -47,14 +47,14 @@ async def termination_finished(service: TerminationService, doc: dict[str, Any])
     from opentelemetry.trace import Status, StatusCode
 
     try:
-        runs, acks = await service._facts(doc)
-        revocations = await service.cp.store.revocations()
+        runs, acks = await service.facts(doc)
+        revocations = await service.store.revocations()
     except Exception:  # a trace is never worth failing a termination over
         log.exception("termination %s: could not gather its trace", doc["id"])
         return
     commanded = next((h["at"] for h in doc["history"] if h["state"] in ("draining", "aborting")),
                      doc["requested_at"])
-    end = doc.get("completed_at") or service.cp.clock()
+    end = doc.get("completed_at") or service.clock()
     root = t.start_span(f"terminate {doc['subject']}", start_time=_ns(doc["requested_at"]), attributes={
         "tether.termination_id": doc["id"], "tether.agent": doc["subject"], "tether.mode": doc["mode"],
         "tether.window_s": doc["window_s"], "tether.requested_by": doc["requested_by"],

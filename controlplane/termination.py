@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from capability import keys
+from capability.jsonpieces import canonical_json
+from capability.report import RECORD_FIELDS
 from capability.shared import RESOLUTIONS  # noqa: F401  (the record's resolutions, re-exported)
 
-from . import jsonpieces
 from .runs import accounted, unaccounted_runs
 
 Doc = dict[str, Any]
@@ -132,18 +133,9 @@ def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()
 
 
 # -- the reconciliation record -----------------------------------------------------------------------
-def canonical(doc: Any) -> bytes:
-    """Sorted keys, no spaces, UTF-8; encoded in pieces so that hashing a big record in a worker thread
-    never holds the event loop (see jsonpieces.py)."""
-    return jsonpieces.dumps(doc, ensure_ascii=False).encode()
-
-
 def record_hash(record: Mapping[str, Any]) -> str:
     body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
-    return "sha256:" + hashlib.sha256(canonical(body)).hexdigest()
-
-
-_CALL_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status", "capture_ref")
+    return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
 
 
 def _in_order(reports: list[Doc]) -> list[Doc]:
@@ -151,7 +143,7 @@ def _in_order(reports: list[Doc]) -> list[Doc]:
 
 
 def _call_entry(report: Doc) -> Doc:
-    entry = {f: report.get(f) for f in _CALL_FIELDS}
+    entry = {f: report.get(f) for f in RECORD_FIELDS}
     for extra in ("ended_at", "code", "termination_id", "run_id"):
         if report.get(extra) is not None:
             entry[extra] = report[extra]
@@ -179,64 +171,9 @@ def build_record(
     An agent is terminated only when every one of its runs said so (runs.accounted)."""
     acked = accounted(termination["agents"], runs, acks)
     calls = [_call_entry(report) for report in _in_order(reports)]
-    seen = {call["call_id"] for call in calls}
     terminated = [_terminated_entry(acked[a]) for a in sorted(termination["agents"]) if a in acked]
-    unaccounted: list[Doc] = []
-    never_ended: dict[str, list[Doc]] = {}
-    for start in _in_order(list(starts)):
-        if start["call_id"] not in seen:
-            never_ended.setdefault(start.get("agent", ""), []).append(start)
-    for agent in termination["agents"]:
-        known: dict[str, Doc] = {}
-        silent = [] if agent in acked else unaccounted_runs(agent, runs, acks)
-        for run in silent:
-            for call in run.get("inflight") or []:
-                if isinstance(call, dict) and call.get("call_id") not in seen:
-                    known.setdefault(call["call_id"], call)
-        for start in never_ended.get(agent, []):
-            known.setdefault(start["call_id"], start)
-        inflight = _in_order(list(known.values()))
-        if agent not in acked:
-            unaccounted.append(
-                {
-                    "agent": agent,
-                    "last_seen": max((r.get("last_seen") or 0 for r in silent), default=None) or None,
-                    "calls_in_flight_last_known": [{f: c.get(f) for f in _CALL_FIELDS} for c in inflight],
-                    "lease_expires_at": max((r.get("lease_expires") or 0 for r in silent), default=None) or None,
-                    "runs": [{"run_id": r["run_id"], "last_seen": r.get("last_seen"),
-                              "lease_expires_at": r.get("lease_expires"), "state": r.get("state")} for r in silent],
-                }
-            )
-        for call in inflight:
-            # A call we last saw in flight (or whose start was written ahead) and never heard of again.
-            seen.add(call["call_id"])
-            calls.append(
-                {
-                    **{f: call.get(f) for f in _CALL_FIELDS},
-                    "agent": agent,
-                    "resolution": "unknown",
-                    "status": None,
-                    "reported": False,
-                }
-            )
-    leases: list[Doc] = []
-    lease_of_link: dict[str, float] = {}
-    for run in runs:
-        if run.get("agent") not in acked and run.get("lease_expires") is not None:
-            lease_of_link[run["link"]] = max(lease_of_link.get(run["link"], 0.0), run["lease_expires"])
-    for link in sorted(links, key=lambda item: (item.get("registered_at", 0), item["jti"])):
-        entry: Doc = {"jti": link["jti"], "agent": link["sub"]}
-        revocation = revocations.get(link["jti"])
-        exp = link["claims"]["exp"]
-        if revocation is not None and revocation["at"] < exp:
-            entry["revoked_at"] = revocation["at"]
-        else:
-            entry["expired_at"] = exp
-        if link["hash"] in lease_of_link:
-            entry["sidecar_lease_expires_at"] = lease_of_link[link["hash"]]
-        if budgets and link["jti"] in budgets:
-            entry["budget"] = budgets[link["jti"]]  # what the link's subtree spent of its budgets
-        leases.append(entry)
+    unaccounted = _unaccounted(termination["agents"], acked, calls, list(starts), runs, acks)
+    leases = _leases(links, revocations, runs, acked, budgets)
     return {
         "record_id": record_id,
         "termination_id": termination["id"],
@@ -255,6 +192,69 @@ def build_record(
                              for e in terminated},
         "prev_hash": prev_hash,
     }
+
+
+def _unaccounted(agents: list[str], acked: Mapping[str, Doc], calls: list[Doc], starts: list[Doc], runs: list[Doc],
+                 acks: Mapping[str, Doc]) -> list[Doc]:
+    """The agents no run of which accounted for; appends to ``calls`` every call last seen in flight (or
+    written ahead) and never heard of again, as ``unknown``."""
+    seen = {call["call_id"] for call in calls}
+    unaccounted: list[Doc] = []
+    never_ended: dict[str, list[Doc]] = {}
+    for start in _in_order(starts):
+        if start["call_id"] not in seen:
+            never_ended.setdefault(start.get("agent", ""), []).append(start)
+    for agent in agents:
+        known: dict[str, Doc] = {}
+        silent = [] if agent in acked else unaccounted_runs(agent, runs, acks)
+        for run in silent:
+            for call in run.get("inflight") or []:
+                if isinstance(call, dict) and call.get("call_id") not in seen:
+                    known.setdefault(call["call_id"], call)
+        for start in never_ended.get(agent, []):
+            known.setdefault(start["call_id"], start)
+        inflight = _in_order(list(known.values()))
+        if agent not in acked:
+            unaccounted.append(
+                {
+                    "agent": agent,
+                    "last_seen": max((r.get("last_seen") or 0 for r in silent), default=None) or None,
+                    "calls_in_flight_last_known": [{f: c.get(f) for f in RECORD_FIELDS} for c in inflight],
+                    "lease_expires_at": max((r.get("lease_expires") or 0 for r in silent), default=None) or None,
+                    "runs": [{"run_id": r["run_id"], "last_seen": r.get("last_seen"),
+                              "lease_expires_at": r.get("lease_expires"), "state": r.get("state")} for r in silent],
+                }
+            )
+        for call in inflight:
+            seen.add(call["call_id"])
+            calls.append({**{f: call.get(f) for f in RECORD_FIELDS}, "agent": agent, "resolution": "unknown",
+                          "status": None, "reported": False})
+    return unaccounted
+
+
+def _leases(links: list[Doc], revocations: Mapping[str, Doc], runs: list[Doc], acked: Mapping[str, Doc],
+            budgets: Mapping[str, Doc] | None) -> list[Doc]:
+    """How each link ended (revoked or expired), the last lease an unaccounted run held under it, and what
+    its subtree spent of its budgets."""
+    leases: list[Doc] = []
+    lease_of_link: dict[str, float] = {}
+    for run in runs:
+        if run.get("agent") not in acked and run.get("lease_expires") is not None:
+            lease_of_link[run["link"]] = max(lease_of_link.get(run["link"], 0.0), run["lease_expires"])
+    for link in sorted(links, key=lambda item: (item.get("registered_at", 0), item["jti"])):
+        entry: Doc = {"jti": link["jti"], "agent": link["sub"]}
+        revocation = revocations.get(link["jti"])
+        exp = link["claims"]["exp"]
+        if revocation is not None and revocation["at"] < exp:
+            entry["revoked_at"] = revocation["at"]
+        else:
+            entry["expired_at"] = exp
+        if link["hash"] in lease_of_link:
+            entry["sidecar_lease_expires_at"] = lease_of_link[link["hash"]]
+        if budgets and link["jti"] in budgets:
+            entry["budget"] = budgets[link["jti"]]
+        leases.append(entry)
+    return leases
 
 
 def _terminated_entry(evidence: Doc) -> Doc:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from capability import errors as codes
 from capability.catalog import Catalog
 from capability.errors import TetherError
+from capability.events import APPROVED, CANCELLED, DENIED
 
 from . import mcp
 
@@ -166,11 +167,11 @@ def decide_tunnel(catalog: Catalog, chain: ChainState, host: str, port: int, now
 def after_approval(decision: str, chain: ChainState, capability: str | None, now: float,
                    now_mono: float) -> tuple[Refusal | None, str]:
     """A held call once its approval was decided: (the refusal or None, the resolution a refusal gets)."""
-    if decision == "approved":
+    if decision == APPROVED:
         return chain.refusal(now, now_mono), "refused"
-    if decision == "denied":
+    if decision == DENIED:
         return Refusal(codes.APPROVAL_DENIED, f"a person denied {capability} for this call"), "refused"
-    if decision == "cancelled":
+    if decision == CANCELLED:
         return Refusal(codes.TERMINATED if chain.mode == "terminated" else codes.DRAINING,
                        "the held call was cancelled: this agent is being terminated"), "cancelled_not_sent"
     return Refusal(codes.APPROVAL_TIMEOUT, f"no approval for {capability} arrived in time ({decision})"), "refused"

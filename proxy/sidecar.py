@@ -31,6 +31,7 @@ from capability import keys
 from capability.catalog import Catalog, empty_catalog, parse_catalog
 from capability.chain import Verifier, parse_chain_unverified
 from capability.errors import ApiError, ChainError, TetherError
+from capability.events import APPROVAL, APPROVED, CANCELLED, COMMAND, DENIED, REVOKE
 
 from .addons import Capture, Resolver, Streamer, ToolsFilter, Tracker
 from .budget import Budgets
@@ -400,12 +401,12 @@ class Sidecar:
 
     def on_event(self, event: dict[str, Any]) -> None:
         kind, payload = event.get("kind"), event.get("payload", {})
-        if kind == "revoke":
+        if kind == REVOKE:
             if self.state.revoke([payload["jti"]], time.monotonic()):
                 log.warning("revoked: %s (%s); refusing every call from now on", payload["jti"], payload.get("agent"))
-        elif kind == "command":
+        elif kind == COMMAND:
             self.on_command(payload)
-        elif kind == "approval":
+        elif kind == APPROVAL:
             self.on_approval(payload)
 
     # -- approvals ---------------------------------------------------------------------------------------
@@ -428,21 +429,21 @@ class Sidecar:
             return "timeout"
         finally:
             self.approvals.pop(doc["id"], None)
-        if decision == "approved" and (flow is None or call_hash(flow.request) != shown.get("call_hash")):
+        if decision == APPROVED and (flow is None or call_hash(flow.request) != shown.get("call_hash")):
             # The request changed while it was held: the person approved another request than this one.
             log.error("call %s changed while held; approval %s does not apply to it", call.call_id, doc["id"])
-            return "denied"
+            return DENIED
         return decision
 
     def on_approval(self, doc: dict[str, Any]) -> None:
         future = self.approvals.get(doc.get("id", ""))
         if future is not None and not future.done():
-            status = doc.get("status", "denied")  # approved | denied | cancelled (by a termination)
-            if status == "approved" and doc.get("call_hash") != getattr(future, "call_hash", None):
+            status = doc.get("status", DENIED)  # approved | denied | cancelled (by a termination)
+            if status == APPROVED and doc.get("call_hash") != getattr(future, "call_hash", None):
                 # An approval binds to the exact call it showed; one for any other request is not ours.
                 log.error("approval %s names call hash %s, not this call's; refusing the call",
                           doc.get("id"), doc.get("call_hash"))
-                status = "denied"
+                status = DENIED
             future.set_result(status)
 
     # -- termination ------------------------------------------------------------------------------------
@@ -471,7 +472,7 @@ class Sidecar:
     def _cancel_held(self) -> None:
         for future in self.approvals.values():
             if not future.done():
-                future.set_result("cancelled")
+                future.set_result(CANCELLED)
 
     def abort_flow(self, flow: http.HTTPFlow) -> None:
         """Cut a forwarded call off now (mitmproxy's kill only acts at the next hook)."""

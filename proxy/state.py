@@ -16,6 +16,7 @@ from typing import Any
 from capability import errors as codes
 from capability.chain import VerifiedChain, Verifier
 from capability.errors import ChainError
+from capability.report import CallReport
 from capability.shared import RESOLUTIONS
 
 from .decision import Refusal
@@ -121,12 +122,13 @@ class Call:
     detail: str | None = None
 
     def report(self) -> dict[str, Any]:
-        # Every field but the phase; all are scalars, so no deep copy (asdict) is needed.
-        return {name: getattr(self, name) for name in _REPORT_FIELDS}
+        """The call as the control plane reads it (``capability.report.CallReport``): every field but the phase."""
+        return CallReport(**{name: getattr(self, name) for name in _REPORT_FIELDS}).to_doc()
 
     def summary(self) -> dict[str, Any]:
-        return {"call_id": self.call_id, "capability": self.capability, "method": self.method, "url": self.url,
-                "started_at": self.started_at, "phase": self.phase}
+        """The call while in flight: what a report knows before the end, and the phase it is in."""
+        return {**CallReport(self.call_id, capability=self.capability, method=self.method, url=self.url,
+                             started_at=self.started_at).in_flight(), "phase": self.phase}
 
 
 _REPORT_FIELDS = tuple(f.name for f in fields(Call) if f.name != "phase")

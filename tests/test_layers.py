@@ -34,7 +34,7 @@ def test_building_the_parser_loads_neither_side() -> None:
 
 
 @pytest.mark.parametrize("module", ["budget", "catalog", "chain", "credentials", "errors", "glob", "keys", "proof",
-                                    "shared", "tracing"])
+                                    "shared", "tracing", "jsonpieces", "report", "events"])
 def test_the_shared_model_imports_neither_side(module: str) -> None:
     modules = loaded_after(f"import capability.{module}")
     assert not [m for m in modules if m.split(".")[0] in ("proxy", "controlplane", "cli")]

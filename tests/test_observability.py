@@ -256,7 +256,7 @@ def test_tracing_off_imports_nothing_of_opentelemetry(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, controlplane.server, controlplane.termination_service, proxy.sidecar;"
+    code = ("import sys, controlplane.app, controlplane.services.terminations, proxy.sidecar;"
             "from proxy.telemetry import call_tracing; assert call_tracing(None) == [];"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}

@@ -18,7 +18,7 @@ Doc = dict[str, Any]
 @dataclass(frozen=True)
 class Event:
     seq: int
-    kind: str  # "revoke" | "command" | "approval"
+    kind: str  # one of capability.events.KINDS
     target: str | None  # agent id, or None for everyone concerned
     payload: Doc
     at: float

@@ -40,10 +40,10 @@ from redis import exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from capability import jsonpieces
 from capability.budget import MAX_SLICE
 from capability.errors import BAD_REQUEST, TetherError
 
-from .. import jsonpieces
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
 log = logging.getLogger("tether.store.redis")

@@ -10,16 +10,17 @@ write transaction begins, so the loop's writers wait on the lock only for the in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from capability import jsonpieces
 from capability.budget import slice_size
 
-from .. import jsonpieces
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
 
 EVENT_RETENTION = 10_000
@@ -47,6 +48,20 @@ CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL,
 CREATE TABLE IF NOT EXISTS slices (id TEXT PRIMARY KEY, open INTEGER NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS slices_open ON slices(open);
 """
+
+
+@contextlib.contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` (one writer at a time, so a read-then-write inside sees no other writer), committed
+    when the block ends, rolled back when it raises. A block that returns early having written nothing
+    commits nothing."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 def _dump(doc: Any) -> str:
@@ -110,14 +125,13 @@ class SqliteStore(Store):
         except (sqlite3.Error, StoreUnavailable):
             return False
 
-    def _tx(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
+    def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """A write transaction on the loop's connection."""
+        return _transaction(self.db)
 
     # -- links ---------------------------------------------------------------------------------------
     async def put_links(self, links: list[Doc]) -> int:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             new = 0
             for link in links:
                 row = db.execute("SELECT hash FROM links WHERE jti = ?", (link["jti"],)).fetchone()
@@ -128,11 +142,7 @@ class SqliteStore(Store):
                     (link["hash"], link["jti"], link["sub"], link.get("prf"), _dump(link)),
                 )
                 new += cur.rowcount
-            db.execute("COMMIT")
             return new
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def get_link(self, link_hash: str) -> Doc | None:
         row = self.db.execute("SELECT doc FROM links WHERE hash = ?", (link_hash,)).fetchone()
@@ -173,30 +183,20 @@ class SqliteStore(Store):
         return {r[0] for r in self.db.execute(f"SELECT jti FROM revocations WHERE jti IN ({marks})", jtis)}
 
     async def first_use(self, key: str, ttl_s: float, now: float) -> bool:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             db.execute("DELETE FROM seen WHERE expires <= ?", (now,))
             cur = db.execute("INSERT OR IGNORE INTO seen (key, expires) VALUES (?, ?)", (key, now + ttl_s))
-            db.execute("COMMIT")
             return cur.rowcount == 1
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     # -- events ----------------------------------------------------------------------------------------
     async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO events (kind, target, payload, at) VALUES (?, ?, ?, ?)", (kind, target, _dump(payload), at)
             )
             seq = int(cur.lastrowid or 0)
             db.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENT_RETENTION,))
-            db.execute("COMMIT")
             return seq
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def events_after(self, seq: int, limit: int = 500) -> list[Event]:
         rows = self.db.execute(
@@ -225,8 +225,7 @@ class SqliteStore(Store):
 
     # -- reports ---------------------------------------------------------------------------------------
     async def put_reports(self, reports: list[Doc]) -> Stored:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             new: set[str] = set()
             for report in reports:
                 cur = db.execute(
@@ -238,11 +237,7 @@ class SqliteStore(Store):
             # Only the reporting agent's own start is moot (a call id named by another agent deletes nothing).
             db.executemany("DELETE FROM starts WHERE call_id = ? AND agent = ?",
                            [(r["call_id"], r["agent"]) for r in reports])
-            db.execute("COMMIT")
             return Stored(new, len(reports))
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def reports(self, agents: list[str] | None = None) -> list[Doc]:
         def read(db: sqlite3.Connection) -> list[Doc]:
@@ -256,17 +251,12 @@ class SqliteStore(Store):
         return await self._off_loop(read)
 
     async def put_starts(self, starts: list[Doc]) -> None:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             for start in starts:
                 # A start whose final report is already here is moot: never store it.
                 if db.execute("SELECT 1 FROM reports WHERE call_id = ?", (start["call_id"],)).fetchone() is None:
                     db.execute("INSERT OR IGNORE INTO starts (call_id, agent, doc) VALUES (?, ?, ?)",
                                (start["call_id"], start["agent"], _dump(start)))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def starts(self, agents: list[str]) -> list[Doc]:
         marks = ",".join("?" * len(agents))
@@ -294,41 +284,29 @@ class SqliteStore(Store):
         ]
 
     async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             row = db.execute("SELECT version FROM docs WHERE kind = ? AND id = ?", (kind, doc_id)).fetchone()
             current = int(row[0]) if row else 0
             if current != expect_version:
-                db.execute("ROLLBACK")
                 return False
             db.execute(
                 "INSERT OR REPLACE INTO docs (kind, id, version, doc) VALUES (?, ?, ?, ?)",
                 (kind, doc_id, int(doc["version"]), _dump(doc)),
             )
-            db.execute("COMMIT")
             return True
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     # -- records ---------------------------------------------------------------------------------------
     async def append_record(self, record: Doc) -> bool:
         def append(db: sqlite3.Connection) -> bool:
             encoded = jsonpieces.dumps(record)  # before the transaction: the lock is held for the insert only
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(db):
                 row = db.execute("SELECT hash FROM records ORDER BY pos DESC LIMIT 1").fetchone()
                 head = row[0] if row else ""
                 if record["prev_hash"] != head:
-                    db.execute("ROLLBACK")
                     return False
                 db.execute("INSERT INTO records (hash, prev_hash, doc) VALUES (?, ?, ?)",
                            (record["hash"], record["prev_hash"], encoded))
-                db.execute("COMMIT")
                 return True
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
 
         return await self._off_loop(append)
 
@@ -338,29 +316,21 @@ class SqliteStore(Store):
 
     # -- leases ---------------------------------------------------------------------------------------
     async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             row = db.execute("SELECT owner, expires FROM leases WHERE name = ?", (name,)).fetchone()
             if row and row[0] != owner and row[1] > now:
-                db.execute("ROLLBACK")
                 return False
             db.execute(
                 "INSERT OR REPLACE INTO leases (name, owner, expires) VALUES (?, ?, ?)", (name, owner, now + ttl_s)
             )
-            db.execute("COMMIT")
             return True
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     # -- budgets ----------------------------------------------------------------------------------------
     async def take_slice(self, slice_doc: Doc, counters: list[tuple[str, int]], want: int, fraction: float,
                          ttl_s: float = 0) -> tuple[int, int | None]:
-        db = self._tx()  # BEGIN IMMEDIATE: one writer at a time, so no two slices see the same remainder
-        try:
+        with self._tx() as db:  # BEGIN IMMEDIATE: one writer at a time, so no two slices see the same remainder
             row = db.execute("SELECT doc FROM slices WHERE id = ?", (slice_doc["id"],)).fetchone()
             if row is not None:
-                db.execute("ROLLBACK")
                 return int(json.loads(row[0])["n"]), None
             left: list[int] = []
             for key, limit in counters:
@@ -368,25 +338,18 @@ class SqliteStore(Store):
                 left.append(limit - (got[0] + got[1] if got else 0))
             granted = slice_size(want, left, fraction)
             if granted <= 0:
-                db.execute("ROLLBACK")
                 return 0, min(range(len(left)), key=lambda i: left[i])
             for key, _limit in counters:
                 db.execute("INSERT INTO budgets (key, used, leased) VALUES (?, 0, ?) "
                            "ON CONFLICT(key) DO UPDATE SET leased = leased + excluded.leased", (key, granted))
             doc = {**slice_doc, "n": granted, "state": "open", "keys": [k for k, _ in counters]}
             db.execute("INSERT INTO slices (id, open, doc) VALUES (?, 1, ?)", (doc["id"], _dump(doc)))
-            db.execute("COMMIT")
             return granted, None
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def settle_slice(self, slice_id: str, used: int, at: float) -> Doc | None:
-        db = self._tx()
-        try:
+        with self._tx() as db:
             row = db.execute("SELECT doc FROM slices WHERE id = ? AND open = 1", (slice_id,)).fetchone()
             if row is None:
-                db.execute("ROLLBACK")
                 return None
             doc = json.loads(row[0])
             spent = max(0, min(int(used), int(doc["n"])))
@@ -395,11 +358,7 @@ class SqliteStore(Store):
                            (doc["n"], spent, key))
             doc.update(state="settled", used=spent, settled_at=at)
             db.execute("UPDATE slices SET open = 0, doc = ? WHERE id = ?", (_dump(doc), slice_id))
-            db.execute("COMMIT")
             return doc
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     async def open_slices(self) -> list[Doc]:
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM slices WHERE open = 1 ORDER BY rowid")]

@@ -1,8 +1,8 @@
-"""The control plane's side of termination: the API, the driver loop, and the record log.
+"""The control plane's side of termination: requests, acknowledgements, the driver loop, the records.
 
-The pure protocol lives in ``termination.py``; this module performs its actions against the store and
-the sidecars' event stream. One replica at a time drives a given termination (a store lease), and a
-restarted control plane picks up every termination that is not ``terminated``.
+The pure protocol lives in ``controlplane/termination.py``; this service performs its actions against the
+store and the sidecars' event stream. One replica at a time drives a given termination (a store lease), and
+a restarted control plane picks up every termination that is not ``terminated``.
 """
 
 from __future__ import annotations
@@ -10,21 +10,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
-from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from capability import keys
 from capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
+from capability.events import CANCELLED, COMMAND, PENDING, by_termination
 
-from . import runs, telemetry
-from . import schemas as sc
-from . import termination as proto
-from .auth import Caller
-from .body import parse, raw_body
-from .budgets import budget_use
-from .graph import Graph
-from .server import CANCELLED, MAX_REASON, ControlPlane
-from .store import Doc, StoreUnavailable
+from .. import runs, telemetry
+from .. import termination as proto
+from ..auth import Caller
+from ..budgets import budget_use
+from ..graph import Graph
+from ..metrics import Metrics
+from ..store import Doc, Store, StoreUnavailable
+from .approvals import ApprovalService
+from .events import EventService
+from .grants import GrantService, principal_of
+from .records import RecordService
+from .sidecars import SidecarService
 
 log = logging.getLogger("tether.termination")
 DRIVE_INTERVAL_S = 0.25
@@ -33,133 +38,90 @@ ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are wat
 
 
 class TerminationService:
-    def __init__(self, cp: ControlPlane, grace_s: float) -> None:
-        self.cp = cp
+    def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], *, signing_key: Ed25519PrivateKey,
+                 replica: str, lease_ttl_s: float, grace_s: float, events: EventService, grants: GrantService,
+                 approvals: ApprovalService, records: RecordService, sidecars: SidecarService) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock
+        self.signing_key = signing_key
+        self.replica = replica
         self.grace_s = grace_s
+        self.events, self.grants, self.approvals = events, grants, approvals
+        self.records, self.sidecars = records, sidecars
         self._wake = asyncio.Event()
-        self.started_at = cp.clock()
+        self.started_at = clock()
         # After a restart, sidecars retry every half second; give them this long to come back and
         # acknowledge before an overdue termination is reconciled without them.
-        self.reconnect_grace_s = max(5.0, cp.lease_ttl_s / 3)
+        self.reconnect_grace_s = max(5.0, lease_ttl_s / 3)
 
-    # -- API ------------------------------------------------------------------------------------------
-    async def h_terminate(self, request: web.Request) -> web.Response:
-        agent = request.match_info["agent"]
-        raw = await raw_body(request)
-        caller = await self.cp.principal(request, raw)  # before the lookup: no existence oracle
-        body = parse(raw, "the termination request")
-        mode = str(body.choice("mode", proto.MODES, "drain"))
-        window_s = float(body.number("window_s", 30.0, nullable=True, minimum=0, maximum=86400) or 0.0)
-        reason = body.string("reason", "", max_len=MAX_REASON) or ""
-        graph = await self.cp.graph()
+    # -- requests -------------------------------------------------------------------------------------
+    async def terminate(self, agent: str, caller: Caller | None, mode: str, window_s: float, reason: str) -> Doc:
+        """Start terminating ``agent`` and its subtree (an admin, or a principal above every link it holds)."""
+        graph = await self.grants.graph()
         links = graph.links_of(agent)
         if not links:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
-        requested_by = self._authorize(caller, links)
+        # An admin, or a principal above every link the agent holds (not just one of them): each check raises.
+        verdicts = [self.grants.ancestor_of(caller, link) for link in links]
+        requested_by = verdicts[0]
         # The subtree is fixed by link, not by id: a link registered later under the same id (a respawn, a
         # re-grant) is not part of this termination and starts clean.
         subtree = graph.subtree(agent)
         agents = sorted({link["sub"] for link in subtree})
         tid = "term-" + os.urandom(8).hex()
-        doc = proto.new_termination(
-            tid, agent, mode, window_s, reason, requested_by, self.cp.clock(), agents, self.grace_s
-        )
+        doc = proto.new_termination(tid, agent, mode, window_s, reason, requested_by, self.clock(), agents,
+                                    self.grace_s)
         doc["links"] = sorted(link["hash"] for link in subtree)
-        if not await self.cp.store.cas_doc("termination", tid, 0, doc):
+        if not await self.store.cas_doc("termination", tid, 0, doc):
             raise ApiError(409, CONFLICT, "termination id collision; retry")
-        self.cp.metrics.inc("tether_terminations_requested_total")
-        self.cp.metrics.termination_requested(mode)
-        log.info(
-            "termination %s of %s (%s, window %ss) requested by %s: %s",
-            tid,
-            agent,
-            mode,
-            window_s,
-            requested_by,
-            ", ".join(agents),
-        )
+        self.metrics.inc("tether_terminations_requested_total")
+        self.metrics.termination_requested(mode)
+        log.info("termination %s of %s (%s, window %ss) requested by %s: %s", tid, agent, mode, window_s,
+                 requested_by, ", ".join(agents))
         self.wake()
-        return web.json_response({"termination_id": tid, **doc}, status=202)
+        return {"termination_id": tid, **doc}
 
-    def _authorize(self, caller: Caller | None, links: list[Doc]) -> str:
-        """An admin, or a principal above every link the agent holds (not just one of them)."""
-        verdicts = [self.cp.ancestor_of(caller, link) for link in links]  # each raises if not above that link
-        return verdicts[0]
-
-    async def _admin_or_requester(self, request: web.Request, requested_by: str | None) -> None:
-        """Admins read every termination; the principal who asked for one may follow it (signed request)."""
-        if self.cp.auth.is_admin(request):
-            return
-        if self.cp.auth.proof_of(request) is None:
-            self.cp.auth.require_admin(request)
-        caller = await self.cp.auth.sidecar(request, await raw_body(request))
-        if requested_by != f"principal:{caller.agent}":
+    @staticmethod
+    def may_follow(caller: Caller | None, requested_by: str | None) -> None:
+        """Admins read every termination and record; the principal who asked for one may follow it."""
+        if caller is not None and requested_by != principal_of(caller):
             raise ApiError(403, FORBIDDEN, f"{caller.agent} did not request this termination")
 
-    async def h_get(self, request: web.Request) -> web.Response:
-        doc = await self.cp.store.get_doc("termination", request.match_info["id"])
-        await self._admin_or_requester(request, doc["requested_by"] if doc else None)
+    async def get(self, tid: str, caller: Caller | None) -> Doc:
+        doc = await self.store.get_doc("termination", tid)
+        self.may_follow(caller, doc["requested_by"] if doc else None)
         if doc is None:
-            raise ApiError(404, NOT_FOUND, f"no termination {request.match_info['id']}")
+            raise ApiError(404, NOT_FOUND, f"no termination {tid}")
         acked = await self._acks(doc)
-        return web.json_response(
-            {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked))}
-        )
+        return {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked))}
 
-    async def h_list(self, request: web.Request) -> web.Response:
-        self.cp.auth.require_admin(request)
-        return web.json_response(await self.cp.store.list_docs("termination"))
+    async def terminations(self) -> list[Doc]:
+        return await self.store.list_docs("termination")
 
-    async def h_quiesced(self, request: web.Request) -> web.Response:
-        raw = await raw_body(request)
-        caller = await self.cp.auth.run_of(request, raw)
-        body = parse(raw, "the acknowledgement")
-        tid = str(body.string("termination_id", required=True, nullable=False, max_len=200))
-        reports, starts, calls = body.objects("reports"), body.objects("starts"), body.obj("calls")
-        term = await self.cp.store.get_doc("termination", tid)
-        if term is None or caller.link_hash not in _links_of(term, await self.cp.graph()):
+    async def record(self, record_id: str, caller: Caller | None) -> Doc:
+        """A record, to an admin or to the principal that requested its termination."""
+        try:
+            record = await self.records.record(record_id)
+        except ApiError:
+            self.may_follow(caller, None)  # an unknown id is nobody's business but an admin's
+            raise
+        self.may_follow(caller, record["requested_by"])
+        return record
+
+    async def quiesced(self, caller: Caller, tid: str, reports: list[Any], starts: list[Any], calls: Any) -> Doc:
+        """A sidecar run acknowledges a termination of its link: its last reports (through the one way
+        reports come in), and it never forwards again."""
+        term = await self.store.get_doc("termination", tid)
+        if term is None or caller.link_hash not in _links_of(term, await self.grants.graph()):
             raise ApiError(404, NOT_FOUND, f"{caller.agent}'s link is not part of termination {tid}")
-        await self.cp.ingest_reports(caller, reports, starts)
-        now = self.cp.clock()
-        ack = {
-            "agent": caller.agent,
-            "link": caller.link_hash,
-            "run_id": caller.run,
-            "termination_id": tid,
-            "at": now,
-            "calls": calls,
-            "state": runs.TERMINATED,
-        }
-        await self.cp.store.put_doc("ack", f"{tid}:{caller.run}", ack)
-        await self.cp.mark_run_final(caller, runs.TERMINATED)
+        await self.records.ingest(caller, reports, starts)
+        ack = {"agent": caller.agent, "link": caller.link_hash, "run_id": caller.run, "termination_id": tid,
+               "at": self.clock(), "calls": calls, "state": runs.TERMINATED}
+        await self.store.put_doc("ack", f"{tid}:{caller.run}", ack)
+        await self.sidecars.mark_final(caller, runs.TERMINATED)
         self.wake()
-        return web.json_response({"ok": True, "run_id": caller.run})
-
-    async def h_records(self, request: web.Request) -> web.Response:
-        self.cp.auth.require_admin(request)
-        return web.json_response(await self.cp.store.records())
-
-    async def h_record(self, request: web.Request) -> web.Response:
-        rid = request.match_info["id"]
-        for record in await self.cp.store.records():
-            if rid in (record["record_id"], record["termination_id"]):
-                await self._admin_or_requester(request, record["requested_by"])
-                return web.json_response(record)
-        self.cp.auth.require_admin(request)
-        raise ApiError(404, NOT_FOUND, f"no record {rid}")
-
-    async def h_trust(self, request: web.Request) -> web.Response:
-        public = self.cp.signing_key.public_key()
-        return web.json_response(
-            {
-                "public_key": keys.public_pem(public).decode(),
-                "jwk": keys.to_jwk(public),
-                "catalog": self.cp.catalog.hash,
-            }
-        )
-
-    async def h_catalog(self, request: web.Request) -> web.Response:
-        return web.json_response({"hash": self.cp.catalog.hash, "catalog": self.cp.catalog.to_dict()})
+        return {"ok": True, "run_id": caller.run}
 
     # -- driver ---------------------------------------------------------------------------------------
     def wake(self) -> None:
@@ -180,13 +142,13 @@ class TerminationService:
                 pass
 
     async def drive_all(self) -> None:
-        now = self.cp.clock()
-        for doc in await self.cp.store.list_docs("termination"):
+        now = self.clock()
+        for doc in await self.store.list_docs("termination"):
             if doc["state"] == proto.TERMINATED and (
                 not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S
             ):
                 continue
-            if not await self.cp.store.try_lease(f"termination:{doc['id']}", self.cp.replica, LEASE_S, self.cp.clock()):
+            if not await self.store.try_lease(f"termination:{doc['id']}", self.replica, LEASE_S, self.clock()):
                 continue
             if doc["state"] == proto.TERMINATED:
                 await self.amend(doc)
@@ -195,21 +157,21 @@ class TerminationService:
 
     async def amend(self, doc: Doc) -> None:
         """Agents the record left unaccounted that acknowledge later get an addendum record."""
-        mine, acks = await self._facts(doc)
+        mine, acks = await self.facts(doc)
         if not set(doc["open_agents"]) & set(runs.accounted(doc["open_agents"], mine, acks)):
             return
-        store = self.cp.store
-        links = _links_of(doc, await self.cp.graph())
+        store = self.store
+        links = _links_of(doc, await self.grants.graph())
         while True:
             records = await store.records()
             earlier = [r for r in records if r["termination_id"] == doc["id"]]
             addendum = proto.build_addendum(
                 doc, earlier, record_id="rec-" + os.urandom(8).hex(),
                 reports=[r for r in await store.reports(doc["agents"]) if _reported_under(r, links)],
-                runs=mine, acks=acks, prev_hash=records[-1]["hash"] if records else "", now=self.cp.clock())
+                runs=mine, acks=acks, prev_hash=records[-1]["hash"] if records else "", now=self.clock())
             if addendum is None:
                 break
-            sealed = proto.seal(addendum, self.cp.signing_key)
+            sealed = proto.seal(addendum, self.signing_key)
             if await store.append_record(sealed):
                 log.info("termination %s: addendum %s (late: %s)", doc["id"], sealed["record_id"],
                          ", ".join(proto.terminated_agents(sealed)))
@@ -217,25 +179,25 @@ class TerminationService:
         still = [u["agent"] for u in (addendum or earlier[-1])["agents_unaccounted"]]
         await self._save(doc, {**doc, "open_agents": still, "version": doc["version"] + 1})
 
-    async def _facts(self, doc: Doc) -> tuple[list[Doc], dict[str, Doc]]:
+    async def facts(self, doc: Doc) -> tuple[list[Doc], dict[str, Doc]]:
         """Every run of the termination's links, and each run's acknowledgement of it (run id -> ack)."""
-        links = _links_of(doc, await self.cp.graph())
-        mine = [r for r in (await self.cp.store.all_sidecars()).values() if r.get("link") in links and r.get("run_id")]
+        links = _links_of(doc, await self.grants.graph())
+        mine = [r for r in (await self.store.all_sidecars()).values() if r.get("link") in links and r.get("run_id")]
         acks: dict[str, Doc] = {}
         for run in mine:
-            ack = await self.cp.store.get_doc("ack", f"{doc['id']}:{run['run_id']}")
+            ack = await self.store.get_doc("ack", f"{doc['id']}:{run['run_id']}")
             if ack is not None and ack.get("link") == run.get("link"):  # only the run's own link speaks for it
                 acks[run["run_id"]] = ack
         return mine, acks
 
     async def _acks(self, doc: Doc) -> dict[str, Doc]:
         """Agents all of whose runs acknowledged quiescence (or had already stopped or terminated)."""
-        mine, acks = await self._facts(doc)
+        mine, acks = await self.facts(doc)
         return runs.accounted(doc["agents"], mine, acks)
 
     async def drive(self, doc: Doc) -> None:
         acks = await self._acks(doc)
-        step = proto.advance(doc, acks, self.cp.clock(), not_before=self.started_at + self.reconnect_grace_s)
+        step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s)
         new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:
@@ -244,10 +206,10 @@ class TerminationService:
                         return
                     doc = new
                 record_id, unaccounted = await self.write_record(doc)
-                final = proto.finish(doc, record_id, self.cp.clock(), unaccounted)
+                final = proto.finish(doc, record_id, self.clock(), unaccounted)
                 if await self._save(doc, final):
                     await telemetry.termination_finished(self, final)
-                self.cp.metrics.inc("tether_terminations_completed_total")
+                self.metrics.inc("tether_terminations_completed_total")
                 log.info("termination %s: terminated, record %s", doc["id"], record_id)
                 return
             if action == proto.REVOKE_SUBTREE:
@@ -261,7 +223,7 @@ class TerminationService:
             log.info("termination %s: %s", doc["id"], new["state"])
 
     async def _save(self, old: Doc, new: Doc) -> bool:
-        if not await self.cp.store.cas_doc("termination", old["id"], old["version"], new):
+        if not await self.store.cas_doc("termination", old["id"], old["version"], new):
             log.info("termination %s changed under us; re-reading", old["id"])
             return False
         return True
@@ -269,11 +231,11 @@ class TerminationService:
     async def revoke_subtree(self, doc: Doc) -> tuple[list[str], list[str]]:
         """Revoke the termination's links and every link registered below them since; returns the agents
         and the link hashes now in the termination."""
-        graph = await self.cp.graph()
+        graph = await self.grants.graph()
         hashes = _links_of(doc, graph)
         links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
         for link in links:
-            await self.cp.revoke_link(link, f"termination:{doc['id']}", doc.get("reason", ""), doc["id"])
+            await self.grants.revoke_link(link, by_termination(doc['id']), doc.get("reason", ""), doc["id"])
         return sorted({link["sub"] for link in links} | set(doc["agents"])), sorted(hashes)
 
     async def perform(self, action: str, doc: Doc) -> None:
@@ -281,13 +243,13 @@ class TerminationService:
             await self.revoke_subtree(doc)
         elif action == proto.DENY_APPROVALS:
             links = set(doc.get("links") or ())
-            for approval in await self.cp.store.list_docs("approval"):
+            for approval in await self.store.list_docs("approval"):
                 of_ours = approval.get("link") in links if approval.get("link") else approval["agent"] in doc["agents"]
-                if of_ours and approval["status"] == "pending":
+                if of_ours and approval["status"] == PENDING:
                     try:
                         # Nobody denied it: the termination cancelled it before it left (its own status, so
                         # the sidecar resolves the call cancelled_not_sent, not as a person's denial).
-                        await self.cp.decide(approval["id"], CANCELLED, f"termination:{doc['id']}")
+                        await self.approvals.decide(approval["id"], CANCELLED, by_termination(doc["id"]))
                     except ApiError:
                         pass  # decided meanwhile: nothing to deny
         elif action == proto.SEND_COMMANDS:
@@ -297,31 +259,31 @@ class TerminationService:
                 "window_s": doc["window_s"],
                 "deadline": doc["deadline"],
                 "grace_s": doc["grace_s"],
-                "issued_at": self.cp.clock(),
+                "issued_at": self.clock(),
             }
             # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
             # the same id starts clean.
-            graph = await self.cp.graph()
+            graph = await self.grants.graph()
             for link_hash in sorted(_links_of(doc, graph)):
                 agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
-                await self.cp.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
-                await self.cp.publish("command", link_hash, {**command, "link": link_hash})
+                await self.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
+                await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash})
 
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
 
         The store is read on the event loop; assembling, hashing and signing the record (tens of thousands
         of calls in a big termination) run in a worker thread so the API keeps answering meanwhile."""
-        store = self.cp.store
+        store = self.store
         while True:
             records = await store.records()
             for record in records:
                 if record["termination_id"] == doc["id"]:  # written before a restart: never a second record
                     return record["record_id"], [u["agent"] for u in record["agents_unaccounted"]]
-            graph = await self.cp.graph()
+            graph = await self.grants.graph()
             hashes = _links_of(doc, graph)
             links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
-            mine, acks = await self._facts(doc)
+            mine, acks = await self.facts(doc)
             # A call belongs to the first record that reconciles it: a later termination of the same
             # agents (re-granted) does not list their earlier calls again.
             reconciled = {c["call_id"] for r in records for c in r["calls"] if c.get("reported", True)}
@@ -338,10 +300,10 @@ class TerminationService:
                 runs=mine,
                 acks=acks,
                 prev_hash=records[-1]["hash"] if records else "",
-                now=self.cp.clock(),
-                budgets=await budget_use(store, links, self.cp.clock()),
+                now=self.clock(),
+                budgets=await budget_use(store, links, self.clock()),
             )
-            sealed = await asyncio.to_thread(_sealed_record, doc, inputs, self.cp.signing_key)
+            sealed = await asyncio.to_thread(_sealed_record, doc, inputs, self.signing_key)
             if await store.append_record(sealed):
                 return sealed["record_id"], [u["agent"] for u in sealed["agents_unaccounted"]]
 
@@ -367,25 +329,3 @@ def _reported_under(report: Doc, links: set[str]) -> bool:
     before runs carried no link: those go by agent id, as they did)."""
     link = report.get("link")
     return link is None or link in links
-
-
-def install(cp: ControlPlane, grace_s: float | None = None) -> TerminationService:
-    service = TerminationService(cp, grace_s if grace_s is not None else cp.grace_s)
-    r = cp.route
-    r("POST", "/v1/agents/{agent}/terminate", service.h_terminate, "Terminate an agent and its subtree",
-      "admin-or-ancestor", "termination", body=sc.TERMINATE_REQUEST, ok=sc.TERMINATION_STARTED, status=202)
-    r("GET", "/v1/terminations", service.h_list, "List terminations", "admin", "termination", ok=sc.TERMINATIONS)
-    r("GET", "/v1/terminations/{id}", service.h_get, "A termination's state", "admin-or-ancestor", "termination",
-      ok=sc.TERMINATION_VIEW)
-    r("POST", "/v1/sidecars/quiesced", service.h_quiesced, "A sidecar run acknowledges quiescence", "sidecar",
-      "termination", body=sc.QUIESCED_REQUEST, ok=sc.QUIESCED)
-    r("GET", "/v1/records", service.h_records, "Reconciliation records, oldest first", "admin", "records",
-      ok=sc.RECORDS)
-    r("GET", "/v1/records/{id}", service.h_record, "One record (by record or termination id)", "admin-or-ancestor",
-      "records", ok=sc.ref("Record"))
-    r("GET", "/v1/trust", service.h_trust, "The control plane's public key and catalog hash", "none", "ops",
-      ok=sc.TRUST)
-    r("GET", "/v1/catalog", service.h_catalog, "The catalog this control plane enforces", "none", "ops",
-      ok=sc.CATALOG)
-    cp.background.append(service.run)
-    return service

@@ -1,0 +1,107 @@
+"""A call report: the one shape in which a sidecar tells the control plane what became of a call.
+
+The sidecar makes it from its call table (``proxy.state.Call.report``; a call still in flight is reported
+by ``Call.summary``, the fields known before it ends); the control plane reads every report, start and
+acknowledgement through ``CallReport.read`` and stores ``to_doc()``; a reconciliation record lists each
+call with ``RECORD_FIELDS`` (DESIGN.md section 6). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import BAD_REQUEST, TetherError
+
+MAX_CALL_ID = 200
+MAX_RUN_ID = 64
+MAX_TEXT = 64 * 1024  # a URL, a detail: long, never unbounded
+
+# The fields of each call in a reconciliation record (DESIGN.md section 6), in the record's order.
+RECORD_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status",
+                 "capture_ref")
+
+# What a call in flight is listed with (a heartbeat's ``inflight``; the sidecar adds the call's phase).
+IN_FLIGHT_FIELDS = ("call_id", "capability", "method", "url", "started_at")
+
+
+class ReportInvalid(TetherError):
+    """A report that cannot be stored: the message names the report and the field."""
+
+    code = BAD_REQUEST
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """What became of one call (a start, written ahead, has no resolution yet)."""
+
+    call_id: str
+    agent: str | None = None
+    capability: str | None = None
+    tier: str | None = None
+    method: str | None = None
+    url: str | None = None
+    started_at: float | None = None
+    resolution: str | None = None
+    status: int | None = None
+    code: str | None = None
+    ended_at: float | None = None
+    capture_ref: str | None = None
+    termination_id: str | None = None
+    detail: str | None = None
+    run_id: str | None = None  # the run that delivered it (the control plane stamps its own)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def in_flight(self) -> dict[str, Any]:
+        """What is known of a call before it ends: a heartbeat's in-flight list, a record's last known."""
+        return {name: getattr(self, name) for name in IN_FLIGHT_FIELDS}
+
+    @classmethod
+    def read(cls, doc: Any, where: str = "the report") -> CallReport:
+        """A report as sent, checked field by field (``ReportInvalid`` names the first that is wrong).
+        Fields beyond the report's own are not kept."""
+        if not isinstance(doc, dict):
+            raise ReportInvalid(f"{where} must be an object")
+        call_id = doc.get("call_id")
+        if call_id is None:
+            raise ReportInvalid(f"{where} needs 'call_id'", field="call_id")
+        values: dict[str, Any] = {}
+        for name, kind in _KINDS.items():
+            value = doc.get(name)
+            if value is not None:
+                values[name] = _checked(name, kind, value, where)
+        if not values["call_id"]:
+            raise ReportInvalid(f"{where}: 'call_id' must not be empty", field="call_id")
+        return cls(**values)
+
+
+_LIMITS = {"call_id": MAX_CALL_ID, "run_id": MAX_RUN_ID}
+_KINDS = {f.name: ("int" if f.name == "status" else "number" if f.name.endswith("_at") else "str")
+          for f in fields(CallReport)}
+
+
+def _checked(name: str, kind: str, value: Any, where: str) -> Any:
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ReportInvalid(f"{where}: '{name}' must be a string, not {_kind(value)}", field=name)
+        limit = _LIMITS.get(name, MAX_TEXT)
+        if len(value) > limit:
+            raise ReportInvalid(f"{where}: '{name}' is longer than {limit} characters", field=name)
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind == "int" and not isinstance(value, int)):
+        expected = "an integer" if kind == "int" else "a number"
+        raise ReportInvalid(f"{where}: '{name}' must be {expected}, not {_kind(value)}", field=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ReportInvalid(f"{where}: '{name}' must be a finite number", field=name)
+    return value
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")

@@ -1,0 +1,104 @@
+"""Routes for operating the control plane: health, Prometheus metrics, the OpenAPI document, and the
+trust anchor and catalog a sidecar or a verifier fetches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from capability import keys
+
+from .. import schemas as sc
+from ..metrics import gauge
+from ..store import StoreUnavailable
+from . import NONE, Route
+
+if TYPE_CHECKING:
+    from ..app import ControlPlane
+
+
+class OpsRoutes:
+    """Over the whole control plane: these answer for it (its store, its replica, its route table)."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+
+    async def h_healthz(self, request: web.Request) -> web.Response:
+        cp = self.cp
+        ok = await cp.store.healthy()
+        doc = {"status": "ok" if ok else "unhealthy", "store": "ok" if ok else "unreachable", "replica": cp.replica,
+               "catalog": cp.catalog.hash}
+        return web.json_response(doc, status=200 if ok else 503)
+
+    async def h_metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text. Series labelled by agent id name the fleet's agents, so they go to an admin only
+        (a scraper sends the admin token as its bearer); anyone else gets the fleet-wide series."""
+        cp = self.cp
+        lines = gauge("tether_up", "1 while the control plane serves.", [("", 1)])
+        lines += cp.loop_watch.lines()
+        try:
+            lines += await self._store_gauges(per_agent=cp.auth.is_admin(request))
+            lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
+        except (StoreUnavailable, ConnectionError, OSError):
+            lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])
+        lines += cp.metrics.render()
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _store_gauges(self, per_agent: bool) -> list[str]:
+        cp, now = self.cp, self.cp.clock()
+        sidecars = await cp.store.all_sidecars()
+        live = sum(1 for s in sidecars.values() if s.get("lease_expires", 0) > now and not s.get("final"))
+        lines = gauge("tether_sidecars_leased", "Sidecar runs holding a live lease.", [("", live)])
+        _low, high = await cp.store.event_bounds()
+        lines += gauge("tether_event_seq", "Highest event sequence number.", [("", high)])
+        lags: dict[str, int] = {}
+        for doc in sidecars.values():
+            seen = doc.get("seq")
+            if doc.get("final") or doc.get("lease_expires", 0) <= now:
+                continue
+            lag = max(0, high - int(seen)) if isinstance(seen, int) and seen >= 0 else 0
+            agent = str(doc.get("agent"))
+            lags[agent] = max(lag, lags.get(agent, 0))
+        lines += gauge("tether_subscriber_lag_events_max", "Events the slowest live sidecar has not read yet.",
+                       [("", max(lags.values(), default=0))])
+        if per_agent:  # series labelled by agent id name the fleet's agents: an admin's only
+            lines += gauge("tether_subscriber_lag_events", "Events a live sidecar has not read yet, per agent.",
+                           [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
+        active = sum(1 for t in await cp.store.list_docs("termination") if t["state"] != "terminated")
+        lines += gauge("tether_terminations_in_flight", "Terminations not yet terminated.", [("", active)])
+        lines += gauge("tether_event_streams_open", "Sidecars following the event stream on this replica.",
+                       [("", cp.events.hub.open_streams)])
+        return lines
+
+    async def h_openapi(self, request: web.Request) -> web.Response:
+        from ..openapi import document
+
+        return web.json_response(document(self.cp.routes))
+
+    async def h_trust(self, request: web.Request) -> web.Response:
+        public = self.cp.signing_key.public_key()
+        return web.json_response({"public_key": keys.public_pem(public).decode(), "jwk": keys.to_jwk(public),
+                                  "catalog": self.cp.catalog.hash})
+
+    async def h_catalog(self, request: web.Request) -> web.Response:
+        return web.json_response({"hash": self.cp.catalog.hash, "catalog": self.cp.catalog.to_dict()})
+
+    def table(self) -> list[Route]:
+        return [
+            Route("GET", "/healthz", self.h_healthz, "Liveness and store health", NONE, "ops", ok=sc.HEALTH,
+                  extra_responses={503: {"description": "The store is unreachable",
+                                         "content": {"application/json": {"schema": sc.HEALTH}}}}),
+            Route("GET", "/metrics", self.h_metrics, "Prometheus metrics (per-agent series to an admin only)", NONE,
+                  "ops", content="text/plain", ok={"type": "string"}),
+            Route("GET", "/openapi.json", self.h_openapi, "This document", NONE, "ops", ok=sc.OPENAPI),
+            Route("GET", "/v1/trust", self.h_trust, "The control plane's public key and catalog hash", NONE, "ops",
+                  ok=sc.TRUST),
+            Route("GET", "/v1/catalog", self.h_catalog, "The catalog this control plane enforces", NONE, "ops",
+                  ok=sc.CATALOG),
+        ]
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,67 @@
+"""Call reports in, and the reconciliation records out.
+
+``ingest`` is the one way reports come in: report batches (``POST /v1/reports``) and a termination's
+acknowledgement (``POST /v1/sidecars/quiesced``) alike. Each report is read as a
+``capability.report.CallReport`` (the one shape a report has), must be the delivering agent's own, is
+stamped with the agent, link and run that delivered it, and is stored idempotently on ``call_id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from capability.errors import FORBIDDEN, NOT_FOUND, ApiError
+from capability.report import CallReport
+
+from ..auth import Caller
+from ..metrics import Metrics
+from ..store import Doc, Store
+
+
+class RecordService:
+    def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock
+
+    def read(self, caller: Caller, items: list[Any], what: str) -> list[Doc]:
+        """Every report of a batch checked (the whole batch is refused for one bad report, before anything
+        is stored) and stamped with who delivered it."""
+        now = self.clock()
+        out: list[Doc] = []
+        for index, item in enumerate(items):
+            report = CallReport.read(item, f"{what}[{index}]")
+            if report.agent not in (None, caller.agent):
+                raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {report.agent}")
+            # The run that delivers it is the one recorded.
+            out.append({**report.to_doc(), "agent": caller.agent, "link": caller.link_hash, "run_id": caller.run,
+                        "received_at": now})
+        return out
+
+    async def ingest(self, caller: Caller, reports: list[Any], starts: list[Any]) -> tuple[int, int]:
+        """Store final reports and write-ahead starts (calls that began and may not have ended); a final
+        report always supersedes its start. Returns (new, duplicates)."""
+        clean, early = self.read(caller, reports, "reports"), self.read(caller, starts, "starts")
+        if early:
+            await self.store.put_starts(early)
+        new, dup = stored = await self.store.put_reports(clean)
+        for report in clean:
+            if report["call_id"] in stored.new_ids:
+                self.metrics.call_reported(report)
+        self.metrics.inc("tether_reports_total", new)
+        self.metrics.inc("tether_reports_duplicate_total", dup)
+        return new, dup
+
+    async def reports(self, agent: str | None) -> list[Doc]:
+        return await self.store.reports([agent] if agent else None)
+
+    async def records(self) -> list[Doc]:
+        return await self.store.records()
+
+    async def record(self, record_id: str) -> Doc:
+        """A record by its record id or its termination's id."""
+        for record in await self.store.records():
+            if record_id in (record["record_id"], record["termination_id"]):
+                return record
+        raise ApiError(404, NOT_FOUND, f"no record {record_id}")

@@ -1,0 +1,117 @@
+"""Authentication is declared with each route and enforced in one place (controlplane/routes/__init__.py):
+every route names an auth kind, the OpenAPI document publishes it, and every route that is not public
+answers 401 to a request that carries no credentials, before it looks anything up or reads its body.
+Against a real server process; the budget view's ancestor rule through a signed request."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.errors import ApiError
+from cli.controlplane import build
+from controlplane.client import Signer
+from controlplane.routes import AUTH_KINDS, NONE, Route
+
+from .harness import ADMIN_TOKEN, ControlPlaneProcess, Identity, prepare_controlplane
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess]:
+    proc = prepare_controlplane(tmp_path_factory.mktemp("auth"), 1, 2, 3).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def signer(ident: Identity) -> Signer:
+    leaf = parse_chain_unverified(ident.wire)[-1].hash
+    return Signer(ident.agent, leaf, keys.load_private(ident.key_path.read_bytes()), f"run-{leaf[7:23]}")
+
+
+def served_routes(tmp_path: Path) -> list[Route]:
+    prepared = prepare_controlplane(tmp_path, 1, 2, 3)
+    return build(f"sqlite:///{tmp_path}/cp.db", str(prepared.catalog_path), str(prepared.signing_key_path),
+                 ADMIN_TOKEN).routes
+
+
+def test_every_route_declares_an_auth_kind(tmp_path: Path) -> None:
+    routes = served_routes(tmp_path)
+    assert len(routes) > 30
+    for route in routes:
+        assert route.auth in AUTH_KINDS, (route.method, route.path, route.auth)
+    # The public ones are these, and a new route is public only when added here on purpose.
+    public = {(r.method, r.path) for r in routes if r.auth == NONE}
+    assert public == {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/trust"),
+                      ("GET", "/v1/catalog"), ("POST", "/v1/chains/verify"), ("GET", "/ui"), ("GET", "/ui/"),
+                      ("GET", "/ui/static/{name}"), ("POST", "/ui/session"), ("GET", "/ui/session"),
+                      ("POST", "/ui/logout")}
+    with pytest.raises(ValueError, match="auth"):
+        Route("GET", "/nowhere", routes[0].handler, "a route nobody secured", "admin-ish")
+
+
+def test_every_route_but_the_public_ones_answers_401_without_credentials(cp: ControlPlaneProcess) -> None:
+    ident = cp.issue("auth-probe", {"issues.read": "direct"})
+    body = json.dumps({"chain": ident.wire}).encode()  # a well-formed body: the refusal must be the auth's
+    with urllib.request.urlopen(cp.url + "/openapi.json", timeout=10) as resp:
+        paths = json.load(resp)["paths"]
+    checked = 0
+    for path, operations in paths.items():
+        for method, op in operations.items():
+            if op["security"] == []:
+                continue  # declared public
+            url = cp.url + re.sub(r"{\w+}", "probe", path)
+            req = urllib.request.Request(url, data=body if method == "post" else None, method=method.upper(),
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(req, timeout=10)
+            assert info.value.code == 401, (method, path, info.value.code)
+            assert info.value.headers["Tether-Error"] == "tether.unauthorized", (method, path)
+            checked += 1
+    assert checked >= 25
+
+
+def test_a_budget_view_is_an_admins_or_an_ancestors(cp: ControlPlaneProcess) -> None:
+    root = cp.issue("bv-root", {"issues.read": {"tier": "direct", "calls": 5}})
+    child = cp.delegate(root, "bv-child", {"issues.read": {"tier": "direct", "calls": 2}})
+    client = cp.client(admin=False)
+    for ident in (root, child):
+        client.request("POST", "/v1/chains/register", {"chain": ident.wire}, signer=signer(ident))
+    view = client.request("GET", f"/v1/budgets/{child.jti}", signer=signer(root))
+    assert view["links"][0]["agent"] == "bv-child"
+    with pytest.raises(ApiError) as info:
+        client.request("GET", f"/v1/budgets/{root.jti}", signer=signer(child))
+    assert (info.value.http_status, info.value.code) == (403, "tether.forbidden")
+
+
+def test_an_acknowledgement_reads_its_reports_as_a_batch_does(cp: ControlPlaneProcess) -> None:
+    """One way in: a quiesce acknowledgement's reports meet the same reader and the same agent check as
+    ``POST /v1/reports``, and nothing of a refused acknowledgement is stored."""
+    ident = cp.issue("ack-one-way", {"issues.read": "direct"})
+    client = cp.client(admin=False)
+    client.request("POST", "/v1/chains/register", {"chain": ident.wire}, signer=signer(ident))
+    tid = cp.client().request("POST", "/v1/agents/ack-one-way/terminate", {"mode": "abort", "window_s": 30})[
+        "termination_id"]
+    for reports, status, code in (([{"call_id": "k-1", "status": "200"}], 400, "tether.bad_request"),
+                                  ([{"call_id": "k-1", "agent": "someone-else"}], 403, "tether.forbidden")):
+        for path, doc in (("/v1/reports", {"reports": reports}),
+                          ("/v1/sidecars/quiesced", {"termination_id": tid, "reports": reports})):
+            with pytest.raises(ApiError) as info:
+                client.request("POST", path, doc, signer=signer(ident))
+            assert (info.value.http_status, info.value.code) == (status, code), (path, reports)
+    assert cp.client().request("GET", "/v1/reports?agent=ack-one-way") == []
+    assert "ack-one-way" in cp.client().request("GET", f"/v1/terminations/{tid}")["waiting_for"]
+    answer = client.request("POST", "/v1/sidecars/quiesced", {"termination_id": tid, "reports": [
+        {"call_id": "k-1", "resolution": "completed", "status": 200}]}, signer=signer(ident))
+    assert answer["ok"] is True
+    stored = cp.client().request("GET", "/v1/reports?agent=ack-one-way")
+    assert [(r["call_id"], r["agent"], r["run_id"]) for r in stored] == [("k-1", "ack-one-way", answer["run_id"])]
