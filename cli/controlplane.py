@@ -109,14 +109,14 @@ def admin_token_from_env() -> str:
 
 def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin_token: str,
           rate_window_s: float | None = None, **options: float) -> ControlPlane:
-    from controlplane import budgets, console
+    from controlplane import console
     from controlplane.app import ControlPlane
     from controlplane.store import open_store_url
 
     catalog = load_serving_catalog(catalog_path)  # before any file is created: bad input leaves nothing behind
     store = open_store_url(store_url)
-    cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token, **options)
-    budgets.install(cp, rate_window_s)  # slices of call budgets, /v1/budgets
+    cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token,
+                      budget_window_s=rate_window_s, **options)
     console.install(cp)  # the web console at /ui/
     return cp
 

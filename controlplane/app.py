@@ -2,8 +2,8 @@
 
 ``ControlPlane`` wires; it holds no logic of its own. The services (``controlplane/services/``) own what
 the control plane does; the route modules (``controlplane/routes/``) answer HTTP over them, each route
-declaring who may call it. Budgets and the console add their routes with ``route``/``add`` (see
-``serve.build``).
+declaring who may call it. The console adds its routes with ``route``/``add`` (see
+``cli/controlplane.build``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from .body import MAX_BODY
 from .metrics import LoopWatch, Metrics
 from .routes import Handler, Route, enforced, error_middleware
 from .routes.approvals import ApprovalRoutes
+from .routes.budgets import BudgetRoutes
 from .routes.grants import GrantRoutes
 from .routes.ops import OpsRoutes
 from .routes.sidecars import SidecarRoutes
 from .routes.terminations import TerminationRoutes
 from .services.approvals import ApprovalService
+from .services.budgets import BudgetService
 from .services.events import EventService
 from .services.grants import GrantService
 from .services.records import RecordService
@@ -57,6 +59,7 @@ class ControlPlane:
         grace_s: float = 5.0,
         clock: Callable[[], float] = time.time,
         replica: str | None = None,
+        budget_window_s: float | None = None,
     ) -> None:
         self.store = store
         self.signing_key = signing_key
@@ -70,21 +73,24 @@ class ControlPlane:
         self.auth = Authenticator(store, admin_token, clock)
         self.metrics = Metrics(catalog.names())
         self.loop_watch = LoopWatch()
-        self._wire_services()
+        self._wire_services(budget_window_s)
         self.routes: list[Route] = []
-        self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.terminations.run]
+        self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.terminations.run,
+                                                                 self.budgets.run]
         self.add(*OpsRoutes(self).table(), *GrantRoutes(self.grants).table(),
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),
-                 *TerminationRoutes(self.terminations, self.records).table())
+                 *TerminationRoutes(self.terminations, self.records).table(),
+                 *BudgetRoutes(self.budgets).table())
 
-    def _wire_services(self) -> None:
+    def _wire_services(self, budget_window_s: float | None) -> None:
         store, metrics, clock = self.store, self.metrics, self.clock
         self.events = EventService(store, metrics, clock)
         self.grants = GrantService(store, self.signing_key, self.catalog, self.verifier, metrics, self.events, clock)
         self.sidecars = SidecarService(store, metrics, clock, self.lease_ttl_s, self.replica)
         self.approvals = ApprovalService(store, metrics, self.events, clock, self.approval_ttl_s)
         self.records = RecordService(store, metrics, clock)
+        self.budgets = BudgetService(store, metrics, clock, self.grants, self.lease_ttl_s, budget_window_s)
         self.terminations = TerminationService(
             store, metrics, clock, signing_key=self.signing_key, replica=self.replica, lease_ttl_s=self.lease_ttl_s,
             grace_s=self.grace_s, events=self.events, grants=self.grants, approvals=self.approvals,

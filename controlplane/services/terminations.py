@@ -21,11 +21,11 @@ from capability.events import CANCELLED, COMMAND, PENDING, by_termination
 from .. import runs, telemetry
 from .. import termination as proto
 from ..auth import Caller
-from ..budgets import budget_use
 from ..graph import Graph
 from ..metrics import Metrics
 from ..store import Doc, Store, StoreUnavailable
 from .approvals import ApprovalService
+from .budgets import budget_use
 from .events import EventService
 from .grants import GrantService, principal_of
 from .records import RecordService

@@ -7,7 +7,7 @@ Redis), so any replica may answer and a restart loses no count. The sidecar spen
 per call and returns what it did not use (``POST /v1/budgets/slices/return``). A slice whose run stopped
 without returning it, or whose lease lapsed, is settled as fully spent by a sweep on every replica (fail
 closed: a sidecar that died with a slice may have spent all of it). ``GET /v1/budgets/{jti}`` shows a link's
-subtree with granted, used and leased per budgeted capability.
+subtree with granted, used and leased per budgeted capability. No HTTP here: ``routes/budgets.py`` answers.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
+from collections.abc import Callable
+from typing import Any
 
 from capability.budget import (
     DEFAULT_WINDOW_S,
@@ -30,18 +29,22 @@ from capability.budget import (
 )
 from capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
 
-from . import runs
-from .body import bad as _bad
-from .body import parse
-from .graph import Graph, Node
-from .routes import ADMIN, ADMIN_OR_ANCESTOR, RUN, body_bytes, caller, principal
-from .store import Doc, Store, StoreUnavailable
-
-if TYPE_CHECKING:
-    from .app import ControlPlane
+from .. import runs
+from ..auth import Caller
+from ..body import bad
+from ..graph import Graph, Node
+from ..metrics import Metrics
+from ..store import Doc, Store, StoreUnavailable
+from .grants import GrantService
 
 log = logging.getLogger("tether.budgets")
 SWEEP_INTERVAL_S = 1.0
+MAX_SETTLE = 10_000
+
+
+def window_from_env(default: float = DEFAULT_WINDOW_S) -> float:
+    value = os.environ.get("TETHER_RATE_WINDOW_S")
+    return float(value) if value else default
 
 
 async def budget_use(store: Store, links: list[Doc], now: float, window_s: float = DEFAULT_WINDOW_S) -> dict[str, Doc]:
@@ -77,110 +80,115 @@ async def budget_use(store: Store, links: list[Doc], now: float, window_s: float
 
 
 class BudgetService:
-    def __init__(self, cp: ControlPlane, window_s: float = DEFAULT_WINDOW_S) -> None:
-        self.cp = cp
-        self.window_s = window_s
+    """Slices taken and settled, budget trees shown, and the sweep of slices nobody will return."""
+
+    def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], grants: GrantService,
+                 lease_ttl_s: float, window_s: float | None = None) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock
+        self.grants = grants
+        self.lease_ttl_s = lease_ttl_s
+        self.window_s = window_s or window_from_env()
 
     # -- slices ---------------------------------------------------------------------------------------
-    async def h_take(self, request: web.Request) -> web.Response:
-        who = caller(request)
-        body = _object(await body_bytes(request))
-        capability, want, tag = body.get("capability"), body.get("want", 1), body.get("slice")
+    async def take(self, who: Caller, capability: Any, want: Any, tag: Any, settle: Any) -> Doc:
+        """Lease up to ``want`` calls of ``capability`` for ``who``'s run from every budgeted link of its chain:
+        ``{slice, calls, window_ends_in}``, or ``{slice: None, calls: 0, error}`` when a budget is spent."""
         if not isinstance(capability, str) or type(want) is not int or want < 1:
-            raise _bad("body needs 'capability' (a name) and 'want' (a whole number of calls, 1 or more)")
+            raise bad("body needs 'capability' (a name) and 'want' (a whole number of calls, 1 or more)")
         if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
-            raise _bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
-                       "takes nothing twice")
-        await self._settle(who, body.get("settle") or [])  # used-up slices, piggybacked on the next take
-        link = who.link
-        revoked = await self.cp.store.revoked_among(list(link.get("chain_jtis", [])))
-        if revoked:
-            raise ApiError(403, CHAIN_REVOKED, f"the chain is revoked ({', '.join(sorted(revoked))}); no slice")
-        chain = [await self.cp.store.get_link(h) for h in link.get("chain_hashes", [link["hash"]])]
-        if any(doc is None for doc in chain):
-            raise ApiError(403, CHAIN_REVOKED, "a link of the chain is not registered; no slice")
-        now = self.cp.clock()
-        caps_chain = [(doc["jti"], doc["claims"]["caps"]) for doc in chain if doc is not None]
-        if capability not in link["claims"]["caps"]:
-            raise _bad(f"{capability} is not granted to {who.agent}", capability=capability)
-        counters = slice_keys(caps_chain, capability, now, self.window_s)
+            raise bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
+                      "takes nothing twice")
+        await self.settle(who, settle or [])  # used-up slices, piggybacked on the next take
+        chain = await self._live_chain(who)
+        if capability not in who.link["claims"]["caps"]:
+            raise bad(f"{capability} is not granted to {who.agent}", capability=capability)
+        now = self.clock()
+        counters = slice_keys([(doc["jti"], doc["claims"]["caps"]) for doc in chain], capability, now, self.window_s)
         if not counters:
-            raise _bad(f"no link of {who.agent}'s chain budgets {capability}; its calls are not counted",
-                       capability=capability)
+            raise bad(f"no link of {who.agent}'s chain budgets {capability}; its calls are not counted",
+                      capability=capability)
         _, window_end = window_of(now, self.window_s)
         rated = any(c.kind == "per_minute" for c in counters)
         slice_id = f"{who.run}/{tag}"  # the run owns its slices: only it may return them
         doc = {"id": slice_id, "run": who.run, "agent": who.agent, "link": who.link_hash,
                "capability": capability, "taken_at": now, "window_end": window_end if rated else None}
         ttl = 2 * self.window_s + 3600 if rated else 0  # rate-window counters are forgotten after a while
-        granted, worst = await self.cp.store.take_slice(
+        granted, worst = await self.store.take_slice(
             doc, [(c.key, c.limit) for c in counters], min(want, MAX_SLICE), SLICE_FRACTION, ttl)
         if granted <= 0:
-            # No slice is an answer, not an error of this API: 200 with the refusal the sidecar will give its
-            # calls (the calls themselves are refused 429 by the sidecar).
             tight = counters[worst or 0]
-            holder = next((d["sub"] for d in chain if d is not None and d["jti"] == tight.jti), "?")
-            self.cp.metrics.inc(f'tether_budget_refusals_total{{kind="{tight.kind}"}}')
-            if tight.kind == "per_minute":
-                retry = max(0.0, window_end - now)
-                error = {"code": RATE_LIMITED, "retry_after_s": round(retry, 3),
-                         "message": f"{capability}: {holder}'s per_minute={tight.limit} is used up in this "
-                         f"{self.window_s:g}s window; retry in {retry:.1f}s"}
-            else:
-                error = {"code": BUDGET_EXHAUSTED, "message": f"{capability}: {holder}'s calls={tight.limit} budget is "
-                         "spent (it is shared with every delegate below it); ask its issuer for a new grant"}
-            return web.json_response({"slice": None, "calls": 0,
-                                      "error": {**error, "capability": capability, "jti": tight.jti}})
-        self.cp.metrics.inc("tether_budget_slices_total")
-        return web.json_response({"slice": slice_id, "calls": granted,
-                                  "window_ends_in": round(window_end - now, 3) if rated else None})
+            holder = next((d["sub"] for d in chain if d["jti"] == tight.jti), "?")
+            return self._refusal(capability, tight, holder, window_end - now)
+        self.metrics.inc("tether_budget_slices_total")
+        return {"slice": slice_id, "calls": granted, "window_ends_in": round(window_end - now, 3) if rated else None}
 
-    async def h_return(self, request: web.Request) -> web.Response:
-        settled = await self._settle(caller(request), _object(await body_bytes(request)).get("slices"))
-        return web.json_response({"settled": settled})
+    async def _live_chain(self, who: Caller) -> list[Doc]:
+        link = who.link
+        revoked = await self.store.revoked_among(list(link.get("chain_jtis", [])))
+        if revoked:
+            raise ApiError(403, CHAIN_REVOKED, f"the chain is revoked ({', '.join(sorted(revoked))}); no slice")
+        chain = [await self.store.get_link(h) for h in link.get("chain_hashes", [link["hash"]])]
+        if any(doc is None for doc in chain):
+            raise ApiError(403, CHAIN_REVOKED, "a link of the chain is not registered; no slice")
+        return [doc for doc in chain if doc is not None]
 
-    async def _settle(self, who: Any, items: Any) -> list[Doc]:
+    def _refusal(self, capability: str, tight: Any, holder: str, window_left: float) -> Doc:
+        """No slice is an answer, not an error of this API: the refusal the sidecar will give its calls (the
+        calls themselves are refused 429 by the sidecar)."""
+        self.metrics.inc(f'tether_budget_refusals_total{{kind="{tight.kind}"}}')
+        if tight.kind == "per_minute":
+            retry = max(0.0, window_left)
+            error = {"code": RATE_LIMITED, "retry_after_s": round(retry, 3),
+                     "message": f"{capability}: {holder}'s per_minute={tight.limit} is used up in this "
+                     f"{self.window_s:g}s window; retry in {retry:.1f}s"}
+        else:
+            error = {"code": BUDGET_EXHAUSTED, "message": f"{capability}: {holder}'s calls={tight.limit} budget is "
+                     "spent (it is shared with every delegate below it); ask its issuer for a new grant"}
+        return {"slice": None, "calls": 0, "error": {**error, "capability": capability, "jti": tight.jti}}
+
+    async def settle(self, who: Caller, items: Any) -> list[Doc]:
+        """Settle ``who``'s run's slices ``[{slice, used}]``: what was not used goes back to every counter."""
         if not isinstance(items, list) or not all(
                 isinstance(i, dict) and isinstance(i.get("slice"), str) and type(i.get("used")) is int
                 and i["used"] >= 0 for i in items):
-            raise _bad("slices to settle are [{slice, used}] with 'used' a whole number")
+            raise bad("slices to settle are [{slice, used}] with 'used' a whole number")
         settled = []
-        for item in items[:10_000]:
+        for item in items[:MAX_SETTLE]:
             if not item["slice"].startswith(f"{who.run}/"):
                 raise ApiError(403, FORBIDDEN, f"slice {item['slice'][:80]!r} is not this run's")
-            doc = await self.cp.store.settle_slice(item["slice"], item["used"], self.cp.clock())
+            doc = await self.store.settle_slice(item["slice"], item["used"], self.clock())
             if doc is not None:
                 settled.append({"slice": doc["id"], "used": doc["used"], "returned": doc["n"] - doc["used"]})
         return settled
 
     # -- views ------------------------------------------------------------------------------------------
-    async def h_budget(self, request: web.Request) -> web.Response:
-        jti = request.match_info["jti"]
-        link = await self.cp.store.link_by_jti(jti)
+    async def link_view(self, jti: str, principal: Caller | None) -> Doc:
+        """A link's subtree, for an admin (``principal`` None) or a principal above the link."""
+        link = await self.store.link_by_jti(jti)
         if link is None:
             raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r}")
-        self.cp.grants.ancestor_of(principal(request), link)  # an admin, or a principal above the link
-        graph = await self.cp.grants.graph()
-        return web.json_response(await self.tree(graph, [link["hash"]]))
+        self.grants.ancestor_of(principal, link)
+        return await self.tree(await self.grants.graph(), [link["hash"]])
 
-    async def h_budgets(self, request: web.Request) -> web.Response:
-        graph = await self.cp.grants.graph()
-        agent = request.query.get("agent")
+    async def fleet_view(self, agent: str | None) -> Doc:
+        """Every root's tree, or ``agent``'s own links (not those below another link of it already shown)."""
+        graph = await self.grants.graph()
         if agent:
             held = {link["hash"] for link in graph.links_of(agent)}
-            # An agent's own links, not those below another link of it already shown.
             tops = [h for h in held if not any(a["hash"] in held for a in graph.ancestors(h))]
             if not tops:
                 raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
         else:
             tops = [node.link["hash"] for node in graph.forest()]
-        return web.json_response(await self.tree(graph, sorted(tops)))
+        return await self.tree(graph, sorted(tops))
 
     async def tree(self, graph: Graph, tops: list[str]) -> Doc:
-        now = self.cp.clock()
+        now = self.clock()
         links = {h: graph.by_hash[h] for top in tops for h in [top, *(d["hash"] for d in graph.descendants(top))]}
-        use = await budget_use(self.cp.store, list(links.values()), now, self.window_s)
-        revoked = await self.cp.store.revoked_among([link["jti"] for link in links.values()])
+        use = await budget_use(self.store, list(links.values()), now, self.window_s)
+        revoked = await self.store.revoked_among([link["jti"] for link in links.values()])
         nodes = {node.link["hash"]: node for node in _walk(graph.forest())}
 
         def view(link_hash: str) -> Doc:
@@ -196,20 +204,20 @@ class BudgetService:
     async def sweep_once(self) -> int:
         """Settle as spent every open slice whose run said it stopped (without returning it) or whose lease
         lapsed: such a sidecar may have spent all of it. Any replica may run it; settling is idempotent."""
-        now = self.cp.clock()
-        grace = max(1.0, self.cp.lease_ttl_s / 3)
+        now = self.clock()
+        grace = max(1.0, self.lease_ttl_s / 3)
         settled = 0
         cache: dict[str, Doc | None] = {}
-        for doc in await self.cp.store.open_slices():
+        for doc in await self.store.open_slices():
             run_id = doc.get("run") or ""
             if run_id not in cache:
-                cache[run_id] = await self.cp.store.get_sidecar(run_id)
+                cache[run_id] = await self.store.get_sidecar(run_id)
             run = cache[run_id]
             if run is None:
-                gone = now > doc.get("taken_at", 0) + self.cp.lease_ttl_s + grace
+                gone = now > doc.get("taken_at", 0) + self.lease_ttl_s + grace
             else:
                 gone = run.get("final") in runs.FINAL_STATES or (run.get("lease_expires") or 0) + grace < now
-            if gone and await self.cp.store.settle_slice(doc["id"], int(doc["n"]), now) is not None:
+            if gone and await self.store.settle_slice(doc["id"], int(doc["n"]), now) is not None:
                 settled += 1
                 log.warning("slice %s of run %s (%s, %d calls) was never returned; counted as spent",
                             doc["id"], run_id, doc.get("capability"), doc["n"])
@@ -234,28 +242,3 @@ def _walk(nodes: list[Node]) -> list[Node]:
         out.append(node)
         stack.extend(node.children)
     return out
-
-
-def _object(raw: bytes) -> Doc:
-    """The body as an object, through the API's one JSON reader (depth, size, finite numbers, Unicode)."""
-    return parse(raw).doc
-
-
-def window_from_env(default: float = DEFAULT_WINDOW_S) -> float:
-    value = os.environ.get("TETHER_RATE_WINDOW_S")
-    return float(value) if value else default
-
-
-def install(cp: ControlPlane, window_s: float | None = None) -> BudgetService:
-    service = BudgetService(cp, window_s or window_from_env())
-    r = cp.route
-    r("POST", "/v1/budgets/slices", service.h_take, "Lease a slice of a capability's calls budget", RUN,
-      "budgets")
-    r("POST", "/v1/budgets/slices/return", service.h_return, "Return what a slice did not use", RUN,
-      "budgets")
-    r("GET", "/v1/budgets", service.h_budgets, "Budgets as a tree: every root, or ?agent=A's links",
-      ADMIN, "budgets")
-    r("GET", "/v1/budgets/{jti}", service.h_budget, "A link's subtree: granted, used, leased per capability",
-      ADMIN_OR_ANCESTOR, "budgets")
-    cp.background.append(service.run)
-    return service
