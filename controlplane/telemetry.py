@@ -14,12 +14,13 @@ control plane restarted mid-termination still writes the whole trace.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from capability.tracing import tracer
 
-if TYPE_CHECKING:
-    from .services.terminations import TerminationService
+Doc = dict[str, Any]
+Facts = Callable[[], Awaitable[tuple[list[Doc], dict[str, Doc], dict[str, Doc]]]]
 
 log = logging.getLogger("tether.telemetry")
 
@@ -38,8 +39,9 @@ def revoked(doc: dict[str, Any], link: dict[str, Any]) -> None:
     span.end()
 
 
-async def termination_finished(service: TerminationService, doc: dict[str, Any]) -> None:
-    """Write a finished termination's trace: one root span, a span per revocation and per sidecar run."""
+async def termination_finished(doc: dict[str, Any], facts: Facts, now: float) -> None:
+    """Write a finished termination's trace: one root span, a span per revocation and per sidecar run.
+    ``facts`` gathers (runs, acknowledgements by run, revocations), asked only when tracing is on."""
     t = tracer("tether-controlplane")
     if t is None:
         return
@@ -47,14 +49,13 @@ async def termination_finished(service: TerminationService, doc: dict[str, Any])
     from opentelemetry.trace import Status, StatusCode
 
     try:
-        runs, acks = await service.facts(doc)
-        revocations = await service.store.revocations()
+        runs, acks, revocations = await facts()
     except Exception:  # a trace is never worth failing a termination over
         log.exception("termination %s: could not gather its trace", doc["id"])
         return
     commanded = next((h["at"] for h in doc["history"] if h["state"] in ("draining", "aborting")),
                      doc["requested_at"])
-    end = doc.get("completed_at") or service.clock()
+    end = doc.get("completed_at") or now
     root = t.start_span(f"terminate {doc['subject']}", start_time=_ns(doc["requested_at"]), attributes={
         "tether.termination_id": doc["id"], "tether.agent": doc["subject"], "tether.mode": doc["mode"],
         "tether.window_s": doc["window_s"], "tether.requested_by": doc["requested_by"],

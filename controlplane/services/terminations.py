@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -179,6 +180,10 @@ class TerminationService:
         still = [u["agent"] for u in (addendum or earlier[-1])["agents_unaccounted"]]
         await self._save(doc, {**doc, "open_agents": still, "version": doc["version"] + 1})
 
+    async def _trace_facts(self, doc: Doc) -> tuple[list[Doc], dict[str, Doc], dict[str, Doc]]:
+        runs, acks = await self.facts(doc)
+        return runs, acks, await self.store.revocations()
+
     async def facts(self, doc: Doc) -> tuple[list[Doc], dict[str, Doc]]:
         """Every run of the termination's links, and each run's acknowledgement of it (run id -> ack)."""
         links = _links_of(doc, await self.grants.graph())
@@ -208,7 +213,7 @@ class TerminationService:
                 record_id, unaccounted = await self.write_record(doc)
                 final = proto.finish(doc, record_id, self.clock(), unaccounted)
                 if await self._save(doc, final):
-                    await telemetry.termination_finished(self, final)
+                    await telemetry.termination_finished(final, partial(self._trace_facts, final), self.clock())
                 self.metrics.inc("tether_terminations_completed_total")
                 log.info("termination %s: terminated, record %s", doc["id"], record_id)
                 return
