@@ -77,7 +77,10 @@ class ControlPlane:
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.terminations.run,
                                                                  self.budgets.run]
-        self.add(*OpsRoutes(self).table(), *GrantRoutes(self.grants).table(),
+        ops = OpsRoutes(store=store, replica=self.replica, catalog=catalog, signing_key=signing_key, auth=self.auth,
+                        metrics=self.metrics, loop_watch=self.loop_watch, events=self.events, routes=self.routes,
+                        clock=clock)
+        self.add(*ops.table(), *GrantRoutes(self.grants).table(),
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),
                  *TerminationRoutes(self.terminations, self.records).table(),

@@ -3,54 +3,57 @@ trust anchor and catalog a sidecar or a verifier fetches."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from capability import keys
+from capability.catalog import Catalog
 
 from .. import schemas as sc
-from ..metrics import gauge
-from ..store import StoreUnavailable
+from ..auth import Authenticator
+from ..metrics import LoopWatch, Metrics, gauge
+from ..services.events import EventService
+from ..store import Store, StoreUnavailable
 from . import NONE, Route
-
-if TYPE_CHECKING:
-    from ..app import ControlPlane
 
 
 class OpsRoutes:
-    """Over the whole control plane: these answer for it (its store, its replica, its route table)."""
+    """These answer for the control plane as a whole: its store, its replica, its metrics, its route table."""
 
-    def __init__(self, cp: ControlPlane) -> None:
-        self.cp = cp
+    def __init__(self, *, store: Store, replica: str, catalog: Catalog, signing_key: Ed25519PrivateKey,
+                 auth: Authenticator, metrics: Metrics, loop_watch: LoopWatch, events: EventService,
+                 routes: list[Route], clock: Callable[[], float]) -> None:
+        self.store, self.replica, self.catalog, self.signing_key = store, replica, catalog, signing_key
+        self.auth, self.metrics, self.loop_watch, self.events = auth, metrics, loop_watch, events
+        self.routes, self.clock = routes, clock
 
     async def h_healthz(self, request: web.Request) -> web.Response:
-        cp = self.cp
-        ok = await cp.store.healthy()
-        doc = {"status": "ok" if ok else "unhealthy", "store": "ok" if ok else "unreachable", "replica": cp.replica,
-               "catalog": cp.catalog.hash}
+        ok = await self.store.healthy()
+        doc = {"status": "ok" if ok else "unhealthy", "store": "ok" if ok else "unreachable",
+               "replica": self.replica, "catalog": self.catalog.hash}
         return web.json_response(doc, status=200 if ok else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. Series labelled by agent id name the fleet's agents, so they go to an admin only
         (a scraper sends the admin token as its bearer); anyone else gets the fleet-wide series."""
-        cp = self.cp
         lines = gauge("tether_up", "1 while the control plane serves.", [("", 1)])
-        lines += cp.loop_watch.lines()
+        lines += self.loop_watch.lines()
         try:
-            lines += await self._store_gauges(per_agent=cp.auth.is_admin(request))
+            lines += await self._store_gauges(per_agent=self.auth.is_admin(request))
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
         except (StoreUnavailable, ConnectionError, OSError):
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])
-        lines += cp.metrics.render()
+        lines += self.metrics.render()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _store_gauges(self, per_agent: bool) -> list[str]:
-        cp, now = self.cp, self.cp.clock()
-        sidecars = await cp.store.all_sidecars()
+        now = self.clock()
+        sidecars = await self.store.all_sidecars()
         live = sum(1 for s in sidecars.values() if s.get("lease_expires", 0) > now and not s.get("final"))
         lines = gauge("tether_sidecars_leased", "Sidecar runs holding a live lease.", [("", live)])
-        _low, high = await cp.store.event_bounds()
+        _low, high = await self.store.event_bounds()
         lines += gauge("tether_event_seq", "Highest event sequence number.", [("", high)])
         lags: dict[str, int] = {}
         for doc in sidecars.values():
@@ -65,24 +68,24 @@ class OpsRoutes:
         if per_agent:  # series labelled by agent id name the fleet's agents: an admin's only
             lines += gauge("tether_subscriber_lag_events", "Events a live sidecar has not read yet, per agent.",
                            [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
-        active = sum(1 for t in await cp.store.list_docs("termination") if t["state"] != "terminated")
+        active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
         lines += gauge("tether_terminations_in_flight", "Terminations not yet terminated.", [("", active)])
         lines += gauge("tether_event_streams_open", "Sidecars following the event stream on this replica.",
-                       [("", cp.events.hub.open_streams)])
+                       [("", self.events.hub.open_streams)])
         return lines
 
     async def h_openapi(self, request: web.Request) -> web.Response:
         from ..openapi import document
 
-        return web.json_response(document(self.cp.routes))
+        return web.json_response(document(self.routes))
 
     async def h_trust(self, request: web.Request) -> web.Response:
-        public = self.cp.signing_key.public_key()
+        public = self.signing_key.public_key()
         return web.json_response({"public_key": keys.public_pem(public).decode(), "jwk": keys.to_jwk(public),
-                                  "catalog": self.cp.catalog.hash})
+                                  "catalog": self.catalog.hash})
 
     async def h_catalog(self, request: web.Request) -> web.Response:
-        return web.json_response({"hash": self.cp.catalog.hash, "catalog": self.cp.catalog.to_dict()})
+        return web.json_response({"hash": self.catalog.hash, "catalog": self.catalog.to_dict()})
 
     def table(self) -> list[Route]:
         return [
