@@ -47,7 +47,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from controlplane.demo import cmd_demo
+    from .demo import cmd_demo
 
     return cmd_demo(args)
 

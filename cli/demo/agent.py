@@ -4,7 +4,7 @@ It calls its tools with urllib and the MCP SDK, which pick up HTTP_PROXY like an
 spawns its sub-agents the way an agent framework would: each under ``tether run`` with a narrower
 grant delegated from its own chain (``TETHER_CHAIN``/``TETHER_KEY``, set by ``tether run``).
 
-``python -m controlplane.demo.agent ROLE`` with ROLE in root, researcher, writer, summarizer.
+``python -m cli.demo.agent ROLE`` with ROLE in root, researcher, writer, summarizer.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def spawn(agent: str, caps: list[str], role: str) -> subprocess.Popen:
     for cap in caps:
         args += ["--cap", cap]
     say(f"spawning {agent} with {', '.join(caps)}")
-    return subprocess.Popen([*args, "--", sys.executable, "-m", "controlplane.demo.agent", role])
+    return subprocess.Popen([*args, "--", sys.executable, "-m", "cli.demo.agent", role])
 
 
 def work_until_stopped(path: str, pause: float = 0.2) -> None:

@@ -1,6 +1,6 @@
 """The demo's tool servers: a ticket API over HTTP (aiohttp) and an MCP server (the official SDK).
 
-Run as ``python -m controlplane.demo.tools http PORT`` or ``... mcp PORT``. Both listen on 127.0.0.1.
+Run as ``python -m cli.demo.tools http PORT`` or ``... mcp PORT``. Both listen on 127.0.0.1.
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from capability import keys
 from capability.chain import parse_chain_unverified
-
-from ..client import Client, Signer
-from ..termination import verify_records
+from controlplane.client import Client, Signer
+from controlplane.termination import verify_records
 
 CATALOG = """\
 # The demo's capability catalog: what each capability means on the wire.
@@ -134,12 +135,25 @@ class Demo:
 
     # -- the story -----------------------------------------------------------------------------------
     def run(self) -> int:
+        self._start_services()
+        root_key = self._issue_root_grant()
+        root = self._run_root()
+        relay = self.relay(root)
+        self._approve_held_call()
+        self._show_tree()
+        self._revoke_writer(root_key)
+        record = self._terminate_root()
+        root.wait(timeout=30)
+        relay.join(timeout=5)
+        return self._show_record(record)
+
+    def _start_services(self) -> None:
         py = sys.executable
         self.step("Start a control plane and two tool servers",
                   "The control plane keeps grants, revocations, reports and records in one SQLite file.")
         (self.dir / "catalog.yaml").write_text(CATALOG.format(http=self.ports["http"], mcp=self.ports["mcp"]))
-        self.start("tickets", [py, "-m", "controlplane.demo.tools", "http", str(self.ports["http"])])
-        self.start("mcp", [py, "-m", "controlplane.demo.tools", "mcp", str(self.ports["mcp"])])
+        self.start("tickets", [py, "-m", "cli.demo.tools", "http", str(self.ports["http"])])
+        self.start("mcp", [py, "-m", "cli.demo.tools", "mcp", str(self.ports["mcp"])])
         self.start("controlplane", [py, "-m", "cli", "controlplane", "serve", "--listen",
                                     f"127.0.0.1:{self.ports['cp']}", "--store", "sqlite:///tether.db",
                                     "--catalog", "catalog.yaml", "--signing-key", "signing.key",
@@ -150,6 +164,7 @@ class Demo:
                   f":{self.ports['mcp']}   files in {self.dir}")
         self.note(f"console {self.cp_url}/ui/   admin token {self.token}")
 
+    def _issue_root_grant(self) -> Ed25519PrivateKey:
         self.step("Issue the root agent's grant",
                   "Role 'lead' from the catalog: read tickets and research directly, write tickets only with "
                   "a person's approval, look things up over MCP. Deleting tickets and dropping databases are "
@@ -162,15 +177,18 @@ class Demo:
             "depth": 3})
         (self.dir / "root.chain").write_text(",".join(grant["chain"]) + "\n")
         self.note(f"root grant jti {grant['jti']} written to {self.dir / 'root.chain'}")
+        return root_key
 
+    def _run_root(self) -> subprocess.Popen:
+        py = sys.executable
         self.step("Run the root agent under tether",
                   "`tether run` starts a sidecar and runs the unmodified agent script with HTTP_PROXY pointing "
                   "at it. The agent spawns its own sub-agents, each under `tether run` with a narrower grant.")
-        root = self.start("root", [py, "-m", "cli", "run", "--chain", "root.chain", "--key",
+        return self.start("root", [py, "-m", "cli", "run", "--chain", "root.chain", "--key",
                                    "root.key", "--state-dir", "agents", "--", py, "-m",
-                                   "controlplane.demo.agent", "root"], stdout=subprocess.PIPE, text=True)
-        relay = self.relay(root)
+                                   "cli.demo.agent", "root"], stdout=subprocess.PIPE, text=True)
 
+    def _approve_held_call(self) -> None:
         approval = self.wait("the approval request", lambda: self.client.request(
             "GET", "/v1/approvals?status=pending"), timeout=45)[0]
         self.pause(1.0)
@@ -186,6 +204,7 @@ class Demo:
             self.note(f"$ tether approvals approve {approval['id']}")
             self.client.request("POST", f"/v1/approvals/{approval['id']}/approve", {})
 
+    def _show_tree(self) -> None:
         tree = self.wait("all four agents behind live sidecars", self._four_live, timeout=45)
         self.pause(1.5)
         self.step("The delegation tree", "Every link is registered before use, so the control plane knows "
@@ -195,6 +214,7 @@ class Demo:
         for node in tree:
             print_tree(node, "   ", True, top=True)
 
+    def _revoke_writer(self, root_key: Ed25519PrivateKey) -> None:
         # The live link (a demo run again into the same directory re-grants every id: the old links stay, revoked).
         writer = next(a for a in self.client.request("GET", "/v1/agents")["agents"]
                       if a["agent"] == "writer" and a["status"] == "active")
@@ -217,6 +237,7 @@ class Demo:
             for r in self.client.request("GET", "/v1/reports?agent=writer")))
         self.pause(1.0)
 
+    def _terminate_root(self) -> dict:
         self.step("Terminate the root with a drain, calls in flight",
                   "The control plane revokes the whole subtree, tells each sidecar to drain (new calls refused, "
                   "in-flight calls get 4 s to finish, then are cut), collects their final reports and "
@@ -244,11 +265,11 @@ class Demo:
             if doc["state"] not in seen:
                 seen.add(doc["state"])
                 self.note(f"termination {doc['id']}: {doc['state']}")
-
         record = self.client.request("GET", f"/v1/records/{term['termination_id']}")
         (self.dir / "record.json").write_text(json.dumps(record, indent=2))
-        root.wait(timeout=30)
-        relay.join(timeout=5)
+        return record
+
+    def _show_record(self, record: dict) -> int:
         self.step("The reconciliation record", "What became of every call, from outside the workload "
                   "($ tether records show ID):")
         from cli.ops import print_record_summary
