@@ -20,9 +20,6 @@ from typing import IO, Any
 from urllib.parse import parse_qsl, urlencode
 
 from mitmproxy import http
-from mitmproxy import io as mio
-from mitmproxy.exceptions import FlowReadException
-from mitmproxy.io import tnetstring
 from mitmproxy.net.encoding import decode as encoding_decode
 from mitmproxy.version import FLOW_FORMAT_VERSION
 
@@ -257,6 +254,8 @@ def tnet_dumps(value: Any) -> bytes:
     if t is int:
         data = str(value).encode()
         return b"%d:%s#" % (len(data), data)
+    from mitmproxy.io import tnetstring  # (mitmproxy.io loads flow filters and HAR: readers' business, not a sidecar's)
+
     return tnetstring.dumps(value)
 
 
@@ -406,6 +405,9 @@ class CaptureWriter:
 
 def read_flows(path: Path) -> list[http.HTTPFlow]:
     """The last state of every flow in a capture file, in first-seen order."""
+    from mitmproxy import io as mio
+    from mitmproxy.exceptions import FlowReadException
+
     latest: dict[str, http.HTTPFlow] = {}
     with open(path, "rb") as f:
         try:

@@ -8,9 +8,10 @@ import subprocess
 
 from .harness import PYTHON
 
-# Loaded only by default addons a sidecar does not run: the onboarding app, proxy auth, flow filters' users.
+# Loaded only by default addons a sidecar does not run (the onboarding app, proxy auth, flow filters' users), or
+# by reading flow files (mitmproxy.io: the HAR export's business, in the CLI process).
 NOT_NEEDED = ("flask", "jinja2", "werkzeug", "ldap3", "mitmproxy.addons.onboarding", "mitmproxy.addons.proxyauth",
-              "mitmproxy.addons.clientplayback", "mitmproxy.addons.maplocal")
+              "mitmproxy.addons.clientplayback", "mitmproxy.addons.maplocal", "mitmproxy.io", "mitmproxy.flowfilter")
 
 
 def run(code: str) -> dict:
