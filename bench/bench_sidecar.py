@@ -359,6 +359,7 @@ class Setup:
     proxy: str | None
     ssl_context: ssl.SSLContext
     pid: int | None = None  # the proxy process, whose CPU time is metered during its rounds
+    headers: dict[str, str] | None = None  # sent with every call (bench_credential.py's control)
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -414,7 +415,7 @@ class Client:
 
     async def one(self) -> float:
         start = time.perf_counter()
-        async with self.session.get(self.url, proxy=self.setup.proxy) as resp:
+        async with self.session.get(self.url, proxy=self.setup.proxy, headers=self.setup.headers) as resp:
             await resp.read()
             if resp.status != 200:
                 raise RuntimeError(f"{self.setup.name}: {resp.status} {resp.headers.get('Tether-Error')} "
