@@ -222,7 +222,7 @@ class Credentials:
         # Per process, not per call: what to strip for each credential, and the values to redact (made again
         # only when a token was fetched).
         self._strip: dict[str, frozenset[bytes]] = {}
-        self._values: tuple[tuple, list[bytes]] = ((), [])
+        self._values: tuple[tuple, list[bytes]] = ((None,), [])  # (the tokens it was made from, the values)
 
     def bind(self, catalog: Catalog) -> None:
         self.catalog = catalog
