@@ -33,6 +33,9 @@ Credentials and isolation (issue 13). *tether + credential* is a fourth sidecar 
 whose agent holds a capability naming a catalog credential, given as ``--secret bench=file:PATH``: every call
 to the same tool gets ``Authorization: Bearer <secret>`` injected (the tool server's answer says it saw one).
 It is in the rotation above; target: p50 no slower than *tether*'s within noise (<= 1.05x).
+With ``--before DIR`` (a checkout of earlier code, e.g. ``git archive COMMIT | tar -x -C DIR``), *tether* and
+*tether + credential* also run from DIR's code (the sidecar process started in DIR), in the same rotation:
+the code before and after a change, compared in one run (latency, CPU per call, RSS).
 With ``--boundary`` (Linux, root, ``ip netns``, iptables; skipped with the reason printed otherwise): one
 ``tether run --isolate`` sidecar serves two copies of the same client program (aiohttp, one keep-alive
 connection per client, run as a child process): one on the host through the sidecar's explicit listener
@@ -89,6 +92,8 @@ NOCAP = "tether --no-capture"
 TRACED = "tether + tracing"
 CRED = "tether + credential"
 SIDECARS = (TETHER, NOCAP, TRACED, CRED)
+BEFORE = "tether (before)"  # --before DIR: the same two sidecars run from another checkout, in the same rotation
+CRED_BEFORE = "tether + credential (before)"
 EXPLICIT = "explicit"
 TRANSPARENT = "transparent (--isolate)"
 BOUNDARY_HOST = "tools.bench"  # the tool's name for the isolated client (resolved by the sidecar's /etc/hosts)
@@ -354,6 +359,7 @@ class Setup:
     proxy: str | None
     ssl_context: ssl.SSLContext
     pid: int | None = None  # the proxy process, whose CPU time is metered during its rounds
+    headers: dict[str, str] | None = None  # sent with every call (bench_credential.py's control)
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -409,7 +415,7 @@ class Client:
 
     async def one(self) -> float:
         start = time.perf_counter()
-        async with self.session.get(self.url, proxy=self.setup.proxy) as resp:
+        async with self.session.get(self.url, proxy=self.setup.proxy, headers=self.setup.headers) as resp:
             await resp.read()
             if resp.status != 200:
                 raise RuntimeError(f"{self.setup.name}: {resp.status} {resp.headers.get('Tether-Error')} "
@@ -580,20 +586,25 @@ def injected(sidecar: SidecarProcess, url: str) -> bool:
 
 
 def print_credential(rows: list, seen: dict[str, bool]) -> None:
-    print()
-    print(f"injected credential against none ({CRED} against {TETHER}; target p50 <= {CRED_RATIO_TARGET:.2f}x):")
-    print()
-    print("| scheme | clients | p50 without ms | p50 with ms | p50 ratio | p50 target | p99 delta ms "
-          "| CPU/call ratio |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|")
+    pairs = [(CRED, TETHER), (CRED_BEFORE, BEFORE)] if BEFORE in rows[0][2] else [(CRED, TETHER)]
     met = True
-    for scheme, conc, figures, _ in rows:
-        on, off = figures[CRED], figures[TETHER]
-        ratio = on.pct(0.5) / off.pct(0.5)
-        met &= ratio <= CRED_RATIO_TARGET
-        print(f"| {scheme} | {conc} | {off.pct(0.5):.2f} | {on.pct(0.5):.2f} | {ratio:.2f}x | "
-              f"{'met' if ratio <= CRED_RATIO_TARGET else 'MISSED'} | {on.pct(0.99) - off.pct(0.99):+.2f} | "
-              f"{on.cpu_ms_per_call / off.cpu_ms_per_call:.2f}x |")
+    for on_name, off_name in pairs:
+        print()
+        print(f"injected credential against none ({on_name} against {off_name}; target p50 <= "
+              f"{CRED_RATIO_TARGET:.2f}x):")
+        print()
+        print("| scheme | clients | p50 without ms | p50 with ms | p50 ratio | p50 target | p99 delta ms "
+              "| CPU/call without ms | with ms | CPU/call ratio |")
+        print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        for scheme, conc, figures, _ in rows:
+            on, off = figures[on_name], figures[off_name]
+            ratio = on.pct(0.5) / off.pct(0.5)
+            if on_name == CRED:
+                met &= ratio <= CRED_RATIO_TARGET
+            print(f"| {scheme} | {conc} | {off.pct(0.5):.2f} | {on.pct(0.5):.2f} | {ratio:.2f}x | "
+                  f"{'met' if ratio <= CRED_RATIO_TARGET else 'MISSED'} | {on.pct(0.99) - off.pct(0.99):+.2f} | "
+                  f"{off.cpu_ms_per_call:.3f} | {on.cpu_ms_per_call:.3f} | "
+                  f"{on.cpu_ms_per_call / off.cpu_ms_per_call:.2f}x |")
     print()
     print("Authorization seen by the tool server: " + ", ".join(f"{k} {v}" for k, v in seen.items()))
     print(f"verdict, credential: p50 target {'met' if met else 'MISSED'}")
@@ -635,6 +646,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     parser.add_argument("--boundary", action="store_true", help="also transparent mode under tether run --isolate "
                         "against explicit mode (root, ip netns, iptables; ~1 minute more)")
+    parser.add_argument("--before", metavar="DIR", help="also run tether and tether + credential from the checkout in "
+                        "DIR (the code before a change), in the same rotation")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests_c1, args.requests_c8 = 2, 100, 320
@@ -673,16 +686,27 @@ def main() -> int:
                         CRED: SidecarProcess(cp, cp.issue("bench-agent-cred", {"cred.issues": "direct",
                                                                                "cred.secure": "direct"}),
                                              extra=["--secret", f"bench=file:{secret}"])}
+            if args.before:
+                sidecars[BEFORE] = SidecarProcess(cp, cp.issue("bench-agent-before", caps))
+                sidecars[CRED_BEFORE] = SidecarProcess(cp, cp.issue("bench-agent-cred-before", {
+                    "cred.issues": "direct", "cred.secure": "direct"}), extra=["--secret", f"bench=file:{secret}"])
+            here = os.getcwd()
             for n, sc in sidecars.items():
                 stack.enter_context(stopping(sc))
                 # Only the traced sidecar inherits the exporter's variables (the control plane runs already).
                 otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint} if n == TRACED else {}
                 os.environ.update(otel)
+                if n in (BEFORE, CRED_BEFORE):  # `python -m controlplane.cli` imports from its working directory
+                    os.chdir(args.before)
                 try:
                     sc.start(upstream_ca=ca.ca_pem)
                 finally:
+                    os.chdir(here)
                     for key in otel:
                         os.environ.pop(key, None)
+            if args.before:
+                print("  --before: " + ", ".join(f"{n} runs in {os.readlink(f'/proc/{sidecars[n].proc.pid}/cwd')}"
+                                                 for n in (BEFORE, CRED_BEFORE)), flush=True)
             mitm = stack.enter_context(stopping(MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()))
             core = stack.enter_context(stopping(MinimalMitmproxyProcess(work / "mitm-core", ca.ca_pem).start()))
             print(f"  pids: {', '.join(f'{n} {sc.proc.pid}' for n, sc in sidecars.items())}, mitmdump {mitm.pid}, "
@@ -691,11 +715,13 @@ def main() -> int:
 
             def rss_all() -> dict[str, float]:
                 return {**{f"{n} sidecar": rss_mib(sc.proc.pid) for n, sc in sidecars.items()},
-                        "bare mitmdump": rss_mib(mitm.pid)}
+                        f"{CORE} (bench/minimal_mitmproxy.py)": rss_mib(core.pid), "bare mitmdump": rss_mib(mitm.pid)}
 
             rss_start = rss_all()
             rows = []
-            sent_through = dict.fromkeys(SIDECARS, 0)
+            names = tuple(sidecars)
+            sent_through = dict.fromkeys(names, 0)
+            sent_all: dict[str, int] = {}  # every setup's calls, warm-ups included (for the RSS table)
             for scheme in ("http", "https"):
                 base = tools.http_base if scheme == "http" else tools.https_base
                 setups = [
@@ -710,14 +736,17 @@ def main() -> int:
                     figures, sent = asyncio.run(measure(setups, base + ISSUES, conc, args.rounds, per_client,
                                                         warmup=20))
                     # The control plane takes both sidecars' reports (and nothing else but heartbeats) meanwhile.
-                    cp_ms = 1000 * (cpu_seconds(cp.proc.pid) - cp_cpu0) / sum(sent[n] for n in SIDECARS)
-                    for n in SIDECARS:
+                    cp_ms = 1000 * (cpu_seconds(cp.proc.pid) - cp_cpu0) / sum(sent[n] for n in names)
+                    for n in names:
                         sent_through[n] += sent[n]
+                    for n, count in sent.items():
+                        sent_all[n] = sent_all.get(n, 0) + count
                     rows.append((scheme, conc, figures, cp_ms))
                     print(f"  measured {scheme} c={conc}: " + ", ".join(
                         f"{n} p50 {f.pct(0.5):.2f} ms" for n, f in figures.items()), flush=True)
 
-            seen = {n: injected(sidecars[n], tools.http_base + ISSUES) for n in (TETHER, CRED)}
+            seen = {n: injected(sidecars[n], tools.http_base + ISSUES) for n in (TETHER, CRED, BEFORE, CRED_BEFORE)
+                    if n in sidecars}
             for n in seen:
                 sent_through[n] += 1  # its report is awaited below with the others
             boundary = run_boundary(stack, work, cp, iso_tools, args) if skipped is None else None
@@ -747,7 +776,10 @@ def main() -> int:
             spans = receiver.ask("spans")
             exported = (sent_through[TRACED], wait_until(lambda: receiver.ask("spans") >= sent_through[TRACED], 20,
                                                          interval=0.5, what="spans") and receiver.ask("spans"))
-        print_results(rows, rss_start, rss_end, delivery, time.monotonic() - started)
+        rss_calls = {**{f"{n} sidecar": sent_all.get(n, 0) for n in names},
+                     f"{CORE} (bench/minimal_mitmproxy.py)": sent_all.get(CORE, 0),
+                     "bare mitmdump": sent_all.get("mitmdump", 0)}
+        print_results(rows, rss_start, rss_end, delivery, time.monotonic() - started, names, rss_calls)
         print_tracing(rows, exported, spans)
         print_credential(rows, seen)
         print_boundary(boundary, skipped)
@@ -784,7 +816,8 @@ def print_tracing(rows: list, exported: tuple[int, int], spans_at_end: int) -> N
     print(f"verdict, tracing: p50 target {'met' if met else 'MISSED'}")
 
 
-def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, elapsed: float) -> None:
+def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, elapsed: float,
+                  names: tuple[str, ...] = SIDECARS, calls: dict[str, int] | None = None) -> None:
     print()
     print("| setup | scheme | clients | requests | p50 ms | p99 ms | calls/s | proxy CPU ms/call | of which kernel |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -792,7 +825,7 @@ def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, el
         for name, f in figures.items():
             cpu = "-" if name == "direct" else f"{f.cpu_ms_per_call:.2f}"
             kernel = "-" if name == "direct" else f"{f.sys_ms_per_call:.2f}"
-            if name in SIDECARS:
+            if name in names:
                 cpu += f" (+{cp_ms:.2f} control plane)"
             print(f"| {name} | {scheme} | {conc} | {f.requests} | {f.pct(0.5):.2f} | {f.pct(0.99):.2f} | {f.rps:.0f} "
                   f"| {cpu} | {kernel} |")
@@ -805,8 +838,8 @@ def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, el
     print("| setup | scheme | clients | p50 ratio | p50 target | p99 delta ms | p99 target | calls/s ratio "
           "| CPU/call ratio |")
     print("|---|---|---:|---:|---|---:|---|---:|---:|")
-    verdict = {n: [True, True] for n in SIDECARS}
-    for name in SIDECARS:
+    verdict = {n: [True, True] for n in names}
+    for name in names:
         for scheme, conc, figures, _ in rows:
             t, m = figures[name], figures["mitmdump"]
             ratio = t.pct(0.5) / m.pct(0.5)
@@ -823,20 +856,21 @@ def print_results(rows: list, rss_start: dict, rss_end: dict, delivery: dict, el
     print()
     print("| setup | scheme | clients | p50 ratio | p99 delta ms | CPU/call ratio |")
     print("|---|---|---:|---:|---:|---:|")
-    for name in SIDECARS:
+    for name in names:
         for scheme, conc, figures, _ in rows:
             t, m = figures[name], figures[CORE]
             print(f"| {name} | {scheme} | {conc} | {t.pct(0.5) / m.pct(0.5):.2f}x | "
                   f"{t.pct(0.99) - m.pct(0.99):+.2f} | {t.cpu_ms_per_call / m.cpu_ms_per_call:.2f}x |")
     print()
-    print("| process (idle) | RSS after start MiB | RSS after benchmark MiB |")
-    print("|---|---:|---:|")
+    print("| process (idle) | RSS after start MiB | RSS after benchmark MiB | calls through it meanwhile |")
+    print("|---|---:|---:|---:|")
     for name in rss_start:
-        print(f"| {name} | {rss_start[name]:.1f} | {rss_end[name]:.1f} |")
-    for name in SIDECARS:
+        through = (calls or {}).get(name)
+        print(f"| {name} | {rss_start[name]:.1f} | {rss_end[name]:.1f} | {through if through is not None else '-'} |")
+    for name in names:
         key = f"{name} sidecar"
         print(f"| {key} / mitmdump | {rss_start[key] / rss_start['bare mitmdump']:.2f}x | "
-              f"{rss_end[key] / rss_end['bare mitmdump']:.2f}x |")
+              f"{rss_end[key] / rss_end['bare mitmdump']:.2f}x | |")
     print()
     for name, (sent, delivered, unique, by_resolution) in delivery.items():
         print(f"reports, {name}: {sent} calls sent through the sidecar (warm-up included); the control plane holds "

@@ -14,8 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mitmproxy import options
-from mitmproxy.master import Master
 
+from proxy.mitmaddons import Master
 from proxy.sidecar import mitmproxy_addons
 
 

@@ -19,9 +19,6 @@ from typing import IO, Any
 from urllib.parse import parse_qsl, urlencode
 
 from mitmproxy import http
-from mitmproxy import io as mio
-from mitmproxy.exceptions import FlowReadException
-from mitmproxy.io import tnetstring
 from mitmproxy.net.encoding import decode as encoding_decode
 from mitmproxy.version import FLOW_FORMAT_VERSION
 
@@ -111,17 +108,26 @@ def _scrub(data: bytes, values: Sequence[bytes]) -> bytes:
     return data
 
 
+def _redact_headers(headers: tuple, secret: frozenset[bytes], values: Sequence[bytes]) -> tuple:
+    """Secret headers' values replaced, and injected values scrubbed from the rest."""
+    for k, _ in headers:
+        if k.lower() in secret:
+            headers = tuple((k, REDACTED.encode() if k.lower() in secret else v) for k, v in headers)
+            break
+    if values:
+        headers = tuple((k, _scrub(v, values)) for k, v in headers)
+    return headers
+
+
 def _redact_state(state: dict, fields: frozenset[str], secret: frozenset[bytes], values: Sequence[bytes] = ()) -> dict:
     for name in ("request", "response"):
         part = state.get(name)
         if not part:
             continue
-        part["headers"] = tuple((k, REDACTED.encode() if k.lower() in secret else v) for k, v in part["headers"])
+        part["headers"] = _redact_headers(part["headers"], secret, values)
         _redact_body(part, fields)
-        if values:  # values the sidecar injected, wherever they appear (a tool that echoes its request back)
-            part["headers"] = tuple((k, _scrub(v, values)) for k, v in part["headers"])
-            if part.get("content"):
-                part["content"] = _scrub(part["content"], values)
+        if values and part.get("content"):  # injected values, wherever they appear (a tool echoing its request)
+            part["content"] = _scrub(part["content"], values)
     state["request"]["path"] = _redact_query(state["request"]["path"], fields)
     if values:
         state["request"]["path"] = _scrub(state["request"]["path"], values)
@@ -247,6 +253,8 @@ def tnet_dumps(value: Any) -> bytes:
     if t is int:
         data = str(value).encode()
         return b"%d:%s#" % (len(data), data)
+    from mitmproxy.io import tnetstring  # (mitmproxy.io loads flow filters and HAR: readers' business, not a sidecar's)
+
     return tnetstring.dumps(value)
 
 
@@ -258,7 +266,20 @@ def _tnet_dict(items: list[tuple[str, bytes]]) -> bytes:
 
 def encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionStates,
                 secret: frozenset[bytes] = _SECRET, values: Sequence[bytes] = ()) -> bytes:
-    """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged."""
+    """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged, and
+    ``values`` (what the sidecar injected) scrubbed wherever they appear in the request or the response."""
+    data = _encode_flow(flow, fields, conns, secret, ())
+    # tnetstrings hold bytes and strings verbatim: a value absent from the encoding is absent from every part of
+    # the flow, which is the usual case (the injected header is redacted by name). Only a flow that holds one (a
+    # tool echoing its request back) is encoded again, scrubbing every header, body and path by value.
+    for value in values:
+        if value in data:
+            return _encode_flow(flow, fields, conns, secret, values)
+    return data
+
+
+def _encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionStates, secret: frozenset[bytes],
+                 values: Sequence[bytes]) -> bytes:
     if flow._backup is not None or flow.websocket is not None:  # not a sidecar's flow: the general path
         return tnet_dumps(_redact_state(_metadata_free_state(flow), fields, secret, values))
     # Flow.get_state and HTTPFlow.get_state, field for field, with the connections left out
@@ -384,6 +405,9 @@ class CaptureWriter:
 
 def read_flows(path: Path) -> list[http.HTTPFlow]:
     """The last state of every flow in a capture file, in first-seen order."""
+    from mitmproxy import io as mio
+    from mitmproxy.exceptions import FlowReadException
+
     latest: dict[str, http.HTTPFlow] = {}
     with open(path, "rb") as f:
         try:

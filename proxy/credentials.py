@@ -120,6 +120,7 @@ class TokenClient:
         self.ssl = ssl_context
         self.token: Token | None = None
         self.issued: list[str] = []  # every token fetched (bounded): redacted from captures by value
+        self.fetched = 0  # tokens fetched: what is redacted changes only then
         self.requests = 0
         self._pending: asyncio.Future[str] | None = None
         self._failed: tuple[float, str] | None = None
@@ -174,6 +175,7 @@ class TokenClient:
                     expires_at, refresh_at = token_times(sent, expires_in)
                     self.token = Token(value, expires_at, refresh_at)
                     self.issued = [*self.issued[-7:], value]
+                    self.fetched += 1
                     self._failed = None
                     log.info("credential %s: token fetched from %s (valid %.0fs)", self.credential.name,
                              oauth.token_url, expires_in)
@@ -213,9 +215,16 @@ class Credentials:
         self.catalog: Catalog | None = None
         self.clients: dict[str, TokenClient] = {}
         self._session: aiohttp.ClientSession | None = None
+        # Per process, not per call: what to strip for each credential, and the values to redact (made again
+        # only when a token was fetched).
+        self._strip: dict[str, frozenset[bytes]] = {}
+        self._values: tuple[tuple, list[bytes]] = ((None,), [])  # (the tokens it was made from, the values)
 
     def bind(self, catalog: Catalog) -> None:
         self.catalog = catalog
+        self._strip = {name: frozenset(h.encode() for h in (*AGENT_HEADERS, cred.header.lower()))
+                       for name, cred in catalog.credentials.items()}
+        self._values = ((None,), [])
         unknown = sorted(set(self.secrets) - set(catalog.credentials))
         if unknown:
             log.warning("--secret %s names no credential in the catalog; it is not used", ", ".join(unknown))
@@ -228,8 +237,21 @@ class Credentials:
         names = {c.header.lower() for c in (self.catalog.credentials.values() if self.catalog else ())}
         return frozenset(n.encode() for n in names)
 
+    def strip(self, credential: Credential) -> frozenset[bytes]:
+        """The request headers (lower case) removed before ``credential`` is injected."""
+        names = self._strip.get(credential.name)
+        if names is None:
+            names = frozenset(h.encode() for h in (*AGENT_HEADERS, credential.header.lower()))
+        return names
+
     def values(self) -> list[bytes]:
         """Every value this sidecar may have injected, for redaction by value (longest first)."""
+        key = tuple((name, client.fetched) for name, client in self.clients.items())
+        if key != self._values[0]:
+            self._values = (key, self._collect())
+        return self._values[1]
+
+    def _collect(self) -> list[bytes]:
         out: set[str] = set()
         creds = self.catalog.credentials if self.catalog else {}
         for name, secret in self.secrets.items():
@@ -312,14 +334,16 @@ class Injector:
             credential = self._credential(flow)
             if credential is None:
                 return None
-            for name in {*AGENT_HEADERS, credential.header.lower()}:
-                flow.request.headers.pop(name, None)
+            headers = flow.request.headers
+            strip = self.credentials.strip(credential)
+            if any(k.lower() in strip for k, _ in headers.fields):  # one pass, not a lookup per name
+                headers.fields = tuple(f for f in headers.fields if f[0].lower() not in strip)
             value = self.credentials.value(credential)
         except Refusal as refusal:
             refuse(flow, refusal)
             return None
         if isinstance(value, str):
-            flow.request.headers[credential.header] = value
+            headers[credential.header] = value
             return None
         return self._later(flow, credential, value)
 

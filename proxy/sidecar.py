@@ -23,8 +23,6 @@ import aiohttp
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from mitmproxy import ctx, http, options
-from mitmproxy.addons import block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
-from mitmproxy.master import Master
 
 from capability import errors as codes
 from capability import keys
@@ -40,6 +38,7 @@ from .channel import ControlChannel, sleep_backoff
 from .credentials import Credentials, Injector
 from .enforce import Enforcer, Forwarder, Holds, Tunnels
 from .flowstate import state_of
+from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState

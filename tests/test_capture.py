@@ -20,7 +20,7 @@ from mitmproxy import certs, http
 from mitmproxy.io import tnetstring
 from mitmproxy.test import tflow
 
-from proxy.capture import ConnectionStates, encode_flow, read_flows, snapshot, tnet_dumps
+from proxy.capture import _SECRET, ConnectionStates, _redact_state, encode_flow, read_flows, snapshot, tnet_dumps
 
 FIELDS = frozenset({"api_key", "password"})
 
@@ -68,6 +68,41 @@ def test_fast_encoding_is_mitmproxys_serialisation_of_the_redacted_flow(make, tm
     assert first == reference(flow)
     assert encode_flow(flow, FIELDS, conns) == first  # from the cached connection states: still exact
     assert tnetstring.loads(first)["metadata"] == {}
+
+
+INJECTED = (b"Bearer tok-0123456789", b"tok-0123456789")  # what a sidecar injected, longest first
+
+
+def scrubbed_everywhere(flow: http.HTTPFlow) -> bytes:
+    """The exact by-value scrub: every header, body and path searched for every injected value."""
+    metadata, flow.metadata = flow.metadata, {}
+    try:
+        state = flow.get_state()
+    finally:
+        flow.metadata = metadata
+    return tnetstring.dumps(_redact_state(state, FIELDS, _SECRET, INJECTED))
+
+
+@pytest.mark.parametrize("where", ["nowhere", "request header", "response header", "response body", "path",
+                                   "request body"])
+def test_injected_values_are_scrubbed_wherever_they_are(where: str) -> None:
+    flow = secret_flow()
+    flow.request.headers["Authorization"] = "Bearer tok-0123456789"  # redacted by name in any case
+    if where == "request header":
+        flow.request.headers["X-Forwarded-Auth"] = "tok-0123456789"
+    elif where == "response header":
+        flow.response.headers["X-Echo"] = "saw Bearer tok-0123456789"
+    elif where == "response body":
+        flow.response.content = b'{"echo": "Bearer tok-0123456789"}'
+    elif where == "path":
+        flow.request.path = "/v1/items?token=tok-0123456789"
+    elif where == "request body":
+        flow.request.content = b"token=tok-0123456789"
+    encoded = encode_flow(flow, FIELDS, ConnectionStates(), _SECRET, INJECTED)
+    assert encoded == scrubbed_everywhere(flow)
+    assert b"tok-0123456789" not in encoded
+    if where != "nowhere":
+        assert b"[REDACTED]" in encoded
 
 
 def test_redaction_reaches_the_file(tmp_path: Path) -> None:
