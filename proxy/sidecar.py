@@ -233,7 +233,8 @@ class Sidecar:
         """tether's addons in pipeline order, each given only what it uses (proxy/addons.py, proxy/enforce.py)."""
         catalog, state = self.catalog, self.state
         spend = self.budgets.spend if self.budgets.active else None
-        ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *call_tracing(self),
+        tracing = call_tracing(self.agent, self.run_id, self.resolved)
+        ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
                            Tunnels(catalog, state, self.track, self.resolve), Enforcer(catalog, state),
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
                            Injector(catalog, self.credentials, state), ToolsFilter(catalog, state.tier), Streamer()]

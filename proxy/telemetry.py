@@ -15,6 +15,7 @@ here imports OpenTelemetry.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from capability.tracing import enabled, tracer
@@ -26,30 +27,29 @@ log = logging.getLogger("tether.sidecar")
 if TYPE_CHECKING:
     from mitmproxy import http
 
-    from .sidecar import Sidecar
     from .state import Call
 
-def call_tracing(sidecar: Sidecar) -> list[Any]:
-    """The tracing stage for the sidecar's pipeline: none when tracing is off."""
+
+def call_tracing(agent: str, run_id: str, resolved: list[Callable[[Call], None]]) -> list[Any]:
+    """The tracing stage for the sidecar's pipeline, its spans ended by the sidecar's ``resolved`` hooks; none
+    when tracing is off."""
     if not enabled():
         return []
-    return [CallTracing(sidecar, tracer("tether-sidecar", {"tether.agent": sidecar.agent,
-                                                           "tether.run_id": sidecar.run_id}))]
+    return [CallTracing(tracer("tether-sidecar", {"tether.agent": agent, "tether.run_id": run_id}), resolved)]
 
 
 class CallTracing:
-    def __init__(self, sidecar: Sidecar, tracer: Any) -> None:
+    def __init__(self, tracer: Any, resolved: list[Callable[[Call], None]]) -> None:
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator  # reads tracestate too
         from opentelemetry.trace.status import Status, StatusCode
 
-        self.sidecar = sidecar
         self.tracer = tracer
         self._kind = trace.SpanKind.CLIENT
         self._error = lambda text: Status(StatusCode.ERROR, text)
         self._w3c = TraceContextTextMapPropagator()
         self.open: dict[str, tuple[Any, http.HTTPFlow]] = {}  # call id -> its span and flow, until it resolves
-        sidecar.resolved.append(self.ended)
+        resolved.append(self.ended)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         call = call_of(flow)

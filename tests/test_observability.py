@@ -257,7 +257,7 @@ def test_tracing_off_imports_nothing_of_opentelemetry(tmp_path: Path) -> None:
     import sys
 
     code = ("import sys, controlplane.app, controlplane.services.terminations, proxy.sidecar;"
-            "from proxy.telemetry import call_tracing; assert call_tracing(None) == [];"
+            "from proxy.telemetry import call_tracing; assert call_tracing('a', 'r', []) == [];"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
