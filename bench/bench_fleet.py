@@ -491,7 +491,7 @@ def propagation(directory: Path, a: ControlPlaneProcess, b: ControlPlaneProcess,
             for i, jti in enumerate(jtis):
                 wait_streaming(workers, 1)
                 runs.append(revoke_round(a, jti, workers, [["B"]], 1, f"solo round {i + 1}"))
-            results[(label, 1)] = runs
+            results[label, 1] = runs
         finally:
             for w in workers:
                 w.stop()
@@ -538,7 +538,7 @@ def propagation(directory: Path, a: ControlPlaneProcess, b: ControlPlaneProcess,
             for code, n in st["error_codes"].items():
                 runs[-1].errors[code] = runs[-1].errors.get(code, 0) + n
         print(f"  subscriber streams broken and resumed: {runs[-1].errors or 'none'}", flush=True)
-        results[(label, len(fleet))] = runs
+        results[label, len(fleet)] = runs
     finally:
         for w in workers:
             w.stop()
@@ -788,14 +788,14 @@ def main() -> None:
         print_propagation(results)
         if rows:
             print_ingest(rows)
-        pubsub = [x for r in results[(PUBSUB, args.subscribers // args.workers * args.workers)]
+        pubsub = [x for r in results[PUBSUB, args.subscribers // args.workers * args.workers]
                   for x in r.from_send_ms]
-        met, p99, reached, expected = verdict(results[(AS_SHIPPED, args.subscribers)], TARGET_P99_MS)
+        met, p99, reached, expected = verdict(results[AS_SHIPPED, args.subscribers], TARGET_P99_MS)
         print(f"\nTarget p99 <= {TARGET_P99_MS:.0f} ms from the send, every one of {args.subscribers} stream clients "
               f"reached: {met} (p99 {p99:.1f} ms, reached {reached}/{expected}); raw PUBLISH p99 "
               f"{pct(pubsub, .99):.1f} ms: ratio {p99 / pct(pubsub, .99):.2f}x (target <= 1.5x).")
         if args.fleet:
-            met, p99, reached, expected = verdict(results[(LIGHT, args.fleet)], TARGET_FLEET_P99_MS)
+            met, p99, reached, expected = verdict(results[LIGHT, args.fleet], TARGET_FLEET_P99_MS)
             print(f"Target p99 <= {TARGET_FLEET_P99_MS:.0f} ms from the send, every one of {args.fleet:,} light "
                   f"clients reached: {met} (p99 {p99:.1f} ms, reached {reached}/{expected}).")
         print(f"nproc {nproc()}. Whole run {time.monotonic() - started:.0f} s; load average now "

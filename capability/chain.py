@@ -297,6 +297,8 @@ def _json_bytes(raw: bytes) -> Any:
         return _json(raw.decode())
     except ValueError:
         return json.loads(raw)
+
+
 _CLAIM_TIMES = ("iat", "nbf", "exp")
 
 

@@ -270,7 +270,7 @@ def compare(new: str, old: str, budget: Budget | None = None) -> Verdict:
             for r in rs:
                 for c in refusal.closure(r):
                     if (q, c) not in parent:
-                        parent[(q, c)] = link
+                        parent[q, c] = link
                         queue.append((q, c))
 
     visit(0, refusal.starts(), None)

@@ -40,5 +40,3 @@ def tracer(service: str, resource: dict[str, str] | None = None) -> Any:
         log.info("exporting traces over OTLP/HTTP to %s", os.environ.get(ENDPOINT_VARS[1])
                  or os.environ.get(ENDPOINT_VARS[0]))
     return _tracers[service]
-
-

@@ -78,7 +78,6 @@ def load_serving_catalog(path: str | None) -> Catalog:
     return load_catalog(path)
 
 
-
 def load_or_create_signing_key(path: str) -> keys.Ed25519PrivateKey:
     from capability import keys
 

@@ -24,6 +24,7 @@ Facts = Callable[[], Awaitable[tuple[list[Doc], dict[str, Doc], dict[str, Doc]]]
 
 log = logging.getLogger("tether.telemetry")
 
+
 def _ns(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1e9)
 

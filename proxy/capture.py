@@ -515,7 +515,7 @@ def export(root: Path, wanted: dict[str, set[str] | None], calls: list[dict[str,
     for call in calls:
         ref = call.get("capture_ref") or ""
         if "#" in ref:
-            by_ref[(call.get("agent", ""), ref.split("#", 1)[1])] = call
+            by_ref[call.get("agent", ""), ref.split("#", 1)[1]] = call
     return to_har(flows, by_ref, agents), len(flows), missing
 
 

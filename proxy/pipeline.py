@@ -87,4 +87,3 @@ class Pipeline:
 
 def _name(handler: Handler) -> str:
     return getattr(handler, "__qualname__", repr(handler))
-

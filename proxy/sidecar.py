@@ -588,4 +588,3 @@ class Sidecar:
                             log.warning("call %s exceeded %.0fs; aborting it (outcome unknown)", call.call_id,
                                         self.config.call_timeout_s)
                             self.abort_flow(flow)
-

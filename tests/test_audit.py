@@ -246,6 +246,7 @@ def test_diff_names_old_and_new_and_a_witness(tmp_path: Path, capsys: pytest.Cap
 def test_agent_added_and_budgets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A new agent with a grant widens; budgets (object-shaped caps) raised or removed widen, lowered pass."""
     catalog = parse_catalog(catalog_text(BASE))
+
     def doc(grants: dict) -> Path:
         path = tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
         path.write_text(json.dumps(audit.surface(catalog, {a: [caps] for a, caps in grants.items()})))

@@ -81,7 +81,6 @@ class Wiretap:
     def saw(self, marker: str) -> bool:
         return any(marker.encode() in body for body in self.bodies())
 
-
     def clear(self) -> None:
         self.requests.clear()
 

@@ -77,5 +77,3 @@ class GrantRoutes:
             Route("GET", "/v1/audit/surface", self.h_surface, "Effective capability list per agent", ADMIN, "audit",
                   ok=sc.ref("Surface"), query=(("agent", sc.STR, "only this agent"),)),
         ]
-
-

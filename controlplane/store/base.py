@@ -207,4 +207,3 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def budget_counts(self, counters: list[str]) -> dict[str, tuple[int, int]]:
         """(used, leased) of each counter; (0, 0) for one never drawn on."""
-

@@ -633,4 +633,3 @@ class RedisStore(Store):
         for key, (used, leased) in zip(counters, rows, strict=True):
             out[key] = (int(used or 0), int(leased or 0))
         return out
-

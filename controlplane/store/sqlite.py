@@ -372,4 +372,3 @@ class SqliteStore(Store):
                     f"SELECT key, used, leased FROM budgets WHERE key IN ({marks})", part):
                 out[key] = (int(used), int(leased))
         return out
-
