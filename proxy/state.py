@@ -16,7 +16,7 @@ from typing import Any
 from capability import errors as codes
 from capability.chain import VerifiedChain, Verifier
 from capability.errors import ChainError
-from capability.report import CallReport
+from capability.report import IN_FLIGHT_FIELDS, CallReport
 from capability.shared import RESOLUTIONS
 
 from .decision import Refusal
@@ -122,16 +122,16 @@ class Call:
     detail: str | None = None
 
     def report(self) -> dict[str, Any]:
-        """The call as the control plane reads it (``capability.report.CallReport``): every field but the phase."""
-        return CallReport(**{name: getattr(self, name) for name in _REPORT_FIELDS}).to_doc()
+        """The call as a ``capability.report.CallReport`` document: the report's fields, read off the call (all
+        scalars, so no copy is made; ``run_id`` is the control plane's to stamp)."""
+        return {name: getattr(self, name) for name in _REPORT_FIELDS}
 
     def summary(self) -> dict[str, Any]:
         """The call while in flight: what a report knows before the end, and the phase it is in."""
-        return {**CallReport(self.call_id, capability=self.capability, method=self.method, url=self.url,
-                             started_at=self.started_at).in_flight(), "phase": self.phase}
+        return {**{name: getattr(self, name) for name in IN_FLIGHT_FIELDS}, "phase": self.phase}
 
 
-_REPORT_FIELDS = tuple(f.name for f in fields(Call) if f.name != "phase")
+_REPORT_FIELDS = tuple(f.name for f in fields(CallReport) if f.name != "run_id")
 
 
 def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:

@@ -150,3 +150,22 @@ def test_every_resolution_is_counted_and_no_other_is_taken() -> None:
 ])
 def test_error_resolution(connected: bool, sent: bool, aborted: bool, resolution: str) -> None:
     assert error_resolution(connected=connected, sent=sent, aborted=aborted) == resolution
+
+
+def test_a_calls_report_is_a_call_report_and_reads_back_whole() -> None:
+    """The sidecar's call and the report type cannot drift: every report field but run_id is on the call, and
+    what the sidecar sends is read by the control plane's reader as it was sent."""
+    from dataclasses import fields
+
+    from capability.report import CallReport
+
+    call = Call(call_id="c-1", agent="a", method="POST", url="http://h:80/x", started_at=1.5, capability="t.write",
+                tier="direct", resolution="completed", status=201, code=None, ended_at=2.0, capture_ref="f#1",
+                termination_id="t-1", detail="ok")
+    call.phase = "done"
+    assert {f.name for f in fields(CallReport)} - {f.name for f in fields(Call)} == {"run_id"}
+    doc = call.report()
+    assert "phase" not in doc
+    assert CallReport.read(doc).to_doc() == {**doc, "run_id": None}
+    assert call.summary() == {"call_id": "c-1", "capability": "t.write", "method": "POST", "url": "http://h:80/x",
+                              "started_at": 1.5, "phase": "done"}
