@@ -39,6 +39,7 @@ CONFLICT = "tether.conflict"
 STORE_UNAVAILABLE = "tether.store_unavailable"
 CONTROLPLANE_UNREACHABLE = "tether.controlplane_unreachable"
 KEY_INVALID = "tether.key_invalid"
+LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot listen where it was told
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

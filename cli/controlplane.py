@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import errno
 import os
 import secrets
 import signal
@@ -16,14 +14,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from capability.errors import TetherError
+from .process import listen_error, wait_for_signal
 
 if TYPE_CHECKING:
     from capability import keys
     from capability.catalog import Catalog
     from controlplane.app import ControlPlane
-
-LISTEN_FAILED = "tether.listen_failed"
 
 
 def add_controlplane_group(sub: Any) -> None:
@@ -138,24 +134,7 @@ async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | N
         file=sys.stderr,
         flush=True,
     )
-    stop = asyncio.Event()
-    stopped_by: list[int] = []
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, lambda sig=sig: (stopped_by.append(sig), stop.set()))
-    if ready is not None:
-        ready.set()
     try:
-        await stop.wait()
+        return await wait_for_signal(ready.set if ready is not None else None)
     finally:
         await runner.cleanup()
-    return stopped_by[0]
-
-
-def listen_error(what: str, exc: OSError) -> TetherError:
-    """A listen that failed, said plainly: an address in use names the usual way out."""
-    if exc.errno == errno.EADDRINUSE:
-        return TetherError(f"{what}: the address is in use (another process listens there; pick another with "
-                           "--listen)", code=LISTEN_FAILED)
-    return TetherError(f"{what}: {exc.strerror or exc}", code=LISTEN_FAILED)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .process import wait_for_signal
 from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def check_listen(host: str, port: int) -> None:
     its own flags). A port freed or taken in between is still caught when the proxy starts."""
     import socket
 
-    from .controlplane import listen_error
+    from .process import listen_error
 
     if port == 0:
         return
@@ -235,14 +235,3 @@ def check_listen(host: str, port: int) -> None:
             probe.bind(infos[0][4])
     except OSError as exc:
         raise listen_error(f"the sidecar cannot listen on {host}:{port}", exc) from None
-
-
-async def wait_for_signal() -> int:
-    stop = asyncio.Event()
-    stopped_by: list[int] = []
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, lambda sig=sig: (stopped_by.append(sig), stop.set()))
-    await stop.wait()
-    return stopped_by[0]

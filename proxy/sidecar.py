@@ -220,7 +220,7 @@ class Sidecar:
         if not addrs:
             errors = [str(s.last_exception) for s in proxyserver.servers if getattr(s, "last_exception", None)]
             raise TetherError(f"the proxy could not listen on {self.config.listen_host}:{self.config.listen_port}: "
-                              f"{'; '.join(errors) or 'unknown error'}", code="tether.listen_failed")
+                              f"{'; '.join(errors) or 'unknown error'}", code=codes.LISTEN_FAILED)
         host, port = addrs[0][:2]
         self.address = (host, port)
         await self.heartbeat_once()  # starting may have been slow: begin serving on a fresh lease
