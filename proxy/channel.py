@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -62,13 +63,13 @@ class ControlChannel:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise ApiError(503, UNREACHABLE, f"control plane {self.url} unreachable: {exc!r}") from None
+            raise ApiError(503, UNREACHABLE, f"control plane {self.url} unreachable: {why(exc)}") from None
         try:
             doc = json.loads(raw) if raw else None
         except ValueError:
             raise ApiError(status, "tether.bad_response", f"{method} {path}: not JSON (HTTP {status})") from None
         if status >= 400:
-            raise _refusal(status, doc)
+            raise _refusal(status, doc, f"{method} {self.url}{path}")
         return doc
 
     def _headers(self, method: str, path: str, data: bytes) -> dict[str, str]:
@@ -91,7 +92,7 @@ class ControlChannel:
                         doc = json.loads(raw) if raw else None
                     except ValueError:
                         doc = None
-                    raise _refusal(resp.status, doc)
+                    raise _refusal(resp.status, doc, f"GET {self.url}{path}")
                 buffer = b""
                 async for chunk in resp.content.iter_any():  # lines may be longer than any reader limit
                     buffer += chunk
@@ -128,11 +129,24 @@ class ControlChannel:
         return await self.call("GET", path, signed=False)
 
 
-def _refusal(status: int, doc: Any) -> ApiError:
+def _refusal(status: int, doc: Any, what: str) -> ApiError:
     err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
-    return ApiError(status, err.get("code", "tether.http_error"), err.get("message", f"HTTP {status}"))
+    if not isinstance(err, dict) or "code" not in err:  # not a tether answer: say where it came from
+        return ApiError(status, "tether.http_error", f"{what}: HTTP {status}, not a tether control plane's answer "
+                        "(is the URL right?)")
+    return ApiError(status, err["code"], err.get("message", f"HTTP {status}"))
 
 
 async def sleep_backoff(attempt: int, cap: float = 2.0) -> None:
     """Exponential, with jitter: a fleet that lost its replica at once must not come back at once."""
     await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)) * random.uniform(0.5, 1.0))
+
+
+def why(exc: BaseException) -> str:
+    """A failed request in a few words (``connection refused``, ``timed out``), not the exception's repr."""
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "timed out"
+    cause = getattr(exc, "os_error", None) or exc
+    if isinstance(cause, OSError) and cause.errno:
+        return os.strerror(cause.errno).lower()
+    return str(exc) or type(exc).__name__
