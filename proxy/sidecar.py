@@ -521,15 +521,17 @@ class Sidecar:
 
     async def quiesce(self, command: dict[str, Any]) -> None:
         """Drain (wait for in-flight calls until the window ends) or abort, then report and acknowledge."""
+        # Only calls that left for the upstream are waited for: a call that arrives now is refused at once, and
+        # an agent that keeps calling must not hold the drain (or the acknowledgement) to its full length.
         if self.state.mode == DRAINING:
             deadline = min(float(command.get("deadline", time.time())),
                            time.time() + float(command.get("window_s", 0)))
             self._cancel_held()
-            while self.calls.inflight and time.time() < deadline:
+            while self._leaving() and time.time() < deadline:
                 await asyncio.sleep(0.05)
         self._cancel_held()
         await asyncio.sleep(0.05)  # let cancelled holds and not-yet-forwarded calls meet their refusal
-        leaving = [c for c in self.calls.inflight.values() if c.phase in ("forwarding", "forwarded")]
+        leaving = self._leaving()
         if leaving:
             log.warning("aborting %d call(s) still in flight", len(leaving))
             for call in leaving:
@@ -538,7 +540,8 @@ class Sidecar:
                     self.abort_flow(flow)
         # Wait for the cut calls' final events, but leave the control plane's grace for the reports.
         limit = time.monotonic() + min(5.0, float(command.get("grace_s", 10.0)) / 2)
-        while self.calls.inflight and time.monotonic() < limit:
+        cut = {call.call_id for call in leaving}
+        while cut & self.calls.inflight.keys() and time.monotonic() < limit:
             await asyncio.sleep(0.05)
         for call in list(self.calls.inflight.values()):  # no hook came back: say only what we know
             left = call.phase in ("forwarding", "forwarded")
@@ -551,6 +554,10 @@ class Sidecar:
         for tid in sorted(self._commanded_ids - self._acked):
             self._acking.add(tid)
             await self.acknowledge({**command, "termination_id": tid})
+
+    def _leaving(self) -> list[Call]:
+        """Calls in flight that were forwarded (or are being): the ones a drain waits for and an abort cuts."""
+        return [c for c in self.calls.inflight.values() if c.phase in ("forwarding", "forwarded")]
 
     async def acknowledge(self, command: dict[str, Any]) -> None:
         """Deliver every report, then tell the control plane this sidecar is quiescent (retrying).
