@@ -38,7 +38,14 @@ from .harness import ADMIN_TOKEN, PYTHON, Identity, SidecarProcess, wait_until
 
 ISSUES = "/repos/o/r/issues"
 REFUSED_AFTER_REVOCATION = {"tether.draining", "tether.terminated", "tether.chain_revoked"}
+
 LIVENESS_S = 10.0  # generous slack on top of the protocol's own bounds (window + grace)
+
+
+def refused(probe: tuple) -> bool:
+    """A tether refusal that follows the revocation: 403 chain_revoked when the revocation event arrives
+    before the command (the subtree is revoked first), 503 draining or terminated once the command is in."""
+    return probe[0] in (403, 503) and probe[1] in REFUSED_AFTER_REVOCATION
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -174,7 +181,7 @@ def probe_until_refused(world: World, sidecars: dict[str, SidecarProcess], timeo
             except requests.RequestException as exc:  # a reset instead of a tether refusal: reported below
                 outcome = ("error", type(exc).__name__)
             log[agent].append((*outcome, hits(world, "GET", ISSUES) - before))
-            if outcome[0] == 503 and agent not in refused_at:
+            if refused(outcome) and agent not in refused_at:
                 refused_at[agent] = len(log[agent]) - 1
         time.sleep(0.05)
     return log
@@ -187,11 +194,11 @@ def check_probes(log: dict[str, list], record: dict[str, Any]) -> None:
     for agent, probes in log.items():
         recorded = sorted(calls_by(record, agent, ISSUES), key=lambda c: c["started_at"])
         context = f"{agent}: probes {probes}; recorded {[(c['resolution'], c.get('code')) for c in recorded]}"
-        first = next(i for i, p in enumerate(probes) if p[0] == 503)
+        first = next(i for i, p in enumerate(probes) if refused(p))
         assert all(p[0] in (200, "error") for p in probes[:first]), context
-        for status, code, forwarded in probes[first:]:
-            assert forwarded == 0, f"forwarded after refusing: {context}"
-            assert status == 503 and code in REFUSED_AFTER_REVOCATION, f"not a tether refusal: {context}"
+        for probe in probes[first:]:
+            assert probe[2] == 0, f"forwarded after refusing: {context}"
+            assert refused(probe), f"not a tether refusal: {context}"
         # A probe refused once the sidecar had acknowledged (tether.terminated) may be reported after the
         # record was written; every earlier one must be in it.
         # An abort may cut a probe off before it left (cancelled_not_sent) or after (unknown).
