@@ -29,6 +29,7 @@ from .. import audit
 from .. import schemas as sc
 from ..auth import CSRF_HEADER, SESSION_COOKIE
 from ..body import bad, read_json
+from ..routes import ADMIN, NONE
 from ..termination import verify_records
 from .sessions import Sessions, SignInThrottle
 
@@ -187,23 +188,23 @@ def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sess
     console = Console(cp, Path(root) if root else None, sessions or Sessions())
     cp.auth.sessions = console.sessions
     r = cp.route
-    r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", "none", "console", status=308, content=None)
-    r("GET", "/ui/", console.h_index, "The console", "none", "console", content="text/html", ok={"type": "string"})
-    r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", "none", "console",
+    r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", NONE, "console", status=308, content=None)
+    r("GET", "/ui/", console.h_index, "The console", NONE, "console", content="text/html", ok={"type": "string"})
+    r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", NONE, "console",
       content="*/*", ok={"type": "string"})
-    r("POST", "/ui/session", console.h_sign_in, "Sign in with the admin token: sets the session cookie", "none",
+    r("POST", "/ui/session", console.h_sign_in, "Sign in with the admin token: sets the session cookie", NONE,
       "console", body=sc.SIGN_IN_REQUEST, ok=sc.SESSION)
-    r("GET", "/ui/session", console.h_session, "The signed-in session's CSRF token", "none", "console",
+    r("GET", "/ui/session", console.h_session, "The signed-in session's CSRF token", NONE, "console",
       ok=sc.SESSION)
-    r("POST", "/ui/logout", console.h_logout, "End the session", "none", "console", ok=sc.SIGNED_OUT)
-    r("GET", "/v1/agents/{agent}/subtree", console.h_subtree, "Who terminating or revoking an agent cuts", "admin",
+    r("POST", "/ui/logout", console.h_logout, "End the session", NONE, "console", ok=sc.SIGNED_OUT)
+    r("GET", "/v1/agents/{agent}/subtree", console.h_subtree, "Who terminating or revoking an agent cuts", ADMIN,
       "agents", ok=sc.SUBTREE)
-    r("POST", "/v1/audit/diff", console.h_diff, "What widened between two audit surface documents", "admin", "audit",
+    r("POST", "/v1/audit/diff", console.h_diff, "What widened between two audit surface documents", ADMIN, "audit",
       body=sc.DIFF_REQUEST, ok=sc.DIFF)
-    r("GET", "/v1/audit/records", console.h_verify_records, "The record log's verification, per record", "admin",
+    r("GET", "/v1/audit/records", console.h_verify_records, "The record log's verification, per record", ADMIN,
       "records", ok=sc.RECORDS_VERIFICATION)
     r("GET", "/v1/captures/har", console.h_har, "HAR of captured calls (by termination, agent or time range)",
-      "admin", "records", ok=sc.HAR, query=(
+      ADMIN, "records", ok=sc.HAR, query=(
           ("termination", sc.STR, "a termination or record id"), ("agent", sc.STR, "one agent's calls"),
           ("since", sc.STR, "from this time (ISO 8601 or epoch seconds)"), ("until", sc.STR, "until this time")))
     return console
