@@ -8,6 +8,7 @@ both replicas.
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 
+from capability.errors import ApiError
 from controlplane.termination import terminated_agents
 
 from . import harness
@@ -125,3 +127,27 @@ def test_termination_on_a_completes_with_one_record_on_both(replicas: Replicas) 
     assert terminated_agents(mine[0]) == ["worker"] and mine[0]["agents_unaccounted"] == []
     assert all(records_a[i]["prev_hash"] == records_a[i - 1]["hash"] for i in range(1, len(records_a)))
     assert replicas.get("worker").headers.get("Tether-Error") in {"tether.terminated", "tether.chain_revoked"}
+
+
+def test_chains_sharing_a_new_link_register_at_once_on_both_replicas(replicas: Replicas) -> None:
+    """Sixteen sidecars whose chains share a link nobody registered yet start together, half through each
+    replica: each registration stores the shared link or finds it stored by the other, and none is refused
+    as a jti clash (the same link is not another link)."""
+    cp = replicas.a
+    root = cp.issue("fan-root", {"issues.read": "direct"})
+    hop = cp.delegate(root, "fan-hop", {"issues.read": "direct"})
+    leaves = [cp.delegate(hop, f"fan-leaf-{i}", {"issues.read": "direct"}) for i in range(16)]
+    start = threading.Barrier(len(leaves))
+
+    def register(i: int) -> object:
+        client = (replicas.a if i % 2 else replicas.b).client()
+        start.wait(10)
+        try:
+            return client.request("POST", "/v1/chains/register", {"chain": leaves[i].wire})
+        except ApiError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(leaves)) as pool:
+        answers = list(pool.map(register, range(len(leaves))))
+    assert [a for a in answers if isinstance(a, ApiError)] == []
+    assert {"fan-hop", *(f"fan-leaf-{i}" for i in range(16))} <= set(agents_of(replicas.b))

@@ -100,7 +100,9 @@ class GrantService:
         verified = self.verifier.verify(wire, now=self.clock(), revoked=await self.revoked())
         for link, doc in zip(verified.links, known, strict=True):
             other = None if doc is not None else await self.store.link_by_jti(link.jti)
-            if other is not None:  # checked before any agent id is claimed (the store checks again, atomically)
+            # Checked before any agent id is claimed (the store checks again, atomically). The same link, stored
+            # meanwhile by a concurrent registration of a chain that shares it, is no clash.
+            if other is not None and other["hash"] != link.hash:
                 raise _jti_taken(link.jti, other["hash"])
         await self._claim_agent_ids(verified.links, known)
         docs = _link_docs(verified.links, self.clock())
