@@ -48,12 +48,13 @@ class SidecarState:
         self.lease_until = max(self.lease_until, sent_at_mono + self.lease_ttl_s)
 
     def revoke(self, jtis: set[str] | list[str], now_mono: float) -> bool:
-        """Add revoked jtis (learned at ``now_mono``); True when one of them is in our chain."""
-        mine = set(jtis) & set(self.chain.jtis)
-        for jti in mine - self.revoked:
+        """Add revoked jtis (learned at ``now_mono``); True when one of them is in our chain and was not known
+        yet (a heartbeat repeats what the control plane holds: said once, not at every beat)."""
+        news = (set(jtis) & set(self.chain.jtis)) - self.revoked
+        for jti in news:
             self.learned[jti] = now_mono
         self.revoked |= set(jtis)
-        return bool(mine)
+        return bool(news)
 
     def revocations_held(self, now_mono: float) -> dict[str, float]:
         """Our chain's revocations and how long ago we learned each: the heartbeat's acknowledgement of them,

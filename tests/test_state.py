@@ -73,7 +73,8 @@ def test_revocations_of_any_link_refuse_and_are_acknowledged_with_their_age() ->
     parent_jti = parse_chain_unverified(WIRE)[0].jti
     assert state.revoke([parent_jti], 100.5) is True  # an ancestor's revocation ends the chain
     assert code(state) == codes.CHAIN_REVOKED
-    assert state.revoke([parent_jti], 103.0) is True  # learned once: the age runs from the first time
+    assert state.revoke([parent_jti], 103.0) is False  # learned once (and said once): the age runs from the first
+    assert code(state) == codes.CHAIN_REVOKED
     assert state.revocations_held(101.0) == {parent_jti: 0.5}
 
 
