@@ -25,6 +25,11 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from .harness import ADMIN_TOKEN, ControlPlaneProcess, prepare_controlplane
 
 EXAMPLES = int(os.environ.get("TETHER_FUZZ_EXAMPLES", "12"))
+# Headers that frame the HTTP message itself. A malformed one is refused by aiohttp's parser before tether's code
+# runs, with aiohttp's own text/plain 400 (a known limitation in the README), so generated values for them test
+# aiohttp, not the API. Which values get generated depends on the literals in the loaded source (Hypothesis seeds
+# generation with them), so without this a change anywhere in the code could surface that answer here.
+FRAMING = {"transfer-encoding", "content-length", "connection", "host", "upgrade", "expect", "te"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,8 @@ def test_the_api_answers_every_generated_request_as_documented(cp: ControlPlaneP
             @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                       suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
             def fuzz(case: schemathesis.Case) -> None:
+                for name in [n for n in case.headers or {} if n.lower() in FRAMING]:
+                    del case.headers[name]
                 case.call_and_validate(headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30,
                                        excluded_checks=[positive_data_acceptance])
 

@@ -27,6 +27,9 @@ def refused(call: Any) -> str:
         (b'{"a": 1e400}', "not valid JSON"),
         (b'{"a": "\\ud800"}', "not valid Unicode"),
         (b'{"\\udfff": 1}', "not valid Unicode"),
+        (b'{"a": "\\uDBff"}', "not valid Unicode"),
+        (b'{"a": ["x", {"b": "\xed\xa0\x80"}]}', "not valid Unicode"),  # a surrogate's bytes, not an escape
+        (b'{"a": "\\ud83d\\ude00", "b": "\\udc00"}', "not valid Unicode"),  # a good pair beside a lone one
         (b"\xc3\x28", "not valid JSON"),
         (b"[]", "must be a JSON object, not a list"),
         (b"null", "must be a JSON object, not null"),
@@ -34,6 +37,13 @@ def refused(call: Any) -> str:
 )
 def test_hostile_bodies_are_refused(raw: bytes, fragment: str) -> None:
     assert fragment in refused(lambda: parse(raw))
+
+
+def test_what_only_looks_like_a_surrogate_is_read() -> None:
+    """The reader looks for surrogates only where the raw text could hold one: a pair, an escaped backslash
+    before "ud800", and other non-ASCII text are read as they are."""
+    body = parse(b'{"pair": "\\ud83d\\ude00", "text": "\\\\ud800", "e": "\xc3\xa9"}')
+    assert (body.string("pair"), body.string("text"), body.string("e")) == ("\U0001f600", "\\ud800", "\u00e9")
 
 
 def test_what_is_read_is_typed() -> None:
