@@ -2,8 +2,9 @@
 
 The sidecar makes it from its call table (``proxy.state.Call.report``; a call still in flight is reported
 by ``Call.summary``, the fields known before it ends); the control plane reads every report, start and
-acknowledgement through ``CallReport.read`` and stores ``to_doc()``; a reconciliation record lists each
-call with ``RECORD_FIELDS`` (DESIGN.md section 6). Pure: no I/O, no clock.
+acknowledgement through ``read_doc`` (``CallReport.read`` without the object) and stores what it returns;
+a reconciliation record lists each call with ``RECORD_FIELDS`` (DESIGN.md section 6). Pure: no I/O, no
+clock.
 """
 
 from __future__ import annotations
@@ -63,19 +64,24 @@ class CallReport:
     def read(cls, doc: Any, where: str = "the report") -> CallReport:
         """A report as sent, checked field by field (``ReportInvalid`` names the first that is wrong).
         Fields beyond the report's own are not kept."""
-        if not isinstance(doc, dict):
-            raise ReportInvalid(f"{where} must be an object")
-        call_id = doc.get("call_id")
-        if call_id is None:
-            raise ReportInvalid(f"{where} needs 'call_id'", field="call_id")
-        values: dict[str, Any] = {}
-        for name, kind in _KINDS.items():
-            value = doc.get(name)
-            if value is not None:
-                values[name] = _checked(name, kind, value, where)
-        if not values["call_id"]:
-            raise ReportInvalid(f"{where}: 'call_id' must not be empty", field="call_id")
-        return cls(**values)
+        return cls(**read_doc(doc, where))
+
+
+def read_doc(doc: Any, where: str = "the report") -> dict[str, Any]:
+    """``CallReport.read(doc, where).to_doc()`` without the object in between: the control plane reads every
+    report it is sent through this, so it builds the stored document directly."""
+    if not isinstance(doc, dict):
+        raise ReportInvalid(f"{where} must be an object")
+    call_id = doc.get("call_id")
+    if call_id is None:
+        raise ReportInvalid(f"{where} needs 'call_id'", field="call_id")
+    values: dict[str, Any] = {}
+    for name, kind in _KINDS.items():
+        value = doc.get(name)
+        values[name] = None if value is None else _checked(name, kind, value, where)
+    if not values["call_id"]:
+        raise ReportInvalid(f"{where}: 'call_id' must not be empty", field="call_id")
+    return values
 
 
 _LIMITS = {"call_id": MAX_CALL_ID, "run_id": MAX_RUN_ID}

@@ -2,8 +2,9 @@
 
 ``ingest`` is the one way reports come in: report batches (``POST /v1/reports``) and a termination's
 acknowledgement (``POST /v1/sidecars/quiesced``) alike. Each report is read as a
-``capability.report.CallReport`` (the one shape a report has), must be the delivering agent's own, is
-stamped with the agent, link and run that delivered it, and is stored idempotently on ``call_id``.
+``capability.report.CallReport`` (the one shape a report has; ``read_doc`` checks it), must be the
+delivering agent's own, is stamped with the agent, link and run that delivered it, and is stored
+idempotently on ``call_id``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from capability.errors import FORBIDDEN, NOT_FOUND, ApiError
-from capability.report import CallReport
+from capability.report import read_doc
 
 from ..auth import Caller
 from ..metrics import Metrics
@@ -31,12 +32,12 @@ class RecordService:
         now = self.clock()
         out: list[Doc] = []
         for index, item in enumerate(items):
-            report = CallReport.read(item, f"{what}[{index}]")
-            if report.agent not in (None, caller.agent):
-                raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {report.agent}")
+            report = read_doc(item, f"{what}[{index}]")
+            if report["agent"] not in (None, caller.agent):
+                raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {report['agent']}")
             # The run that delivers it is the one recorded.
-            out.append({**report.to_doc(), "agent": caller.agent, "link": caller.link_hash, "run_id": caller.run,
-                        "received_at": now})
+            report.update(agent=caller.agent, link=caller.link_hash, run_id=caller.run, received_at=now)
+            out.append(report)
         return out
 
     async def ingest(self, caller: Caller, reports: list[Any], starts: list[Any]) -> tuple[int, int]:
