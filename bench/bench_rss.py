@@ -55,7 +55,9 @@ def mappings(pid: int, top: int = 8) -> list[tuple[str, float]]:
 
 
 def sidecar_modules(root: Path) -> list[str]:
-    code = ("import sys, json\nimport controlplane.cli as c\nc.build_parser()\nimport proxy.runner, proxy.sidecar\n"
+    # The command layer as it is in ``root``: cli/ since the architecture step, controlplane/cli.py before it.
+    code = ("import sys, json\ntry:\n    import cli.main as c, cli.sidecar, cli.run\nexcept ImportError:\n"
+            "    import controlplane.cli as c, proxy.runner\nc.build_parser()\nimport proxy.sidecar\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     return json.loads(out.stdout.splitlines()[-1])

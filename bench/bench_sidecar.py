@@ -696,7 +696,7 @@ def main() -> int:
                 # Only the traced sidecar inherits the exporter's variables (the control plane runs already).
                 otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint} if n == TRACED else {}
                 os.environ.update(otel)
-                if n in (BEFORE, CRED_BEFORE):  # `python -m controlplane.cli` imports from its working directory
+                if n in (BEFORE, CRED_BEFORE):  # `python -m cli` imports from its working directory
                     os.chdir(args.before)
                 try:
                     sc.start(upstream_ca=ca.ca_pem)
