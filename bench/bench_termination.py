@@ -291,10 +291,8 @@ async def scenario(cp: ControlPlaneProcess, tools: ToolServerProcess, sidecars: 
 ZYGOTE_CODE = """
 import json, os, signal, sys
 sys.path.insert(0, {root!r})
-import cli.main as cli
-import cli.sidecar, proxy.sidecar
-from mitmproxy.addons import default_addons
-default_addons()
+import cli.sidecar, proxy.sidecar  # proxy.sidecar loads the mitmproxy addons a sidecar runs, and only those
+from cli.main import main as tether
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
 print("ready", flush=True)
 while line := sys.stdin.readline():
@@ -310,7 +308,7 @@ while line := sys.stdin.readline():
         os.environ.update(req["env"])
         code = 1
         try:
-            code = cli.main(req["argv"])
+            code = tether(req["argv"])
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
