@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
-import yaml
-
 from .budget import TIERS, GrantError, read_grant
 from .credentials import Credential, parse_credentials
 from .errors import CatalogError, UnknownCapability
@@ -400,10 +398,18 @@ def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
 
 def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
     """Parse and validate catalog YAML. Raises CatalogError naming the file, capability and field."""
+    import yaml  # only a catalog read from a file needs it: a sidecar gets its catalog as JSON (catalog_from)
+
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise _fail(source, "yaml", f"not valid YAML: {exc}") from None
+    return catalog_from(raw, source)
+
+
+def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
+    """Validate a catalog already decoded (``/v1/catalog``'s JSON, or parsed YAML). Raises CatalogError naming
+    the source, capability and field."""
     raw = _check_keys(source, "top level", raw, _TOP_KEYS, {"capabilities"})
     caps_raw = raw["capabilities"]
     if not isinstance(caps_raw, dict) or not caps_raw:

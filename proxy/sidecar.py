@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from mitmproxy import ctx, http, options
 
 from capability import errors as codes
 from capability import keys
-from capability.catalog import Catalog, empty_catalog, parse_catalog
+from capability.catalog import Catalog, catalog_from, empty_catalog
 from capability.chain import Verifier, parse_chain_unverified
 from capability.errors import ApiError, ChainError, TetherError
 from capability.events import APPROVAL, APPROVED, CANCELLED, COMMAND, DENIED, REVOKE
@@ -164,7 +163,7 @@ class Sidecar:
         if self.catalog is None:
             doc = await self.channel.public("/v1/catalog")
             source = f"{self.config.controlplane}/v1/catalog"
-            self.catalog = (parse_catalog(yaml.safe_dump(doc["catalog"]), source) if doc["catalog"].get("capabilities")
+            self.catalog = (catalog_from(doc["catalog"], source) if doc["catalog"].get("capabilities")
                             else empty_catalog(source))
             if self.catalog.hash != doc["hash"]:
                 raise TetherError("the catalog fetched from the control plane does not match its hash",

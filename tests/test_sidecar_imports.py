@@ -8,10 +8,12 @@ import subprocess
 
 from .harness import PYTHON
 
-# Loaded only by default addons a sidecar does not run (the onboarding app, proxy auth, flow filters' users), or
-# by reading flow files (mitmproxy.io: the HAR export's business, in the CLI process).
+# Loaded only by default addons a sidecar does not run (the onboarding app, proxy auth, flow filters' users), by
+# reading flow files (mitmproxy.io: the HAR export's business, in the CLI process), or by reading a catalog file
+# (yaml: a sidecar gets its catalog from the control plane as JSON).
 NOT_NEEDED = ("flask", "jinja2", "werkzeug", "ldap3", "mitmproxy.addons.onboarding", "mitmproxy.addons.proxyauth",
-              "mitmproxy.addons.clientplayback", "mitmproxy.addons.maplocal", "mitmproxy.io", "mitmproxy.flowfilter")
+              "mitmproxy.addons.clientplayback", "mitmproxy.addons.maplocal", "mitmproxy.io", "mitmproxy.flowfilter",
+              "yaml")
 
 
 def run(code: str) -> dict:
