@@ -665,11 +665,8 @@ def main() -> int:
             skipped = boundary_not_permitted() if args.boundary else "not asked for (--boundary)"
             extra_caps = CREDENTIAL_CAPS.format(http=tools.http_port, https=tools.https_port).lstrip("\n")
             if skipped is None:  # a tool server whose certificate names the tool as the isolated client dials it
-                from tests.test_isolate import _cert
-
-                (work / "isoca").mkdir()
-                iso_tools = stack.enter_context(stopping(ToolServerProcess(TestCA(*_cert(work / "isoca",
-                                                                                         [BOUNDARY_HOST]))).start()))
+                iso_tools = stack.enter_context(stopping(ToolServerProcess(make_test_ca(work / "isoca",
+                                                                                        [BOUNDARY_HOST])).start()))
                 extra_caps += BOUNDARY_CAPS.format(host=BOUNDARY_HOST, http=iso_tools.http_port,
                                                    https=iso_tools.https_port).lstrip("\n")
             cp.catalog_path.write_text(CREDENTIAL_CATALOG.lstrip("\n") + cp.catalog_path.read_text().replace(

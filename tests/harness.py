@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,8 @@ class TestCA:
         return ctx
 
 
-def make_test_ca(directory: Path) -> TestCA:
+def make_test_ca(directory: Path, names: Sequence[str] = ("localhost",)) -> TestCA:
+    """A CA and a server certificate for ``names`` (DNS names; 127.0.0.1 too), valid from yesterday for 30 days."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -116,10 +118,10 @@ def make_test_ca(directory: Path) -> TestCA:
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+            .add_extension(x509.SubjectAlternativeName([*(x509.DNSName(n) for n in names),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
             # Python 3.13 verifies strictly (VERIFY_X509_STRICT): an end-entity certificate names its issuer's key

@@ -10,7 +10,6 @@ names through a private ``/etc/hosts`` (``unshare --mount``): the host's own fil
 
 from __future__ import annotations
 
-import datetime
 import http.server
 import ipaddress
 import json
@@ -26,15 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from capability import keys
 from proxy.isolate import Plan, User, readable_by
 
-from .harness import PYTHON, ControlPlaneProcess, free_port
+from .harness import PYTHON, ControlPlaneProcess, free_port, make_test_ca
 
 SUBNET = ipaddress.ip_network("100.64.8.0/30")
 
@@ -105,34 +100,6 @@ def _not_permitted() -> str | None:
     if subprocess.run(["iptables", "-w", "-S", "INPUT"], capture_output=True, check=False).returncode != 0:
         return "iptables cannot be used here"
     return None
-
-
-def _cert(directory: Path, names: list[str]) -> tuple[Path, Path, Path]:
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tether isolate test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    paths = directory / "ca.pem", directory / "server.pem", directory / "server.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return paths
 
 
 class Counting:
@@ -253,7 +220,8 @@ def iso_world(tmp_path: Path) -> Iterator[dict]:
         pytest.skip(reason)
     public = Path(tempfile.mkdtemp(prefix="tether-isotest-", dir="/tmp"))
     os.chmod(public, 0o755)
-    ca, cert, key = _cert(tmp_path, ["granted.test", "other.test"])
+    test_ca = make_test_ca(tmp_path, ["granted.test", "other.test"])
+    ca, cert, key = test_ca.ca_pem, test_ca.cert_pem, test_ca.key_pem
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(cert, key)
     servers = {"granted": (Counting("granted"), Counting("granted-tls", tls)),
