@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,13 @@ from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 from .sidecar import SIDECAR_OPTIONS, default_state_root
 
 CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
+# tether's own authority: an agent holding one could approve its own held calls or revoke and terminate others.
+# Neither the command nor its sidecar (whose /proc environ the command's user may read) keeps them.
+AUTHORITY_VARIABLES = ("TETHER_ADMIN_TOKEN", "TETHER_TOKEN")
+COOPERATIVE_WARNING = ("tether: cooperative mode: only programs that follow HTTP(S)_PROXY are governed; a client that "
+                       "ignores the proxy variables (Node's fetch, aiohttp's default session, websockets, stdio MCP "
+                       "servers started with a reset environment) goes around the sidecar unseen. --isolate (Linux, "
+                       "root) enforces every client.")
 # The sidecar options whose meaning differs under run: run decides the chain, key and state dir it hands on.
 RUN_OVERRIDES: dict[str, dict[str, Any]] = {
     "chain": {"required": False, "help": "the agent's chain file (or --parent-chain and friends)"},
@@ -54,6 +62,8 @@ def add_run(sub: Any) -> None:
     p.add_argument("--ttl", type=float, default=3600.0, metavar="S", help="seconds the child link lives")
     p.add_argument("--isolate", action="store_true", help="Linux, root: run the command as --user in its own "
                    "network namespace whose only way out is the sidecar (transparent interception)")
+    p.add_argument("--cooperative", action="store_true", help="name the proxy-variables-only mode (today's default "
+                   "without --isolate): programs that ignore HTTP(S)_PROXY are not governed")
     p.add_argument("--user", default=None, help="the unprivileged user for --isolate (default: nobody)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
     p.set_defaults(func=cmd_run)
@@ -96,6 +106,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise TetherError("give the command after --, e.g. tether run --chain c --key k -- python agent.py",
                           code=BAD_REQUEST)
+    if args.isolate and args.cooperative:
+        raise TetherError("--isolate and --cooperative contradict each other: give one", code=BAD_REQUEST)
     if args.isolate and (args.transparent_listen or args.dns_listen):
         raise TetherError("--isolate chooses the transparent and DNS listeners itself: drop --transparent-listen "
                           "and --dns-listen", code=BAD_REQUEST)
@@ -126,6 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             sidecar = subprocess.Popen(sidecar_argv(args, chain=chain_path, key=key_path, state_dir=state_dir,
                                                     ready=ready),
                                        stdout=log_file, stderr=log_file, start_new_session=True,
+                                       env=without_authority(os.environ),
                                        preexec_fn=_die_with_parent)
         info = _wait_ready(sidecar, ready, log_path)
         env = _command_env(info, secrets, isolation, state_dir)
@@ -137,6 +150,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         where = info["proxy"] if isolation is None else \
             f"{isolation.plan.host_ip}:{TRANSPARENT_PORT} (isolated in {isolation.plan.netns} as {isolation.user.name})"
         print(f"tether: {agent} runs behind its sidecar at {where} (log {log_path})", file=sys.stderr, flush=True)
+        if isolation is None:
+            print(COOPERATIVE_WARNING, file=sys.stderr, flush=True)
         return _run_command(isolation.wrap(command) if isolation is not None else command, env)
     finally:
         if sidecar is not None:
@@ -159,9 +174,15 @@ def _identity(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str
     raise TetherError("give --chain and --key, or --parent-chain, --parent-key and --cap", code=BAD_REQUEST)
 
 
+def without_authority(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without tether's tokens (``AUTHORITY_VARIABLES``)."""
+    return {k: v for k, v in environ.items() if k not in AUTHORITY_VARIABLES}
+
+
 def _command_env(info: dict, secrets: list, isolation: Any, state_dir: Path) -> dict:
-    """The command's environment: the proxy (or, isolated, none to follow), the CA, and no sidecar secret."""
-    env = dict(os.environ)
+    """The command's environment: the proxy (or, isolated, none to follow), the CA, and no token or sidecar
+    secret."""
+    env = without_authority(os.environ)
     for spec in secrets:  # the secret is the sidecar's alone: the command never sees the variable
         if spec.kind == "env":
             env.pop(spec.ref, None)

@@ -129,3 +129,37 @@ def test_a_sidecar_creates_its_state_dir_0700(world: World, tmp_path: Path) -> N
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_run_keeps_tethers_tokens_and_secrets_from_the_command_and_its_sidecar(world: World, tmp_path: Path) -> None:
+    """The README's one-shell flow exports TETHER_ADMIN_TOKEN; an agent that inherited it could approve its own
+    held calls. The command reads its own environment and its sidecar's (same user: /proc/PID/environ)."""
+    ident = world.cp.issue("run-authority", {"issues.read": "direct"})
+    state_root = tmp_path / "state"
+    script = tmp_path / "dump.py"
+    script.write_text("import json, os, sys\n"
+                      "ready = json.load(open(os.path.join(os.environ['TETHER_STATE_DIR'], 'run-authority', "
+                      "'sidecar.ready')))\n"
+                      "sidecar = open(f\"/proc/{ready['pid']}/environ\", 'rb').read().decode()\n"
+                      "print(json.dumps({'own': dict(os.environ), 'sidecar': sidecar}))\n")
+    env = {**world.cp.env(), "TETHER_TOKEN": "operator-token-5d1c", "RUN_SECRET": "s3cr3t-9a7e"}
+    done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
+                           "--state-dir", str(state_root), "--no-capture", "--secret", "github=env:RUN_SECRET",
+                           "--", PYTHON, str(script)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("TETHER_ADMIN_TOKEN", "TETHER_TOKEN", "RUN_SECRET"):
+        assert name not in seen["own"], name
+    for value in (harness.ADMIN_TOKEN, "operator-token-5d1c"):
+        assert value not in json.dumps(seen["own"]) and value not in seen["sidecar"]
+    assert "RUN_SECRET=s3cr3t-9a7e" in seen["sidecar"]  # the sidecar alone holds the secret it injects
+    assert seen["own"]["TETHER_CONTROLPLANE"] == world.cp.url  # what it needs to delegate is still there
+    assert "cooperative mode" in done.stderr  # and it was told what this mode does not govern
+
+
+def test_run_refuses_isolate_with_cooperative(tmp_path: Path) -> None:
+    done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", "c", "--key", "k", "--isolate", "--cooperative",
+                           "--", "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "contradict" in done.stderr and "tether.bad_request" in done.stderr
