@@ -226,7 +226,8 @@ def is_listen(flow: http.HTTPFlow) -> bool:
 
 
 class Streamer:
-    """SSE and large bodies flow through as they arrive; nothing is buffered whole."""
+    """SSE, large bodies and bodies of unknown length (chunked, or ended by EOF) flow through as they arrive;
+    nothing whose size is unknown or large is buffered whole."""
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         resp = flow.response
@@ -237,7 +238,8 @@ class Streamer:
         length = resp.headers.get("content-length")
         if ctype == mcp.SSE or (length is not None and length.isdigit() and int(length) > STREAM_THRESHOLD):
             resp.stream = True
-        elif length is None and "chunked" in resp.headers.get("transfer-encoding", ""):
+        elif length is None:
+            # Chunked, or delimited only by the connection closing: either may never end, so neither is held.
             resp.stream = True
 
 

@@ -190,6 +190,8 @@ class ToolServer:
 
         async def big(request: web.Request) -> web.StreamResponse:
             size = int(float(request.query.get("mb", "8")) * 1024 * 1024)
+            if request.query.get("framing") == "eof":
+                return await eof_delimited(request, size)
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             resp.content_length = size
             await resp.prepare(request)
@@ -200,6 +202,21 @@ class ToolServer:
                 await resp.write(chunk[:n])
                 sent += n
             return resp
+
+        async def eof_delimited(request: web.Request, size: int) -> web.StreamResponse:
+            """A body with neither Content-Length nor chunking, ended only by closing the connection (what
+            aiohttp never writes itself on HTTP/1.1): the bytes go straight to the transport, paced by its
+            flow control, until ``size`` or the client goes away."""
+            transport = request.transport
+            assert transport is not None
+            transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n")
+            chunk, sent = b"x" * 65536, 0
+            while sent < size and not transport.is_closing():
+                transport.write(chunk)
+                sent += len(chunk)
+                await request.writer.drain()
+            transport.close()
+            raise asyncio.CancelledError  # the answer is written; aiohttp must not add one
 
         async def reset(request: web.Request) -> web.Response:
             transport = request.transport

@@ -349,6 +349,34 @@ def test_a_64mb_body_arrives_intact_without_the_sidecar_buffering_it(shared: Wor
     assert all(r["resolution"] == "completed" and r["status"] == 200 for r in reports.values())
 
 
+def test_an_eof_delimited_body_streams_through_with_the_sidecar_memory_flat(shared: World) -> None:
+    """No Content-Length, not chunked, ended by closing the connection: the agent gets bytes while the tool is
+    still sending, and the sidecar holds a few chunks, not the body (it buffered it whole, growing without end,
+    and the agent got nothing until EOF)."""
+    w = shared
+    ident = w.cp.issue("eof-a", {"big.read": "direct"})
+    sc = w.sidecar(ident)
+    assert sc.proc is not None
+    pid = sc.proc.pid
+    assert len(requests.get(f"{w.tools.base}/big?mb=1&framing=eof", proxies=sc.proxies(), timeout=30).content) \
+        == 1024 * 1024
+    baseline = rss_kb(pid)
+    peak, received, wrong = baseline, 0, 0
+    # The tool would send 1 GiB; the agent reads 64 MiB and hangs up, long before the tool could have finished.
+    with requests.get(f"{w.tools.base}/big?mb=1024&framing=eof", proxies=sc.proxies(), stream=True,
+                      timeout=120) as resp:
+        assert resp.status_code == 200 and "content-length" not in resp.headers
+        for chunk in resp.iter_content(256 * 1024):
+            received += len(chunk)
+            wrong += len(chunk) - chunk.count(b"x")
+            peak = max(peak, rss_kb(pid))
+            if received >= 64 * 1024 * 1024:
+                break
+    assert received >= 64 * 1024 * 1024 and wrong == 0
+    growth_mb = (peak - baseline) / 1024
+    assert growth_mb < 32, f"sidecar RSS grew by {growth_mb:.1f} MB while relaying 64 MB of an EOF-delimited body"
+
+
 # -- captures -----------------------------------------------------------------------------------------------
 SECRETS = ("sk-SECRET-AUTH-7731", "SECRET-COOKIE-4410", "SECRET-PASSWORD-9921", "SECRET-TOKEN-1187")
 
