@@ -27,6 +27,8 @@ BUDGET_EXHAUSTED = "tether.budget_exhausted"
 RATE_LIMITED = "tether.rate_limited"
 # The call's start cannot be written ahead to the spool (a full disk): it is refused, never sent unrecorded.
 SPOOL_UNAVAILABLE = "tether.spool_unavailable"
+# The sidecar itself is stopping (SIGTERM, the end of `tether run`, a pod stop): it admits nothing new.
+STOPPING = "tether.stopping"
 
 # Codes of our own, for input that is not a call (catalog files, API requests, CLI arguments).
 CATALOG_INVALID = "tether.catalog_invalid"

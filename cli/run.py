@@ -155,7 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_command(isolation.wrap(command) if isolation is not None else command, env)
     finally:
         if sidecar is not None:
-            _stop(sidecar)
+            _stop(sidecar, args.stop_window)
         if isolation is not None:
             isolation.destroy()
 
@@ -262,12 +262,13 @@ def _relay_status(log_path: Path, offset: int) -> tuple[int, bool]:
     return offset + len(complete), bool(waiting)
 
 
-def _stop(sidecar: subprocess.Popen) -> None:
+def _stop(sidecar: subprocess.Popen, window_s: float) -> None:
+    """SIGTERM, then time for the sidecar's own stop: its window, the cut calls' last events, its reports."""
     if sidecar.poll() is not None:
         return
     sidecar.send_signal(signal.SIGTERM)
     try:
-        sidecar.wait(timeout=10)
+        sidecar.wait(timeout=window_s + 15)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             sidecar.kill()

@@ -92,6 +92,8 @@ SIDECAR_OPTIONS: tuple[Option, ...] = (
            action="store_true", default=False),
     Option("--call-timeout", "call_timeout", "abort a forwarded call after this many seconds", type=float,
            default=300.0, metavar="S"),
+    Option("--stop-window", "stop_window", "on SIGTERM, let calls that left finish this long before cutting them",
+           type=float, default=10.0, metavar="S"),
     Option("--trust", "trust", "pin the control plane's public key instead of fetching it", metavar="F.pub"),
     Option("--ready-file", "ready_file", "write the proxy address here (JSON) once serving", metavar="F"),
     Option("--secret", "secret", "a catalog credential's secret (OAuth2: the client secret); only the sidecar "
@@ -144,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         allow_uncaptured=args.allow_uncaptured,
         capture_path=Path(args.capture_file) if args.capture_file else None,
         call_timeout_s=args.call_timeout,
+        stop_window_s=args.stop_window,
         capture=not args.no_capture,
         secrets=load_secrets(args.secret or []),
         transparent_listen=parse_listen(args.transparent_listen, 15001) if args.transparent_listen else None,

@@ -31,6 +31,7 @@ HTTP_STATUS = {
     codes.CHAIN_EXPIRED: 403,
     codes.LEASE_EXPIRED: 503,
     codes.DRAINING: 503,
+    codes.STOPPING: 503,
     codes.TERMINATED: 503,
     codes.APPROVAL_DENIED: 403,
     codes.APPROVAL_TIMEOUT: 403,

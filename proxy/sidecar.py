@@ -68,6 +68,7 @@ class SidecarConfig:
     approval_timeout_s: float
     allow_uncaptured: bool
     call_timeout_s: float
+    stop_window_s: float  # on SIGTERM, how long calls that left may finish before they are cut
     capture_path: Path | None
     capture: bool
     secrets: dict[str, str]  # credential name -> secret (proxy/credentials.py)
@@ -246,12 +247,39 @@ class Sidecar:
         return self.config.state_dir / "ca" / "mitmproxy-ca-cert.pem"
 
     async def stop(self) -> None:
-        """Stop serving; resolve what is left, deliver reports and tell the control plane we are gone."""
+        """Stop serving: admit nothing more, let what left finish within the stop window, cut the rest, and
+        only then shut the proxy, deliver every report and tell the control plane we are gone.
+
+        The order is what keeps the record true: a call not yet forwarded meets the stopping state at the
+        Forwarder's last look and is refused by its own flow (it can never leave after that), so the only calls
+        this method resolves itself are ones no hook will ever finish."""
+        if self.state is not None:
+            self.state.stopping()
         self._cancel_held()
-        for call in list(self.calls.inflight.values()):
-            flow = self.flows.get(call.call_id)
-            if flow is not None and call.phase in ("forwarding", "forwarded"):
-                self.abort_flow(flow)
+        if self.master is not None:
+            deadline = time.monotonic() + self.config.stop_window_s
+            while self._leaving() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # let cancelled holds and not-yet-forwarded calls meet their refusal
+            cut = self._leaving()
+            if cut:
+                log.warning("stopping: cutting %d call(s) still in flight after the %.0fs stop window", len(cut),
+                            self.config.stop_window_s)
+            for call in cut:
+                flow = self.flows.get(call.call_id)
+                if flow is not None:
+                    self.abort_flow(flow)
+            limit = time.monotonic() + 5.0  # their final events resolve them (unknown), not this method
+            ids = {call.call_id for call in cut}
+            while ids & self.calls.inflight.keys() and time.monotonic() < limit:
+                await asyncio.sleep(0.05)
+            # Stop listening and close what is open while the addons still run: every call on a connection
+            # meets its end (and its report) before the last delivery, none after it.
+            proxyserver = self.master.addons.get("proxyserver")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proxyserver.servers.update([]), 5.0)
+            if self._close_connections():
+                await asyncio.sleep(0.2)  # their last hooks resolve (and report) the calls they carried
         if self.master is not None:
             self.master.shutdown()
         for task in self._tasks[1:]:
@@ -272,6 +300,16 @@ class Sidecar:
         self.capture.close()
         self._lock.close()
         self.stopped.set()
+
+    def _close_connections(self) -> int:
+        """Close every agent connection still open once the proxy stopped listening: a request on one would be
+        refused after the last report was delivered, and so be missing from the record. Returns how many."""
+        proxyserver = self.master.addons.get("proxyserver") if self.master is not None else None
+        handlers = list(getattr(proxyserver, "connections", {}).values())
+        for handler in handlers:
+            with contextlib.suppress(Exception):
+                handler.transports[handler.client].handler.cancel("tether: the sidecar stopped")
+        return len(handlers)
 
     async def goodbye(self) -> None:
         """Final reports, then a last heartbeat saying the proxy is gone: nothing more can pass through it."""

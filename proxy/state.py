@@ -24,6 +24,7 @@ from .decision import Refusal
 __all__ = ["Call", "CallTable", "Refusal", "SidecarState", "error_resolution"]  # Refusal: its old home, still read
 
 SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
+STOPPING = "stopping"  # the sidecar's own stop: not the control plane's decision, so not a termination
 
 
 class SidecarState:
@@ -75,6 +76,11 @@ class SidecarState:
     def quiesced(self) -> None:
         self.mode = TERMINATED
 
+    def stopping(self) -> None:
+        """The sidecar stops: admit nothing more (a termination under way keeps its own mode and refusal)."""
+        if self.mode == SERVING:
+            self.mode = STOPPING
+
     # -- the decision ---------------------------------------------------------------------------------
     def admit(self, now: float, now_mono: float) -> None:
         """Raise Refusal unless a call may be forwarded now."""
@@ -88,6 +94,8 @@ class SidecarState:
             return Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
         if self.mode in (DRAINING, ABORTING):
             return Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
+        if self.mode == STOPPING:
+            return Refusal(codes.STOPPING, "this agent's sidecar is stopping; no new calls are accepted")
         try:
             self.chain.check(now, self.revoked, self.verifier.leeway)
         except ChainError as exc:

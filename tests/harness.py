@@ -172,6 +172,8 @@ class ToolServer:
 
         async def issues(request: web.Request) -> web.Response:
             body = await request.json() if request.can_read_body else None
+            if "delay" in request.query:  # a call that is still in flight a while (stop and drain tests)
+                await asyncio.sleep(float(request.query["delay"]))
             return web.json_response({"repo": request.match_info["repo"], "method": request.method, "body": body,
                                       "authorization_seen": "Authorization" in request.headers})
 
