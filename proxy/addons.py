@@ -226,8 +226,8 @@ def is_listen(flow: http.HTTPFlow) -> bool:
 
 
 class Streamer:
-    """SSE, large bodies and bodies of unknown length (chunked, or ended by EOF) flow through as they arrive;
-    nothing whose size is unknown or large is buffered whole."""
+    """SSE, large bodies and bodies of unknown length (chunked, or ended by EOF) flow through as they arrive.
+    Only a flow marked ``no_stream`` (an MCP answer that lists items, filtered whole) is read before it passes."""
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         resp = flow.response
