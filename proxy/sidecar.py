@@ -257,22 +257,9 @@ class Sidecar:
             self.state.stopping()
         self._cancel_held()
         if self.master is not None:
-            deadline = time.monotonic() + self.config.stop_window_s
-            while self._leaving() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.05)  # let cancelled holds and not-yet-forwarded calls meet their refusal
-            cut = self._leaving()
-            if cut:
-                log.warning("stopping: cutting %d call(s) still in flight after the %.0fs stop window", len(cut),
-                            self.config.stop_window_s)
-            for call in cut:
-                flow = self.flows.get(call.call_id)
-                if flow is not None:
-                    self.abort_flow(flow)
-            limit = time.monotonic() + 5.0  # their final events resolve them (unknown), not this method
-            ids = {call.call_id for call in cut}
-            while ids & self.calls.inflight.keys() and time.monotonic() < limit:
-                await asyncio.sleep(0.05)
+            await self._drain_then_cut(self.config.stop_window_s, 5.0,
+                                       f"stopping: cutting %d call(s) still in flight after the "
+                                       f"{self.config.stop_window_s:.0f}s stop window")
             # Stop listening and close what is open while the addons still run: every call on a connection
             # meets its end (and its report) before the last delivery, none after it.
             proxyserver = self.master.addons.get("proxyserver")
@@ -560,26 +547,14 @@ class Sidecar:
         """Drain (wait for in-flight calls until the window ends) or abort, then report and acknowledge."""
         # Only calls that left for the upstream are waited for: a call that arrives now is refused at once, and
         # an agent that keeps calling must not hold the drain (or the acknowledgement) to its full length.
+        window_s = 0.0
         if self.state.mode == DRAINING:
             deadline = min(float(command.get("deadline", time.time())),
                            time.time() + float(command.get("window_s", 0)))
-            self._cancel_held()
-            while self._leaving() and time.time() < deadline:
-                await asyncio.sleep(0.05)
-        self._cancel_held()
-        await asyncio.sleep(0.05)  # let cancelled holds and not-yet-forwarded calls meet their refusal
-        leaving = self._leaving()
-        if leaving:
-            log.warning("aborting %d call(s) still in flight", len(leaving))
-            for call in leaving:
-                flow = self.flows.get(call.call_id)
-                if flow is not None:
-                    self.abort_flow(flow)
+            window_s = max(0.0, deadline - time.time())
         # Wait for the cut calls' final events, but leave the control plane's grace for the reports.
-        limit = time.monotonic() + min(5.0, float(command.get("grace_s", 10.0)) / 2)
-        cut = {call.call_id for call in leaving}
-        while cut & self.calls.inflight.keys() and time.monotonic() < limit:
-            await asyncio.sleep(0.05)
+        await self._drain_then_cut(window_s, min(5.0, float(command.get("grace_s", 10.0)) / 2),
+                                   "aborting %d call(s) still in flight")
         for call in list(self.calls.inflight.values()):  # no hook came back: say only what we know
             left = call.phase in ("forwarding", "forwarded")
             self.resolve(call, "unknown" if left else "cancelled_not_sent",
@@ -591,6 +566,28 @@ class Sidecar:
         for tid in sorted(self._commanded_ids - self._acked):
             self._acking.add(tid)
             await self.acknowledge({**command, "termination_id": tid})
+
+    async def _drain_then_cut(self, window_s: float, settle_s: float, message: str) -> None:
+        """Cancel holds, wait up to ``window_s`` for the calls that left, then cut those still in flight and wait
+        up to ``settle_s`` for their final events: their own hooks resolve them (``unknown``), not the caller.
+        Shared by a termination's drain or abort and the sidecar's own stop. ``message`` logs the cut (%d)."""
+        self._cancel_held()
+        deadline = time.monotonic() + window_s
+        while self._leaving() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._cancel_held()
+        await asyncio.sleep(0.05)  # let cancelled holds and not-yet-forwarded calls meet their refusal
+        cut = self._leaving()
+        if cut:
+            log.warning(message, len(cut))
+        for call in cut:
+            flow = self.flows.get(call.call_id)
+            if flow is not None:
+                self.abort_flow(flow)
+        limit = time.monotonic() + settle_s
+        ids = {call.call_id for call in cut}
+        while ids & self.calls.inflight.keys() and time.monotonic() < limit:
+            await asyncio.sleep(0.05)
 
     def _leaving(self) -> list[Call]:
         """Calls in flight that were forwarded (or are being): the ones a drain waits for and an abort cuts."""
