@@ -42,7 +42,7 @@ from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 from .telemetry import call_tracing
-from .transparent import Transparent, serve_dns
+from .transparent import Transparent, serve_dns, serve_enclosure
 
 log = logging.getLogger("tether.sidecar")
 # Reports per request when an acknowledgement delivers what was pending (sent compressed): on a slow link each
@@ -74,6 +74,7 @@ class SidecarConfig:
     secrets: dict[str, str]  # credential name -> secret (proxy/credentials.py)
     transparent_listen: tuple[str, int] | None  # also intercept redirected connections here
     dns_listen: tuple[str, int] | None  # answer DNS here with the transparent address (--isolate)
+    enclosure_fds: tuple[int, int] | None = None  # tether run's enclosure: its listener and resolver sockets
     startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
 
 
@@ -139,6 +140,7 @@ class Sidecar:
         self._acking: set[str] = set()
         self.stopped = asyncio.Event()
         self._dns: asyncio.DatagramTransport | None = None
+        self._enclosure: tuple[asyncio.Server, asyncio.DatagramTransport] | None = None
 
     # -- start-up ---------------------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -223,6 +225,10 @@ class Sidecar:
                               f"{'; '.join(errors) or 'unknown error'}", code=codes.LISTEN_FAILED)
         host, port = addrs[0][:2]
         self.address = (host, port)
+        if self.config.enclosure_fds is not None:
+            from .rootless import DNS_ANSWER
+
+            self._enclosure = await serve_enclosure(proxyserver, *self.config.enclosure_fds, DNS_ANSWER)
         await self.heartbeat_once()  # starting may have been slow: begin serving on a fresh lease
         for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop, self.budgets.run):
             self._tasks.append(asyncio.create_task(job()))
@@ -265,6 +271,8 @@ class Sidecar:
             proxyserver = self.master.addons.get("proxyserver")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proxyserver.servers.update([]), 5.0)
+            if self._enclosure is not None:
+                self._enclosure[0].close()
             if self._close_connections():
                 await asyncio.sleep(0.2)  # their last hooks resolve (and report) the calls they carried
         if self.master is not None:
@@ -284,6 +292,8 @@ class Sidecar:
         await self.credentials.close()
         if self._dns is not None:
             self._dns.close()
+        if self._enclosure is not None:
+            self._enclosure[1].close()
         self.capture.close()
         self._lock.close()
         self.stopped.set()

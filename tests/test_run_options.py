@@ -145,7 +145,7 @@ def test_run_keeps_tethers_tokens_and_secrets_from_the_command_and_its_sidecar(w
     env = {**world.cp.env(), "TETHER_TOKEN": "operator-token-5d1c", "RUN_SECRET": "s3cr3t-9a7e"}
     done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
                            "--state-dir", str(state_root), "--no-capture", "--secret", "github=env:RUN_SECRET",
-                           "--", PYTHON, str(script)],
+                           "--cooperative", "--", PYTHON, str(script)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
