@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -182,21 +182,32 @@ def status(text: str) -> None:
     print(f"tether: {text}", file=sys.stderr, flush=True)
 
 
-async def prepare(sidecar: Sidecar, url: str) -> None:
-    """Start-up, retried for as long as the control plane cannot be reached, with a status line each attempt."""
+async def keep_trying(step: Callable[[], Awaitable[None]], url: str) -> None:
+    """A start-up step, retried for as long as the control plane cannot be reached (down, or too slow to
+    answer), with a status line every few seconds; any other error is bad input, the caller's to report."""
     from capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
+    from proxy.channel import sleep_backoff
 
-    started = time.monotonic()
+    started = said = time.monotonic()
+    attempt = 0
     while True:
         try:
-            await sidecar.prepare()
+            await step()
             return
         except ApiError as exc:
             if exc.code != CONTROLPLANE_UNREACHABLE:
                 raise
-            # (the first failure's details were logged as it happened, within the first second)
-            status(f"waiting for the control plane at {url}: unreachable for {time.monotonic() - started:.0f}s, "
-                   "still trying (Ctrl-C to give up)")
+            attempt += 1
+            if attempt == 1 or time.monotonic() - said >= STATUS_EVERY_S:
+                said = time.monotonic()
+                status(f"waiting for the control plane at {url}: unreachable for {said - started:.0f}s "
+                       f"({exc.message}), still trying (Ctrl-C to give up)")
+            await sleep_backoff(attempt)
+
+
+async def prepare(sidecar: Sidecar, url: str) -> None:
+    """Start-up up to the proxy: trust, catalog, chain, registration, first lease (each kept trying)."""
+    await keep_trying(sidecar.prepare, url)
 
 
 async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
@@ -217,6 +228,7 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
         raise
     try:
         host, port = await sidecar.start_proxy()
+        await keep_trying(sidecar.begin, config.controlplane)
     except BaseException:
         await sidecar.stop()  # registered and leased: say goodbye, so no run is left looking alive
         raise

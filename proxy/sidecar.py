@@ -184,6 +184,8 @@ class Sidecar:
         if self.retired:
             return
         self.state = SidecarState(verified, verifier, lease_ttl_s=15.0, wire=self.wire)
+        if self.budgets.on_resolved in self.resolved:  # an attempt before this one got this far
+            self.resolved.remove(self.budgets.on_resolved)
         self.budgets = Budgets(verified, self.channel)
         self.resolved.append(self.budgets.on_resolved)
         self.state.registered = True
@@ -229,11 +231,19 @@ class Sidecar:
             from .rootless import DNS_ANSWER
 
             self._enclosure = await serve_enclosure(proxyserver, *self.config.enclosure_fds, DNS_ANSWER)
-        await self.heartbeat_once()  # starting may have been slow: begin serving on a fresh lease
-        for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop, self.budgets.run):
-            self._tasks.append(asyncio.create_task(job()))
         log.info("sidecar for %s listening on %s:%d", self.agent, host, port)
         return host, port
+
+    async def begin(self) -> None:
+        """Serve on a fresh lease (starting may have been slow), then run the loops that keep it. Until the
+        heartbeat is answered the lease taken at registration may lapse, and then every call is refused
+        (``tether.lease_expired``): nothing is forwarded on a lease the control plane has not renewed. Raises
+        ``tether.controlplane_unreachable`` like the start-up steps before it, for the caller to retry."""
+        await self.heartbeat_once()
+        if len(self._tasks) == 1:
+            for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop,
+                        self.budgets.run):
+                self._tasks.append(asyncio.create_task(job()))
 
     def addons(self) -> list[Any]:
         """tether's addons in pipeline order, each given only what it uses (proxy/addons.py, proxy/enforce.py)."""

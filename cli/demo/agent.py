@@ -48,7 +48,7 @@ def call(method: str, path: str, body: Any = None) -> tuple[int, str | None, Any
 
 
 def spawn(agent: str, caps: list[str], role: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "cli", "run", "--parent-chain", os.environ["TETHER_CHAIN"],
+    args = [sys.executable, "-m", "cli", "run", "--cooperative", "--parent-chain", os.environ["TETHER_CHAIN"],
             "--parent-key", os.environ["TETHER_KEY"], "--agent", agent, "--state-dir",
             os.environ.get("TETHER_STATE_DIR", ".tether")]
     for cap in caps:
