@@ -26,6 +26,7 @@ from typing import Any
 
 from capability.errors import BAD_REQUEST, TetherError
 
+from .delegation import DELEGATE_VARIABLE
 from .grant import CAP_METAVAR
 from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 from .sidecar import SIDECAR_OPTIONS, default_state_root
@@ -109,6 +110,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise TetherError("give the command after --, e.g. tether run --chain c --key k -- python agent.py",
                           code=BAD_REQUEST)
+    delegate = os.environ.get(DELEGATE_VARIABLE)
+    if delegate and args.parent_chain and not args.parent_key:  # a sub-agent of an enforced command
+        from .delegation import requested, run_stub
+        from .main import build_parser
+
+        return run_stub(delegate, requested(args, build_parser().parse_args(["run", "--", "true"])), command)
     if args.cooperative and (args.isolate or args.user):
         raise TetherError("--cooperative contradicts --isolate and --user (which enforce): give one",
                           code=BAD_REQUEST)
@@ -139,7 +146,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ready = Path(args.ready_file) if args.ready_file else state_dir / "sidecar.ready"
     ready.unlink(missing_ok=True)
     log_path = state_dir / "sidecar.log"
-    sidecar = None
+    sidecar = delegation = None
     try:
         if isolation is not None:
             isolation.check_unreadable([Path(key_path), *(Path(s.ref) for s in secrets if s.kind == "file")])
@@ -162,6 +169,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         if isolation is None and enclosure is None:  # an isolated command cannot read the key
             env["TETHER_KEY"] = os.path.abspath(key_path)
         if enclosure is not None:
+            from .delegation import DelegationServer
+
+            chain_copy = enclosure.workdir / "chain"  # the chain is no secret: the command may read and show it
+            chain_copy.write_text(Path(chain_path).read_text())
+            delegation = DelegationServer(enclosure.workdir / "delegate.sock",
+                                          controlplane=args.controlplane or DEFAULT_CONTROLPLANE,
+                                          parent_chain=os.path.abspath(chain_path),
+                                          parent_key=os.path.abspath(key_path), state_root=os.path.abspath(state_root))
+            env.update({"TETHER_CHAIN": str(chain_copy), DELEGATE_VARIABLE: str(delegation.path)})
             print(f"tether: {agent} runs enforced: its only way out is its sidecar (log {log_path})",
                   file=sys.stderr, flush=True)
             _enclose(enclosure, command, env, info, secrets,
@@ -174,6 +190,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(COOPERATIVE_WARNING, file=sys.stderr, flush=True)
         return _run_command(isolation.wrap(command) if isolation is not None else command, env)
     finally:
+        if delegation is not None:
+            delegation.close()  # its children first: each stops its own sidecar
         if enclosure is not None:
             if enclosure.process.poll() is None:
                 enclosure.process.terminate()  # the command first: its calls are the sidecar's to finish

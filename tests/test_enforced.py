@@ -354,3 +354,62 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     assert 1 in out["pids"] and len(out["pids"]) < 20  # its own PID namespace: the sidecar is not in sight
     if user is not None:
         assert out["uid"] == user.pw_uid
+
+
+DELEGATING_AGENT = r'''
+import json, os, subprocess, sys
+cfg = json.loads(sys.argv[1])
+child = ("import sys, urllib.request, urllib.error\n"
+         "def get(u):\n"
+         "    try:\n"
+         "        return urllib.request.urlopen(u, timeout=10).status\n"
+         "    except urllib.error.HTTPError as e:\n"
+         "        return f'{e.code} {e.headers.get(\"Tether-Error\")}'\n"
+         f"print('CHILD', get('http://127.0.0.1:{cfg['granted'][0]}/x'), '|', get('https://localhost:{cfg['granted'][1]}/x'))\n"
+         "sys.exit(3)\n")
+run = [sys.executable, "-m", "cli", "run", "--parent-chain", os.environ["TETHER_CHAIN"]]
+out = {"key": "TETHER_KEY" in os.environ}
+done = subprocess.run([*run, "--agent", "enforced.child", "--cap", "granted.http=direct", "--", sys.executable, "-c",
+                       child], capture_output=True, text=True, timeout=120)
+out["child"] = [done.returncode, [l for l in done.stdout.splitlines() if l.startswith("CHILD")], done.stderr[-600:]]
+wider = subprocess.run([*run, "--agent", "enforced.wider", "--cap", "other.cap=direct", "--", "true"],
+                       capture_output=True, text=True, timeout=120)
+out["wider"] = [wider.returncode, wider.stderr[-400:]]
+secret = subprocess.run([*run, "--agent", "enforced.secret", "--cap", "granted.http=direct", "--secret",
+                         f"x=file:{cfg['key']}", "--", "true"], capture_output=True, text=True, timeout=120)
+out["secret"] = [secret.returncode, secret.stderr[-400:]]
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_an_enforced_command_delegates_to_sub_agents_through_its_tether_run(enforced_world: dict[str, Any]) -> None:
+    """It holds no key, yet spawns a sub-agent under ``tether run --parent-chain "$TETHER_CHAIN"``: the enclosing
+    run mints the narrower link and runs the child enforced; the child may not widen, nor set a secret."""
+    w = enforced_world
+    home: Path = w["home"]
+    (home / "delegating.py").write_text(DELEGATING_AGENT)
+    if w["user"] is not None:
+        os.chown(home / "delegating.py", w["user"].pw_uid, w["user"].pw_gid)
+    cfg = {"granted": [s.port for s in w["servers"]["granted"]], "key": str(home / "key")}
+    env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
+           "LANG": "C.UTF-8"}
+    command = [PYTHON, "-m", "cli", "run", "--controlplane", w["cp"].url, "--chain", str(home / "chain"), "--key",
+               str(home / "key"), "--state-dir", str(home / "state"), "--upstream-ca", str(home / "upstream-ca.pem"),
+               "--", PYTHON, str(home / "delegating.py"), json.dumps(cfg)]
+    if w["user"] is not None:
+        command = ["setpriv", f"--reuid={w['user'].pw_uid}", f"--regid={w['user'].pw_gid}", "--clear-groups", *command]
+    done = subprocess.run(command, cwd=home, env=env, capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert out["key"] is False
+    code, printed, stderr = out["child"]
+    assert code == 3, out["child"]  # the child's own exit status, relayed
+    assert printed == ["CHILD 200 | 403 tether.capability_absent"], out["child"]  # its grant, not its parent's
+    assert "enforced.child runs enforced" in stderr
+    assert out["wider"][0] == 2 and "other.cap" in out["wider"][1], out["wider"]
+    assert out["secret"][0] == 2 and "--secret" in out["secret"][1] and "tether.bad_request" in out["secret"][1]
+    agents = w["cp"].client().request("GET", "/v1/agents")["agents"]
+    child = next(a for a in agents if a["agent"] == "enforced.child")
+    assert child["issuer"] == "enforced.agent" and child["caps"] == {"granted.http": "direct"}
+    assert not [a for a in agents if a["agent"] in ("enforced.wider", "enforced.secret")]
