@@ -1,6 +1,6 @@
 """The demo's agent: an ordinary script that knows nothing of tether's proxy.
 
-It calls its tools with urllib and the MCP SDK, which pick up HTTP_PROXY like any program, and it
+It calls its tools with urllib and the MCP SDK (under ``tether run`` its only way out is its sidecar), and it
 spawns its sub-agents the way an agent framework would: each under ``tether run`` with a narrower
 grant delegated from its own chain (``TETHER_CHAIN``, set by ``tether run``; enforced, the enclosing ``tether
 run`` delegates for it, cooperative it gives ``TETHER_KEY`` too).
