@@ -212,7 +212,8 @@ def _enclose(enclosure: Any, command: list[str], env: dict[str, str], info: dict
 
     ca_pem = Path(info["ca"]).read_bytes()
     path_dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d]
-    mounts = [*trust_mounts(ca_pem, enclosure.workdir, path_dirs), *resolver_mount(enclosure.workdir),
+    mounts = [*trust_mounts(ca_pem, enclosure.workdir, path_dirs, Path(info["state_dir"])),
+              *resolver_mount(enclosure.workdir),
               *cover_mounts([*covered, *(Path(s.ref) for s in secrets if s.kind == "file")], enclosure.workdir)]
     enclosure.start(Plan(command, env, os.getcwd(), mounts))
 

@@ -60,6 +60,7 @@ TRUST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bund
                "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem", "/etc/ssl/ca-bundle.pem", "/etc/ssl/cert.pem",
                "/usr/lib/ssl/cert.pem", "/etc/pki/tls/cert.pem")
 TRUST_DIRS = ("/etc/ssl/certs", "/etc/pki/tls/certs", "/usr/lib/ssl/certs")
+JAVA_STORES = ("/etc/ssl/certs/java/cacerts", "/etc/pki/ca-trust/extracted/java/cacerts")
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -108,25 +109,19 @@ def network_commands(iptables: str, ip6tables: str | None) -> list[list[str]]:
     return commands
 
 
-def trust_mounts(ca_pem: bytes, workdir: Path, path_dirs: list[str]) -> list[Mount]:
+def trust_mounts(ca_pem: bytes, workdir: Path, path_dirs: list[str], cache: Path | None = None) -> list[Mount]:
     """Copies of the system's trust stores with tether's CA added, written under ``workdir``, as mounts over the
     originals: bundle files, certificate directories (with the CA under its subject hash where ``openssl`` can
-    compute it), and certifi's bundles in the Pythons on PATH."""
+    compute it), Java's ``cacerts`` (a PKCS#12 trust store, which Java reads wherever it expects JKS), and
+    certifi's bundles in the Pythons on PATH."""
     out = workdir / "trust"
     out.mkdir(mode=0o755)
+    truststore = _java_truststore(ca_pem, cache) if any(os.path.isfile(j) for j in JAVA_STORES) else b""
     mounts: list[Mount] = []
     covered: list[str] = []
     for i, name in enumerate(dict.fromkeys(os.path.realpath(d) for d in TRUST_DIRS if os.path.isdir(d))):
         copy = out / f"dir{i}"
-        copy.mkdir(mode=0o755)
-        for entry in os.scandir(name):
-            real = os.path.realpath(entry.path)
-            if os.path.dirname(real) == name or not os.path.exists(real):  # a file of this very directory
-                if os.path.isfile(real):
-                    data = Path(real).read_bytes()
-                    (copy / entry.name).write_bytes(_with_ca(data, ca_pem) if _is_bundle(data) else data)
-            else:
-                (copy / entry.name).symlink_to(real)
+        _copy_tree(Path(name), copy, ca_pem, truststore)
         (copy / "tether-ca.pem").write_bytes(ca_pem)
         digest = _subject_hash(copy / "tether-ca.pem")
         if digest:
@@ -136,17 +131,63 @@ def trust_mounts(ca_pem: bytes, workdir: Path, path_dirs: list[str]) -> list[Mou
                     break
         mounts.append(Mount(str(copy), name, True))
         covered.append(name + os.sep)
-    files = [os.path.realpath(f) for f in TRUST_FILES if os.path.isfile(f)]
+    files = [os.path.realpath(f) for f in (*TRUST_FILES, *JAVA_STORES) if os.path.isfile(f)]
     files += sorted({os.path.realpath(p) for d in path_dirs
                      for p in glob.glob(os.path.join(d, "..", "lib", "python3*", "site-packages", "certifi",
                                                      "cacert.pem"))})
     for i, name in enumerate(dict.fromkeys(files)):
         if any(name.startswith(c) for c in covered):
-            continue  # its directory's copy already holds the bundle with the CA
-        copy = out / f"bundle{i}.pem"
-        copy.write_bytes(_with_ca(Path(name).read_bytes(), ca_pem))
+            continue  # its directory's copy already holds the store with the CA
+        copy = out / f"store{i}"
+        copy.write_bytes(truststore if name in JAVA_STORES else _with_ca(Path(name).read_bytes(), ca_pem))
         mounts.append(Mount(str(copy), name, False))
     return mounts
+
+
+def _copy_tree(source: Path, copy: Path, ca_pem: bytes, truststore: bytes) -> None:
+    """``source`` as a new directory: what lies elsewhere linked, what lies in it copied (its bundles and Java
+    stores with the CA added), so that the copy mounted over ``source`` never links into itself."""
+    copy.mkdir(mode=0o755)
+    for entry in os.scandir(source):
+        real = os.path.realpath(entry.path)
+        if not os.path.exists(real):
+            continue  # a dangling link: nothing to trust there
+        if not (real + os.sep).startswith(str(source) + os.sep):
+            (copy / entry.name).symlink_to(real)
+        elif os.path.isdir(real):
+            _copy_tree(Path(real), copy / entry.name, ca_pem, truststore)
+        elif real in JAVA_STORES:
+            (copy / entry.name).write_bytes(truststore)
+        else:
+            data = Path(real).read_bytes()
+            (copy / entry.name).write_bytes(_with_ca(data, ca_pem) if _is_bundle(data) else data)
+
+
+def _java_truststore(ca_pem: bytes, cache: Path | None) -> bytes:
+    """The system's roots and the CA as a password-less PKCS#12 trust store (Java 9+ reads it as ``cacerts``),
+    kept in ``cache`` by content (making one takes a moment)."""
+    import hashlib
+    import warnings
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import NoEncryption, pkcs12
+
+    system = next((Path(f).read_bytes() for f in TRUST_FILES if os.path.isfile(f)), b"")
+    pems = _with_ca(system, ca_pem)
+    kept = cache / f"java-{hashlib.sha256(pems).hexdigest()[:32]}.p12" if cache is not None else None
+    if kept is not None and kept.exists():
+        return kept.read_bytes()
+    certs = []
+    for block in pems.split(b"-----END CERTIFICATE-----")[:-1]:
+        with warnings.catch_warnings(), contextlib.suppress(ValueError):
+            warnings.simplefilter("ignore")  # a root with a non-positive serial is still the system's to trust
+            certs.append(x509.load_pem_x509_certificate(block + b"-----END CERTIFICATE-----\n"))
+    store = pkcs12.serialize_java_truststore(
+        [pkcs12.PKCS12Certificate(c, f"cert{i}".encode()) for i, c in enumerate(certs)], NoEncryption())
+    if kept is not None:
+        kept.parent.mkdir(mode=0o700, exist_ok=True)
+        kept.write_bytes(store)
+    return store
 
 
 def bundle_path(workdir: Path, ca_pem: bytes) -> Path:

@@ -102,6 +102,12 @@ def node(url):
     env = {**os.environ, "NODE_EXTRA_CA_CERTS": node_ca}  # Node trusts its own bundled roots, not the system's
     return subprocess.run(["node", "-e", js, url], capture_output=True, text=True, timeout=30, env=env).stdout.strip()
 
+def java(url):
+    if not cfg["java"]:
+        return "skipped: no java"
+    done = subprocess.run(["java", cfg["java"], url], capture_output=True, text=True, timeout=90)
+    return done.stdout.strip() or f"error {done.stderr.strip()[-200:]}"
+
 async def stdio_fetch(urls):
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
@@ -132,6 +138,7 @@ for dest, ports in (("granted", cfg["granted"]), ("ungranted", cfg["other"])):
         out[f"aiohttp {dest} {scheme}"] = asyncio.run(aiohttp_get(url))
         out[f"curl {dest} {scheme}"] = curl(url)
         out[f"node {dest} {scheme}"] = node(url)
+    out[f"java {dest} https"] = java(f"https://localhost:{ports[1]}/x")  # its trust store is cacerts, not PEM
     out[f"raw {dest}"] = raw(ports[0])
 out["stdio"] = asyncio.run(stdio_fetch([f"https://localhost:{cfg['granted'][1]}/x",
                                         f"https://localhost:{cfg['other'][1]}/x"]))
@@ -156,6 +163,26 @@ out["uid"] = os.getuid()
 out["iptables"] = subprocess.run(["iptables", "-w", "-t", "nat", "-F"], capture_output=True).returncode
 out["umount"] = subprocess.run(["umount", cfg["key"]], capture_output=True).returncode
 print("RESULT " + json.dumps(out), flush=True)
+'''
+
+JAVA_CLIENT = r'''
+import java.net.URI;
+import java.net.http.*;
+
+public class Get {
+    public static void main(String[] args) throws Exception {
+        HttpClient client = HttpClient.newBuilder().proxy(HttpClient.Builder.NO_PROXY).build();
+        try {
+            HttpResponse<String> r = client.send(HttpRequest.newBuilder(URI.create(args[0])).build(),
+                                                 HttpResponse.BodyHandlers.ofString());
+            String body = r.body();
+            System.out.println(r.statusCode() + " " + r.headers().firstValue("tether-error")
+                .orElse(body.substring(0, Math.min(40, body.length()))));
+        } catch (Exception e) {
+            System.out.println("error " + e.getClass().getSimpleName());
+        }
+    }
+}
 '''
 
 STDIO_SERVER = r'''
@@ -285,6 +312,7 @@ capabilities:
     (home / "secret").write_text("file-secret-4b1d9e\n")
     (home / "agent.py").write_text(AGENT)
     (home / "stdio_server.py").write_text(STDIO_SERVER)
+    (home / "Get.java").write_text(JAVA_CLIENT)
     shutil.copyfile(test_ca.ca_pem, home / "upstream-ca.pem")
     for path in [home, *home.rglob("*")]:
         if user is not None:
@@ -311,7 +339,8 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     servers = w["servers"]
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "mcp": f"http://127.0.0.1:{w['mcp'].port}/mcp", "stdio_server": str(home / "stdio_server.py"),
-           "home": str(home), "key": str(home / "key")}
+           "home": str(home), "key": str(home / "key"),
+           "java": str(home / "Get.java") if shutil.which("java") else None}
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8", "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_TOKEN": "operator-token-77c2",
            "RUN_SECRET": "env-secret-0e5a"}
@@ -334,6 +363,9 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
         for scheme in ("http", "https"):
             assert out[f"{client} ungranted {scheme}"] == "403 tether.unknown_destination", (client, scheme, out)
     assert out["raw granted"] == "200 granted" and out["raw ungranted"] == "403 tether.unknown_destination"
+    if cfg["java"]:  # Java verifies with its own trust store (cacerts), which shows the CA too
+        assert out["java granted https"] == "200 granted-tls", out
+        assert out["java ungranted https"] == "403 tether.unknown_destination", out
     assert out["stdio"] == ["200 granted-tls", "403 tether.unknown_destination"], out["stdio"]
     assert out["guarded mcp"]["listed"] == ["add"] and out["guarded mcp"]["add"] == "5", out["guarded mcp"]
     assert out["guarded mcp"]["delete_everything"].startswith("error"), out["guarded mcp"]
