@@ -575,6 +575,7 @@ class Sidecar:
         # Wait for the cut calls' final events, but leave the control plane's grace for the reports.
         await self._drain_then_cut(window_s, min(5.0, float(command.get("grace_s", 10.0)) / 2),
                                    "aborting %d call(s) still in flight")
+        await self._settle_arrivals(1.0)
         for call in list(self.calls.inflight.values()):  # no hook came back: say only what we know
             left = call.phase in ("forwarding", "forwarded")
             self.resolve(call, "unknown" if left else "cancelled_not_sent",
@@ -608,6 +609,16 @@ class Sidecar:
         ids = {call.call_id for call in cut}
         while ids & self.calls.inflight.keys() and time.monotonic() < limit:
             await asyncio.sleep(0.05)
+
+    async def _settle_arrivals(self, limit_s: float) -> None:
+        """Give calls that arrived but never left a moment to meet their refusal in their own flow (nothing is
+        forwarded now), so the record says what their clients saw, not a guess; what is left after ``limit_s``
+        is for the caller's sweep."""
+        limit = time.monotonic() + limit_s
+        while time.monotonic() < limit and any(
+                c.phase not in ("forwarding", "forwarded") and c.call_id in self.flows
+                for c in self.calls.inflight.values()):
+            await asyncio.sleep(0.02)
 
     def _leaving(self) -> list[Call]:
         """Calls in flight that were forwarded (or are being): the ones a drain waits for and an abort cuts."""
