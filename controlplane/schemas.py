@@ -149,7 +149,14 @@ APPROVE_REQUEST = obj({"call_hash": nullable({"type": "string", "maxLength": 200
 SIGN_IN_REQUEST = obj({"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, "token")
 
 # -- documents ----------------------------------------------------------------------------------------------
-HEALTH = obj({"status": {"enum": ["ok", "unhealthy"]}, "store": STR, "replica": STR, "catalog": STR},
+HEALTH = obj({"status": {"enum": ["ok", "unhealthy"]},
+              "store": {"enum": ["ok", "unreachable", "unwritable"],
+                        "description": "unwritable: it answers but refuses writes (a full disk, a read-only file "
+                                       "system, Redis out of memory or refusing writes)"},
+              "code": {"enum": ["tether.store_unavailable", "tether.store_unwritable"],
+                       "description": "when unhealthy: the code the API's writes answer with meanwhile"},
+              "reason": {"type": "string", "description": "when unhealthy: why, in the store's own words"},
+              "replica": STR, "catalog": STR},
              "status", "store", "replica", "catalog")
 GRANT = obj({"agent": STR, "jti": STR, "link": STR, "chain": STRINGS}, "agent", "jti", "link", "chain")
 REVOCATION = obj({"jti": STR, "agent": STR, "by": STR, "at": NUM, "reason": nullable(STR),
