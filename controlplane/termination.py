@@ -336,25 +336,28 @@ def held_as_reported(log: Sequence[Doc]) -> dict[str, str]:
 def ownership(termination_id: str, log: Sequence[Doc], reports: Iterable[Doc], calls: Iterable[Doc],
               terminated: Iterable[Doc], owner: Mapping[str, str] | None = None) -> Doc:
     """What a new record says of the other terminations' records: ``calls_held_by`` (calls of its agents it
-    leaves out because an earlier record holds them as reported: each such record, with its termination and
-    how many) and ``accounts_for`` (earlier records of other terminations that listed as unaccounted an agent
-    it confirms, or as ``unknown`` a call it reports: each with those agents and call ids). Empty lists are
-    left out, so a record of a termination that overlaps nothing reads as it always did. ``owner``:
-    ``held_as_reported(log)``, when the caller has it already."""
+    leaves out because an earlier record of another termination holds them as reported: each such record,
+    with its termination and how many) and ``accounts_for`` (earlier records of other terminations that listed
+    as unaccounted an agent it confirms, or as ``unknown`` a call it reports: each with those agents and call
+    ids). An agent counts only through the same sidecar run (an id re-granted since is another agent's run).
+    Empty lists are left out, so a record of a termination that overlaps nothing reads as it always did.
+    ``owner``: ``held_as_reported(log)``, when the caller has it already."""
     owner = held_as_reported(log) if owner is None else owner
     position = {r["record_id"]: i for i, r in enumerate(log)}
     held: dict[str, int] = {}
     for report in reports:
-        if report["call_id"] in owner:
-            held[owner[report["call_id"]]] = held.get(owner[report["call_id"]], 0) + 1
+        rid = owner.get(report["call_id"])
+        if rid is not None and log[position[rid]].get("termination_id") != termination_id:  # own: ``amends``
+            held[rid] = held.get(rid, 0) + 1
     mine = {c["call_id"] for c in calls if c.get("reported", True)}
-    confirmed = {e["agent"] if isinstance(e, dict) else e for e in terminated}
+    confirmed_runs = {(e["agent"], run) for e in terminated for run in e.get("runs", ())}
     accounts: list[Doc] = []
     for record in log:
         if record.get("termination_id") == termination_id:
             continue  # this termination's own earlier records: an addendum ``amends`` them
         unknown = sorted({c["call_id"] for c in record.get("calls", ()) if c.get("reported", True) is False} & mine)
-        agents = sorted({u["agent"] for u in record.get("agents_unaccounted", ())} & confirmed)
+        agents = sorted({u["agent"] for u in record.get("agents_unaccounted", ())
+                         if any((u["agent"], r.get("run_id")) in confirmed_runs for r in u.get("runs", ()))})
         if unknown or agents:
             accounts.append({"record_id": record["record_id"], "termination_id": record.get("termination_id"),
                              "agents": agents, "call_ids": unknown})
