@@ -102,6 +102,25 @@ def test_write_health_is_the_newest_outcome_and_probes_are_spaced() -> None:
     assert health.succeeded(5.0) is True and health.writable
 
 
+def test_redis_write_refusals_are_told_from_other_errors() -> None:
+    """What Redis answers when it refuses a write, as redis-py raises it (MISCONF needs a failing background
+    save, which a test cannot cause without touching Redis's protected configs: its words are checked here)."""
+    from redis import exceptions as rex
+
+    from controlplane.store.redis import _write_refusal
+
+    refusals = [rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+                rex.ReadOnlyError("You can't write against a read only replica."),
+                rex.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to "
+                                  "persist to disk."),
+                rex.ResponseError("NOREPLICAS Not enough good replicas to write.")]
+    assert all(_write_refusal(exc) for exc in refusals)
+    others = [rex.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+              rex.ResponseError("ERR Error running script: user_script:3: attempt to compare nil with number"),
+              rex.NoScriptError("No matching script.")]
+    assert not any(_write_refusal(exc) for exc in others)
+
+
 # -- the stores themselves ------------------------------------------------------------------------------------
 def _report(n: int) -> dict[str, Any]:
     return {"call_id": f"c{n:04d}", "agent": "a", "capability": "issues.read", "method": "GET",
