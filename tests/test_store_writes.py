@@ -19,7 +19,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,8 @@ def _report(n: int) -> dict[str, Any]:
 
 
 async def _refused_then_recovered(store: Store, break_writes: Callable[[], None], fix_writes: Callable[[], None],
-                                  expect_in_reason: str) -> None:
+                                  expect_in_reason: str,
+                                  meanwhile: Callable[[], Awaitable[None]] | None = None) -> None:
     assert (await store.put_reports([_report(n) for n in range(20)]))[0] == 20
     assert (await store.write_status()).writable
     break_writes()
@@ -144,6 +145,8 @@ async def _refused_then_recovered(store: Store, break_writes: Callable[[], None]
     # Reads still answer, and a refused write left nothing half-written.
     assert [r["call_id"] for r in await store.reports(["a"])] == [f"c{n:04d}" for n in range(20)]
     assert await store.get_doc("termination", "t1") is None and await store.records() == []
+    if meanwhile is not None:
+        await meanwhile()
     fix_writes()
     deadline = time.monotonic() + RECOVERY_S
     while not (await store.write_status()).writable:  # the next probe, at most every 2 s, clears it
@@ -156,10 +159,21 @@ async def _refused_then_recovered(store: Store, break_writes: Callable[[], None]
 
 
 async def test_sqlite_on_a_full_disk_refuses_writes_as_unwritable_and_recovers(small_disk: SmallDisk) -> None:
-    store = open_store_url(f"sqlite:///{small_disk.path / 'tether.db'}")
+    url = f"sqlite:///{small_disk.path / 'tether.db'}"
+    store = open_store_url(url)
     await store.open()
+
+    async def restart_while_full() -> None:  # a replica restarted on the full disk opens and reads
+        again = open_store_url(url)
+        await again.open()
+        try:
+            assert len(await again.reports(["a"])) == 20
+            assert not (await again.write_status()).writable
+        finally:
+            await again.close()
+
     try:
-        await _refused_then_recovered(store, small_disk.fill, small_disk.free, "SQLITE_FULL")
+        await _refused_then_recovered(store, small_disk.fill, small_disk.free, "SQLITE_FULL", restart_while_full)
     finally:
         await store.close()
 

@@ -53,7 +53,6 @@ CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS slices (id TEXT PRIMARY KEY, open INTEGER NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS slices_open ON slices(open);
-CREATE TABLE IF NOT EXISTS health (name TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
 # Primary result codes that mean "this file cannot take writes" (a full disk, a read-only file or file system,
@@ -171,6 +170,8 @@ class SqliteStore(Store):
     async def _probe(self) -> None:
         # Off the loop: the probe waits its turn behind a record being appended without stalling the API.
         def probe(db: sqlite3.Connection) -> None:
+            # Made here, not with the schema: a file from before it, on a full disk, must still open.
+            db.execute("CREATE TABLE IF NOT EXISTS health (name TEXT PRIMARY KEY, at REAL NOT NULL)")
             db.execute("INSERT OR REPLACE INTO health (name, at) VALUES ('probe', ?)", (time.time(),))
 
         await self._off_loop(probe)
