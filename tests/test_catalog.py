@@ -137,7 +137,7 @@ INVALID = [
     pytest.param(one_cap("{mcp: {url: 'http://m/mcp', tool: t, tools: [u]}}"),
                  "capability 'svc.call'.mcp", "unknown key 'tools'", id="mcp-unknown-key"),
     pytest.param(one_cap("{mcp: {url: 'http://m/mcp'}}"),
-                 "capability 'svc.call'.mcp", "missing required key 'tool'", id="mcp-missing-tool"),
+                 "capability 'svc.call'.mcp", "needs exactly one item", id="mcp-missing-tool"),
     pytest.param(one_cap("{mcp: {url: 'ftp://m/mcp', tool: t}}"),
                  "capability 'svc.call'.mcp.url", "http(s) URL", id="mcp-url-scheme"),
     pytest.param(one_cap("{mcp: {url: 'http:///mcp', tool: t}}"),
