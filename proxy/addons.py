@@ -254,10 +254,14 @@ _CLIENT_CLOSED = ("Client disconnected.", "stream reset by client")  # mitmproxy
 
 
 def is_listen_closed(flow: http.HTTPFlow) -> bool:
-    """An MCP listen stream (a GET the server answered with SSE) that the client closed, not tether or the server."""
+    """An MCP listen stream the server answered with SSE (a GET, or a 2026-07-28 ``subscriptions/listen``) that the
+    client closed, not tether or the server."""
     state = state_of(flow)
     resp = flow.response
-    return (state.mcp_server is not None and flow.request.method == "GET" and not state.aborted
+    parsed = state.mcp_parsed
+    listen = flow.request.method == "GET" or (
+        parsed is not None and [m.method for m in parsed.messages] == [mcp.LISTEN])
+    return (state.mcp_server is not None and listen and not state.aborted
             and resp is not None and 200 <= resp.status_code < 300
             and mcp.media_type(resp.headers.get("content-type", "")) == mcp.SSE
             and flow.error is not None and flow.error.msg.startswith(_CLIENT_CLOSED))

@@ -36,6 +36,7 @@ JSONRPC_REFUSED = -32003  # implementation-defined server error range; -32001/-3
 # Methods that carry an item, and where its name is: the field the Mcp-Name header mirrors, when one does.
 NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri", "resources/subscribe": "uri",
          "resources/unsubscribe": "uri"}
+PROTOCOL_META = "io.modelcontextprotocol/protocolVersion"  # a stateless (2026-07-28) request's version
 LISTEN = "subscriptions/listen"  # 2026-07-28: the client's stream of the notifications it opts in to
 MIRRORED = frozenset({"tools/call", "prompts/get", "resources/read"})  # what clients mirror into Mcp-Name
 
@@ -48,6 +49,7 @@ class Message:
     prompt: str | None = None  # prompts/get, or a completion/complete for a prompt's argument: the prompt
     uri: str | None = None  # resources/read, subscribe, unsubscribe: the URI; a completion's ref: a URI template
     uris: tuple[str, ...] = ()  # subscriptions/listen: the resources whose updates it asks for
+    stateless: bool = False  # it names its protocol version in _meta (2026-07-28 on): results carry resultType
 
     @property
     def is_request(self) -> bool:
@@ -118,13 +120,15 @@ def _request(method: str, item: dict[str, Any]) -> Message:
     """One request or notification, with the item it names read from its params (refused when missing)."""
     msg_id = item.get("id")
     params = item.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    stateless = isinstance(meta, dict) and PROTOCOL_META in meta
     field = NAMED.get(method)
     if field is not None:
         value = params.get(field) if isinstance(params, dict) else None
         if not isinstance(value, str):
             raise NotJsonRpc(f"{method} without a string params.{field}")
         if method == "tools/call":
-            return Message(method, msg_id, tool=value)
+            return Message(method, msg_id, tool=value, stateless=stateless)
         if method == "prompts/get":
             return Message(method, msg_id, prompt=value)
         return Message(method, msg_id, uri=value)
@@ -193,8 +197,11 @@ def error_body(parsed: Parsed | None, fallback_id: Any, message: str, data: dict
     def one(msg: Message | None, msg_id: Any) -> dict[str, Any]:
         if tool_errors and msg is not None and msg.method == "tools/call":
             text = f"tether refused this call ({data.get('code')}): {message}"
-            return {"jsonrpc": "2.0", "id": msg_id, "result": {
-                "content": [{"type": "text", "text": text}], "isError": True, "_meta": {"tether/error": data}}}
+            result: dict[str, Any] = {"content": [{"type": "text", "text": text}], "isError": True,
+                                      "_meta": {"tether/error": data}}
+            if msg.stateless:
+                result["resultType"] = "complete"  # required from 2026-07-28; older clients never see it
+            return {"jsonrpc": "2.0", "id": msg_id, "result": result}
         return {"jsonrpc": "2.0", "id": msg_id, "error": {"code": JSONRPC_REFUSED, "message": message, "data": data}}
 
     if parsed is None:
