@@ -101,11 +101,12 @@ class Facts:
 
 @dataclass(slots=True, kw_only=True)
 class Answer:
-    capability: str | None = None  # what the call matched (several, comma-joined, for a batch of tools/call)
+    capability: str | None = None  # what the call matched (several, comma-joined, for a batch of item uses)
     tier: str | None = None
     server: str | None = None  # the MCP endpoint, when the call goes to one
     detail: str | None = None  # for the report: which MCP plumbing it was
-    tools: tuple[str, ...] | None = None  # the capabilities of a JSON-RPC body's tools/call messages
+    tools: tuple[str, ...] | None = None  # the capabilities a JSON-RPC body's messages use (tools, resources,
+    #                                       prompts, plumbing): one budget unit each; the name it had for tools only
     parsed: mcp.Parsed | None = None  # the JSON-RPC body, once read
 
 

@@ -1,12 +1,17 @@
 """MCP over streamable HTTP, as far as enforcement needs it. Pure: bytes in, decisions and bytes out.
 
-A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``tools/call`` needs the capability
-naming that server and tool; session plumbing (``initialize``, ``server/discover``, ``ping``, ``tools/list``,
-notifications, and the client's answers to server requests) needs any tool on that server; everything else the catalog
-does not describe (``resources/*``, ``prompts/*`` ...) is absent. ``tools/list`` results are rewritten so
-ungranted tools never reach the model, whether the server answers JSON or SSE, in any line ending, any
-``Content-Type`` spelling and any content coding mitmproxy can decode (gzip, deflate, br, zstd). An answer
-that cannot be read cannot be filtered: the caller refuses it (see ``Unreadable``), it never passes.
+A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``parse`` reads each message and the item it
+names (a ``tools/call``'s tool, a ``prompts/get``'s prompt, a resource method's URI, a completion's prompt or
+URI template, a ``subscriptions/listen``'s resources); ``proxy.decision`` says what each needs granted. The
+session plumbing (``initialize``, ``server/discover``, ``ping``, the four list methods, notifications, the
+client's answers to server requests) needs any item on that server; every other method is absent.
+
+Answers are rewritten so what the agent does not hold never reaches the model: every list result (tools,
+resources, resource templates, prompts) is filtered and a ``resources/updated`` about an ungranted resource is
+dropped, whether the server answers JSON or SSE, in any line ending, any ``Content-Type`` spelling and any
+content coding mitmproxy can decode (gzip, deflate, br, zstd). An answer that cannot be read cannot be
+filtered: the caller refuses it (see ``Unreadable``), it never passes. ``error_body`` writes the answer to a
+refused body as a server would write it (a tool error for ``tools/call``, a JSON-RPC error for the rest).
 """
 
 from __future__ import annotations
