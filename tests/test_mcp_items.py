@@ -392,3 +392,33 @@ def test_a_listen_stream_the_client_closes_is_not_a_lost_call(world: ItemsWorld)
     assert [(r["resolution"], r["status"], r["detail"]) for r in gets] == [
         ("completed", 200, "listen stream closed by the client")], gets
     assert not [r for r in reports_for(w.cp, agent) if r["resolution"] == "unknown"]
+
+
+def test_a_stateless_listen_is_governed_and_closing_it_loses_nothing(world: ItemsWorld) -> None:
+    """2026-07-28's ``subscriptions/listen``: list changes are plumbing, resource updates need subscriptions and
+    every resource named; the stream the client closes is completed, like the GET listen stream."""
+    w = world
+    agent = "items-stateless-listen"
+    sc = w.sidecar(agent, HOLDS)
+
+    def body(msg_id: str, uris: list[str] | None) -> dict[str, Any]:
+        notifications: dict[str, Any] = {"resourcesListChanged": True}
+        if uris is not None:
+            notifications["resourceSubscriptions"] = uris
+        return {"jsonrpc": "2.0", "id": msg_id, "method": "subscriptions/listen",
+                "params": {"notifications": notifications, "_meta": META}}
+
+    routing = {"mcp-method": "subscriptions/listen"}
+    with httpx.Client(proxy=sc.proxy, trust_env=False, timeout=20) as raw:
+        refused = raw_post(raw, w.server.url, body("l1", ["docs://public/readme", "docs://private/plan"]), routing)
+        assert refused.status_code == 200 and refused.json()["error"]["data"]["code"] == ABSENT, refused.text
+        with raw.stream("POST", w.server.url, content=json.dumps(body("l2", ["docs://public/readme"])).encode(),
+                        headers={**HEADERS, **routing}) as listen:
+            assert listen.status_code == 200 and listen.headers["content-type"].startswith("text/event-stream")
+            first = next(listen.iter_lines())  # the server acknowledges before anything else
+            assert first, first
+    assert not w.wiretap.saw("docs://private")
+    listens = wait_until(lambda: [r for r in reports_for(w.cp, agent) if r["resolution"] != "refused"], timeout=WAIT,
+                         what="the listen stream reported")
+    assert [(r["resolution"], r["capability"], r["detail"]) for r in listens] == [
+        ("completed", "items.subscriptions", "listen stream closed by the client")], listens
