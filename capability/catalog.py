@@ -27,7 +27,7 @@ _METHOD = re.compile(r"^[A-Z]{1,16}$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
 _CAP_KEYS = {"http", "mcp", "description", "credential"}
-_HTTP_KEYS = {"host", "port", "methods", "path"}
+_HTTP_KEYS = {"host", "port", "methods", "path", "websocket"}
 # An ``mcp`` match names its server and exactly one item: a tool, a resource (a URI glob or URI template), a
 # prompt, or one piece of plumbing a server offers beyond its items (``true``: the whole of it).
 MCP_ITEMS = ("tool", "resource", "prompt")
@@ -128,6 +128,7 @@ class HttpMatch:
     methods: tuple[str, ...]
     path: str
     port: int | None = None
+    websocket: bool = False  # a GET here may upgrade to a websocket (the connection is then the call)
 
     def matches(self, host: str, port: int, method: str, path: str) -> bool:
         return (
@@ -141,6 +142,8 @@ class HttpMatch:
         d: dict[str, Any] = {"host": self.host, "methods": list(self.methods), "path": self.path}
         if self.port is not None:
             d["port"] = self.port
+        if self.websocket:  # only when set: a catalog without websockets keeps its hash
+            d["websocket"] = True
         return d
 
 
@@ -463,7 +466,12 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
         raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
     if len(path) > MAX_GLOB:
         raise _fail(source, f"{where}.path", f"a path glob of {len(path)} characters (at most {MAX_GLOB})")
-    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port)
+    websocket = raw.get("websocket", False)
+    if not isinstance(websocket, bool):
+        raise _fail(source, f"{where}.websocket", f"expected true or false, got {websocket!r}")
+    if websocket and "GET" not in methods:
+        raise _fail(source, f"{where}.websocket", "a websocket opens with a GET: add GET to methods")
+    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port, websocket=websocket)
 
 
 def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:

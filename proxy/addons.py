@@ -64,8 +64,23 @@ class Resolver:
             return
         if state.refused is not None:
             self.resolve(call, state.outcome, code=state.refused)
+        elif flow.websocket is not None:
+            call.phase = "forwarded"  # the upgrade is done; the call lasts as long as the websocket
         else:
             self.resolve(call, "completed", status=flow.response.status_code if flow.response else None)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        state = state_of(flow)
+        call = state.call
+        if call is None:
+            return
+        ws = flow.websocket
+        if state.aborted:  # cut by tether: what the server did with the last frames is not known
+            self.resolve(call, "unknown", code=state.aborted, detail="the websocket was cut by tether")
+            return
+        who = "client" if ws is not None and ws.closed_by_client else "server"
+        self.resolve(call, "completed", status=101,
+                     detail=f"websocket closed by the {who} ({ws.close_code if ws is not None else '-'})")
 
     def error(self, flow: http.HTTPFlow) -> None:
         state = state_of(flow)
@@ -311,9 +326,13 @@ class Capture:
                                  f"({self.writer.last_error})"))
 
     def response(self, flow: http.HTTPFlow) -> None:
-        self._final(flow)
+        if flow.websocket is None:  # a websocket's final state is its end
+            self._final(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._final(flow)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
         self._final(flow)
 
     def _final(self, flow: http.HTTPFlow) -> None:
@@ -326,3 +345,27 @@ class Capture:
             asyncio.get_running_loop().call_soon(self.writer.write, flow)
         elif self.writer.write(flow):  # refused (or uncaptured) calls: the report names the capture
             call.capture_ref = self.writer.ref(flow)
+
+
+WEBSOCKET_KEPT_BYTES = 1 << 20  # per websocket: the messages kept (and captured) beyond this are only counted
+
+
+class WebsocketBound:
+    """A websocket's messages are kept on its flow (for the capture) up to ``WEBSOCKET_KEPT_BYTES``; past that each
+    still passes but is dropped from the flow once it has been seen, so a long-lived connection's memory stays
+    flat. What was dropped is counted in the flow's metadata (``tether.websocket_dropped``)."""
+
+    def __init__(self, kept_bytes: int = WEBSOCKET_KEPT_BYTES) -> None:
+        self.kept_bytes = kept_bytes
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        ws = flow.websocket
+        if ws is None or not ws.messages:
+            return
+        kept = flow.metadata.get("tether.websocket_kept", 0) + len(ws.messages[-1].content)
+        flow.metadata["tether.websocket_kept"] = kept
+        if kept > self.kept_bytes:
+            message = ws.messages.pop()  # mitmproxy sends its own reference to the message: it still passes
+            dropped = flow.metadata.setdefault("tether.websocket_dropped", {"messages": 0, "bytes": 0})
+            dropped["messages"] += 1
+            dropped["bytes"] += len(message.content)

@@ -91,6 +91,7 @@ class Facts:
     now_mono: float
     rewrite_headers: tuple[str, ...] = ()  # those of REWRITE_HEADERS the request carries, in that order
     upgrade: bool = False
+    websocket: bool = False  # the upgrade asked for is a websocket (Upgrade: websocket on a GET)
     chain_header: str | None = None  # Tether-Chain
     host_header: str | None = None  # Host, or :authority
     mcp_method: str | None = None  # the mcp-method header
@@ -145,7 +146,8 @@ def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
         return _decide_rpc(catalog, chain, facts, server)
     names = catalog.match_http(facts.host, facts.port, facts.method, facts.path)
     capability, tier = _best(chain, names) if names else (None, None)
-    refusal = _state_and_headers(chain, facts)
+    websocket_ok = capability is not None and _websocket_capability(catalog, capability)
+    refusal = _state_and_headers(chain, facts, websocket_ok=websocket_ok and server is None)
     if refusal is None and server is not None:
         return _decide_stream(catalog, chain, facts, server, capability, tier)
     if refusal is None and not names:
@@ -208,16 +210,26 @@ def _request_line(facts: Facts) -> Refusal | None:
     return None
 
 
-def _state_and_headers(chain: ChainState, facts: Facts) -> Refusal | None:
+def _websocket_capability(catalog: Catalog, name: str) -> bool:
+    cap = catalog.capabilities.get(name)
+    return cap is not None and cap.http is not None and cap.http.websocket
+
+
+def _state_and_headers(chain: ChainState, facts: Facts, *, websocket_ok: bool = False) -> Refusal | None:
     """May anything leave now, and do the headers say what the connection does?"""
     refusal = chain.refusal(facts.now, facts.now_mono)
     if refusal is not None:
         return refusal
-    if facts.upgrade or facts.method == "CONNECT":
-        # A websocket or other upgraded stream would outlive the call's decision (and a revocation,
-        # drain or abort): tether does not let one start.
-        return Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades (websockets, h2c, tunnels in tunnels) "
-                       "are not forwarded")
+    if facts.websocket and facts.method == "GET" and websocket_ok:
+        pass  # a websocket the capability grants: the connection is the call (tracked, drained, cut, captured)
+    elif facts.websocket:
+        return Refusal(codes.CAPABILITY_ABSENT, "no capability here grants a websocket (an http capability takes "
+                       "websocket: true)", reason="websocket")
+    elif facts.upgrade or facts.method == "CONNECT":
+        # Another upgraded stream (h2c, a tunnel in a tunnel) would outlive the call's decision (and a
+        # revocation, drain or abort) unseen: tether does not let one start.
+        return Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades other than granted websockets (h2c, tunnels in "
+                       "tunnels) are not forwarded")
     if facts.chain_header is not None and facts.chain_header.strip() != chain.wire:
         return Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
                        "an agent cannot borrow another chain", reason="foreign_chain")

@@ -30,7 +30,7 @@ from capability.chain import Verifier, parse_chain_unverified
 from capability.errors import ApiError, ChainError, TetherError
 from capability.events import APPROVAL, APPROVED, CANCELLED, COMMAND, DENIED, REVOKE
 
-from .addons import Capture, Resolver, Streamer, ToolsFilter, Tracker
+from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBound
 from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
@@ -253,7 +253,8 @@ class Sidecar:
         ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
                            Tunnels(catalog, state, self.track, self.resolve), Enforcer(catalog, state),
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
-                           Injector(catalog, self.credentials, state), ToolsFilter(catalog, state.tier), Streamer()]
+                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier), Streamer(),
+                           WebsocketBound()]
         if self.config.capture:
             ours.append(Capture(self.capture, self.allow_uncaptured))
         return [*ours, Resolver(self.resolve)]
@@ -656,7 +657,7 @@ class Sidecar:
                 if call.phase != "held":
                     if now - call.started_at > self.config.call_timeout_s:
                         flow = self.flows.get(call.call_id)
-                        if flow is not None:
+                        if flow is not None and flow.websocket is None:  # a websocket is meant to last
                             log.warning("call %s exceeded %.0fs; aborting it (outcome unknown)", call.call_id,
                                         self.config.call_timeout_s)
                             self.abort_flow(flow)

@@ -137,7 +137,7 @@ def make_test_ca(directory: Path, names: Sequence[str] = ("localhost",)) -> Test
 
 # -- a real aiohttp tool server in a thread ------------------------------------------------------------------
 class ToolServer:
-    """Endpoints: /repos/{o}/{r}/issues (GET, POST), /slow?s=, /sse?n=&delay=, /big?mb=, /reset, /hang,
+    """Endpoints: /repos/{o}/{r}/issues (GET, POST), /slow?s=, /sse?n=&delay=, /big?mb=, /reset, /hang, /ws (echo),
     /admin, /echo. ``hits`` records every request that reached it (method, path)."""
 
     def __init__(self, port: int | None = None, tls: TestCA | None = None) -> None:
@@ -147,6 +147,7 @@ class ToolServer:
         self.traceparents: list[tuple[str, str | None]] = []  # (path, the W3C traceparent it arrived with)
         self.snis: list[str | None] = []  # the TLS server name each handshake asked for (HTTPS only)
         self.active = 0
+        self.ws_messages: list[str] = []  # every websocket message that reached /ws or /ws-plain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -239,6 +240,19 @@ class ToolServer:
         async def error500(request: web.Request) -> web.Response:
             return web.json_response({"error": "tool failed"}, status=500)
 
+        async def websocket(request: web.Request) -> web.WebSocketResponse:
+            """Echoes every message as "echo: TEXT" (binary: its length)."""
+            ws = web.WebSocketResponse(max_msg_size=64 * 1024 * 1024)
+            await ws.prepare(request)
+            async for msg in ws:
+                if msg.type == web.WSMsgType.TEXT:
+                    self.ws_messages.append(msg.data)
+                    await ws.send_str(f"echo: {msg.data}")
+                elif msg.type == web.WSMsgType.BINARY:
+                    self.ws_messages.append(f"<{len(msg.data)} bytes>")
+                    await ws.send_str(f"echo: {len(msg.data)} bytes")
+            return ws
+
         app = web.Application(middlewares=[record], client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/repos/{owner}/{repo}/issues", issues)
         app.router.add_get("/slow", slow)
@@ -249,6 +263,8 @@ class ToolServer:
         app.router.add_route("*", "/admin", echo)
         app.router.add_route("*", "/echo", echo)
         app.router.add_get("/fail", error500)
+        app.router.add_get("/ws", websocket)
+        app.router.add_get("/ws-plain", websocket)
         return app
 
     def start(self) -> ToolServer:
@@ -294,6 +310,8 @@ capabilities:
   fail.read:     {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/fail"}}}}
   echo.any:      {{http: {{host: 127.0.0.1, port: {http}, methods: [GET, POST], path: "/echo"}}}}
   v6.read:       {{http: {{host: "[::1]", port: {http}, methods: [GET], path: "/v6"}}}}
+  ws.chat:       {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/ws", websocket: true}}}}
+  ws.plain:      {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/ws-plain"}}}}
   secure.issues: {{http: {{host: localhost, port: {https}, methods: [GET], path: "/repos/*/*/issues*"}}}}
   secure.slow:   {{http: {{host: localhost, port: {https}, methods: [GET], path: "/slow"}}}}
   mcp.add:       {{mcp: {{url: "http://127.0.0.1:{mcp}/mcp", tool: add}}}}

@@ -37,7 +37,7 @@ import pytest
 
 from capability import keys
 
-from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, free_port, make_test_ca, wait_until
+from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, ToolServer, free_port, make_test_ca, wait_until
 from .test_isolate import Counting
 
 USER = "tether-enforced"
@@ -102,6 +102,17 @@ def node(url):
     env = {**os.environ, "NODE_EXTRA_CA_CERTS": node_ca}  # Node trusts its own bundled roots, not the system's
     return subprocess.run(["node", "-e", js, url], capture_output=True, text=True, timeout=30, env=env).stdout.strip()
 
+async def websocket(url):
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession() as s, s.ws_connect(url, timeout=aiohttp.ClientWSTimeout(ws_close=5)) as ws:
+            await ws.send_str("hi")
+            return (await ws.receive(timeout=10)).data
+    except aiohttp.WSServerHandshakeError as e:
+        return f"{e.status} {e.headers.get('Tether-Error') if e.headers else None}"
+    except Exception as e:
+        return f"error {type(e).__name__}"
+
 def java(url):
     if not cfg["java"]:
         return "skipped: no java"
@@ -140,6 +151,8 @@ for dest, ports in (("granted", cfg["granted"]), ("ungranted", cfg["other"])):
         out[f"node {dest} {scheme}"] = node(url)
     out[f"java {dest} https"] = java(f"https://localhost:{ports[1]}/x")  # its trust store is cacerts, not PEM
     out[f"raw {dest}"] = raw(ports[0])
+out["ws granted"] = asyncio.run(websocket(f"ws://127.0.0.1:{cfg['ws']}/ws"))  # ignores proxy variables
+out["ws ungranted"] = asyncio.run(websocket(f"ws://127.0.0.1:{cfg['ws']}/ws-plain"))
 out["stdio"] = asyncio.run(stdio_fetch([f"https://localhost:{cfg['granted'][1]}/x",
                                         f"https://localhost:{cfg['other'][1]}/x"]))
 try:
@@ -295,6 +308,7 @@ def enforced_world(tmp_path: Path) -> Iterator[dict[str, Any]]:
     servers = {"granted": (Counting("granted"), Counting("granted-tls", tls)),
                "other": (Counting("other"), Counting("other-tls", tls))}
     mcp = GuardedMcp().start()
+    ws = ToolServer().start()
     cp = ControlPlaneProcess(tmp_path / "cp")
     cp.directory.mkdir(parents=True)
     g = servers["granted"]
@@ -303,10 +317,13 @@ capabilities:
   granted.http:  {{http: {{host: 127.0.0.1, port: {g[0].port}, methods: [GET], path: "/*"}}}}
   granted.https: {{http: {{host: localhost, port: {g[1].port}, methods: [GET], path: "/*"}}}}
   guarded.add:   {{mcp: {{url: "http://127.0.0.1:{mcp.port}/mcp", tool: add}}}}
+  ws.chat:       {{http: {{host: 127.0.0.1, port: {ws.port}, methods: [GET], path: "/ws", websocket: true}}}}
+  ws.plain:      {{http: {{host: 127.0.0.1, port: {ws.port}, methods: [GET], path: "/ws-plain"}}}}
 """)
     cp.signing_key_path.write_bytes(keys.private_pem(keys.generate()))
     cp.start()
-    ident = cp.issue("enforced.agent", {"granted.http": "direct", "granted.https": "direct", "guarded.add": "direct"})
+    ident = cp.issue("enforced.agent", {"granted.http": "direct", "granted.https": "direct", "guarded.add": "direct",
+                                        "ws.chat": "direct", "ws.plain": "direct"})
     for name in ("chain", "key"):
         shutil.copyfile(getattr(ident, f"{name}_path"), home / name)
     (home / "secret").write_text("file-secret-4b1d9e\n")
@@ -322,10 +339,11 @@ capabilities:
     os.chmod(home / "secret", 0o600)
     try:
         with _traversable([Path(PYTHON), REPO / "cli"] if user is not None else []):
-            yield {"cp": cp, "servers": servers, "mcp": mcp, "home": home, "user": user}
+            yield {"cp": cp, "servers": servers, "mcp": mcp, "home": home, "user": user, "ws": ws}
     finally:
         cp.stop()
         mcp.stop()
+        ws.stop()
         for pair in servers.values():
             for server in pair:
                 server.stop()
@@ -339,7 +357,7 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     servers = w["servers"]
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "mcp": f"http://127.0.0.1:{w['mcp'].port}/mcp", "stdio_server": str(home / "stdio_server.py"),
-           "home": str(home), "key": str(home / "key"),
+           "home": str(home), "key": str(home / "key"), "ws": w["ws"].port,
            "java": str(home / "Get.java") if shutil.which("java") else None}
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8", "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_TOKEN": "operator-token-77c2",
@@ -370,6 +388,8 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     assert out["guarded mcp"]["listed"] == ["add"] and out["guarded mcp"]["add"] == "5", out["guarded mcp"]
     assert out["guarded mcp"]["delete_everything"].startswith("error"), out["guarded mcp"]
     assert w["mcp"].calls == ["add"]
+    assert out["ws granted"] == "echo: hi" and out["ws ungranted"] == "403 tether.capability_absent", out
+    assert w["ws"].ws_messages == ["hi"]
     assert all(s.connections == 0 for s in servers["other"]), "an ungranted server was reached"
     assert servers["granted"][0].connections >= 5 and servers["granted"][1].connections >= 5
 
