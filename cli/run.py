@@ -122,7 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (args.user or not args.cooperative) and (args.transparent_listen or args.dns_listen):
         raise TetherError("an enforced run chooses the transparent and DNS listeners itself: drop "
                           "--transparent-listen and --dns-listen (or give --cooperative)", code=BAD_REQUEST)
-    from proxy.credentials import SecretSpec
+    from proxy.secrets import SecretSpec
 
     secrets = [SecretSpec.parse(text) for text in args.secret or []]  # before anything is written
     state_root = Path(args.state_dir) if args.state_dir else default_state_root()
