@@ -67,14 +67,16 @@ def compare(chain: kit.Toolchain, kind: str, through: list[str], directory: Path
     server_start = time.monotonic() - started
     direct = sidecar = None
     tether_start: float | None = None
+    grants: kit.Grants | None = None
     reports: list[dict[str, Any]] = []
     try:
         if "direct" in through:
             direct = kit.run_suite(chain, server.url, where / "direct")
         if "sidecar" in through:
             started = time.monotonic()
-            tethered = kit.start_tether(where / "tether", server.url, kit.list_tools(server.url))
+            tethered = kit.start_tether(where / "tether", server.url, kit.list_items(server.url))
             tether_start = time.monotonic() - started
+            grants = tethered.grants
             try:
                 sidecar = kit.run_suite(chain, server.url, where / "sidecar", proxy=tethered.proxy)
                 deadline = time.monotonic() + 20
@@ -94,6 +96,8 @@ def compare(chain: kit.Toolchain, kind: str, through: list[str], directory: Path
         "tether_start_s": None if tether_start is None else round(tether_start, 1),
         "runs": {label: run for label, run in (("direct", direct), ("sidecar", sidecar)) if run is not None},
         "names": names, "reports": reports,
+        "granted": sorted(grants.items.values()) if grants else [],
+        "not_grantable": list(grants.unsayable) if grants else [],
     }
 
 
@@ -110,6 +114,10 @@ def print_comparison(result: dict[str, Any]) -> None:
         print(f"\n{label}: {passed} of {len(run.scenarios)} scenarios pass, runner exit {run.exit_code}, "
               f"{run.seconds:.1f} s")
     if sidecar is not None:
+        kinds = Counter(what.split(" ")[0] for what in result["granted"])
+        missing = Counter(what.split(" ")[0] for what in result["not_grantable"])
+        print(f"\ngranted through tether: {dict(kinds)}; offered by the server but not nameable in this code's "
+              f"catalog: {dict(missing) or 'none'}")
         flips = [n for n in result["names"] if direct is not None and cell(direct, n) == "pass"
                  and cell(sidecar, n) != "pass"]
         print(f"\nfailures through tether ({len(sidecar.scenarios) - sum(s.passed for s in sidecar.scenarios.values())}"

