@@ -10,8 +10,8 @@ verdict per scenario.
 Used by ``tests/test_conformance.py`` and ``bench/conformance.py``.
 
 The runner is a Node program and Node's ``fetch`` ignores ``HTTP_PROXY``. Node 22.21+ follows the proxy
-variables when ``NODE_USE_ENV_PROXY=1`` is set, for its built-in ``fetch`` and for the ``undici`` the runner
-bundles (they share one global dispatcher); :func:`runner_env` sets it, with ``NO_PROXY`` removed so that
+variables when ``NODE_USE_ENV_PROXY=1`` is set, for its built-in ``fetch`` and for the ``undici`` package the
+runner imports (they share one global dispatcher); :func:`runner_env` sets it, with ``NO_PROXY`` removed so that
 127.0.0.1 is proxied too. That a run went through the sidecar is checked from the sidecar's side
 (:func:`tethered_calls`), never assumed.
 """
@@ -56,8 +56,8 @@ class KitUnavailable(RuntimeError):
 
 
 def default_cache() -> Path:
-    """``$TETHER_CONFORMANCE_CACHE`` when set (CI points it at a directory it keeps), else the repo's
-    ignored ``.cache/conformance``."""
+    """``$TETHER_CONFORMANCE_CACHE`` when set (a directory that outlives the checkout, so a fresh clone in CI
+    installs nothing), else the repo's ignored ``.cache/conformance``."""
     configured = os.environ.get(CACHE_ENV)
     return Path(configured).expanduser().resolve() if configured else REPO / ".cache" / "conformance"
 
@@ -88,7 +88,7 @@ def _kit_digest() -> str:
     return digest.hexdigest()
 
 
-def install(cache: Path | None = None, timeout: float = 900) -> Toolchain:
+def install(cache: Path | None = None, timeout: float = 300) -> Toolchain:
     """Install the pinned kit into ``cache`` unless it already holds exactly this kit (a stamp of the lock file
     and the reference server's source). Concurrent callers wait on one lock. Raises :class:`KitUnavailable`."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -319,7 +319,7 @@ def start_tether(directory: Path, url: str, items: ServerItems, agent: str = "co
     can name (see :func:`grants_for`), and a sidecar (a real ``tether sidecar`` process) holding all of them."""
     directory.mkdir(parents=True, exist_ok=True)
     grants = grants_for(url, items)
-    cp = ControlPlaneProcess(directory)
+    cp = ControlPlaneProcess(directory, lease_ttl=30.0)  # no lease expiry under load: leases are not measured here
     lines = ["capabilities:"] + [f"  {json.dumps(name)}: {entry}" for name, entry in grants.entries.items()]
     cp.catalog_path.write_text("\n".join(lines) + "\n")
     key = keys.generate()

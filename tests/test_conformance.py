@@ -109,8 +109,7 @@ class Comparison:
     url: str
     direct: kit.SuiteRun
     sidecar: kit.SuiteRun
-    capabilities: dict[str, str]
-    unsayable: tuple[str, ...]
+    capabilities: dict[str, str]  # capability -> the item it grants
     reports: list[dict[str, Any]]
 
 
@@ -146,7 +145,7 @@ class Suites:
                 tethered.stop()
         finally:
             server.stop()
-        return Comparison(kind, server.url, direct, sidecar, tethered.capabilities, tethered.grants.unsayable, reports)
+        return Comparison(kind, server.url, direct, sidecar, tethered.capabilities, reports)
 
 
 def _sessions(reports: list[dict[str, Any]]) -> int:
