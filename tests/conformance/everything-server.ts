@@ -2,9 +2,13 @@
 
 // The MCP conformance suite's reference server: examples/servers/typescript/everything-server.ts of
 // modelcontextprotocol/conformance at tag v0.1.16 (the runner version pinned in package.json beside this
-// file), unchanged but for this comment. The runner's npm package does not ship it. Licensed by its
-// authors under MIT / Apache-2.0 (that repository's LICENSE). Run with Node 22 and tsx by
-// tests/mcp_conformance.py.
+// file), with this comment and one later upstream fix applied: commit 31119a0 of that repository
+// ("send sampling/elicitation requests via extra.sendRequest", its issue #407). Without it the four tools
+// that ask the client something send the request on the standalone GET stream, which is lost when the
+// client has not opened that stream yet, and the scenario times out after 60 s: a race that a proxy in
+// the path makes likelier (seen 2 in 11 runs through a fresh sidecar). The runner's npm package does not
+// ship this server. Licensed by its authors under MIT / Apache-2.0 (that repository's LICENSE). Run with
+// Node 22 and tsx by tests/mcp_conformance.py.
 
 /**
  * MCP Everything Server - Conformance Test Server
@@ -404,10 +408,10 @@ function createMcpServer() {
         prompt: z.string().describe('The prompt to send to the LLM')
       }
     },
-    async (args: { prompt: string }) => {
+    async (args: { prompt: string }, { sendRequest }) => {
       try {
-        // Request sampling from client
-        const result = await mcpServer.server.request(
+        // Request sampling from client on the tool call's stream
+        const result = await sendRequest(
           {
             method: 'sampling/createMessage',
             params: {
@@ -464,10 +468,10 @@ function createMcpServer() {
         message: z.string().describe('The message to show the user')
       }
     },
-    async (args: { message: string }) => {
+    async (args: { message: string }, { sendRequest }) => {
       try {
-        // Request user input from client
-        const result = await mcpServer.server.request(
+        // Request user input from client on the tool call's stream
+        const result = await sendRequest(
           {
             method: 'elicitation/create',
             params: {
@@ -516,10 +520,10 @@ function createMcpServer() {
       description: 'Tests elicitation with default values per SEP-1034',
       inputSchema: {}
     },
-    async () => {
+    async (_args, { sendRequest }) => {
       try {
         // Request user input with default values for all primitive types
-        const result = await mcpServer.server.request(
+        const result = await sendRequest(
           {
             method: 'elicitation/create',
             params: {
@@ -591,10 +595,10 @@ function createMcpServer() {
         'Tests elicitation with enum schema improvements per SEP-1330',
       inputSchema: {}
     },
-    async () => {
+    async (_args, { sendRequest }) => {
       try {
         // Request user input with all 5 enum schema variants
-        const result = await mcpServer.server.request(
+        const result = await sendRequest(
           {
             method: 'elicitation/create',
             params: {
