@@ -88,7 +88,7 @@ def _kit_digest() -> str:
     return digest.hexdigest()
 
 
-def install(cache: Path | None = None, timeout: float = 300) -> Toolchain:
+def install(cache: Path | None = None, timeout: float = 180) -> Toolchain:
     """Install the pinned kit into ``cache`` unless it already holds exactly this kit (a stamp of the lock file
     and the reference server's source). Concurrent callers wait on one lock. Raises :class:`KitUnavailable`."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -111,8 +111,10 @@ def install(cache: Path | None = None, timeout: float = 300) -> Toolchain:
             shutil.copyfile(KIT / name, root / name)
         started = time.monotonic()
         try:
-            done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--prefer-offline", "--loglevel=error"],
-                                  cwd=root, capture_output=True, text=True, timeout=timeout)
+            # A fresh install takes 10-25 s; a registry that hangs must not hold a CI run for npm's default 5 min
+            # per request.
+            done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--prefer-offline", "--loglevel=error",
+                                   "--fetch-timeout=60000"], cwd=root, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise KitUnavailable(f"npm ci in {root} did not finish within {timeout:.0f} s") from None
         if done.returncode != 0:
