@@ -19,7 +19,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from .budget import TIERS, GrantError, read_grant
 from .credentials import Credential, parse_credentials
 from .errors import CatalogError, UnknownCapability
-from .glob import MAX_GLOB, admits
+from .glob import MAX_GLOB, admits, included
 from .jsonpieces import canonical_json
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -27,8 +27,16 @@ _METHOD = re.compile(r"^[A-Z]{1,16}$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
 _CAP_KEYS = {"http", "mcp", "description", "credential"}
-_HTTP_KEYS = {"host", "port", "methods", "path"}
-_MCP_KEYS = {"url", "tool"}
+_HTTP_KEYS = {"host", "port", "methods", "path", "websocket"}
+# An ``mcp`` match names its server and exactly one item: a tool, a resource (a URI glob or URI template), a
+# prompt, or one piece of plumbing a server offers beyond its items (``true``: the whole of it).
+MCP_ITEMS = ("tool", "resource", "prompt")
+MCP_PLUMBING = ("logging", "completion", "subscriptions")
+MCP_KINDS = MCP_ITEMS + MCP_PLUMBING
+_MCP_KEYS = {"url", *MCP_KINDS}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_TEMPLATE_EXPR = re.compile(r"\{[^{}]*\}")
+MAX_URI = 8192  # the longest resource URI matched; a longer one is refused
 
 
 def _default_port(scheme: str) -> int:
@@ -120,6 +128,7 @@ class HttpMatch:
     methods: tuple[str, ...]
     path: str
     port: int | None = None
+    websocket: bool = False  # a GET here may upgrade to a websocket (the connection is then the call)
 
     def matches(self, host: str, port: int, method: str, path: str) -> bool:
         return (
@@ -133,20 +142,62 @@ class HttpMatch:
         d: dict[str, Any] = {"host": self.host, "methods": list(self.methods), "path": self.path}
         if self.port is not None:
             d["port"] = self.port
+        if self.websocket:  # only when set: a catalog without websockets keeps its hash
+            d["websocket"] = True
         return d
+
+
+def resource_glob(pattern: str) -> str:
+    """A resource pattern or a URI template as a glob: every ``{expression}`` (RFC 6570) becomes ``*``.
+
+    A ``*`` admits any run of characters, ``/`` included, so the glob admits at least every URI the template
+    can expand to: comparing globs can only err towards "not included" (hidden, refused), never the other way.
+    """
+    return _TEMPLATE_EXPR.sub("*", pattern)
+
+
+def safe_uri(uri: str) -> bool:
+    """True when a resource URI (or a URI template) says one thing to every server that could read it.
+
+    A URI that could traverse after the server decodes or normalizes it is refused as ``safe_path`` refuses
+    a path: dot segments in any encoding, encoded slashes, backslashes, control characters, a fragment. The
+    query is matched as written (a resource's identity may live in it) but never traverses.
+    """
+    m = _SCHEME.match(uri)
+    if m is None or len(uri) > MAX_URI:
+        return False
+    rest = _TEMPLATE_EXPR.sub("x", uri[m.end():])  # a template's expressions judged as one plain segment
+    if "{" in rest or "}" in rest:
+        return False
+    return safe_path(rest[1:] if rest.startswith("//") else "/" + rest) is not None
 
 
 @dataclass(frozen=True)
 class McpMatch:
+    """One item of one MCP server: ``kind`` is one of ``MCP_KINDS``; ``name`` the tool's or prompt's name, the
+    resource's URI glob or template, and empty for plumbing."""
+
     url: str
-    tool: str
+    kind: str = "tool"
+    name: str = ""
 
     @property
     def server(self) -> str:
         return normalize_url(self.url)
 
+    @property
+    def tool(self) -> str | None:
+        """The tool's name for a tool capability (the spelling every catalog had before the other kinds)."""
+        return self.name if self.kind == "tool" else None
+
+    @property
+    def glob(self) -> str | None:
+        """For a resource: the glob its URI pattern admits (see ``resource_glob``)."""
+        return resource_glob(self.name) if self.kind == "resource" else None
+
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "tool": self.tool}
+        # A tool keeps the shape (and so the catalog hash) it always had.
+        return {"url": self.url, self.kind: self.name if self.kind in MCP_ITEMS else True}
 
 
 @dataclass(frozen=True)
@@ -185,14 +236,18 @@ class _Index:
     its place in the catalog so answers come back in catalog order, as the linear scan gave them.
     """
 
-    __slots__ = ("any_port_hosts", "host_ports", "http", "mcp_credentials", "mcp_servers", "mcp_tools")
+    __slots__ = ("any_port_hosts", "host_ports", "http", "mcp_caps", "mcp_credentials", "mcp_items",
+                 "mcp_resources", "mcp_servers")
 
     def __init__(self, capabilities: Mapping[str, Capability]) -> None:
         # (host, method, segment or None) -> entries (catalog position, port or None, path glob, name)
         http: dict[tuple[str, str, str | None], list[tuple[int, int | None, str, str]]] = {}
         any_port_hosts: set[str] = set()  # knows_host: a host any port of which some capability names
         host_ports: set[tuple[str, int]] = set()  # ... and the (host, port) pairs ports narrow to
-        mcp_tools: dict[str, dict[str, list[str]]] = {}  # normalized server -> tool -> names
+        # normalized server -> kind -> name -> capability names (tools, prompts; plumbing under the name "")
+        mcp_items: dict[str, dict[str, dict[str, list[str]]]] = {}
+        mcp_resources: dict[str, list[tuple[str, str]]] = {}  # normalized server -> (URI glob, name), in order
+        mcp_caps: dict[str, list[str]] = {}  # normalized server -> every capability on it
         mcp_credentials: dict[str, str] = {}  # normalized server -> the first credential named for it
         for position, cap in enumerate(capabilities.values()):
             if cap.http is not None:
@@ -206,8 +261,14 @@ class _Index:
                 else:
                     host_ports.add((h.host, h.port))
             if cap.mcp is not None:
-                server = cap.mcp.server
-                mcp_tools.setdefault(server, {}).setdefault(cap.mcp.tool, []).append(cap.name)
+                m = cap.mcp
+                server = m.server
+                kinds = mcp_items.setdefault(server, {})
+                if m.kind == "resource":
+                    mcp_resources.setdefault(server, []).append((resource_glob(m.name), cap.name))
+                else:
+                    kinds.setdefault(m.kind, {}).setdefault(m.name, []).append(cap.name)
+                mcp_caps.setdefault(server, []).append(cap.name)
                 if cap.credential:
                     mcp_credentials.setdefault(server, cap.credential)
                 parts = urlsplit(server)
@@ -215,8 +276,10 @@ class _Index:
         self.http = {key: tuple(entries) for key, entries in http.items()}
         self.any_port_hosts = frozenset(any_port_hosts)
         self.host_ports = frozenset(host_ports)
-        self.mcp_servers = frozenset(mcp_tools)
-        self.mcp_tools = mcp_tools
+        self.mcp_servers = frozenset(mcp_items)
+        self.mcp_items = mcp_items
+        self.mcp_resources = {server: tuple(entries) for server, entries in mcp_resources.items()}
+        self.mcp_caps = {server: tuple(names) for server, names in mcp_caps.items()}
         self.mcp_credentials = mcp_credentials
 
     def match_http(self, host: str, port: int, method: str, path: str) -> tuple[str, ...]:
@@ -290,11 +353,38 @@ class Catalog:
         return normalized if normalized in self._index.mcp_servers else None
 
     def match_mcp(self, server: str, tool: str) -> list[str]:
-        return list(self._index.mcp_tools.get(server, {}).get(tool, ()))
+        return self.match_mcp_item(server, "tool", tool)
 
     def mcp_tools(self, server: str) -> dict[str, list[str]]:
         """tool name -> capability names, for one MCP server."""
-        return {tool: list(names) for tool, names in self._index.mcp_tools.get(server, {}).items()}
+        return self.mcp_named(server, "tool")
+
+    def mcp_named(self, server: str, kind: str) -> dict[str, list[str]]:
+        """name -> capability names for one server's tools or prompts (plumbing: the name ``""``)."""
+        return {name: list(caps) for name, caps in self._index.mcp_items.get(server, {}).get(kind, {}).items()}
+
+    def match_mcp_item(self, server: str, kind: str, name: str = "") -> list[str]:
+        """The capabilities naming this tool, prompt or piece of plumbing (``name`` empty) on that server."""
+        return list(self._index.mcp_items.get(server, {}).get(kind, {}).get(name, ()))
+
+    def match_resource(self, server: str, uri: str) -> list[str]:
+        """The resource capabilities of that server whose URI glob admits ``uri`` (none for an unsafe URI)."""
+        if not safe_uri(uri):
+            return []
+        return [name for glob, name in self._index.mcp_resources.get(server, ()) if admits(glob, uri)]
+
+    def match_resource_template(self, server: str, template: str) -> list[str]:
+        """The resource capabilities of that server that admit every URI the URI template can expand to."""
+        if not safe_uri(template):
+            return []
+        wanted = resource_glob(template)
+        if len(wanted) > MAX_GLOB:
+            return []
+        return [name for glob, name in self._index.mcp_resources.get(server, ()) if included(wanted, glob)]
+
+    def mcp_capabilities(self, server: str) -> list[str]:
+        """Every capability of one MCP server, whatever item it names."""
+        return list(self._index.mcp_caps.get(server, ()))
 
     def knows_host(self, host: str, port: int) -> bool:
         """True when some capability could be reached at host:port (used to refuse CONNECTs early)."""
@@ -376,12 +466,17 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
         raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
     if len(path) > MAX_GLOB:
         raise _fail(source, f"{where}.path", f"a path glob of {len(path)} characters (at most {MAX_GLOB})")
-    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port)
+    websocket = raw.get("websocket", False)
+    if not isinstance(websocket, bool):
+        raise _fail(source, f"{where}.websocket", f"expected true or false, got {websocket!r}")
+    if websocket and "GET" not in methods:
+        raise _fail(source, f"{where}.websocket", "a websocket opens with a GET: add GET to methods")
+    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port, websocket=websocket)
 
 
 def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
-    raw = _check_keys(source, where, raw, _MCP_KEYS, {"url", "tool"})
-    url, tool = raw["url"], raw["tool"]
+    raw = _check_keys(source, where, raw, _MCP_KEYS, {"url"})
+    url = raw["url"]
     if not isinstance(url, str):
         raise _fail(source, f"{where}.url", f"expected an http(s) URL, got {url!r}")
     try:
@@ -391,9 +486,27 @@ def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
         raise _fail(source, f"{where}.url", f"not a valid URL ({exc}): {url!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
         raise _fail(source, f"{where}.url", f"expected an http(s) URL without a query, got {url!r}")
-    if not isinstance(tool, str) or not tool:
-        raise _fail(source, f"{where}.tool", f"expected a tool name, got {tool!r}")
-    return McpMatch(url=url, tool=tool)
+    kinds = [k for k in MCP_KINDS if k in raw]
+    if len(kinds) != 1:
+        raise _fail(source, where, f"needs exactly one item: one of {', '.join(MCP_KINDS)}"
+                    + (f" (got {', '.join(kinds)})" if kinds else ""))
+    kind = kinds[0]
+    value = raw[kind]
+    if kind in MCP_PLUMBING:
+        if value is not True:
+            raise _fail(source, f"{where}.{kind}", f"expected true (the server's {kind}), got {value!r}")
+        return McpMatch(url=url, kind=kind)
+    if not isinstance(value, str) or not value:
+        raise _fail(source, f"{where}.{kind}", f"expected a {kind} name, got {value!r}")
+    if kind == "resource":
+        if len(value) > MAX_GLOB:
+            raise _fail(source, f"{where}.resource", f"a resource pattern of {len(value)} characters "
+                        f"(at most {MAX_GLOB})")
+        if not safe_uri(value):
+            raise _fail(source, f"{where}.resource", "expected a URI with a scheme (a glob with '*' or a URI "
+                        "template with {expressions}), without dot segments, encoded slashes, backslashes, "
+                        f"control characters, a fragment or unbalanced braces: {value!r}")
+    return McpMatch(url=url, kind=kind, name=value)
 
 
 def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
@@ -442,7 +555,7 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
         if cap.mcp is not None:
             seen = servers.setdefault(cap.mcp.server, cap.credential)
             if seen != cap.credential:
-                raise _fail(source, f"capability {cap.name!r}.credential", f"every tool of the MCP server "
+                raise _fail(source, f"capability {cap.name!r}.credential", f"every item of the MCP server "
                             f"{cap.mcp.url} must name the same credential ({seen!r} and {cap.credential!r})")
     roles_raw = raw.get("roles") or {}
     if not isinstance(roles_raw, dict):

@@ -98,7 +98,9 @@ def _wire_text(wire: Mapping[str, Any]) -> str:
         h = wire["http"]
         port = f":{h['port']}" if h.get("port") is not None else ""
         return f"{','.join(h['methods'])} {h['host']}{port}{h['path']}"
-    return f"mcp {wire['mcp']['url']} tool {wire['mcp']['tool']}"
+    from capability import mcpwire
+
+    return mcpwire.text(wire["mcp"])
 
 
 def _budget_text(budget: Mapping[str, Any] | None) -> str:

@@ -1,10 +1,12 @@
 """``tether run``: put an unmodified command under a sidecar.
 
 It starts ``tether sidecar`` as a separate process, waits until the proxy listens, then runs the command
-with ``HTTP_PROXY``/``HTTPS_PROXY`` and the CA variables set (``NO_PROXY`` emptied, so nothing bypasses
-it). With ``--parent-chain/--parent-key`` it first delegates a narrower chain to a fresh key for the
-child. When the command exits, the sidecar is stopped cleanly; the command's exit code is returned.
-Every sidecar option is accepted here and forwarded to the sidecar as given (``SIDECAR_OPTIONS``).
+enforced (the default): in an enclosure whose only way out is the sidecar (proxy/rootless.py, no root
+needed), or, with ``--user`` as root, in a veth namespace as that user (proxy/isolate.py). ``--cooperative``
+instead runs it with ``HTTP_PROXY``/``HTTPS_PROXY`` and the CA variables set (``NO_PROXY`` emptied), which
+only governs programs that follow them. With ``--parent-chain/--parent-key`` it first delegates a narrower
+chain to a fresh key for the child. When the command exits, the sidecar is stopped cleanly; the command's exit
+code is returned. Every sidecar option is accepted here and forwarded to the sidecar as given (``SIDECAR_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from capability.errors import BAD_REQUEST, TetherError
 
+from .delegation import DELEGATE_VARIABLE
 from .grant import CAP_METAVAR
 from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 from .sidecar import SIDECAR_OPTIONS, default_state_root
@@ -34,8 +37,8 @@ CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "C
 AUTHORITY_VARIABLES = ("TETHER_ADMIN_TOKEN", "TETHER_TOKEN")
 COOPERATIVE_WARNING = ("tether: cooperative mode: only programs that follow HTTP(S)_PROXY are governed; a client that "
                        "ignores the proxy variables (Node's fetch, aiohttp's default session, websockets, stdio MCP "
-                       "servers started with a reset environment) goes around the sidecar unseen. --isolate (Linux, "
-                       "root) enforces every client.")
+                       "servers started with a reset environment) goes around the sidecar unseen. Without "
+                       "--cooperative, tether run enforces every client.")
 # The sidecar options whose meaning differs under run: run decides the chain, key and state dir it hands on.
 RUN_OVERRIDES: dict[str, dict[str, Any]] = {
     "chain": {"required": False, "help": "the agent's chain file (or --parent-chain and friends)"},
@@ -60,11 +63,12 @@ def add_run(sub: Any) -> None:
     p.add_argument("--cap", action="append", metavar=CAP_METAVAR,
                    help="the child's capability and tier (with --parent-chain; repeat)")
     p.add_argument("--ttl", type=float, default=3600.0, metavar="S", help="seconds the child link lives")
-    p.add_argument("--isolate", action="store_true", help="Linux, root: run the command as --user in its own "
-                   "network namespace whose only way out is the sidecar (transparent interception)")
-    p.add_argument("--cooperative", action="store_true", help="name the proxy-variables-only mode (today's default "
-                   "without --isolate): programs that ignore HTTP(S)_PROXY are not governed")
-    p.add_argument("--user", default=None, help="the unprivileged user for --isolate (default: nobody)")
+    p.add_argument("--isolate", action="store_true", help="enforce (the default, kept as a synonym): the command's "
+                   "only way out is its sidecar, whatever client it uses")
+    p.add_argument("--cooperative", action="store_true", help="do not enforce: only set the proxy variables, so "
+                   "programs that ignore HTTP(S)_PROXY are not governed (says so on every start)")
+    p.add_argument("--user", default=None, help="Linux, root: enforce by a veth namespace and host rules instead, "
+                   "running the command as this unprivileged user (e.g. nobody)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
     p.set_defaults(func=cmd_run)
 
@@ -106,11 +110,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise TetherError("give the command after --, e.g. tether run --chain c --key k -- python agent.py",
                           code=BAD_REQUEST)
-    if args.isolate and args.cooperative:
-        raise TetherError("--isolate and --cooperative contradict each other: give one", code=BAD_REQUEST)
-    if args.isolate and (args.transparent_listen or args.dns_listen):
-        raise TetherError("--isolate chooses the transparent and DNS listeners itself: drop --transparent-listen "
-                          "and --dns-listen", code=BAD_REQUEST)
+    delegate = os.environ.get(DELEGATE_VARIABLE)
+    if delegate and args.parent_chain and not args.parent_key:  # a sub-agent of an enforced command
+        from .delegation import requested, run_stub
+        from .main import build_parser
+
+        return run_stub(delegate, requested(args, build_parser().parse_args(["run", "--", "true"])), command)
+    if args.cooperative and (args.isolate or args.user):
+        raise TetherError("--cooperative contradicts --isolate and --user (which enforce): give one",
+                          code=BAD_REQUEST)
+    if (args.user or not args.cooperative) and (args.transparent_listen or args.dns_listen):
+        raise TetherError("an enforced run chooses the transparent and DNS listeners itself: drop "
+                          "--transparent-listen and --dns-listen (or give --cooperative)", code=BAD_REQUEST)
     from proxy.credentials import SecretSpec
 
     secrets = [SecretSpec.parse(text) for text in args.secret or []]  # before anything is written
@@ -118,8 +129,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     chain_path, key_path, agent = _identity(args, state_root)
     state_dir = state_root / agent
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    isolation = None
-    if args.isolate:
+    mode = "cooperative" if args.cooperative else "as-user" if args.user else "enforced"
+    isolation = enclosure = None
+    if mode == "as-user":
         from proxy.isolate import DNS_PORT, TRANSPARENT_PORT, Isolation
 
         os.chmod(state_dir, 0o700)  # the CA key, spool and captures: the sidecar's, not the command's
@@ -127,26 +139,50 @@ def cmd_run(args: argparse.Namespace) -> int:
         host = isolation.plan.host_ip
         args = argparse.Namespace(**{**vars(args), "transparent_listen": f"{host}:{TRANSPARENT_PORT}",
                                      "dns_listen": f"{host}:{DNS_PORT}"})
+    elif mode == "enforced":
+        from proxy.rootless import Enclosure
+
+        enclosure = Enclosure.open()  # before the sidecar: it serves the sockets the enclosure makes
     ready = Path(args.ready_file) if args.ready_file else state_dir / "sidecar.ready"
     ready.unlink(missing_ok=True)
     log_path = state_dir / "sidecar.log"
-    sidecar = None
+    sidecar = delegation = None
     try:
         if isolation is not None:
             isolation.check_unreadable([Path(key_path), *(Path(s.ref) for s in secrets if s.kind == "file")])
+        argv = sidecar_argv(args, chain=chain_path, key=key_path, state_dir=state_dir, ready=ready)
+        fds: tuple[int, ...] = ()
+        if enclosure is not None:
+            fds = (enclosure.listener, enclosure.resolver)
+            argv += ["--enclosure-fds", f"{fds[0]},{fds[1]}"]
         with open(log_path, "ab") as log_file:
-            sidecar = subprocess.Popen(sidecar_argv(args, chain=chain_path, key=key_path, state_dir=state_dir,
-                                                    ready=ready),
-                                       stdout=log_file, stderr=log_file, start_new_session=True,
-                                       env=without_authority(os.environ),
+            sidecar = subprocess.Popen(argv, stdout=log_file, stderr=log_file, start_new_session=True,
+                                       env=without_authority(os.environ), pass_fds=fds,
                                        preexec_fn=_die_with_parent)
+        if enclosure is not None:
+            enclosure.close_sockets()  # the sidecar's alone now
         info = _wait_ready(sidecar, ready, log_path)
-        env = _command_env(info, secrets, isolation, state_dir)
-        env.update({"TETHER_AGENT": agent, "TETHER_CHAIN": os.path.abspath(chain_path),
-                    "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE,
-                    "TETHER_STATE_DIR": os.path.abspath(state_root)})
-        if isolation is None:  # an isolated command cannot read the key: naming it would only mislead
+        env = _command_env(info, secrets, isolation, enclosure, state_dir)
+        env.update({"TETHER_AGENT": agent, "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE})
+        if enclosure is None:  # enclosed, the chain and state dir are covered: naming them would only mislead
+            env.update({"TETHER_CHAIN": os.path.abspath(chain_path), "TETHER_STATE_DIR": os.path.abspath(state_root)})
+        if isolation is None and enclosure is None:  # an isolated command cannot read the key
             env["TETHER_KEY"] = os.path.abspath(key_path)
+        if enclosure is not None:
+            from .delegation import DelegationServer
+
+            chain_copy = enclosure.workdir / "chain"  # the chain is no secret: the command may read and show it
+            chain_copy.write_text(Path(chain_path).read_text())
+            delegation = DelegationServer(enclosure.workdir / "delegate.sock",
+                                          controlplane=args.controlplane or DEFAULT_CONTROLPLANE,
+                                          parent_chain=os.path.abspath(chain_path),
+                                          parent_key=os.path.abspath(key_path), state_root=os.path.abspath(state_root))
+            env.update({"TETHER_CHAIN": str(chain_copy), DELEGATE_VARIABLE: str(delegation.path)})
+            print(f"tether: {agent} runs enforced: its only way out is its sidecar (log {log_path})",
+                  file=sys.stderr, flush=True)
+            _enclose(enclosure, command, env, info, secrets,
+                     [state_root, Path(key_path), *([Path(args.parent_key)] if args.parent_key else [])])
+            return _wait_command(enclosure.process)
         where = info["proxy"] if isolation is None else \
             f"{isolation.plan.host_ip}:{TRANSPARENT_PORT} (isolated in {isolation.plan.netns} as {isolation.user.name})"
         print(f"tether: {agent} runs behind its sidecar at {where} (log {log_path})", file=sys.stderr, flush=True)
@@ -154,10 +190,32 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(COOPERATIVE_WARNING, file=sys.stderr, flush=True)
         return _run_command(isolation.wrap(command) if isolation is not None else command, env)
     finally:
+        if delegation is not None:
+            delegation.close()  # its children first: each stops its own sidecar
+        if enclosure is not None:
+            if enclosure.process.poll() is None:
+                enclosure.process.terminate()  # the command first: its calls are the sidecar's to finish
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    enclosure.process.wait(timeout=5)
+            enclosure.destroy()
         if sidecar is not None:
             _stop(sidecar, args.stop_window)
         if isolation is not None:
             isolation.destroy()
+
+
+def _enclose(enclosure: Any, command: list[str], env: dict[str, str], info: dict, secrets: list,
+             covered: list[Path]) -> None:
+    """Start the command in the enclosure: the system's trust stores with the sidecar's CA, the resolver, and
+    covers over the state root, the keys and the secret files."""
+    from proxy.rootless import Plan, cover_mounts, resolver_mount, trust_mounts
+
+    ca_pem = Path(info["ca"]).read_bytes()
+    path_dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d]
+    mounts = [*trust_mounts(ca_pem, enclosure.workdir, path_dirs, Path(info["state_dir"])),
+              *resolver_mount(enclosure.workdir),
+              *cover_mounts([*covered, *(Path(s.ref) for s in secrets if s.kind == "file")], enclosure.workdir)]
+    enclosure.start(Plan(command, env, os.getcwd(), mounts))
 
 
 def _identity(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str]:
@@ -179,8 +237,8 @@ def without_authority(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k not in AUTHORITY_VARIABLES}
 
 
-def _command_env(info: dict, secrets: list, isolation: Any, state_dir: Path) -> dict:
-    """The command's environment: the proxy (or, isolated, none to follow), the CA, and no token or sidecar
+def _command_env(info: dict, secrets: list, isolation: Any, enclosure: Any, state_dir: Path) -> dict:
+    """The command's environment: the proxy (or, enforced, none to follow), the CA, and no token or sidecar
     secret."""
     env = without_authority(os.environ)
     for spec in secrets:  # the secret is the sidecar's alone: the command never sees the variable
@@ -188,13 +246,18 @@ def _command_env(info: dict, secrets: list, isolation: Any, state_dir: Path) -> 
             env.pop(spec.ref, None)
     env["NO_PROXY"] = env["no_proxy"] = ""
     proxies = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
-    if isolation is None:
+    if isolation is None and enclosure is None:
         env.update(dict.fromkeys(proxies, info["proxy"]))
         ca = os.path.abspath(info["ca"])
     else:
         # Every connection is intercepted where it goes: no proxy to follow (or to find out of reach).
         for name in proxies:
             env.pop(name, None)
+    if enclosure is not None:
+        from proxy.rootless import bundle_path
+
+        ca = str(bundle_path(enclosure.workdir, Path(info["ca"]).read_bytes()))
+    elif isolation is not None:
         isolation.check_unreadable(sorted((state_dir / "ca").glob("mitmproxy-ca*.pem")))
         ca = str(isolation.trust(Path(info["ca"])))
         env.update({"HOME": str(isolation.workdir / "home"), "USER": isolation.user.name,
@@ -204,9 +267,12 @@ def _command_env(info: dict, secrets: list, isolation: Any, state_dir: Path) -> 
 
 
 def _run_command(command: list[str], env: dict[str, str]) -> int:
-    """Run the command to its end, passing it SIGTERM and SIGINT; its exit status, a death by signal N as 128+N
+    return _wait_command(subprocess.Popen(command, env=env))
+
+
+def _wait_command(child: subprocess.Popen) -> int:
+    """Wait for the command's end, passing it SIGTERM and SIGINT; its exit status, a death by signal N as 128+N
     (so Ctrl-C, which the command gets too, ends run with 130 as it does the command)."""
-    child = subprocess.Popen(command, env=env)
     previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = child.wait()

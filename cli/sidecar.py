@@ -14,10 +14,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from capability.errors import TetherError
 
 from .process import wait_for_signal
 from .remote import DEFAULT_CONTROLPLANE, add_controlplane
@@ -110,7 +112,17 @@ def add_sidecar(sub: Any) -> None:
     add_controlplane(p)
     for option in SIDECAR_OPTIONS:
         option.add_to(p)
+    p.add_argument("--enclosure-fds", dest="enclosure_fds", metavar="L,D", type=_fds,
+                   help="serve the listener and resolver sockets (inherited descriptors) of tether run's enclosure")
     p.set_defaults(func=cmd_sidecar)
+
+
+def _fds(text: str) -> tuple[int, int]:
+    try:
+        listener, resolver = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--enclosure-fds takes two descriptors, L,D (not {text!r})") from None
+    return listener, resolver
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -151,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         secrets=load_secrets(args.secret or []),
         transparent_listen=parse_listen(args.transparent_listen, 15001) if args.transparent_listen else None,
         dns_listen=parse_listen(args.dns_listen, 53) if args.dns_listen else None,
+        enclosure_fds=getattr(args, "enclosure_fds", None),
         trust=keys.load_public(read_file(args.trust, "trust key"), args.trust) if args.trust else None,
         # Each start-up attempt gives up this soon; serve_sidecar says so and starts the next (never gives up).
         startup_timeout_s=STATUS_EVERY_S,
@@ -169,21 +182,32 @@ def status(text: str) -> None:
     print(f"tether: {text}", file=sys.stderr, flush=True)
 
 
-async def prepare(sidecar: Sidecar, url: str) -> None:
-    """Start-up, retried for as long as the control plane cannot be reached, with a status line each attempt."""
+async def keep_trying(step: Callable[[], Awaitable[None]], url: str) -> None:
+    """A start-up step, retried for as long as the control plane cannot be reached (down, or too slow to
+    answer), with a status line every few seconds; any other error is bad input, the caller's to report."""
     from capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
+    from proxy.channel import sleep_backoff
 
-    started = time.monotonic()
+    started = said = time.monotonic()
+    attempt = 0
     while True:
         try:
-            await sidecar.prepare()
+            await step()
             return
         except ApiError as exc:
             if exc.code != CONTROLPLANE_UNREACHABLE:
                 raise
-            # (the first failure's details were logged as it happened, within the first second)
-            status(f"waiting for the control plane at {url}: unreachable for {time.monotonic() - started:.0f}s, "
-                   "still trying (Ctrl-C to give up)")
+            attempt += 1
+            if attempt == 1 or time.monotonic() - said >= STATUS_EVERY_S:
+                said = time.monotonic()
+                status(f"waiting for the control plane at {url}: unreachable for {said - started:.0f}s "
+                       f"({exc.message}), still trying (Ctrl-C to give up)")
+            await sleep_backoff(attempt)
+
+
+async def prepare(sidecar: Sidecar, url: str) -> None:
+    """Start-up up to the proxy: trust, catalog, chain, registration, first lease (each kept trying)."""
+    await keep_trying(sidecar.prepare, url)
 
 
 async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
@@ -204,12 +228,14 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
         raise
     try:
         host, port = await sidecar.start_proxy()
+        await keep_trying(sidecar.begin, config.controlplane)
     except BaseException:
         await sidecar.stop()  # registered and leased: say goodbye, so no run is left looking alive
         raise
     # Everything loaded so far (mitmproxy, tether, the chain, the catalog) lives as long as the process:
     # moved out of the collector's reach, a full collection no longer walks it (50 ms pauses -> 4 ms here).
     gc.freeze()
+    await _ca_written(sidecar.ca_cert)
     info = {"agent": sidecar.agent, "proxy": f"http://{host}:{port}", "ca": str(sidecar.ca_cert), "pid": os.getpid(),
             "state_dir": str(config.state_dir)}
     status(f"sidecar for {sidecar.agent} on http://{host}:{port} (CA {sidecar.ca_cert})")
@@ -220,6 +246,16 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     stopped_by = await wait_for_signal()
     await sidecar.stop()
     return 130 if stopped_by == signal.SIGINT else 0
+
+
+async def _ca_written(ca: Path, timeout_s: float = 10.0) -> None:
+    """Ready means a client can trust us: the CA certificate is on disk before the ready file says where it is."""
+    deadline = time.monotonic() + timeout_s
+    while not ca.exists():
+        if time.monotonic() > deadline:
+            raise TetherError(f"the sidecar's CA certificate {ca} was not written within {timeout_s:.0f}s",
+                              code="tether.sidecar_failed")
+        await asyncio.sleep(0.02)
 
 
 def check_listen(host: str, port: int) -> None:

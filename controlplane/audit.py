@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from capability.catalog import TIERS, Catalog, host_key, normalize_url
+from capability import mcpwire
+from capability.catalog import TIERS, Catalog, host_key
 from capability.glob import Budget, GlobTooLong, compare
 
 VERSION = 2
@@ -24,7 +25,7 @@ _BUDGET_FIELDS = ("calls", "per_minute")
 # Kinds of widening, as ``audit diff --json`` names them.
 TIER, CAPABILITY_ADDED, AGENT_ADDED = "tier_raised", "capability_added", "agent_added"
 WIRE, HOST, PORT, METHODS, PATH = "wire_changed", "host_changed", "port_widened", "methods_added", "path_widened"
-MCP_URL, MCP_TOOL, BUDGET = "mcp_url_changed", "mcp_tool_changed", "budget_widened"
+MCP_URL, MCP_TOOL, BUDGET = mcpwire.MCP_URL, mcpwire.MCP_TOOL, "budget_widened"
 
 
 class SurfaceError(ValueError):
@@ -48,7 +49,7 @@ def wire(catalog: Catalog, name: str) -> dict[str, Any]:
         h = cap.http
         return {"http": {"host": h.host, "port": h.port, "methods": list(h.methods), "path": h.path}}
     assert cap.mcp is not None  # the catalog parser requires exactly one of the two
-    return {"mcp": {"url": cap.mcp.url, "tool": cap.mcp.tool}}
+    return {"mcp": cap.mcp.to_dict()}  # {url, tool} as before; or resource, prompt, logging, completion ...
 
 
 def _join_budgets(budgets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -135,10 +136,10 @@ def _check_wire(w: Any, where: str) -> Mapping[str, Any]:
                 and isinstance(h.get("methods"), list) and all(isinstance(m, str) for m in h["methods"])
                 and (port is None or (isinstance(port, int) and not isinstance(port, bool)))):
             return w
-    if isinstance(w, Mapping) and set(w) == {"mcp"} and isinstance(m := w["mcp"], Mapping):
-        if isinstance(m.get("url"), str) and isinstance(m.get("tool"), str):
-            return w
-    raise SurfaceError(f"{where}: wire must be {{http: {{host, port, methods, path}}}} or {{mcp: {{url, tool}}}}")
+    if isinstance(w, Mapping) and set(w) == {"mcp"} and mcpwire.kind_of(w["mcp"]) is not None:
+        return w
+    raise SurfaceError(f"{where}: wire must be {{http: {{host, port, methods, path}}}} or {{mcp: {{url, tool}}}} "
+                       "(or resource, prompt, logging, completion, subscriptions in place of tool)")
 
 
 def _check_budget(b: Any, where: str) -> Mapping[str, Any] | None:
@@ -225,15 +226,9 @@ def _wire_widenings(old: Mapping[str, Any], new: Mapping[str, Any], budget: Budg
     if set(old) != set(new):
         return [(WIRE, dict(old), dict(new), "the capability now matches a different kind of call")]
     if "mcp" in new:
-        o, n = old["mcp"], new["mcp"]
-        out: list[Change] = []
-        if normalize_url(o["url"]) != normalize_url(n["url"]):
-            out.append((MCP_URL, o["url"], n["url"], ""))
-        if o["tool"] != n["tool"]:
-            out.append((MCP_TOOL, o["tool"], n["tool"], ""))
-        return out
+        return mcpwire.widenings(old["mcp"], new["mcp"], budget)
     o, n = old["http"], new["http"]
-    out = []
+    out: list[Change] = []
     if host_key(o["host"]) != host_key(n["host"]):
         out.append((HOST, o["host"], n["host"], ""))
     if o.get("port") is not None and n.get("port") != o.get("port"):

@@ -31,7 +31,8 @@ _REFUSALS = {
     404: "Nothing by that id (tether.not_found)",
     409: "The state does not allow it (tether.conflict, or the chain's state: tether.chain_revoked...)",
     413: "The body is larger than the API reads (tether.bad_request)",
-    503: "The store is unreachable (tether.store_unavailable)",
+    503: "The store is unreachable (tether.store_unavailable) or refuses writes (tether.store_unwritable: a full "
+         "disk, a read-only file system, Redis out of memory); retry later",
 }
 
 _ERROR_RESPONSE_HEADERS = {

@@ -149,7 +149,14 @@ APPROVE_REQUEST = obj({"call_hash": nullable({"type": "string", "maxLength": 200
 SIGN_IN_REQUEST = obj({"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, "token")
 
 # -- documents ----------------------------------------------------------------------------------------------
-HEALTH = obj({"status": {"enum": ["ok", "unhealthy"]}, "store": STR, "replica": STR, "catalog": STR},
+HEALTH = obj({"status": {"enum": ["ok", "unhealthy"]},
+              "store": {"enum": ["ok", "unreachable", "unwritable"],
+                        "description": "unwritable: it answers but refuses writes (a full disk, a read-only file "
+                                       "system, Redis out of memory or refusing writes)"},
+              "code": {"enum": ["tether.store_unavailable", "tether.store_unwritable"],
+                       "description": "when unhealthy: the code the API's writes answer with meanwhile"},
+              "reason": {"type": "string", "description": "when unhealthy: why, in the store's own words"},
+              "replica": STR, "catalog": STR},
              "status", "store", "replica", "catalog")
 GRANT = obj({"agent": STR, "jti": STR, "link": STR, "chain": STRINGS}, "agent", "jti", "link", "chain")
 REVOCATION = obj({"jti": STR, "agent": STR, "by": STR, "at": NUM, "reason": nullable(STR),
@@ -215,8 +222,17 @@ QUIESCED = obj({"ok": BOOL, "run_id": nullable(STR)}, "ok")
 RECORD = obj({
     "record_id": STR, "termination_id": STR, "subject": STR, "mode": STR, "requested_by": STR,
     "requested_at": NUM, "completed_at": NUM, "window_s": NUM, "calls": array(ANY_OBJ), "leases": array(ANY_OBJ),
-    "agents_terminated": array({}), "agents_unaccounted": array(ANY_OBJ), "prev_hash": STR, "hash": STR,
-    "signature": STR,
+    "agents_terminated": array({}), "agents_unaccounted": array(ANY_OBJ),
+    "amends": {"type": "string", "description": "an addendum: the record of the same termination it amends"},
+    "accounts_for": array(obj({"record_id": STR, "termination_id": STR, "agents": STRINGS, "call_ids": STRINGS},
+                              "record_id", "termination_id", "agents", "call_ids"),
+                          description="earlier records of overlapping terminations that listed as unaccounted "
+                                      "agents this record confirms, or as unknown calls it reports"),
+    "calls_held_by": array(obj({"record_id": STR, "termination_id": STR, "calls": INT},
+                               "record_id", "termination_id", "calls"),
+                           description="earlier records holding as reported calls of this subtree, which this "
+                                       "record therefore leaves out (a call belongs to exactly one record)"),
+    "prev_hash": STR, "hash": STR, "signature": STR,
 }, "record_id", "termination_id", "subject", "calls", "agents_terminated", "agents_unaccounted", "prev_hash",
     "hash", "signature")
 RECORDS = array(ref("Record"))

@@ -14,7 +14,7 @@ repeats it after restart and the protocol still ends in exactly one record.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,18 +163,21 @@ def build_record(
     now: float,
     starts: list[Doc] = (),  # type: ignore[assignment]
     budgets: Mapping[str, Doc] | None = None,  # jti -> {capability: {granted, used, leased, ...}}
+    log: Sequence[Doc] = (),
 ) -> Doc:
     """Assemble (unsigned) what became of every call and agent in the subtree.
 
     ``runs``: every sidecar run of the termination's links; ``acks``: run id -> its acknowledgement of this
     termination; ``starts``: calls whose start the sidecars reported (write-ahead) and whose end never came.
-    An agent is terminated only when every one of its runs said so (runs.accounted)."""
+    An agent is terminated only when every one of its runs said so (runs.accounted). ``log``: every record
+    written so far; a call one of them holds as reported is not listed again (see ``ownership``)."""
     acked = accounted(termination["agents"], runs, acks)
-    calls = [_call_entry(report) for report in _in_order(reports)]
+    owner = held_as_reported(log)
+    calls = [_call_entry(report) for report in _in_order(reports) if report["call_id"] not in owner]
     terminated = [_terminated_entry(acked[a]) for a in sorted(termination["agents"]) if a in acked]
-    unaccounted = _unaccounted(termination["agents"], acked, calls, list(starts), runs, acks)
+    unaccounted = _unaccounted(termination["agents"], acked, calls, list(starts), runs, acks, set(owner))
     leases = _leases(links, revocations, runs, acked, budgets)
-    return {
+    record = {
         "record_id": record_id,
         "termination_id": termination["id"],
         "subject": termination["subject"],
@@ -192,13 +195,15 @@ def build_record(
                              for e in terminated},
         "prev_hash": prev_hash,
     }
+    return {**record, **ownership(termination["id"], log, reports, calls, terminated, owner)}
 
 
 def _unaccounted(agents: list[str], acked: Mapping[str, Doc], calls: list[Doc], starts: list[Doc], runs: list[Doc],
-                 acks: Mapping[str, Doc]) -> list[Doc]:
+                 acks: Mapping[str, Doc], held: set[str] = frozenset()) -> list[Doc]:  # type: ignore[assignment]
     """The agents no run of which accounted for; appends to ``calls`` every call last seen in flight (or
-    written ahead) and never heard of again, as ``unknown``."""
-    seen = {call["call_id"] for call in calls}
+    written ahead) and never heard of again, as ``unknown``. ``held``: calls another record holds as reported
+    (a run that went silent may still list one in flight): never listed as unknown here."""
+    seen = {call["call_id"] for call in calls} | set(held)
     unaccounted: list[Doc] = []
     never_ended: dict[str, list[Doc]] = {}
     for start in _in_order(starts):
@@ -310,20 +315,78 @@ def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
     return VerifyResult(not problems, len(records), tuple(problems))
 
 
-def build_addendum(termination: Doc, earlier: list[Doc], *, record_id: str, reports: list[Doc],
+# -- one call, one record: overlapping terminations -------------------------------------------------------
+# Terminations overlap: a parent's subtree holds its child, so terminating both at once (or one while the other
+# still watches for late acknowledgements) puts the child's calls under two terminations. A call belongs to the
+# first record in the log that holds it as reported (a ``calls`` entry without ``reported: false``); every
+# later record, of any termination, an addendum included, leaves it out and says where it is. A record that
+# reports calls an earlier record of another termination could only list as ``unknown`` (its agent was
+# unaccounted there) says so too, naming that record. The log's append is a compare-and-set on its head, so two
+# replicas writing at once serialise: the second rebuilds on the first and sees what it holds.
+def held_as_reported(log: Sequence[Doc]) -> dict[str, str]:
+    """call id -> the record that holds it as reported (the first, oldest first)."""
+    owner: dict[str, str] = {}
+    for record in log:
+        for call in record.get("calls", ()):
+            if call.get("reported", True):
+                owner.setdefault(call["call_id"], record["record_id"])
+    return owner
+
+
+def ownership(termination_id: str, log: Sequence[Doc], reports: Iterable[Doc], calls: Iterable[Doc],
+              terminated: Iterable[Doc], owner: Mapping[str, str] | None = None) -> Doc:
+    """What a new record says of the other terminations' records: ``calls_held_by`` (calls of its agents it
+    leaves out because an earlier record of another termination holds them as reported: each such record,
+    with its termination and how many) and ``accounts_for`` (earlier records of other terminations that listed
+    as unaccounted an agent it confirms, or as ``unknown`` a call it reports: each with those agents and call
+    ids). An agent counts only through the same sidecar run (an id re-granted since is another agent's run).
+    Empty lists are left out, so a record of a termination that overlaps nothing reads as it always did.
+    ``owner``: ``held_as_reported(log)``, when the caller has it already."""
+    owner = held_as_reported(log) if owner is None else owner
+    position = {r["record_id"]: i for i, r in enumerate(log)}
+    held: dict[str, int] = {}
+    for report in reports:
+        rid = owner.get(report["call_id"])
+        if rid is not None and log[position[rid]].get("termination_id") != termination_id:  # own: ``amends``
+            held[rid] = held.get(rid, 0) + 1
+    mine = {c["call_id"] for c in calls if c.get("reported", True)}
+    confirmed_runs = {(e["agent"], run) for e in terminated for run in e.get("runs", ())}
+    accounts: list[Doc] = []
+    for record in log:
+        if record.get("termination_id") == termination_id:
+            continue  # this termination's own earlier records: an addendum ``amends`` them
+        unknown = sorted({c["call_id"] for c in record.get("calls", ()) if c.get("reported", True) is False} & mine)
+        agents = sorted({u["agent"] for u in record.get("agents_unaccounted", ())
+                         if any((u["agent"], r.get("run_id")) in confirmed_runs for r in u.get("runs", ()))})
+        if unknown or agents:
+            accounts.append({"record_id": record["record_id"], "termination_id": record.get("termination_id"),
+                             "agents": agents, "call_ids": unknown})
+    out: Doc = {}
+    if held:
+        out["calls_held_by"] = [{"record_id": rid, "termination_id": log[position[rid]].get("termination_id"),
+                                 "calls": n} for rid, n in sorted(held.items(), key=lambda item: position[item[0]])]
+    if accounts:
+        out["accounts_for"] = accounts
+    return out
+
+
+def build_addendum(termination: Doc, log: list[Doc], *, record_id: str, reports: list[Doc],
                    runs: list[Doc], acks: Mapping[str, Doc], prev_hash: str, now: float) -> Doc | None:
     """A later record for the same termination, when agents the record could not confirm acknowledge late.
 
     A sidecar acknowledges only after delivering its last reports, so the addendum can list every call of
-    those agents that no earlier record had as reported, and move the agents to ``agents_terminated``.
-    ``earlier``: the termination's records so far, oldest first. None when there is nothing to add."""
+    those agents that no earlier record (of this termination or any other) holds as reported, and move the
+    agents to ``agents_terminated``. ``log``: every record so far, oldest first (it holds at least this
+    termination's record). None when there is nothing to add."""
+    earlier = [r for r in log if r["termination_id"] == termination["id"]]
     latest = earlier[-1]
     acked = accounted([u["agent"] for u in latest["agents_unaccounted"]], runs, acks)
     late = sorted(acked)
     if not late:
         return None
-    known = {c["call_id"] for record in earlier for c in record["calls"] if c.get("reported", True)}
-    calls = [_call_entry(r) for r in _in_order(reports) if r["agent"] in late and r["call_id"] not in known]
+    owner = held_as_reported(log)
+    theirs = [r for r in _in_order(reports) if r["agent"] in late]
+    calls = [_call_entry(r) for r in theirs if r["call_id"] not in owner]
     entries = [{**_terminated_entry(acked[a]), "state": "acknowledged_late"} for a in late]
     return {
         "record_id": record_id, "termination_id": termination["id"], "subject": termination["subject"],
@@ -334,5 +397,6 @@ def build_addendum(termination: Doc, earlier: list[Doc], *, record_id: str, repo
         "agents_unaccounted": [u for u in latest["agents_unaccounted"] if u["agent"] not in late],
         "acknowledgements": {e["agent"]: {"at": e["at"], "state": "acknowledged_late", "run_id": e["run_id"]}
                              for e in entries},
+        **ownership(termination["id"], log, theirs, calls, entries, owner),
         "prev_hash": prev_hash,
     }

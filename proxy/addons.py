@@ -1,10 +1,10 @@
 """tether's behaviour inside mitmproxy, as addons with one concern each (STYLE.md).
 
 Order matters and is fixed by ``proxy.sidecar``: Tracker (opens a call for every request), the enforcement
-addons of ``proxy.enforce`` (decide, hold, forward), ToolsFilter (hide ungranted MCP tools), Streamer (no
-buffering of SSE and large bodies), Capture (redacted flows on disk), Resolver (closes each call with its
-resolution). They share one ``FlowState`` per flow (``proxy.flowstate``); each takes only the collaborators
-it uses, and none imports the sidecar.
+addons of ``proxy.enforce`` (decide, hold, forward), McpFilter (hides ungranted MCP items; a refused JSON-RPC
+request is answered as a server would), Streamer (no buffering of SSE and large bodies), Capture (redacted
+flows on disk), Resolver (closes each call with its resolution). They share one ``FlowState`` per flow
+(``proxy.flowstate``); each takes only the collaborators it uses, and none imports the sidecar.
 """
 
 from __future__ import annotations
@@ -64,8 +64,23 @@ class Resolver:
             return
         if state.refused is not None:
             self.resolve(call, state.outcome, code=state.refused)
+        elif flow.websocket is not None:
+            call.phase = "forwarded"  # the upgrade is done; the call lasts as long as the websocket
         else:
             self.resolve(call, "completed", status=flow.response.status_code if flow.response else None)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        state = state_of(flow)
+        call = state.call
+        if call is None:
+            return
+        ws = flow.websocket
+        if state.aborted:  # cut by tether: what the server did with the last frames is not known
+            self.resolve(call, "unknown", code=state.aborted, detail="the websocket was cut by tether")
+            return
+        who = "client" if ws is not None and ws.closed_by_client else "server"
+        self.resolve(call, "completed", status=101,
+                     detail=f"websocket closed by the {who} ({ws.close_code if ws is not None else '-'})")
 
     def error(self, flow: http.HTTPFlow) -> None:
         state = state_of(flow)
@@ -82,6 +97,13 @@ class Resolver:
                 # Every request got its JSON-RPC answer; the client closed the stream after reading it.
                 self.resolve(call, "completed", status=flow.response.status_code)
                 return
+        if is_listen_closed(flow):
+            # The server's stream to the client never ends by itself: a client that closes it (the SDKs do at the
+            # end of every session) ended a call that had nothing left to answer. Nothing was lost.
+            call.detail = "listen stream closed by the client"
+            self.resolve(call, "completed", status=flow.response.status_code if flow.response else None,
+                         detail=call.detail)
+            return
         conn = flow.server_conn
         # Before the final look nothing was sent, whatever state a reused upstream connection is in.
         connected = call.phase in ("forwarding", "forwarded") and conn.timestamp_tcp_setup is not None and (
@@ -92,29 +114,36 @@ class Resolver:
         self.resolve(call, resolution, detail=detail, code=state.aborted)
 
 
-class ToolsFilter:
-    """Ungranted MCP tools do not exist: remove them from every tools/list result, JSON or SSE.
+class McpFilter:
+    """What the agent does not hold does not exist: ungranted tools, resources, resource templates and prompts
+    are removed from every list result, JSON or SSE; a resources/updated notification about an ungranted
+    resource is dropped; and a refused JSON-RPC request is answered the way a server answers (HTTP 200).
 
     Every answer from an MCP server is read before it reaches the agent: SSE streams event by event (any line
-    ending, decoded when the server compressed them), JSON answers to a request that lists tools whole. An
-    answer to a tools/list that cannot be read (an unknown or broken Content-Encoding, a body that is neither
+    ending, decoded when the server compressed them), JSON answers to a request that lists items whole. An
+    answer to a list request that cannot be read (an unknown or broken Content-Encoding, a body that is neither
     JSON nor SSE) is replaced by a JSON-RPC error; it never passes unfiltered."""
 
     def __init__(self, catalog: Catalog, tier: Callable[[str], str]) -> None:
         self.catalog, self.tier = catalog, tier
 
-    def _allowed(self, server: str) -> Callable[[str], bool]:
-        tools = self.catalog.mcp_tools(server)
-        tier = self.tier
+    def _allowed(self, server: str) -> mcp.Visible:
+        catalog, tier = self.catalog, self.tier
 
-        def allowed(name: str) -> bool:
-            return any(tier(c) != "absent" for c in tools.get(name, []))
+        def held(names: list[str]) -> bool:
+            return any(tier(c) != "absent" for c in names)
 
-        return allowed
+        tools, prompts = catalog.mcp_named(server, "tool"), catalog.mcp_named(server, "prompt")
+        return mcp.Visible(
+            tool=lambda name: held(tools.get(name, [])),
+            resource=lambda uri: held(catalog.match_resource(server, uri)),
+            template=lambda template: held(catalog.match_resource_template(server, template)),
+            prompt=lambda name: held(prompts.get(name, [])),
+        )
 
     @staticmethod
-    def _lists_tools(flow: http.HTTPFlow) -> bool:
-        return "tools/list" in (state_of(flow).mcp_methods or [])
+    def _lists_items(flow: http.HTTPFlow) -> bool:
+        return any(method in mcp.LISTS for method in state_of(flow).mcp_methods or [])
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         # Ask for answers tether reads without decompressing: servers that honour it answer in identity, and
@@ -126,20 +155,23 @@ class ToolsFilter:
         state = state_of(flow)
         server = state.mcp_server
         resp = flow.response
-        if server is None or resp is None or state.refused is not None:
+        if server is not None and resp is not None and state.refused is not None:
+            self._answer_as_server(flow, resp)
+            return
+        if server is None or resp is None:
             return
         media = mcp.media_type(resp.headers.get("content-type", ""))
         if media != mcp.SSE:
-            if self._lists_tools(flow) or is_listen(flow):
+            if self._lists_items(flow) or is_listen(flow):
                 state.no_stream = True  # read whole and filtered in response()
             return
-        # Server-to-client streams (and GET listen streams) may carry tools/list answers too.
+        # Server-to-client streams (and GET listen streams) may carry list answers and notifications too.
         try:
             codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
         except mcp.Unreadable as exc:
             self._refuse_streamed(flow, str(exc))
             return
-        resp.stream = state.mcp_sse = mcp.SseToolsFilter(
+        resp.stream = state.mcp_sse = mcp.SseListsFilter(
             self._allowed(server), mcp.Decoder(codings) if codings else None)
         # What reaches the agent is identity-coded and of a length no header can know in advance.
         resp.headers.pop("content-encoding", None)
@@ -157,11 +189,11 @@ class ToolsFilter:
             sse = state.mcp_sse
             call = state.call
             if sse is not None and (sse.broken or sse.dropped) and call is not None:
-                call.detail = f"tools/list filter: {sse.broken or f'{sse.dropped} unreadable events dropped'}"
+                call.detail = f"list filter: {sse.broken or f'{sse.dropped} unreadable events dropped'}"
             return
-        # An answer to a request that lists tools (or to a listen GET) must be read when it is JSON or succeeded;
-        # an error status with a body that is not JSON carries no tools list for any JSON-RPC client.
-        asks = self._lists_tools(flow) or is_listen(flow)
+        # An answer to a request that lists items (or to a listen GET) must be read when it is JSON or succeeded;
+        # an error status with a body that is not JSON carries no list for any JSON-RPC client.
+        asks = self._lists_items(flow) or is_listen(flow)
         media = mcp.media_type(resp.headers.get("content-type", ""))
         if not asks and not mcp.is_json(media):
             return
@@ -177,21 +209,31 @@ class ToolsFilter:
         except mcp.Unreadable as exc:
             if lists:
                 self._refuse_answer(flow, str(exc))
-            return  # an unreadable answer to anything else holds no tools list for the client either
+            return  # an unreadable answer to anything else holds no list for the client either
         if removed or "content-encoding" in resp.headers:
             resp.headers.pop("content-encoding", None)
             resp.content = body  # sets a matching Content-Length
 
+    @staticmethod
+    def _answer_as_server(flow: http.HTTPFlow, resp: http.Response) -> None:
+        """A refused JSON-RPC request gets its JSON-RPC answer (``proxy.flowstate.refuse`` wrote it) at HTTP 200,
+        as a server answers one: an SDK reads a 403 as a transport or authorization failure, not as the
+        refusal of one request. ``Tether-Error`` stays. Requests that are not JSON-RPC keep their status."""
+        if flow.request.method == "POST" and mcp.answers_requests(state_of(flow).mcp_parsed):
+            resp.status_code = 200
+            resp.reason = "OK"
+
     def _refusal(self, flow: http.HTTPFlow, reason: str) -> tuple[int, bytes, dict[str, str]]:
         call = call_of(flow)
-        message = f"the MCP server's answer could not be read, so its tools could not be filtered: {reason}"
+        message = f"the MCP server's answer could not be read, so its lists could not be filtered: {reason}"
         if call is not None:
-            call.detail = f"tools/list answer refused: {reason}"
+            call.detail = f"list answer refused: {reason}"
         error = {"code": codes.CAPABILITY_ABSENT, "message": message, "call_id": call.call_id if call else None,
                  "capability": call.capability if call else None, "reason": "unfilterable_answer"}
-        body = mcp.error_body(state_of(flow).mcp_parsed, None, message, error)
+        body = mcp.error_body(state_of(flow).mcp_parsed, None, message, error, tool_errors=False)
         log.warning("refusing an MCP answer from %s: %s", flow.request.pretty_url, reason)
-        return 502, body, {"Content-Type": "application/json", "Tether-Error": codes.CAPABILITY_ABSENT,
+        status = 200 if flow.request.method == "POST" and mcp.answers_requests(state_of(flow).mcp_parsed) else 502
+        return status, body, {"Content-Type": "application/json", "Tether-Error": codes.CAPABILITY_ABSENT,
                            "Cache-Control": "no-store", "Content-Length": str(len(body))}
 
     def _refuse_answer(self, flow: http.HTTPFlow, reason: str) -> None:
@@ -204,7 +246,7 @@ class ToolsFilter:
         resp = flow.response
         assert resp is not None
         resp.status_code = status
-        resp.reason = "Bad Gateway"
+        resp.reason = "OK" if status == 200 else "Bad Gateway"
         resp.headers.clear()
         resp.headers.update(headers)
         resp.raw_content = body  # sent as is if the server's answer turns out to have no body at all
@@ -218,6 +260,26 @@ class ToolsFilter:
             return [body]
 
         resp.stream = only_the_refusal
+
+
+ToolsFilter = McpFilter  # the name proxy/sidecar.py and older code know it by
+
+
+_CLIENT_CLOSED = ("Client disconnected.", "stream reset by client")  # mitmproxy's words, HTTP/1 and HTTP/2
+
+
+def is_listen_closed(flow: http.HTTPFlow) -> bool:
+    """An MCP listen stream the server answered with SSE (a GET, or a 2026-07-28 ``subscriptions/listen``) that the
+    client closed, not tether or the server."""
+    state = state_of(flow)
+    resp = flow.response
+    parsed = state.mcp_parsed
+    listen = flow.request.method == "GET" or (
+        parsed is not None and [m.method for m in parsed.messages] == [mcp.LISTEN])
+    return (state.mcp_server is not None and listen and not state.aborted
+            and resp is not None and 200 <= resp.status_code < 300
+            and mcp.media_type(resp.headers.get("content-type", "")) == mcp.SSE
+            and flow.error is not None and flow.error.msg.startswith(_CLIENT_CLOSED))
 
 
 def is_listen(flow: http.HTTPFlow) -> bool:
@@ -264,9 +326,13 @@ class Capture:
                                  f"({self.writer.last_error})"))
 
     def response(self, flow: http.HTTPFlow) -> None:
-        self._final(flow)
+        if flow.websocket is None:  # a websocket's final state is its end
+            self._final(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._final(flow)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
         self._final(flow)
 
     def _final(self, flow: http.HTTPFlow) -> None:
@@ -279,3 +345,27 @@ class Capture:
             asyncio.get_running_loop().call_soon(self.writer.write, flow)
         elif self.writer.write(flow):  # refused (or uncaptured) calls: the report names the capture
             call.capture_ref = self.writer.ref(flow)
+
+
+WEBSOCKET_KEPT_BYTES = 1 << 20  # per websocket: the messages kept (and captured) beyond this are only counted
+
+
+class WebsocketBound:
+    """A websocket's messages are kept on its flow (for the capture) up to ``WEBSOCKET_KEPT_BYTES``; past that each
+    still passes but is dropped from the flow once it has been seen, so a long-lived connection's memory stays
+    flat. What was dropped is counted in the flow's metadata (``tether.websocket_dropped``)."""
+
+    def __init__(self, kept_bytes: int = WEBSOCKET_KEPT_BYTES) -> None:
+        self.kept_bytes = kept_bytes
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        ws = flow.websocket
+        if ws is None or not ws.messages:
+            return
+        kept = flow.metadata.get("tether.websocket_kept", 0) + len(ws.messages[-1].content)
+        flow.metadata["tether.websocket_kept"] = kept
+        if kept > self.kept_bytes:
+            message = ws.messages.pop()  # mitmproxy sends its own reference to the message: it still passes
+            dropped = flow.metadata.setdefault("tether.websocket_dropped", {"messages": 0, "bytes": 0})
+            dropped["messages"] += 1
+            dropped["bytes"] += len(message.content)

@@ -91,6 +91,7 @@ class Facts:
     now_mono: float
     rewrite_headers: tuple[str, ...] = ()  # those of REWRITE_HEADERS the request carries, in that order
     upgrade: bool = False
+    websocket: bool = False  # the upgrade asked for is a websocket (Upgrade: websocket on a GET)
     chain_header: str | None = None  # Tether-Chain
     host_header: str | None = None  # Host, or :authority
     mcp_method: str | None = None  # the mcp-method header
@@ -101,11 +102,12 @@ class Facts:
 
 @dataclass(slots=True, kw_only=True)
 class Answer:
-    capability: str | None = None  # what the call matched (several, comma-joined, for a batch of tools/call)
+    capability: str | None = None  # what the call matched (several, comma-joined, for a batch of item uses)
     tier: str | None = None
     server: str | None = None  # the MCP endpoint, when the call goes to one
     detail: str | None = None  # for the report: which MCP plumbing it was
-    tools: tuple[str, ...] | None = None  # the capabilities of a JSON-RPC body's tools/call messages
+    tools: tuple[str, ...] | None = None  # the capabilities a JSON-RPC body's messages use (tools, resources,
+    #                                       prompts, plumbing): one budget unit each; the name it had for tools only
     parsed: mcp.Parsed | None = None  # the JSON-RPC body, once read
 
 
@@ -144,7 +146,8 @@ def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
         return _decide_rpc(catalog, chain, facts, server)
     names = catalog.match_http(facts.host, facts.port, facts.method, facts.path)
     capability, tier = _best(chain, names) if names else (None, None)
-    refusal = _state_and_headers(chain, facts)
+    websocket_ok = capability is not None and _websocket_capability(catalog, capability)
+    refusal = _state_and_headers(chain, facts, websocket_ok=websocket_ok and server is None)
     if refusal is None and server is not None:
         return _decide_stream(catalog, chain, facts, server, capability, tier)
     if refusal is None and not names:
@@ -207,16 +210,26 @@ def _request_line(facts: Facts) -> Refusal | None:
     return None
 
 
-def _state_and_headers(chain: ChainState, facts: Facts) -> Refusal | None:
+def _websocket_capability(catalog: Catalog, name: str) -> bool:
+    cap = catalog.capabilities.get(name)
+    return cap is not None and cap.http is not None and cap.http.websocket
+
+
+def _state_and_headers(chain: ChainState, facts: Facts, *, websocket_ok: bool = False) -> Refusal | None:
     """May anything leave now, and do the headers say what the connection does?"""
     refusal = chain.refusal(facts.now, facts.now_mono)
     if refusal is not None:
         return refusal
-    if facts.upgrade or facts.method == "CONNECT":
-        # A websocket or other upgraded stream would outlive the call's decision (and a revocation,
-        # drain or abort): tether does not let one start.
-        return Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades (websockets, h2c, tunnels in tunnels) "
-                       "are not forwarded")
+    if facts.websocket and facts.method == "GET" and websocket_ok:
+        pass  # a websocket the capability grants: the connection is the call (tracked, drained, cut, captured)
+    elif facts.websocket:
+        return Refusal(codes.CAPABILITY_ABSENT, "no capability here grants a websocket (an http capability takes "
+                       "websocket: true)", reason="websocket")
+    elif facts.upgrade or facts.method == "CONNECT":
+        # Another upgraded stream (h2c, a tunnel in a tunnel) would outlive the call's decision (and a
+        # revocation, drain or abort) unseen: tether does not let one start.
+        return Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades other than granted websockets (h2c, tunnels in "
+                       "tunnels) are not forwarded")
     if facts.chain_header is not None and facts.chain_header.strip() != chain.wire:
         return Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
                        "an agent cannot borrow another chain", reason="foreign_chain")
@@ -233,10 +246,54 @@ def _state_and_headers(chain: ChainState, facts: Facts) -> Refusal | None:
 
 
 def _plumbing(catalog: Catalog, chain: ChainState, server: str) -> Refusal | None:
-    """Session plumbing needs some tool on that server."""
-    if any(chain.tier(c) != "absent" for caps in catalog.mcp_tools(server).values() for c in caps):
+    """Session plumbing needs some item (a tool, resource, prompt or piece of plumbing) granted on that server."""
+    if any(chain.tier(c) != "absent" for c in catalog.mcp_capabilities(server)):
         return None
-    return Refusal(codes.CAPABILITY_ABSENT, f"no tool on {server} is granted to {chain.agent}")
+    return Refusal(codes.CAPABILITY_ABSENT, f"nothing on {server} is granted to {chain.agent}")
+
+
+@dataclass(slots=True)
+class _Need:
+    """One item a message needs: the capabilities that could grant it, what to call it in a refusal, and
+    whether the message uses it (held at approval tier, one unit of its budget) or only needs it to exist
+    (the end of a subscription, the prompt or resource a completion is about)."""
+
+    names: list[str]
+    label: str
+    uses: bool = True
+    fallback: str | None = None  # the capability a report names when the catalog has none for it
+
+
+def _needs(catalog: Catalog, server: str, message: mcp.Message) -> list[_Need] | None:
+    """What one message needs granted, or None when it is not an item's method (plumbing, or unknown)."""
+    method = message.method
+    if method == "tools/call":
+        return [_Need(catalog.match_mcp_item(server, "tool", message.tool or ""), f"tool {message.tool!r}",
+                      fallback=f"mcp:{message.tool}")]
+    if method == "prompts/get":
+        return [_Need(catalog.match_mcp_item(server, "prompt", message.prompt or ""), f"prompt {message.prompt!r}")]
+    if method == "resources/read":
+        return [_Need(catalog.match_resource(server, message.uri or ""), f"resource {message.uri!r}")]
+    if method in ("resources/subscribe", "resources/unsubscribe"):
+        ending = method == "resources/unsubscribe"  # ending a subscription is never held, never counted
+        return [_Need(catalog.match_resource(server, message.uri or ""), f"resource {message.uri!r}", uses=False),
+                _Need(catalog.match_mcp_item(server, "subscriptions"), f"subscriptions on {server}", uses=not ending)]
+    if method == mcp.LISTEN:
+        if not message.uris:
+            return None  # list-changed notifications only: plumbing, as the GET listen stream is
+        return [*(_Need(catalog.match_resource(server, uri), f"resource {uri!r}", uses=False) for uri in message.uris),
+                _Need(catalog.match_mcp_item(server, "subscriptions"), f"subscriptions on {server}")]
+    if method == "logging/setLevel":
+        return [_Need(catalog.match_mcp_item(server, "logging"), f"logging on {server}")]
+    if method == "completion/complete":
+        if message.prompt is not None:
+            about = _Need(catalog.match_mcp_item(server, "prompt", message.prompt), f"prompt {message.prompt!r}",
+                          uses=False)
+        else:
+            about = _Need(catalog.match_resource_template(server, message.uri or ""), f"resource {message.uri!r}",
+                          uses=False)
+        return [_Need(catalog.match_mcp_item(server, "completion"), f"completion on {server}"), about]
+    return None
 
 
 def _decide_stream(catalog: Catalog, chain: ChainState, facts: Facts, server: str, capability: str | None,
@@ -270,34 +327,43 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
         return Refused(refusal=parsed, server=server)
     capability: str | None = None
     detail: str | None = None
-    tools: list[tuple[str, str]] = []
+    used: list[tuple[str, str]] = []  # (capability, tier) of every item a message uses: held, counted
     refusal: Refusal | None = None
     for message in parsed.messages:
-        if message.method == "tools/call":
-            names = catalog.match_mcp(server, message.tool or "")
-            capability, tier = _best(chain, names) if names else (f"mcp:{message.tool}", "absent")
-            if tier == "absent":
-                refusal = Refusal(codes.CAPABILITY_ABSENT, f"tool {message.tool!r} is not granted to {chain.agent}",
-                                  capability=capability)
+        needs = _needs(catalog, server, message)
+        if needs is not None:
+            for need in needs:
+                name, tier = _best(chain, need.names) if need.names else (None, "absent")
+                if tier == "absent":
+                    capability = name or need.fallback
+                    refusal = Refusal(codes.CAPABILITY_ABSENT, f"{need.label} is not granted to {chain.agent}",
+                                      capability=capability)
+                    break
+                if need.uses:
+                    used.append((name, tier))
+            if refusal is not None:
                 break
-            tools.append((capability, tier))
+            if message.method != "tools/call":
+                detail = f"mcp {message.method}"
         elif message.is_plumbing:
             refusal = _plumbing(catalog, chain, server)
             if refusal is not None:
                 break
-            detail = f"mcp {message.method or 'response'}"
+            detail = detail or f"mcp {message.method or 'response'}"
         else:
             refusal = Refusal(codes.CAPABILITY_ABSENT, f"MCP method {message.method!r} is not in the catalog")
             break
     refusal = refusal or _rpc_headers(facts, parsed) or _state_and_headers(chain, facts)
     if refusal is not None:
+        if capability is None and used:
+            capability = ",".join(dict.fromkeys(c for c, _ in used))
         return Refused(refusal=refusal, capability=capability, server=server, detail=detail, parsed=parsed)
-    if not tools:
+    if not used:
         return Allow(server=server, detail=detail or "mcp", parsed=parsed)
-    names = tuple(c for c, _ in tools)
-    held = any(t == "approval" for _, t in tools)
-    return (Hold if held else Allow)(capability=",".join(names), tier="approval" if held else "direct",
-                                     server=server, tools=names, parsed=parsed)
+    names = tuple(c for c, _ in used)
+    held = any(t == "approval" for _, t in used)
+    return (Hold if held else Allow)(capability=",".join(dict.fromkeys(names)), tier="approval" if held else "direct",
+                                     server=server, detail=detail, tools=names, parsed=parsed)
 
 
 def _rpc_headers(facts: Facts, parsed: mcp.Parsed) -> Refusal | None:
@@ -307,6 +373,8 @@ def _rpc_headers(facts: Facts, parsed: mcp.Parsed) -> Refusal | None:
     message = parsed.messages[0]
     if facts.mcp_method is not None and facts.mcp_method != message.method:
         return Refusal(codes.CAPABILITY_ABSENT, "the mcp-method header does not match the JSON-RPC body")
-    if facts.mcp_name is not None and message.method == "tools/call" and facts.mcp_name != message.tool:
-        return Refusal(codes.CAPABILITY_ABSENT, "the mcp-name header does not match the tool in the body")
+    if facts.mcp_name is not None and message.method in mcp.MIRRORED:
+        if mcp.header_value(facts.mcp_name) != message.name:
+            return Refusal(codes.CAPABILITY_ABSENT, f"the mcp-name header does not match the "
+                           f"{'tool' if message.method == 'tools/call' else 'item'} in the body")
     return None

@@ -10,8 +10,11 @@ the sidecar and the agent start, and installs, in the pod's namespace:
   sidecar reaches the control plane, DNS and the tools;
 - explicit proxy mode (the default): every other new outbound connection, TCP, UDP (DNS included) or
   anything else, is rejected at once, so an agent that ignores ``HTTPS_PROXY`` fails fast and loudly;
-- transparent mode: other uids' outbound TCP is redirected (``nat OUTPUT REDIRECT``) to the sidecar's
-  transparent port instead, and the rest is rejected as above.
+- transparent mode: other uids' TCP is redirected (``nat OUTPUT REDIRECT``) to the sidecar's transparent port
+  instead, loopback included (as under ``tether run``: a service on the pod's own 127.0.0.1 is reached through
+  the sidecar, only where the catalog grants it); with ``--dns-port``, their DNS goes to the sidecar's
+  resolver, which answers every name and forwards nothing (no DNS channel out), as under ``tether run``; the
+  rest is rejected as above.
 
 The rules are pure data (:func:`rule_args`, :func:`restore_script`); only :func:`apply` runs a command.
 ``python -m proxy.egress --sidecar-uid 10001 --proxy-port 8080 [--transparent] [--apply|--print]``.
@@ -55,12 +58,16 @@ class EgressLock:
     proxy_port: int = 8080
     transparent_port: int | None = None
     agent_dns: tuple[str, ...] = ()  # resolvers other uids may query (transparent mode needs names)
+    dns_port: int | None = None  # transparent mode: other uids' DNS is redirected to the sidecar's resolver here
 
     def __post_init__(self) -> None:
         if self.sidecar_uid <= 0:
             raise EgressError(f"--sidecar-uid {self.sidecar_uid}: the sidecar must run as a fixed non-root uid "
                               "(root is exempt from nothing and would make the lock meaningless)")
-        for name, port in (("proxy", self.proxy_port), ("transparent", self.transparent_port)):
+        if self.dns_port is not None and self.transparent_port is None:
+            raise EgressError("--dns-port redirects DNS to the sidecar in transparent mode only: add --transparent")
+        for name, port in (("proxy", self.proxy_port), ("transparent", self.transparent_port),
+                           ("dns", self.dns_port)):
             if port is not None and not 0 < port < 65536:
                 raise EgressError(f"the {name} port {port} is out of range 1-65535")
         if self.transparent_port is not None and self.transparent_port == self.proxy_port:
@@ -92,6 +99,9 @@ def _filter_rules(lock: EgressLock, family: int) -> list[list[str]]:
         loopback = "127.0.0.1" if family == 4 else "::1"
         rules.append(["-A", CHAIN, "-d", loopback, "-p", "tcp", "--dport", str(lock.transparent_port),
                       "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT"])
+        if lock.dns_port is not None and family == 4:
+            rules.append(["-A", CHAIN, "-d", loopback, "-p", "udp", "--dport", str(lock.dns_port),
+                          "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT"])
     if family == 6:
         rules += [["-A", CHAIN, "-p", "ipv6-icmp", "--icmpv6-type", kind, "-j", "ACCEPT"] for kind in NDP_TYPES]
     for resolver in lock.resolvers(family):
@@ -108,11 +118,15 @@ def _filter_rules(lock: EgressLock, family: int) -> list[list[str]]:
 def _nat_rules(lock: EgressLock, family: int) -> list[list[str]]:
     if lock.transparent_port is None:
         return []
+    # The sidecar's resolver listens on IPv4 loopback: IPv6 DNS of other uids is rejected by the filter instead.
+    dns = lock.dns_port is not None and family == 4
     return [
         ["-A", "OUTPUT", "-p", "tcp", "-j", NAT_CHAIN],
-        ["-A", NAT_CHAIN, "-o", "lo", "-j", "RETURN"],
+        *([["-A", "OUTPUT", "-p", "udp", "--dport", "53", "-j", NAT_CHAIN]] if dns else []),
         ["-A", NAT_CHAIN, "-m", "owner", "--uid-owner", str(lock.sidecar_uid), "-j", "RETURN"],
         *[["-A", NAT_CHAIN, "-d", r, "-p", "tcp", "--dport", "53", "-j", "RETURN"] for r in lock.resolvers(family)],
+        *([["-A", NAT_CHAIN, "-p", "udp", "--dport", "53", "-j", "REDIRECT", "--to-ports", str(lock.dns_port)]]
+          if dns else []),
         ["-A", NAT_CHAIN, "-p", "tcp", "-j", "REDIRECT", "--to-ports", str(lock.transparent_port)],
     ]
 
@@ -185,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transparent", action="store_true", help="redirect other uids' TCP to the sidecar")
     p.add_argument("--transparent-port", type=int, default=DEFAULT_TRANSPARENT_PORT)
     p.add_argument("--agent-dns", action="append", default=[], metavar="IP",
-                   help="a resolver the agent may query directly (needed in transparent mode; a DNS channel)")
+                   help="a resolver the agent may query directly (a DNS channel; --dns-port instead closes it)")
+    p.add_argument("--dns-port", type=int, default=None, metavar="PORT",
+                   help="transparent mode: send other uids' DNS to the sidecar's resolver on 127.0.0.1:PORT "
+                        "(tether sidecar --dns-listen 127.0.0.1:PORT), which answers every name itself")
     p.add_argument("--ipv6", choices=["auto", "on", "off"], default="auto",
                    help="lock IPv6 too (auto: when the namespace has IPv6)")
     p.add_argument("--iptables-restore", default=RESTORE[4], help="e.g. iptables-legacy-restore")
@@ -200,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         lock = EgressLock(args.sidecar_uid, args.proxy_port,
-                          args.transparent_port if args.transparent else None, tuple(args.agent_dns))
+                          args.transparent_port if args.transparent else None, tuple(args.agent_dns), args.dns_port)
         families = [4] + ([6] if args.ipv6 == "on" or (args.ipv6 == "auto" and ipv6_enabled()) else [])
         if not args.apply:
             sys.stdout.write("\n".join(restore_script(lock, f) for f in families))

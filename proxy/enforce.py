@@ -162,6 +162,7 @@ class Enforcer:
         return Facts(method=req.method, sent_method=req.data.method.decode("utf-8", "replace"), host=req.host,
                      port=req.port, path=req.path, url=call.url, now=time.time(), now_mono=time.monotonic(),
                      rewrite_headers=tuple(n for n in REWRITE_HEADERS if n in found), upgrade="upgrade" in found,
+                     websocket="websocket" in found.get("upgrade", "").lower(),
                      chain_header=found.get("tether-chain"), host_header=req.host_header,
                      mcp_method=found.get("mcp-method"), mcp_name=found.get("mcp-name"),
                      content_encoding=found.get("content-encoding"), body=body)

@@ -1,16 +1,23 @@
 """MCP over streamable HTTP, as far as enforcement needs it. Pure: bytes in, decisions and bytes out.
 
-A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``tools/call`` needs the capability
-naming that server and tool; session plumbing (``initialize``, ``server/discover``, ``ping``, ``tools/list``,
-notifications, and the client's answers to server requests) needs any tool on that server; everything else the catalog
-does not describe (``resources/*``, ``prompts/*`` ...) is absent. ``tools/list`` results are rewritten so
-ungranted tools never reach the model, whether the server answers JSON or SSE, in any line ending, any
-``Content-Type`` spelling and any content coding mitmproxy can decode (gzip, deflate, br, zstd). An answer
-that cannot be read cannot be filtered: the caller refuses it (see ``Unreadable``), it never passes.
+A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``parse`` reads each message and the item it
+names (a ``tools/call``'s tool, a ``prompts/get``'s prompt, a resource method's URI, a completion's prompt or
+URI template, a ``subscriptions/listen``'s resources); ``proxy.decision`` says what each needs granted. The
+session plumbing (``initialize``, ``server/discover``, ``ping``, the four list methods, notifications, the
+client's answers to server requests) needs any item on that server; every other method is absent.
+
+Answers are rewritten so what the agent does not hold never reaches the model: every list result (tools,
+resources, resource templates, prompts) is filtered and a ``resources/updated`` about an ungranted resource is
+dropped, whether the server answers JSON or SSE, in any line ending, any ``Content-Type`` spelling and any
+content coding mitmproxy can decode (gzip, deflate, br, zstd). An answer that cannot be read cannot be
+filtered: the caller refuses it (see ``Unreadable``), it never passes. ``error_body`` writes the answer to a
+refused body as a server would write it (a tool error for ``tools/call``, a JSON-RPC error for the rest).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import zlib
@@ -25,15 +32,29 @@ try:  # mitmproxy decodes zstd with the same module
 except ImportError:  # Python < 3.14
     from backports import zstd
 
-PLUMBING = frozenset({"initialize", "ping", "tools/list", "server/discover"})
+# Methods that need only some granted item on the server: the session, discovery, and the lists (filtered
+# on the way back, so each shows only what the agent holds).
+LISTS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list"})
+# subscriptions/listen is plumbing only while it asks for list-changed notifications (proxy.decision).
+PLUMBING = frozenset({"initialize", "ping", "server/discover", "subscriptions/listen", *LISTS})
 JSONRPC_REFUSED = -32003  # implementation-defined server error range; -32001/-32020 mean other things to SDKs
+# Methods that carry an item, and where its name is: the field the Mcp-Name header mirrors, when one does.
+NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri", "resources/subscribe": "uri",
+         "resources/unsubscribe": "uri"}
+PROTOCOL_META = "io.modelcontextprotocol/protocolVersion"  # a stateless (2026-07-28) request's version
+LISTEN = "subscriptions/listen"  # 2026-07-28: the client's stream of the notifications it opts in to
+MIRRORED = frozenset({"tools/call", "prompts/get", "resources/read"})  # what clients mirror into Mcp-Name
 
 
 @dataclass(frozen=True)
 class Message:
     method: str | None  # None for a JSON-RPC response sent by the client
     id: Any
-    tool: str | None = None
+    tool: str | None = None  # tools/call: the tool
+    prompt: str | None = None  # prompts/get, or a completion/complete for a prompt's argument: the prompt
+    uri: str | None = None  # resources/read, subscribe, unsubscribe: the URI; a completion's ref: a URI template
+    uris: tuple[str, ...] = ()  # subscriptions/listen: the resources whose updates it asks for
+    stateless: bool = False  # it names its protocol version in _meta (2026-07-28 on): results carry resultType
 
     @property
     def is_request(self) -> bool:
@@ -44,6 +65,11 @@ class Message:
         if self.method is None:
             return True  # the client answering a server request (sampling, elicitation, roots)
         return self.method in PLUMBING or self.method.startswith("notifications/")
+
+    @property
+    def name(self) -> str | None:
+        """The item the message names (what an ``Mcp-Name`` header must repeat)."""
+        return self.tool if self.method == "tools/call" else self.prompt if self.method == "prompts/get" else self.uri
 
 
 @dataclass(frozen=True)
@@ -91,14 +117,61 @@ def parse(body: bytes) -> Parsed:
             continue
         if not isinstance(method, str):
             raise NotJsonRpc("method must be a string")
-        tool = None
-        if method == "tools/call":
-            params = item.get("params")
-            if not isinstance(params, dict) or not isinstance(params.get("name"), str):
-                raise NotJsonRpc("tools/call without params.name")
-            tool = params["name"]
-        messages.append(Message(method, item.get("id"), tool))
+        messages.append(_request(method, item))
     return Parsed(tuple(messages), batch)
+
+
+def _request(method: str, item: dict[str, Any]) -> Message:
+    """One request or notification, with the item it names read from its params (refused when missing)."""
+    msg_id = item.get("id")
+    params = item.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    stateless = isinstance(meta, dict) and PROTOCOL_META in meta
+    field = NAMED.get(method)
+    if field is not None:
+        value = params.get(field) if isinstance(params, dict) else None
+        if not isinstance(value, str):
+            raise NotJsonRpc(f"{method} without a string params.{field}")
+        if method == "tools/call":
+            return Message(method, msg_id, tool=value, stateless=stateless)
+        if method == "prompts/get":
+            return Message(method, msg_id, prompt=value)
+        return Message(method, msg_id, uri=value)
+    if method == LISTEN:
+        notifications = params.get("notifications") if isinstance(params, dict) else None
+        uris = notifications.get("resourceSubscriptions") if isinstance(notifications, dict) else None
+        if uris is None:
+            return Message(method, msg_id)
+        if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
+            raise NotJsonRpc("subscriptions/listen with resourceSubscriptions that are not a list of URIs")
+        return Message(method, msg_id, uris=tuple(uris))
+    if method == "completion/complete":
+        ref = params.get("ref") if isinstance(params, dict) else None
+        kind = ref.get("type") if isinstance(ref, dict) else None
+        if kind == "ref/prompt" and isinstance(ref.get("name"), str):
+            return Message(method, msg_id, prompt=ref["name"])
+        if kind == "ref/resource" and isinstance(ref.get("uri"), str):
+            return Message(method, msg_id, uri=ref["uri"])
+        raise NotJsonRpc("completion/complete without a ref/prompt name or a ref/resource uri")
+    return Message(method, msg_id)
+
+
+_B64 = re.compile(r"^=\?base64\?(?P<payload>.*)\?=$")
+
+
+def header_value(value: str) -> str | None:
+    """An ``Mcp-Name`` header as the name it carries: verbatim, or the UTF-8 inside ``=?base64?...?=``; None
+    for a malformed or non-canonical base64 form (it then matches no name)."""
+    m = _B64.fullmatch(value)
+    if m is None:
+        return value
+    try:
+        raw = base64.b64decode(m.group("payload"), validate=True)
+        if base64.b64encode(raw).decode("ascii") != m.group("payload"):
+            return None
+        return raw.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
 
 
 def id_key(value: Any) -> str:
@@ -115,16 +188,41 @@ def request_id(body: bytes) -> Any:
     return value.get("id") if isinstance(value, dict) else None
 
 
-def error_body(parsed: Parsed | None, fallback_id: Any, message: str, data: dict[str, Any]) -> bytes:
-    """A JSON-RPC error for every request in the message (an array for a batch)."""
+def error_body(parsed: Parsed | None, fallback_id: Any, message: str, data: dict[str, Any], *,
+               tool_errors: bool = True) -> bytes:
+    """The answer to a refused JSON-RPC body: one response per request in it (an array for a batch).
 
-    def one(msg_id: Any) -> dict[str, Any]:
+    Each request gets what a server would answer: a JSON-RPC error whose ``data`` is tether's error object
+    (``data.code`` the tether code), and a ``tools/call`` the result every SDK surfaces as an ordinary tool
+    error (``isError: true``, the reason in its text, tether's error object under ``_meta["tether/error"]``):
+    the Python and TypeScript SDKs raise on a JSON-RPC error to ``tools/call`` and hand an ``isError`` result
+    to the model, as they do for a tool the server does not know. ``tool_errors=False``: JSON-RPC errors only
+    (an answer tether refused after the request left: the tool ran, it did not fail)."""
+
+    def one(msg: Message | None, msg_id: Any) -> dict[str, Any]:
+        if tool_errors and msg is not None and msg.method == "tools/call":
+            text = f"tether refused this call ({data.get('code')}): {message}"
+            result: dict[str, Any] = {"content": [{"type": "text", "text": text}], "isError": True,
+                                      "_meta": {"tether/error": data}}
+            if msg.stateless:
+                result["resultType"] = "complete"  # required from 2026-07-28; older clients never see it
+            return {"jsonrpc": "2.0", "id": msg_id, "result": result}
         return {"jsonrpc": "2.0", "id": msg_id, "error": {"code": JSONRPC_REFUSED, "message": message, "data": data}}
 
-    if parsed is None or not parsed.batch:
-        msg_id = parsed.messages[0].id if parsed is not None else fallback_id
-        return json.dumps(one(msg_id)).encode()
-    return json.dumps([one(m.id) for m in parsed.messages if m.is_request]).encode()
+    if parsed is None:
+        return json.dumps(one(None, fallback_id)).encode()
+    if not parsed.batch:
+        return json.dumps(one(parsed.messages[0], parsed.messages[0].id)).encode()
+    return json.dumps([one(m, m.id) for m in parsed.messages if m.is_request]).encode()
+
+
+def answers_requests(parsed: Parsed | None) -> bool:
+    """True when a refusal of this body is answered as a server answers requests: HTTP 200, JSON-RPC in the body.
+
+    A body with no request in it (notifications, the client's own answers) gets no JSON-RPC response, and one
+    tether could not read names no request it could answer: both keep the HTTP status of the refusal, as the
+    transport says a server that cannot accept a message does."""
+    return parsed is not None and any(m.is_request for m in parsed.messages)
 
 
 # -- reading answers: media types and content codings ------------------------------------------------
@@ -264,30 +362,89 @@ def decode_body(raw: bytes, codings: tuple[str, ...]) -> bytes:
     return decoder.feed(raw) + decoder.finish()
 
 
-# -- tools/list filtering ---------------------------------------------------------------------------
-def filter_tools_message(value: Any, allowed: Callable[[str], bool]) -> tuple[Any, int]:
-    """Remove ungranted tools from a tools/list result (a message or a batch). Returns (value, removed)."""
+# -- list filtering ---------------------------------------------------------------------------------
+def _nothing(_: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Visible:
+    """What of one server's items the agent may see, one predicate per kind of list (fail closed: a kind
+    nobody said anything about shows nothing)."""
+
+    tool: Callable[[str], bool]
+    resource: Callable[[str], bool] = _nothing  # a resource's URI
+    template: Callable[[str], bool] = _nothing  # a resource template's URI template
+    prompt: Callable[[str], bool] = _nothing
+
+
+# result key -> (the item's identifying field, which predicate of Visible judges it)
+_LISTS = {"tools": ("name", "tool"), "resources": ("uri", "resource"),
+          "resourceTemplates": ("uriTemplate", "template"), "prompts": ("name", "prompt")}
+UPDATED = "notifications/resources/updated"
+
+
+def as_visible(allowed: Visible | Callable[[str], bool]) -> Visible:
+    """A ``Visible``, or a predicate on tool names (every other kind then shows nothing)."""
+    return allowed if isinstance(allowed, Visible) else Visible(tool=allowed)
+
+
+def _hidden_notification(item: Any, visible: Visible) -> bool:
+    """A server's resources/updated about a resource the agent does not hold: that resource does not exist."""
+    if not isinstance(item, dict) or item.get("method") != UPDATED:
+        return False
+    params = item.get("params")
+    uri = params.get("uri") if isinstance(params, dict) else None
+    return not (isinstance(uri, str) and visible.resource(uri))
+
+
+def filter_lists_message(value: Any, allowed: Visible | Callable[[str], bool]) -> tuple[Any, int]:
+    """Remove what the agent does not hold from every list result in a message or a batch: tools, resources,
+    resource templates, prompts (by the result's shape, whatever request it answers), and drop a
+    resources/updated notification about a resource it does not hold (``None`` when nothing is left).
+    Returns (value, removed)."""
+    visible = as_visible(allowed)
     removed = 0
     items = value if isinstance(value, list) else [value]
     for item in items:
         if not isinstance(item, dict):
             continue
         result = item.get("result")
-        if isinstance(result, dict) and isinstance(result.get("tools"), list):
-            kept = [t for t in result["tools"] if isinstance(t, dict) and allowed(str(t.get("name")))]
-            removed += len(result["tools"]) - len(kept)
-            result["tools"] = kept
+        if not isinstance(result, dict):
+            continue
+        for key, (field, kind) in _LISTS.items():
+            listed = result.get(key)
+            if isinstance(listed, list):
+                judge = getattr(visible, kind)
+                kept = [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
+                removed += len(listed) - len(kept)
+                result[key] = kept
+    hidden = [item for item in items if _hidden_notification(item, visible)]
+    if hidden:
+        removed += len(hidden)
+        if not isinstance(value, list):
+            return None, removed
+        value = [item for item in value if not _hidden_notification(item, visible)]
+        if not value:
+            return None, removed
     return value, removed
 
 
-def filter_json_body(body: bytes, allowed: Callable[[str], bool]) -> tuple[bytes, int]:
+def filter_tools_message(value: Any, allowed: Visible | Callable[[str], bool]) -> tuple[Any, int]:
+    """The name every list filter had when it filtered only tools."""
+    return filter_lists_message(value, allowed)
+
+
+def filter_json_body(body: bytes, allowed: Visible | Callable[[str], bool]) -> tuple[bytes, int]:
     """Filter a JSON answer; ``Unreadable`` when it is not JSON (the caller decides whether that matters)."""
     try:
         value = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise Unreadable("the answer is not JSON") from None
-    value, removed = filter_tools_message(value, allowed)
-    return (json.dumps(value).encode(), removed) if removed else (body, 0)
+    value, removed = filter_lists_message(value, allowed)
+    if not removed:
+        return body, 0
+    return (b"" if value is None else json.dumps(value).encode()), removed
 
 
 _EOL = re.compile(rb"\r\n|\r|\n")  # SSE lines end in CRLF, LF or a lone CR, all three equally
@@ -295,17 +452,18 @@ _BOM = b"\xef\xbb\xbf"
 DROPPED = b": tether dropped an event it could not read\n\n"
 
 
-class SseToolsFilter:
+class SseListsFilter:
     """A streaming rewriter for an SSE response: decodes (when the server compressed), cuts the stream into
-    events exactly as the SSE spec does (CRLF, LF or CR line endings), and filters each ``data:`` payload.
+    events exactly as the SSE spec does (CRLF, LF or CR line endings), and filters each ``data:`` payload
+    (``filter_lists_message``; an event left with nothing is dropped).
 
     Used as mitmproxy's ``flow.response.stream`` callable: it never yields an empty chunk (on a chunked
     answer that would end the body early) and flushes what is left on the final call. An event whose data
     is not JSON cannot be filtered and is dropped; a stream that stops decoding is cut from there on.
     """
 
-    def __init__(self, allowed: Callable[[str], bool], decoder: Decoder | None = None) -> None:
-        self.allowed = allowed
+    def __init__(self, allowed: Visible | Callable[[str], bool], decoder: Decoder | None = None) -> None:
+        self.allowed = as_visible(allowed)
         self.decoder = decoder
         self.buffer = b""
         self.scanned = 0  # where the line scan of the event in ``buffer`` stopped
@@ -380,10 +538,15 @@ class SseToolsFilter:
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
-        value, removed = filter_tools_message(value, self.allowed)
+        value, removed = filter_lists_message(value, self.allowed)
         if not removed:
             return event
         self.removed += removed
+        if value is None:
+            return b""  # a notification about an item the agent does not hold: no event at all
         kept = [line for i, line in enumerate(lines) if line and i not in data_idx]
         kept.append(b"data: " + json.dumps(value).encode())
         return b"\n".join(kept) + b"\n\n"
+
+
+SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers

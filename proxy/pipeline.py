@@ -22,7 +22,7 @@ from mitmproxy import hooks
 log = logging.getLogger("tether.sidecar")
 
 HOOKS = ("http_connect", "tls_clienthello", "requestheaders", "request", "responseheaders", "response", "error",
-         "tcp_start", "udp_start")
+         "tcp_start", "udp_start", "websocket_message", "websocket_end")
 
 Handler = Callable[..., Any]
 
@@ -56,6 +56,8 @@ class Pipeline:
     error = _relay("error")
     tcp_start = _relay("tcp_start")
     udp_start = _relay("udp_start")
+    websocket_message = _relay("websocket_message")
+    websocket_end = _relay("websocket_end")
 
     @staticmethod
     def _run(handlers: tuple[Handler, ...], flow: Any) -> Awaitable[None] | None:

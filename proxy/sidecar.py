@@ -30,7 +30,7 @@ from capability.chain import Verifier, parse_chain_unverified
 from capability.errors import ApiError, ChainError, TetherError
 from capability.events import APPROVAL, APPROVED, CANCELLED, COMMAND, DENIED, REVOKE
 
-from .addons import Capture, Resolver, Streamer, ToolsFilter, Tracker
+from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBound
 from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
@@ -42,7 +42,7 @@ from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 from .telemetry import call_tracing
-from .transparent import Transparent, serve_dns
+from .transparent import Transparent, serve_dns, serve_enclosure
 
 log = logging.getLogger("tether.sidecar")
 # Reports per request when an acknowledgement delivers what was pending (sent compressed): on a slow link each
@@ -74,6 +74,7 @@ class SidecarConfig:
     secrets: dict[str, str]  # credential name -> secret (proxy/credentials.py)
     transparent_listen: tuple[str, int] | None  # also intercept redirected connections here
     dns_listen: tuple[str, int] | None  # answer DNS here with the transparent address (--isolate)
+    enclosure_fds: tuple[int, int] | None = None  # tether run's enclosure: its listener and resolver sockets
     startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
 
 
@@ -139,6 +140,7 @@ class Sidecar:
         self._acking: set[str] = set()
         self.stopped = asyncio.Event()
         self._dns: asyncio.DatagramTransport | None = None
+        self._enclosure: tuple[asyncio.Server, asyncio.DatagramTransport] | None = None
 
     # -- start-up ---------------------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -182,6 +184,8 @@ class Sidecar:
         if self.retired:
             return
         self.state = SidecarState(verified, verifier, lease_ttl_s=15.0, wire=self.wire)
+        if self.budgets.on_resolved in self.resolved:  # an attempt before this one got this far
+            self.resolved.remove(self.budgets.on_resolved)
         self.budgets = Budgets(verified, self.channel)
         self.resolved.append(self.budgets.on_resolved)
         self.state.registered = True
@@ -223,11 +227,23 @@ class Sidecar:
                               f"{'; '.join(errors) or 'unknown error'}", code=codes.LISTEN_FAILED)
         host, port = addrs[0][:2]
         self.address = (host, port)
-        await self.heartbeat_once()  # starting may have been slow: begin serving on a fresh lease
-        for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop, self.budgets.run):
-            self._tasks.append(asyncio.create_task(job()))
+        if self.config.enclosure_fds is not None:
+            from .rootless import DNS_ANSWER
+
+            self._enclosure = await serve_enclosure(proxyserver, *self.config.enclosure_fds, DNS_ANSWER)
         log.info("sidecar for %s listening on %s:%d", self.agent, host, port)
         return host, port
+
+    async def begin(self) -> None:
+        """Serve on a fresh lease (starting may have been slow), then run the loops that keep it. Until the
+        heartbeat is answered the lease taken at registration may lapse, and then every call is refused
+        (``tether.lease_expired``): nothing is forwarded on a lease the control plane has not renewed. Raises
+        ``tether.controlplane_unreachable`` like the start-up steps before it, for the caller to retry."""
+        await self.heartbeat_once()
+        if len(self._tasks) == 1:
+            for job in (self.heartbeat_loop, self.events_loop, self.reporter.run, self.watchdog_loop,
+                        self.budgets.run):
+                self._tasks.append(asyncio.create_task(job()))
 
     def addons(self) -> list[Any]:
         """tether's addons in pipeline order, each given only what it uses (proxy/addons.py, proxy/enforce.py)."""
@@ -237,7 +253,8 @@ class Sidecar:
         ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
                            Tunnels(catalog, state, self.track, self.resolve), Enforcer(catalog, state),
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
-                           Injector(catalog, self.credentials, state), ToolsFilter(catalog, state.tier), Streamer()]
+                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier), Streamer(),
+                           WebsocketBound()]
         if self.config.capture:
             ours.append(Capture(self.capture, self.allow_uncaptured))
         return [*ours, Resolver(self.resolve)]
@@ -265,6 +282,8 @@ class Sidecar:
             proxyserver = self.master.addons.get("proxyserver")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proxyserver.servers.update([]), 5.0)
+            if self._enclosure is not None:
+                self._enclosure[0].close()
             if self._close_connections():
                 await asyncio.sleep(0.2)  # their last hooks resolve (and report) the calls they carried
         if self.master is not None:
@@ -284,6 +303,8 @@ class Sidecar:
         await self.credentials.close()
         if self._dns is not None:
             self._dns.close()
+        if self._enclosure is not None:
+            self._enclosure[1].close()
         self.capture.close()
         self._lock.close()
         self.stopped.set()
@@ -555,6 +576,7 @@ class Sidecar:
         # Wait for the cut calls' final events, but leave the control plane's grace for the reports.
         await self._drain_then_cut(window_s, min(5.0, float(command.get("grace_s", 10.0)) / 2),
                                    "aborting %d call(s) still in flight")
+        await self._settle_arrivals(1.0)
         for call in list(self.calls.inflight.values()):  # no hook came back: say only what we know
             left = call.phase in ("forwarding", "forwarded")
             self.resolve(call, "unknown" if left else "cancelled_not_sent",
@@ -588,6 +610,16 @@ class Sidecar:
         ids = {call.call_id for call in cut}
         while ids & self.calls.inflight.keys() and time.monotonic() < limit:
             await asyncio.sleep(0.05)
+
+    async def _settle_arrivals(self, limit_s: float) -> None:
+        """Give calls that arrived but never left a moment to meet their refusal in their own flow (nothing is
+        forwarded now), so the record says what their clients saw, not a guess; what is left after ``limit_s``
+        is for the caller's sweep."""
+        limit = time.monotonic() + limit_s
+        while time.monotonic() < limit and any(
+                c.phase not in ("forwarding", "forwarded") and c.call_id in self.flows
+                for c in self.calls.inflight.values()):
+            await asyncio.sleep(0.02)
 
     def _leaving(self) -> list[Call]:
         """Calls in flight that were forwarded (or are being): the ones a drain waits for and an abort cuts."""
@@ -625,7 +657,7 @@ class Sidecar:
                 if call.phase != "held":
                     if now - call.started_at > self.config.call_timeout_s:
                         flow = self.flows.get(call.call_id)
-                        if flow is not None:
+                        if flow is not None and flow.websocket is None:  # a websocket is meant to last
                             log.warning("call %s exceeded %.0fs; aborting it (outcome unknown)", call.call_id,
                                         self.config.call_timeout_s)
                             self.abort_flow(flow)

@@ -9,6 +9,9 @@ the catalog exactly as in explicit mode, and a client cannot reach an address of
 granted host (the sidecar never connects to the redirected address when a name was given). Without a name
 (TLS without SNI, HTTP/1.0 without Host) the address itself is the destination: the catalog must name it.
 
+The sockets ``tether run``'s enclosure makes in its own network namespace are served here too
+(:func:`serve_enclosure`): the same transparent connections, accepted by the sidecar outside the namespace.
+
 Also here: the resolver an isolated command is given. Every name resolves to the sidecar's transparent
 address (AAAA: no address), so any client, whatever transport it brings, dials the sidecar; nothing is
 forwarded, so DNS is no channel out either, and the sidecar answers an ungranted name with the same
@@ -20,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
 from typing import Any
 
 from mitmproxy import dns, http
 from mitmproxy.net.dns import response_codes, types
+from mitmproxy.proxy.mode_servers import ServerInstance
 from mitmproxy.proxy.mode_specs import TransparentMode
 
 log = logging.getLogger("tether.sidecar.transparent")
@@ -94,3 +99,21 @@ async def serve_dns(host: str, port: int, answer: str) -> asyncio.DatagramTransp
                                                                              local_addr=(host, port))
     log.info("resolver on %s:%d answers every name with %s", host, port, answer)
     return transport
+
+
+async def serve_enclosure(manager: Any, listener_fd: int, resolver_fd: int,
+                          answer: str) -> tuple[asyncio.Server, asyncio.DatagramTransport]:
+    """Serve the sockets ``tether run``'s enclosure made in its network namespace (proxy/rootless.py): every TCP
+    connection the command opens is accepted here, in the sidecar, as a transparent-mode connection of mitmproxy's
+    (``manager`` is its proxyserver, which then tracks and closes it like any other); its original destination is
+    read from the namespace's conntrack, where the socket lives. Every DNS query is answered with ``answer``."""
+    loop = asyncio.get_running_loop()
+    instance = ServerInstance.make(TransparentMode.parse("transparent"), manager)
+    listener = socket.socket(fileno=listener_fd)
+    listener.setblocking(False)
+    server = await asyncio.start_server(instance.handle_stream, sock=listener)
+    resolver = socket.socket(fileno=resolver_fd)
+    resolver.setblocking(False)
+    transport, _ = await loop.create_datagram_endpoint(lambda: Resolver(answer), sock=resolver)
+    log.info("serving the enclosure's connections (every name resolves to %s)", answer)
+    return server, transport

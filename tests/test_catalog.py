@@ -137,7 +137,7 @@ INVALID = [
     pytest.param(one_cap("{mcp: {url: 'http://m/mcp', tool: t, tools: [u]}}"),
                  "capability 'svc.call'.mcp", "unknown key 'tools'", id="mcp-unknown-key"),
     pytest.param(one_cap("{mcp: {url: 'http://m/mcp'}}"),
-                 "capability 'svc.call'.mcp", "missing required key 'tool'", id="mcp-missing-tool"),
+                 "capability 'svc.call'.mcp", "needs exactly one item", id="mcp-missing-tool"),
     pytest.param(one_cap("{mcp: {url: 'ftp://m/mcp', tool: t}}"),
                  "capability 'svc.call'.mcp.url", "http(s) URL", id="mcp-url-scheme"),
     pytest.param(one_cap("{mcp: {url: 'http:///mcp', tool: t}}"),
@@ -518,3 +518,113 @@ def test_ipv6_literals_match_however_they_are_spelled() -> None:
 def test_a_bracketed_host_that_is_not_an_ipv6_address_is_refused(host: str) -> None:
     err = refused(one_cap(f'{{http: {{host: "{host}", methods: [GET], path: "/"}}}}'))
     assert "not a host name" in str(err)
+
+
+# -- MCP items beyond tools --------------------------------------------------------------------------------
+ITEMS = """\
+capabilities:
+  fs.read:     {mcp: {url: "http://fs:9000/mcp", tool: read_file}}
+  docs.public: {mcp: {url: "http://fs:9000/mcp", resource: "docs://public/*"}}
+  docs.page:   {mcp: {url: "http://fs:9000/mcp/", resource: "docs://public/{page}"}}
+  users:       {mcp: {url: "http://fs:9000/mcp", resource: "users://{id}/profile"}}
+  readme:      {mcp: {url: "http://fs:9000/mcp", resource: "file:///srv/README.md"}}
+  greet:       {mcp: {url: "http://fs:9000/mcp", prompt: greet}}
+  fs.logging:  {mcp: {url: "http://fs:9000/mcp", logging: true}}
+  fs.complete: {mcp: {url: "http://fs:9000/mcp", completion: true}}
+  fs.subs:     {mcp: {url: "http://fs:9000/mcp", subscriptions: true}}
+  other.log:   {mcp: {url: "http://other:9000/mcp", logging: true}}
+"""
+FS = "http://fs:9000/mcp"
+
+
+@pytest.fixture(scope="module")
+def items():
+    return parse_catalog(ITEMS, "items.yaml")
+
+
+def test_every_kind_of_mcp_item_parses(items):
+    kinds = {name: (c.mcp.kind, c.mcp.name) for name, c in items.capabilities.items()}
+    assert kinds["docs.public"] == ("resource", "docs://public/*")
+    assert kinds["greet"] == ("prompt", "greet") and kinds["fs.logging"] == ("logging", "")
+    assert items.capabilities["fs.read"].mcp.tool == "read_file" and items.capabilities["greet"].mcp.tool is None
+    assert items.to_dict()["capabilities"]["fs.subs"] == {"mcp": {"url": FS, "subscriptions": True}}
+    assert items.to_dict()["capabilities"]["docs.page"] == {
+        "mcp": {"url": "http://fs:9000/mcp/", "resource": "docs://public/{page}"}}
+    assert items.mcp_server("http://fs:9000/mcp") == FS
+
+
+@pytest.mark.parametrize(("uri", "expected"), [
+    ("docs://public/readme", ["docs.public", "docs.page"]),
+    ("docs://public/a/b", ["docs.public", "docs.page"]),  # a template's {page} reads as '*': '/' included
+    ("users://7/profile", ["users"]),
+    ("users://7/settings", []),
+    ("file:///srv/README.md", ["readme"]),
+    ("file:///srv/README.mdx", []),
+    ("FILE:///srv/README.md", []),  # compared as written: fail closed
+    ("docs://private/plan", []),
+    ("docs://public/../private/plan", []),  # dot segments never match
+    ("docs://public/%2e%2e/private/plan", []),
+    ("docs://public/a%2fb", []),  # an encoded slash
+    ("docs://public/a\\b", []),
+    ("docs://public/x#frag", []),
+    ("docs://public/\x00", []),
+    ("no-scheme/public/x", []),
+])
+def test_resources_match_by_uri_glob_or_template(items, uri, expected):
+    assert items.match_resource(FS, uri) == expected
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    ("docs://public/{page}", ["docs.public", "docs.page"]),
+    ("docs://public/{section}/{page}", ["docs.public", "docs.page"]),
+    ("users://{id}/profile", ["users"]),
+    ("users://{id}", []),  # would expand to URIs no capability admits
+    ("docs://{area}/x", []),
+    ("docs://public/../{x}", []),
+    ("docs://public/{unclosed", []),
+])
+def test_resource_templates_are_granted_only_when_every_expansion_is(items, template, expected):
+    assert items.match_resource_template(FS, template) == expected
+
+
+def test_prompts_and_plumbing_match_by_name(items):
+    assert items.match_mcp_item(FS, "prompt", "greet") == ["greet"]
+    assert items.match_mcp_item(FS, "prompt", "read_file") == []  # a tool's name is not a prompt's
+    assert items.match_mcp_item(FS, "tool", "greet") == []
+    assert items.match_mcp_item(FS, "logging") == ["fs.logging"]
+    assert items.match_mcp_item("http://other:9000/mcp", "logging") == ["other.log"]
+    assert items.match_mcp_item("http://other:9000/mcp", "completion") == []
+    assert items.mcp_tools(FS) == {"read_file": ["fs.read"]}
+    assert items.mcp_named(FS, "prompt") == {"greet": ["greet"]}
+    assert sorted(items.mcp_capabilities(FS)) == sorted(n for n in items.names() if n != "other.log")
+    assert items.knows_host("other", 9000)
+
+
+MCP_INVALID = [
+    ("{mcp: {url: 'http://m/mcp', tool: a, prompt: b}}", "capability 'svc.call'.mcp", "needs exactly one item"),
+    ("{mcp: {url: 'http://m/mcp', prompt: ''}}", "capability 'svc.call'.mcp.prompt", "expected a prompt name"),
+    ("{mcp: {url: 'http://m/mcp', logging: yes please}}", "capability 'svc.call'.mcp.logging", "expected true"),
+    ("{mcp: {url: 'http://m/mcp', completion: false}}", "capability 'svc.call'.mcp.completion", "expected true"),
+    ("{mcp: {url: 'http://m/mcp', resource: 'no/scheme/*'}}", "capability 'svc.call'.mcp.resource", "with a scheme"),
+    ("{mcp: {url: 'http://m/mcp', resource: 'docs://a/../b'}}", "capability 'svc.call'.mcp.resource", "dot segm"),
+    ("{mcp: {url: 'http://m/mcp', resource: 'docs://{x'}}", "capability 'svc.call'.mcp.resource", "braces"),
+    ("{mcp: {url: 'http://m/mcp', resource: 7}}", "capability 'svc.call'.mcp.resource", "expected a resource"),
+    ("{mcp: {url: 'http://m/mcp', resource: 'docs://" + "a" * 1100 + "'}}", "capability 'svc.call'.mcp.resource",
+     "at most 1024"),
+    ("{mcp: {url: 'http://m/mcp', tools: a}}", "capability 'svc.call'.mcp", "unknown key 'tools'"),
+]
+
+
+@pytest.mark.parametrize(("spec", "where", "phrase"), MCP_INVALID)
+def test_invalid_mcp_items_name_the_field(spec, where, phrase):
+    err = refused(one_cap(spec), "deploy/catalog.yaml")
+    assert err.message.startswith(f"deploy/catalog.yaml: {where}"), err.message
+    assert phrase in err.message, err.message
+
+
+def test_every_item_of_one_server_names_the_same_credential():
+    text = ("credentials:\n  c: {header: Authorization}\n"
+            "capabilities:\n"
+            "  t: {mcp: {url: 'http://m/mcp', tool: t}, credential: c}\n"
+            "  r: {mcp: {url: 'http://m/mcp', resource: 'docs://*'}}\n")
+    assert "must name the same credential" in refused(text).message

@@ -142,7 +142,7 @@ REFUSALS = [
     ("a tool not granted", STATE, rpc(call("delete")), ABSENT, None),
     ("a tool not in the catalog", STATE, rpc(call("nope")), ABSENT, None),
     ("one tool of a batch not granted", STATE, rpc(call("send"), call("delete", 2), batch=True), ABSENT, None),
-    ("a method the catalog does not describe", STATE, rpc({"id": 1, "method": "resources/list"}), ABSENT, None),
+    ("a method the catalog does not describe", STATE, rpc({"id": 1, "method": "tools/delete"}), ABSENT, None),
     ("plumbing with no tool granted on that server", chain_state({"files.read": "direct"}),
      rpc({"id": 1, "method": "initialize"}), ABSENT, None),
     ("a PUT to an MCP endpoint", STATE, facts("PUT", "/mcp", host="mcp.example"), ABSENT, None),

@@ -175,7 +175,9 @@ def test_egress_lock_runs_first_for_the_sidecars_uid(agent_pod: dict[str, Any]) 
     assert "--transparent" in args
     sidecar_args = argv(sidecar)
     assert flag(sidecar_args, "--transparent-listen") == f"127.0.0.1:{flag(args, '--transparent-port')}"
-    assert flag(args, "--agent-dns"), "in transparent mode the agent resolves names itself"
+    # and, as under tether run, the agent's DNS is answered by the sidecar (no resolver of its own: no DNS channel)
+    assert flag(sidecar_args, "--dns-listen") == f"127.0.0.1:{flag(args, '--dns-port')}"
+    assert "--agent-dns" not in args
 
 
 def test_upstream_credentials_are_mounted_into_the_sidecar_only(agent_pod: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ AGENT_UID = 12345
 PROXY_PORT = 8080
 TPORT = 15001
 TOOL_PORT = 9000
+DNS_PORT = 15053
 
 
 # -- the rules as data ---------------------------------------------------------------------------------------
@@ -45,12 +46,24 @@ def test_transparent_mode_redirects_other_uids_tcp_but_not_the_sidecars() -> Non
     nat = tables(EgressLock(SIDECAR_UID, PROXY_PORT, TPORT))["nat"]
     assert nat[0] == ["-A", "OUTPUT", "-p", "tcp", "-j", NAT_CHAIN]
     returns = nat[1:-1]
-    assert ["-A", NAT_CHAIN, "-o", "lo", "-j", "RETURN"] in returns
-    assert ["-A", NAT_CHAIN, "-m", "owner", "--uid-owner", "10001", "-j", "RETURN"] in returns
+    assert returns == [["-A", NAT_CHAIN, "-m", "owner", "--uid-owner", "10001", "-j", "RETURN"]]  # loopback too
     assert nat[-1] == ["-A", NAT_CHAIN, "-p", "tcp", "-j", "REDIRECT", "--to-ports", str(TPORT)]
     # the redirected packet still carries its first route's interface, so the filter must let it in by address
     filt = [" ".join(r) for r in tables(EgressLock(SIDECAR_UID, PROXY_PORT, TPORT))["filter"]]
     assert f"-A {CHAIN} -d 127.0.0.1 -p tcp --dport {TPORT} -m conntrack --ctstate DNAT -j ACCEPT" in filt
+
+
+def test_dns_port_sends_other_uids_dns_to_the_sidecars_resolver_on_ipv4_only() -> None:
+    lock = EgressLock(SIDECAR_UID, PROXY_PORT, TPORT, dns_port=15053)
+    nat = [" ".join(r) for r in tables(lock, 4)["nat"]]
+    assert "-A OUTPUT -p udp --dport 53 -j TETHER_REDIRECT" in nat
+    assert nat.index("-A TETHER_REDIRECT -m owner --uid-owner 10001 -j RETURN") < nat.index(
+        "-A TETHER_REDIRECT -p udp --dport 53 -j REDIRECT --to-ports 15053")  # the sidecar's own DNS goes out
+    filt = [" ".join(r) for r in tables(lock, 4)["filter"]]
+    assert f"-A {CHAIN} -d 127.0.0.1 -p udp --dport 15053 -m conntrack --ctstate DNAT -j ACCEPT" in filt
+    assert not any("udp" in r for r in [" ".join(r) for r in tables(lock, 6)["nat"]])  # v6 DNS: rejected
+    with pytest.raises(EgressError, match="transparent"):
+        EgressLock(SIDECAR_UID, PROXY_PORT, dns_port=15053)
 
 
 def test_agent_dns_opens_only_the_named_resolvers_per_family() -> None:
@@ -279,6 +292,19 @@ def test_transparent_lock_redirects_the_agent_to_the_sidecar(namespaces: Namespa
     assert ns.connect(AGENT_UID, "tcp", ns.internet_ip, TOOL_PORT) == f"transparent {ns.internet_ip}:{TOOL_PORT}"
     assert ns.connect(AGENT_UID, "udp", ns.internet_ip, 53).startswith("error")
     assert ns.connect(SIDECAR_UID, "tcp", ns.internet_ip, TOOL_PORT).startswith("internet")
+    # the pod's loopback is governed too, as under tether run: the sidecar decides, and the sidecar itself
+    # still reaches it
+    assert ns.connect(AGENT_UID, "tcp", "127.0.0.1", PROXY_PORT) == f"transparent 127.0.0.1:{PROXY_PORT}"
+    assert ns.connect(SIDECAR_UID, "tcp", "127.0.0.1", PROXY_PORT).startswith("sidecar")
+
+
+def test_transparent_lock_with_dns_port_answers_the_agents_dns_from_the_sidecar(namespaces: Namespaces) -> None:
+    ns = namespaces
+    ns.serve(ns.pod, "127.0.0.1", DNS_PORT, "sidecar-dns")
+    ns.lock(EgressLock(SIDECAR_UID, PROXY_PORT, TPORT, dns_port=DNS_PORT))
+    assert ns.connect(AGENT_UID, "udp", ns.internet_ip, 53) == "sidecar-dns"  # whichever resolver it asked
+    assert ns.connect(SIDECAR_UID, "udp", ns.internet_ip, 53) == "dns"  # the sidecar resolves for real
+    assert ns.connect(AGENT_UID, "udp", ns.internet_ip, 54).startswith("error")  # other UDP: still rejected
 
 
 def test_apply_through_main_locks_a_namespace(namespaces: Namespaces) -> None:

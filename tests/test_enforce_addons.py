@@ -180,9 +180,16 @@ async def test_an_mcp_refusal_is_a_jsonrpc_error_for_that_request(tmp_path: Path
     body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "delete"}}).encode()
     flow = await rig.send(request("POST", "/mcp", host="mcp.example", body=body))
     answer = error_of(flow)
-    assert answer["id"] == 7 and answer["error"]["data"]["code"] == codes.CAPABILITY_ABSENT
-    assert answer["error"]["data"]["capability"] == "mail.delete"
+    # A refused tools/call is the result SDKs hand the model as a tool error; tether's error rides in _meta.
+    assert answer["id"] == 7 and answer["result"]["isError"] is True, answer
+    error = answer["result"]["_meta"]["tether/error"]
+    assert error["code"] == codes.CAPABILITY_ABSENT and error["capability"] == "mail.delete"
+    assert codes.CAPABILITY_ABSENT in answer["result"]["content"][0]["text"]
     assert flow.response is not None and flow.response.headers["Tether-Error"] == codes.CAPABILITY_ABSENT
+    # Any other refused request is a JSON-RPC error carrying the tether code in data.code.
+    body = json.dumps({"jsonrpc": "2.0", "id": 8, "method": "prompts/get", "params": {"name": "p"}}).encode()
+    answer = error_of(await rig.send(request("POST", "/mcp", host="mcp.example", body=body)))
+    assert answer["id"] == 8 and answer["error"]["data"]["code"] == codes.CAPABILITY_ABSENT, answer
 
 
 async def test_a_granted_tool_call_leaves_with_its_body_read(tmp_path: Path) -> None:

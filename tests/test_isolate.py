@@ -1,7 +1,7 @@
-"""``tether run --isolate``: programs that ignore proxy variables are enforced like those that follow them.
+"""``tether run --user`` (root): programs that ignore proxy variables are enforced like those that follow them.
 
 The plan is pure data (rules, addresses) and is checked as such. Then, in a real kernel (root, ``ip netns``,
-iptables; skipped with the reason where not permitted): ``tether run --isolate`` runs a script as ``nobody``
+iptables; skipped with the reason where not permitted): ``tether run --user nobody`` runs a script as ``nobody``
 in its namespace, and the script tries Node's built-in ``fetch``, ``curl --noproxy '*'`` and a Python raw
 socket, each to a granted and an ungranted destination over HTTP and HTTPS, plus a raw non-HTTP stream and
 DNS to an outside resolver, and reads the sidecar's key, CA key and secret. The sidecar resolves the tools'
@@ -265,7 +265,7 @@ def test_isolated_command_is_enforced_whatever_transport_it_uses(iso_world: dict
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "secret_files": {"key": str(identity.key_path), "secret": str(iso_world["secret"]),
                             "ca key": str(state / "iso.agent" / "ca" / "mitmproxy-ca.pem")}}
-    inner = (f"mount --bind {iso_world['hosts']} /etc/hosts && exec {PYTHON} -m cli run --isolate "
+    inner = (f"mount --bind {iso_world['hosts']} /etc/hosts && exec {PYTHON} -m cli run --isolate --user nobody "
              f"--controlplane {cp.url} --chain {identity.chain_path} --key {identity.key_path} "
              f"--state-dir {state} --upstream-ca {iso_world['ca']} --secret tool=file:{iso_world['secret']} "
              f"--secret env=env:ISO_SECRET -- /usr/bin/python3 -I {iso_world['public'] / 'agent.py'} "

@@ -221,10 +221,9 @@ class LiveAgent:
 
 
 def refused_with(result: dict[str, Any], tether_code: str) -> None:
-    assert result["ok"] is False, result
-    error = result["error"]
-    assert error["type"] == "MCPError" and error["code"] == REFUSED_JSONRPC, error
-    assert isinstance(error["data"], dict) and error["data"]["code"] == tether_code, error
+    """A refused tools/call as the SDK hands it to the agent: an ordinary tool error (no exception) naming the code."""
+    assert result["ok"] is True and result["is_error"] is True, result
+    assert f"({tether_code})" in result["text"], result
 
 
 def approvals_pending(w: McpWorld, agent: str) -> list[dict[str, Any]]:
@@ -349,9 +348,9 @@ def test_revoking_the_chain_mid_session_refuses_the_next_call(world: McpWorld, m
                 "Tether-Error") == "tether.chain_revoked", timeout=WAIT, what="the sidecar to learn of the revocation")
             # What the proxy answers, seen raw: a tether refusal that is also a JSON-RPC error with the request's id.
             resp = raw_post(raw, world.mcp.url, call_body("rev-1", "add", {"a": 1, "b": 1}))
-        assert resp.status_code == 403 and resp.headers.get("Tether-Error") == "tether.chain_revoked", resp.text
-        assert_jsonrpc_error(resp.json(), "rev-1", "tether.chain_revoked")
-        # What the agent sees: the SDK's MCPError carrying tether's code.
+        assert resp.status_code == 200 and resp.headers.get("Tether-Error") == "tether.chain_revoked", resp.text
+        assert_tool_refused(resp.json(), "rev-1", "tether.chain_revoked")
+        # What the agent sees: an ordinary tool error carrying tether's code.
         refused_with(live.ask({"op": "call", "name": "add", "args": {"a": 1, "b": 2}}), "tether.chain_revoked")
         refused_with(live.ask({"op": "call", "name": "add", "args": {"a": 1, "b": 3}}), "tether.chain_revoked")
     finally:
@@ -398,34 +397,52 @@ def assert_jsonrpc_error(value: Any, msg_id: Any, code: str = "tether.capability
     assert error["data"]["code"] == code, error
 
 
-def assert_refused(resp: httpx.Response, msg_id: Any) -> None:
-    assert resp.status_code == 403, (resp.status_code, resp.text)
+def assert_tool_refused(value: Any, msg_id: Any, code: str = "tether.capability_absent") -> None:
+    """A refused tools/call: the result SDKs surface as a tool error, tether's error object in its _meta."""
+    assert isinstance(value, dict) and set(value) == {"jsonrpc", "id", "result"}, value
+    assert value["id"] == msg_id, value
+    result = value["result"]
+    assert result["isError"] is True and result["content"][0]["type"] == "text", result
+    assert f"({code})" in result["content"][0]["text"], result
+    assert result["_meta"]["tether/error"]["code"] == code, result
+
+
+def assert_refused(resp: httpx.Response, msg_id: Any, *, request: bool = True) -> None:
+    """Refused, never forwarded. A JSON-RPC request tether could read is answered as a server would (HTTP 200);
+    a body it could not read keeps the refusal's HTTP status, with a JSON-RPC error for whatever id it found."""
+    assert resp.status_code == (200 if request else 403), (resp.status_code, resp.text)
     assert resp.headers["Tether-Error"] == "tether.capability_absent"
     assert resp.headers["content-type"].startswith("application/json")
-    assert_jsonrpc_error(resp.json(), msg_id)
+    value = resp.json()
+    if isinstance(value, dict) and "result" in value:
+        assert_tool_refused(value, msg_id)
+    else:
+        assert_jsonrpc_error(value, msg_id)
 
 
-BAD_BODIES: list[tuple[str, bytes | Any, Any]] = [
-    ("not JSON", b'{"jsonrpc": "2.0", "id": "bad-1", "method": "tools/call", ', None),
-    ("not JSON-RPC 2.0", {"id": "bad-2", "method": "tools/list"}, "bad-2"),
-    ("jsonrpc 1.0", {"jsonrpc": "1.0", "id": "bad-3", "method": "tools/list"}, "bad-3"),
+BAD_BODIES: list[tuple[str, bytes | Any, Any, bool]] = [  # (what, body, id, a request tether could read)
+    ("not JSON", b'{"jsonrpc": "2.0", "id": "bad-1", "method": "tools/call", ', None, False),
+    ("not JSON-RPC 2.0", {"id": "bad-2", "method": "tools/list"}, "bad-2", False),
+    ("jsonrpc 1.0", {"jsonrpc": "1.0", "id": "bad-3", "method": "tools/list"}, "bad-3", False),
     ("tools/call without a name", {"jsonrpc": "2.0", "id": "bad-4", "method": "tools/call",
-                                   "params": {"arguments": {}}}, "bad-4"),
+                                   "params": {"arguments": {}}}, "bad-4", False),
     ("tools/call with a non-string name", {"jsonrpc": "2.0", "id": "bad-5", "method": "tools/call",
-                                           "params": {"name": ["add"]}}, "bad-5"),
-    ("method not a string", {"jsonrpc": "2.0", "id": "bad-6", "method": 7}, "bad-6"),
-    ("neither method nor result", {"jsonrpc": "2.0", "id": "bad-7"}, "bad-7"),
-    ("a JSON scalar", b'"bad-8"', None),
-    ("an empty batch", b"[]", None),
-    ("resources/list", {"jsonrpc": "2.0", "id": "bad-9", "method": "resources/list", "params": {"_meta": META}},
-     "bad-9"),
+                                           "params": {"name": ["add"]}}, "bad-5", False),
+    ("method not a string", {"jsonrpc": "2.0", "id": "bad-6", "method": 7}, "bad-6", False),
+    ("neither method nor result", {"jsonrpc": "2.0", "id": "bad-7"}, "bad-7", False),
+    ("a JSON scalar", b'"bad-8"', None, False),
+    ("an empty batch", b"[]", None, False),
+    ("a method the catalog does not describe", {"jsonrpc": "2.0", "id": "bad-9", "method": "tools/delete",
+                                                "params": {"_meta": META}}, "bad-9", True),
     ("prompts/get", {"jsonrpc": "2.0", "id": 10, "method": "prompts/get",
-                     "params": {"name": "p", "_meta": META}}, 10),
+                     "params": {"name": "p", "_meta": META}}, 10, True),
     ("resources/read", {"jsonrpc": "2.0", "id": "bad-11", "method": "resources/read",
-                        "params": {"uri": "file:///etc/passwd", "_meta": META}}, "bad-11"),
+                        "params": {"uri": "file:///etc/passwd", "_meta": META}}, "bad-11", True),
+    ("resources/read without a uri", {"jsonrpc": "2.0", "id": "bad-13", "method": "resources/read",
+                                      "params": {"_meta": META}}, "bad-13", False),
     ("a duplicate name key, the last one (the one servers use) ungranted",
      b'{"jsonrpc": "2.0", "id": "bad-12", "method": "tools/call", '
-     b'"params": {"name": "add", "name": "delete_everything", "arguments": {}}}', "bad-12"),
+     b'"params": {"name": "add", "name": "delete_everything", "arguments": {}}}', "bad-12", False),
 ]
 
 
@@ -442,25 +459,28 @@ def test_bad_input_is_refused_as_json_rpc_and_the_session_survives(world: McpWor
             assert world.mcp.calls == ["add", "add"]
             seen = len(world.wiretap.requests)
 
-            for what, body, msg_id in BAD_BODIES:
+            for what, body, msg_id, request in BAD_BODIES:
                 resp = raw_post(raw, url, body)
-                assert resp.status_code == 403, (what, resp.status_code, resp.text)
-                assert_refused(resp, msg_id)
+                assert resp.status_code == (200 if request else 403), (what, resp.status_code, resp.text)
+                assert_refused(resp, msg_id, request=request)
 
             # A batch that mixes a granted and an ungranted tool is refused whole, one error per request id.
             batch = [call_body("bad-b1", "add", {"a": 1, "b": 2}), call_body("bad-b2", "delete_everything"),
                      {"jsonrpc": "2.0", "method": "notifications/progress",
                       "params": {"progressToken": 1, "progress": 1}}]
             resp = raw_post(raw, url, batch)
-            assert resp.status_code == 403 and resp.headers["Tether-Error"] == "tether.capability_absent"
+            assert resp.status_code == 200 and resp.headers["Tether-Error"] == "tether.capability_absent"
             errors = resp.json()
             assert isinstance(errors, list) and [e["id"] for e in errors] == ["bad-b1", "bad-b2"], errors
             for error in errors:
-                assert_jsonrpc_error(error, error["id"])
-            # ... and so is a batch of granted tool calls with one method the catalog does not describe.
+                assert_tool_refused(error, error["id"])
+            # ... and so is a batch of granted tool calls with one item the agent does not hold.
             resp = raw_post(raw, url, [call_body("bad-b3", "add", {"a": 1, "b": 2}),
-                                       {"jsonrpc": "2.0", "id": "bad-b4", "method": "resources/list"}])
-            assert resp.status_code == 403 and [e["id"] for e in resp.json()] == ["bad-b3", "bad-b4"], resp.text
+                                       {"jsonrpc": "2.0", "id": "bad-b4", "method": "prompts/get",
+                                        "params": {"name": "p"}}])
+            assert resp.status_code == 200 and [e["id"] for e in resp.json()] == ["bad-b3", "bad-b4"], resp.text
+            assert_tool_refused(resp.json()[0], "bad-b3")
+            assert_jsonrpc_error(resp.json()[1], "bad-b4")
 
             # Headers a server may route on must agree with the body.
             assert_refused(raw_post(raw, url, call_body("bad-h1", "add", {"a": 1, "b": 2}),

@@ -355,7 +355,8 @@ def test_through_a_sidecar_an_unreadable_tools_answer_is_refused(shaped: Any, re
                                                                 shape: str) -> None:
     _, server, sidecar = shaped
     resp = post(sidecar, server.port, request_body, shape)
-    assert resp.status_code == 502, (resp.status_code, resp.content[:300])
+    # Answered as a server answers a request it cannot serve: HTTP 200, a JSON-RPC error for each request.
+    assert resp.status_code == 200, (resp.status_code, resp.content[:300])
     assert resp.headers["Tether-Error"] == "tether.capability_absent"
     assert b"delete_everything" not in resp.content
     errors = resp.json()
@@ -373,3 +374,50 @@ def test_through_a_sidecar_a_compressed_listen_stream_is_filtered(shaped: Any, s
         resp = client.get(f"http://127.0.0.1:{server.port}/mcp",
                           headers={"x-shape": shape, "accept": "text/event-stream", "accept-encoding": "gzip"})
     assert resp.status_code == 200 and seen_tools(resp.content) == ["add"], resp.content
+
+
+# -- every kind of list, and notifications about resources ---------------------------------------------------
+VISIBLE = mcp.Visible(tool=lambda n: n == "add", resource=lambda u: u.startswith("docs://public/"),
+                      template=lambda t: t == "docs://public/{page}", prompt=lambda n: n == "greet")
+
+
+def items_result(msg_id: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": msg_id, "result": {
+        "resources": [{"uri": "docs://public/a", "name": "a"}, {"uri": "docs://private/b", "name": "b"},
+                      {"name": "no uri"}, {"uri": 7, "name": "not a string"}],
+        "resourceTemplates": [{"uriTemplate": "docs://public/{page}", "name": "p"},
+                              {"uriTemplate": "vault://{key}", "name": "v"}],
+        "prompts": [{"name": "greet"}, {"name": "leak_secrets"}]}}
+
+
+def updated(uri: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "method": "notifications/resources/updated", "params": {"uri": uri}}
+
+
+def test_every_list_loses_what_the_agent_does_not_hold() -> None:
+    value, removed = mcp.filter_lists_message(items_result(1), VISIBLE)
+    result = value["result"]
+    assert [r["uri"] for r in result["resources"]] == ["docs://public/a"]
+    assert [t["uriTemplate"] for t in result["resourceTemplates"]] == ["docs://public/{page}"]
+    assert [p["name"] for p in result["prompts"]] == ["greet"] and removed == 5
+    body, removed = mcp.filter_json_body(json.dumps([items_result(1), tools_result(2)]).encode(), VISIBLE)
+    assert removed == 8 and b"private" not in body and b"vault" not in body and b"leak" not in body
+    # A predicate on tool names alone (the old spelling) hides every other kind: fail closed.
+    value, _ = mcp.filter_lists_message(items_result(1), allowed)
+    assert value["result"]["resources"] == [] and value["result"]["prompts"] == []
+
+
+def test_updates_about_resources_the_agent_does_not_hold_are_dropped() -> None:
+    assert mcp.filter_lists_message(updated("docs://public/a"), VISIBLE) == (updated("docs://public/a"), 0)
+    assert mcp.filter_lists_message(updated("docs://private/b"), VISIBLE) == (None, 1)
+    assert mcp.filter_lists_message(updated(None), VISIBLE) == (None, 1)
+    value, removed = mcp.filter_lists_message([updated("docs://private/b"), items_result(3)], VISIBLE)
+    assert removed == 6 and len(value) == 1 and value[0]["id"] == 3
+    stream = sse_stream([updated("docs://public/a"), updated("docs://private/b"), items_result(4)], b"\r\n")
+    for chunk in (1, 9, 1 << 20):
+        f = mcp.SseListsFilter(VISIBLE)
+        out = run_filter(f, stream, chunk)
+        events = [json.loads(d) for d in sse_data(out)]
+        assert [e.get("method") or e.get("id") for e in events] == ["notifications/resources/updated", 4], out
+        assert b"private" not in out and b"vault" not in out and b"leak" not in out
+        assert f.answered == {mcp.id_key(4)}

@@ -145,7 +145,7 @@ def test_run_keeps_tethers_tokens_and_secrets_from_the_command_and_its_sidecar(w
     env = {**world.cp.env(), "TETHER_TOKEN": "operator-token-5d1c", "RUN_SECRET": "s3cr3t-9a7e"}
     done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
                            "--state-dir", str(state_root), "--no-capture", "--secret", "github=env:RUN_SECRET",
-                           "--", PYTHON, str(script)],
+                           "--cooperative", "--", PYTHON, str(script)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -163,3 +163,23 @@ def test_run_refuses_isolate_with_cooperative(tmp_path: Path) -> None:
                            "--", "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "contradict" in done.stderr and "tether.bad_request" in done.stderr
+
+
+def test_run_refuses_to_start_a_command_it_cannot_enforce_unless_asked_for_cooperative(world: World,
+                                                                                    tmp_path: Path) -> None:
+    """Without the means to enclose the command (here: no ip or iptables on PATH), the command does not start;
+    --cooperative runs it, saying what it does not govern."""
+    ident = world.cp.issue("run-unenforced", {"issues.read": "direct"})
+    marker = tmp_path / "ran"
+    env = {**world.cp.env(), "PATH": str(tmp_path / "empty-path")}
+    base = [PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
+            "--state-dir", str(tmp_path / "state")]
+    command = ["--", PYTHON, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    refused = subprocess.run([*base, *command], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "tether.isolation_unavailable" in refused.stderr and "--cooperative" in refused.stderr
+    assert not marker.exists()
+    allowed = subprocess.run([*base, "--cooperative", *command], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert marker.exists() and "cooperative mode" in allowed.stderr

@@ -182,8 +182,10 @@ class Demo:
     def _run_root(self) -> subprocess.Popen:
         py = sys.executable
         self.step("Run the root agent under tether",
-                  "`tether run` starts a sidecar and runs the unmodified agent script with HTTP_PROXY pointing "
-                  "at it. The agent spawns its own sub-agents, each under `tether run` with a narrower grant.")
+                  "`tether run` starts a sidecar and runs the unmodified agent script enforced: its only way out "
+                  "is the sidecar, whatever client it uses, and it holds no key. The agent spawns its own "
+                  "sub-agents, each under `tether run` with a narrower grant, which its enclosing tether run "
+                  "delegates for it.")
         return self.start("root", [py, "-m", "cli", "run", "--chain", "root.chain", "--key",
                                    "root.key", "--state-dir", "agents", "--", py, "-m",
                                    "cli.demo.agent", "root"], stdout=subprocess.PIPE, text=True)

@@ -1,8 +1,9 @@
 """The demo's agent: an ordinary script that knows nothing of tether's proxy.
 
-It calls its tools with urllib and the MCP SDK, which pick up HTTP_PROXY like any program, and it
+It calls its tools with urllib and the MCP SDK (under ``tether run`` its only way out is its sidecar), and it
 spawns its sub-agents the way an agent framework would: each under ``tether run`` with a narrower
-grant delegated from its own chain (``TETHER_CHAIN``/``TETHER_KEY``, set by ``tether run``).
+grant delegated from its own chain (``TETHER_CHAIN``, set by ``tether run``; enforced, the enclosing ``tether
+run`` delegates for it, cooperative it gives ``TETHER_KEY`` too).
 
 ``python -m cli.demo.agent ROLE`` with ROLE in root, researcher, writer, summarizer.
 """
@@ -48,9 +49,9 @@ def call(method: str, path: str, body: Any = None) -> tuple[int, str | None, Any
 
 
 def spawn(agent: str, caps: list[str], role: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "cli", "run", "--parent-chain", os.environ["TETHER_CHAIN"],
-            "--parent-key", os.environ["TETHER_KEY"], "--agent", agent, "--state-dir",
-            os.environ.get("TETHER_STATE_DIR", ".tether")]
+    args = [sys.executable, "-m", "cli", "run", "--parent-chain", os.environ["TETHER_CHAIN"], "--agent", agent]
+    if "TETHER_KEY" in os.environ:  # cooperative: this agent holds its key; enforced, its tether run delegates
+        args += ["--parent-key", os.environ["TETHER_KEY"], "--state-dir", os.environ.get("TETHER_STATE_DIR", ".tether")]
     for cap in caps:
         args += ["--cap", cap]
     say(f"spawning {agent} with {', '.join(caps)}")

@@ -31,7 +31,7 @@ from capability.errors import (
 from ..auth import Authenticator, Caller
 from ..body import Fields, bad, parse, raw_body
 from ..schemas import Schema
-from ..store import StoreUnavailable
+from ..store import STORE_UNWRITABLE, StoreUnavailable, StoreUnwritable
 
 log = logging.getLogger("tether.controlplane")
 
@@ -192,6 +192,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return json_error(exc.http_status, exc.code, exc.message, **exc.details)
     except TetherError as exc:
         return json_error(400, exc.code, exc.message, **exc.details)
+    except StoreUnwritable as exc:
+        return json_error(503, STORE_UNWRITABLE, f"the store cannot take writes: {exc}")
     except StoreUnavailable as exc:
         return json_error(503, STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
     except web.HTTPMethodNotAllowed as exc:

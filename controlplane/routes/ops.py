@@ -10,12 +10,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from capability import keys
 from capability.catalog import Catalog
+from capability.errors import STORE_UNAVAILABLE
 
 from .. import schemas as sc
 from ..auth import Authenticator
 from ..metrics import LoopWatch, Metrics, gauge
 from ..services.events import EventService
-from ..store import Store, StoreUnavailable
+from ..store import STORE_UNWRITABLE, Store, StoreUnavailable
 from . import NONE, Route
 
 
@@ -30,10 +31,18 @@ class OpsRoutes:
         self.routes, self.clock = routes, clock
 
     async def h_healthz(self, request: web.Request) -> web.Response:
-        ok = await self.store.healthy()
-        doc = {"status": "ok" if ok else "unhealthy", "store": "ok" if ok else "unreachable",
-               "replica": self.replica, "catalog": self.catalog.hash}
-        return web.json_response(doc, status=200 if ok else 503)
+        """200 only while the store answers and takes writes: a replica whose every write would fail (a full
+        disk, Redis out of memory) must leave the readiness rotation, not answer 500 to every caller."""
+        doc: dict[str, object] = {"replica": self.replica, "catalog": self.catalog.hash}
+        if not await self.store.healthy():
+            store, code, reason = "unreachable", STORE_UNAVAILABLE, f"the store {self.store.url} does not answer"
+        else:
+            status = await self.store.write_status()
+            if status.writable:
+                return web.json_response({"status": "ok", "store": "ok", **doc})
+            store, code, reason = "unwritable", STORE_UNWRITABLE, status.reason
+        return web.json_response({"status": "unhealthy", "store": store, "code": code, "reason": reason, **doc},
+                                 status=503, headers={"Tether-Error": code})
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. Series labelled by agent id name the fleet's agents, so they go to an admin only
@@ -45,6 +54,9 @@ class OpsRoutes:
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
         except (StoreUnavailable, ConnectionError, OSError):
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])
+        writable = self.store.write_health.writable  # the verdict as it stands: /metrics does not probe
+        lines += gauge("tether_store_writable", "1 unless the store's newest write was refused (a full disk...).",
+                       [("", int(writable))])
         lines += self.metrics.render()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -89,8 +101,14 @@ class OpsRoutes:
 
     def table(self) -> list[Route]:
         return [
-            Route("GET", "/healthz", self.h_healthz, "Liveness and store health", NONE, "ops", ok=sc.HEALTH,
-                  extra_responses={503: {"description": "The store is unreachable",
+            Route("GET", "/healthz", self.h_healthz, "Readiness: the store answers and takes writes", NONE, "ops",
+                  ok=sc.HEALTH,
+                  extra_responses={503: {"description": "The store is unreachable (code tether.store_unavailable) "
+                                                        "or refuses writes (tether.store_unwritable: a full disk, "
+                                                        "a read-only file system, Redis out of memory); the "
+                                                        "reason says which",
+                                         "headers": {"Tether-Error": {"schema": {"type": "string"},
+                                                                      "description": "The code, as in the body"}},
                                          "content": {"application/json": {"schema": sc.HEALTH}}}}),
             Route("GET", "/metrics", self.h_metrics, "Prometheus metrics (per-agent series to an admin only)", NONE,
                   "ops", content="text/plain", ok={"type": "string"}),

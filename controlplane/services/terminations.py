@@ -166,8 +166,8 @@ class TerminationService:
         while True:
             records = await store.records()
             earlier = [r for r in records if r["termination_id"] == doc["id"]]
-            addendum = proto.build_addendum(
-                doc, earlier, record_id="rec-" + os.urandom(8).hex(),
+            addendum = proto.build_addendum(  # the whole log: calls another termination's record holds stay out
+                doc, records, record_id="rec-" + os.urandom(8).hex(),
                 reports=[r for r in await store.reports(doc["agents"]) if _reported_under(r, links)],
                 runs=mine, acks=acks, prev_hash=records[-1]["hash"] if records else "", now=self.clock())
             if addendum is None:
@@ -289,16 +289,16 @@ class TerminationService:
             hashes = _links_of(doc, graph)
             links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
             mine, acks = await self.facts(doc)
-            # A call belongs to the first record that reconciles it: a later termination of the same
-            # agents (re-granted) does not list their earlier calls again.
-            reconciled = {c["call_id"] for r in records for c in r["calls"] if c.get("reported", True)}
+            # A call belongs to the first record that holds it as reported (proto.ownership): an overlapping
+            # termination's record, or an earlier one of the same agents (re-granted), is passed as the log.
             everything = [r for r in await store.reports(doc["agents"]) if _reported_under(r, hashes)]
             ended = {r["call_id"] for r in everything}
             starts = [s for s in await store.starts(doc["agents"])
                       if s["call_id"] not in ended and _reported_under(s, hashes)]
             inputs = dict(
                 record_id="rec-" + os.urandom(8).hex(),
-                reports=[r for r in everything if r["call_id"] not in reconciled],
+                reports=everything,
+                log=records,
                 starts=starts,
                 links=links,
                 revocations=await store.revocations(),

@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 from capability.errors import BAD_REQUEST, TetherError
 
-from .base import Doc, Event, LinkConflict, Store, StoreUnavailable
+from .base import STORE_UNWRITABLE, Doc, Event, LinkConflict, Store, StoreUnavailable, StoreUnwritable, WriteStatus
 
 
 def open_store_url(url: str) -> Store:
@@ -29,4 +29,5 @@ def open_store_url(url: str) -> Store:
     raise TetherError(f"--store {url}: expected sqlite:///PATH or redis://HOST:PORT/DB", code=BAD_REQUEST)
 
 
-__all__ = ["Doc", "Event", "LinkConflict", "Store", "StoreUnavailable", "open_store_url"]
+__all__ = ["STORE_UNWRITABLE", "Doc", "Event", "LinkConflict", "Store", "StoreUnavailable", "StoreUnwritable",
+           "WriteStatus", "open_store_url"]

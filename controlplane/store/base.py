@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from .health import WriteHealth
+
 Doc = dict[str, Any]
+log = logging.getLogger("tether.store")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,23 @@ class StoreUnavailable(Exception):
     """The store cannot be reached; the API answers 503 tether.store_unavailable and accepts nothing."""
 
 
+# The code of a refused write, in the API's answers and in /healthz. (The control plane's own; capability.errors
+# holds the codes the sidecar shares.)
+STORE_UNWRITABLE = "tether.store_unwritable"
+
+
+class StoreUnwritable(StoreUnavailable):
+    """The store answers but refuses writes (a full disk, a read-only file system, Redis out of memory or
+    refusing writes); the API answers 503 tether.store_unwritable with the reason, and ``/healthz`` too. A
+    StoreUnavailable, so whoever retries while the store is away retries this as well."""
+
+
+@dataclass(frozen=True)
+class WriteStatus:
+    writable: bool
+    reason: str  # why not ("" when writable)
+
+
 class LinkConflict(Exception):
     """A link's jti already names another registered link (a jti names one link only). Nothing of the
     batch was stored; the API answers 409 tether.conflict."""
@@ -63,6 +85,46 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def healthy(self) -> bool: ...
+
+    _write_health: WriteHealth | None = None
+    _probe_lock: asyncio.Lock | None = None
+
+    @property
+    def write_health(self) -> WriteHealth:
+        """How the store's writes went (every write method reports to it)."""
+        if self._write_health is None:
+            self._write_health = WriteHealth()
+        return self._write_health
+
+    def write_failed(self, reason: str) -> None:
+        """A write was refused (the backends' write methods call this)."""
+        if self.write_health.failed(time.monotonic(), reason):
+            log.error("%s; the API answers 503 tether.store_unwritable and /healthz 503 until a write succeeds",
+                      reason)
+
+    def write_succeeded(self) -> None:
+        if self.write_health.succeeded(time.monotonic()):
+            log.warning("the store %s takes writes again", self.url)
+
+    async def write_status(self) -> WriteStatus:
+        """Whether the store takes writes now: the newest write outcome, after a probe write when one is due
+        (at most every few seconds, one at a time: callers meanwhile get the verdict as it stands)."""
+        health = self.write_health
+        if self._probe_lock is None:
+            self._probe_lock = asyncio.Lock()
+        if health.probe_due(time.monotonic()) and not self._probe_lock.locked():
+            async with self._probe_lock:
+                health.probing(time.monotonic())
+                try:
+                    await self.probe_write()
+                except StoreUnavailable:
+                    pass  # a refusal is recorded by the write itself; an unreachable store is healthy()'s to say
+        return WriteStatus(health.writable, "" if health.writable else health.reason)
+
+    @abc.abstractmethod
+    async def probe_write(self) -> None:
+        """One small real write (a heartbeat row or key), reported to ``write_health`` like any other write;
+        raises StoreUnwritable when refused, StoreUnavailable when the store cannot be reached."""
 
     # -- links: every registered grant link, the agent graph's edges -----------------------------------
     @abc.abstractmethod

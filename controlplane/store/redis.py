@@ -22,6 +22,11 @@ listener keeps reconnecting. A malformed URL still fails at once. A command is r
 connection error (a pooled connection is stale after a Redis restart); a write whose reply was lost may
 then run twice, which every caller tolerates: links, revocations and reports are idempotent, and a CAS or
 record append that finds its own earlier write answers False, so the caller re-reads.
+
+A Redis that answers but refuses writes (OOM under ``noeviction``, MISCONF after a failed save, NOREPLICAS,
+a read-only replica) raises ``StoreUnwritable``: the API answers 503 ``tether.store_unwritable`` and
+``/healthz`` says so (``controlplane/store/health.py``). Redis refuses a script at its first write, so a
+refused script has written nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -44,7 +50,7 @@ from capability import jsonpieces
 from capability.budget import MAX_SLICE
 from capability.errors import BAD_REQUEST, TetherError
 
-from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
+from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable, StoreUnwritable
 
 log = logging.getLogger("tether.store.redis")
 
@@ -53,7 +59,16 @@ LEASE_GC_SLACK_MS = 60_000
 CONNECT_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 5.0
 POOL_SIZE = 64
-_UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.ReadOnlyError, rex.MasterDownError, OSError)
+_UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.MasterDownError, OSError)
+# Redis answers but refuses writes: past maxmemory under noeviction (OOM), after a failed background save with
+# stop-writes-on-bgsave-error (MISCONF), short of min-replicas-to-write (NOREPLICAS), or a read-only replica.
+_REFUSING = ("OOM", "MISCONF", "NOREPLICAS", "READONLY")
+
+
+def _write_refusal(exc: Exception) -> bool:
+    if isinstance(exc, (rex.OutOfMemoryError, rex.ReadOnlyError)):
+        return True
+    return isinstance(exc, rex.ResponseError) and str(exc).split(" ", 1)[0] in _REFUSING
 
 
 def _start_field(doc: Doc) -> str:
@@ -70,13 +85,39 @@ def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable
 
     @functools.wraps(method)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        store: RedisStore = args[0]  # type: ignore[assignment]
         try:
             return await method(*args, **kwargs)
         except _UNAVAILABLE as exc:
-            store = args[0]
-            raise StoreUnavailable(f"Redis at {store.url} is unreachable: {exc}") from exc  # type: ignore[attr-defined]
+            raise StoreUnavailable(f"Redis at {store.url} is unreachable: {exc}") from exc
+        except rex.ResponseError as exc:
+            if not _write_refusal(exc):
+                raise
+            reason = f"Redis at {store.url} refuses writes: {_refusal_text(exc)}"
+            store.write_failed(reason)
+            raise StoreUnwritable(reason) from exc
 
     return wrapper
+
+
+def _writes[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """A write method (inside ``_guarded``, which reports refusals): a success goes to the write health."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        result = await method(*args, **kwargs)
+        args[0].write_succeeded()  # type: ignore[attr-defined]
+        return result
+
+    return wrapper
+
+
+def _refusal_text(exc: Exception) -> str:
+    """Redis's own words; redis-py drops the OOM prefix it turned into the exception's type."""
+    text = str(exc)
+    if isinstance(exc, rex.OutOfMemoryError) and not text.startswith("OOM"):
+        text = "OOM " + text
+    return text
 
 
 # KEYS: links, jti index, insertion order, then per link its parent's children (the descendants index: a
@@ -294,11 +335,17 @@ class RedisStore(Store):
         except (*_UNAVAILABLE, StoreUnavailable):
             return False
 
+    @_guarded
+    @_writes
+    async def probe_write(self) -> None:
+        await self.r.set(self._key("health", "probe"), repr(time.time()), px=60_000)
+
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> int:
         return int(await self._scripts[script](keys=keys, args=args))
 
     # -- links ---------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def put_links(self, links: list[Doc]) -> int:
         if not links:
             return 0
@@ -381,6 +428,7 @@ class RedisStore(Store):
 
     # -- revocations -----------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def revoke(self, jti: str, doc: Doc) -> bool:
         return bool(await self.r.hsetnx(self._key("revocations"), jti, _dump(doc)))
 
@@ -396,11 +444,13 @@ class RedisStore(Store):
         return {jti for jti, raw in zip(jtis, flags, strict=True) if raw}
 
     @_guarded
+    @_writes
     async def first_use(self, key: str, ttl_s: float, now: float) -> bool:
         return bool(await self.r.set(self._key("seen", key), "1", nx=True, px=max(1, int(ttl_s * 1000))))
 
     # -- events ----------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
         entry = _dump({"kind": kind, "target": target, "payload": payload, "at": at})
         return await self._run(
@@ -471,6 +521,7 @@ class RedisStore(Store):
 
     # -- sidecars --------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def put_sidecar(self, run_id: str, doc: Doc) -> None:
         await self.r.hset(self._key("runs"), run_id, _dump(doc))
 
@@ -485,6 +536,7 @@ class RedisStore(Store):
 
     # -- reports ---------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def put_reports(self, reports: list[Doc]) -> Stored:
         if not reports:
             return Stored(set(), 0)
@@ -505,6 +557,7 @@ class RedisStore(Store):
         return Stored(new, len(reports))
 
     @_guarded
+    @_writes
     async def put_starts(self, starts: list[Doc]) -> None:
         if not starts:
             return
@@ -558,6 +611,7 @@ class RedisStore(Store):
         ]
 
     @_guarded
+    @_writes
     async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None:
         await self._run("put_doc", self._doc_keys(kind), [doc_id, "", int(doc.get("version", 0)), _dump(doc)])
 
@@ -572,12 +626,14 @@ class RedisStore(Store):
         return await self._hmget(self._key("docs", kind), ids)
 
     @_guarded
+    @_writes
     async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
         args = [doc_id, int(expect_version), int(doc["version"]), _dump(doc)]
         return bool(await self._run("put_doc", self._doc_keys(kind), args))
 
     # -- records ---------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def append_record(self, record: Doc) -> bool:
         # Encoding a record of tens of thousands of calls takes longer than the loop may stall: a thread does it.
         args = [record["prev_hash"], record["hash"], await asyncio.to_thread(jsonpieces.dumps, record)]
@@ -590,6 +646,7 @@ class RedisStore(Store):
 
     # -- leases ---------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
         gc_ms = int(ttl_s * 1000) + LEASE_GC_SLACK_MS
         args = [owner, repr(float(now)), repr(float(now + ttl_s)), gc_ms]
@@ -597,6 +654,7 @@ class RedisStore(Store):
 
     # -- budgets ----------------------------------------------------------------------------------------
     @_guarded
+    @_writes
     async def take_slice(self, slice_doc: Doc, counters: list[tuple[str, int]], want: int, fraction: float,
                          ttl_s: float = 0) -> tuple[int, int | None]:
         doc = {**slice_doc, "state": "open", "keys": [k for k, _ in counters]}
@@ -608,6 +666,7 @@ class RedisStore(Store):
         return int(granted), None if int(worst) < 0 else int(worst)
 
     @_guarded
+    @_writes
     async def settle_slice(self, slice_id: str, used: int, at: float) -> Doc | None:
         raw = await self.r.get(self._key("slice", slice_id))
         if not raw:

@@ -5,23 +5,29 @@ transaction, committed before the API answers. The few whose size grows with a t
 reports, the records, appending a record of tens of thousands of calls) run in worker threads, each with
 a connection of its own: WAL lets them read while the loop writes, and a record is encoded before its
 write transaction begins, so the loop's writers wait on the lock only for the insert itself.
+
+A file that cannot take a write (a full disk, a read-only file system) raises ``StoreUnwritable`` with the
+reason, never an internal error, and ``/healthz`` says so until a write succeeds again
+(``controlplane/store/health.py``). A failed write is one rolled-back transaction: nothing half-written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from capability import jsonpieces
 from capability.budget import slice_size
 
-from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable
+from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable, StoreUnwritable
 
 EVENT_RETENTION = 10_000
 
@@ -49,6 +55,10 @@ CREATE TABLE IF NOT EXISTS slices (id TEXT PRIMARY KEY, open INTEGER NOT NULL, d
 CREATE INDEX IF NOT EXISTS slices_open ON slices(open);
 """
 
+# Primary result codes that mean "this file cannot take writes" (a full disk, a read-only file or file system,
+# an I/O error writing it), as against a bug or a busy lock.
+_UNWRITABLE = {13: "SQLITE_FULL", 8: "SQLITE_READONLY", 10: "SQLITE_IOERR", 14: "SQLITE_CANTOPEN"}
+
 
 @contextlib.contextmanager
 def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
@@ -60,12 +70,36 @@ def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         yield db
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        if db.in_transaction:  # a failed COMMIT (a full disk) may have ended it: the first error is the one to tell
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
         raise
 
 
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+def _writes[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """A write method: its outcome goes to the store's write health, and a refusal by the file (a full disk,
+    a read-only file system) raises StoreUnwritable with the reason instead of an internal error."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        store: SqliteStore = args[0]  # type: ignore[assignment]
+        try:
+            result = await method(*args, **kwargs)
+        except sqlite3.Error as exc:
+            name = _UNWRITABLE.get(getattr(exc, "sqlite_errorcode", -1) & 0xFF)
+            if name is None:
+                raise
+            reason = store.refusal(exc, name)
+            store.write_failed(reason)
+            raise StoreUnwritable(reason) from exc
+        store.write_succeeded()
+        return result
+
+    return wrapper
 
 
 class SqliteStore(Store):
@@ -125,11 +159,40 @@ class SqliteStore(Store):
         except (sqlite3.Error, StoreUnavailable):
             return False
 
+    async def probe_write(self) -> None:
+        try:
+            await self._probe()
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", -1) & 0xFF not in (5, 6):  # busy or locked: no verdict either way
+                raise
+
+    @_writes
+    async def _probe(self) -> None:
+        # Off the loop: the probe waits its turn behind a record being appended without stalling the API.
+        def probe(db: sqlite3.Connection) -> None:
+            # Made here, not with the schema: a file from before it, on a full disk, must still open.
+            db.execute("CREATE TABLE IF NOT EXISTS health (name TEXT PRIMARY KEY, at REAL NOT NULL)")
+            db.execute("INSERT OR REPLACE INTO health (name, at) VALUES ('probe', ?)", (time.time(),))
+
+        await self._off_loop(probe)
+
+    def refusal(self, exc: sqlite3.Error, name: str) -> str:
+        """Why the file refused a write, in words an operator acts on."""
+        reason = f"the SQLite store {self.path} refuses writes: {exc} ({name})"
+        with contextlib.suppress(OSError):
+            fs = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+            if fs.f_flag & os.ST_RDONLY:
+                reason += "; its file system is mounted read-only"
+            else:
+                reason += f"; {fs.f_bavail * fs.f_frsize} bytes free on its file system"
+        return reason
+
     def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         """A write transaction on the loop's connection."""
         return _transaction(self.db)
 
     # -- links ---------------------------------------------------------------------------------------
+    @_writes
     async def put_links(self, links: list[Doc]) -> int:
         with self._tx() as db:
             new = 0
@@ -169,6 +232,7 @@ class SqliteStore(Store):
         return {h: sub for h, sub in rows}
 
     # -- revocations -----------------------------------------------------------------------------------
+    @_writes
     async def revoke(self, jti: str, doc: Doc) -> bool:
         cur = self.db.execute("INSERT OR IGNORE INTO revocations (jti, doc) VALUES (?, ?)", (jti, _dump(doc)))
         return cur.rowcount == 1
@@ -182,6 +246,7 @@ class SqliteStore(Store):
         marks = ",".join("?" * len(jtis))
         return {r[0] for r in self.db.execute(f"SELECT jti FROM revocations WHERE jti IN ({marks})", jtis)}
 
+    @_writes
     async def first_use(self, key: str, ttl_s: float, now: float) -> bool:
         with self._tx() as db:
             db.execute("DELETE FROM seen WHERE expires <= ?", (now,))
@@ -189,6 +254,7 @@ class SqliteStore(Store):
             return cur.rowcount == 1
 
     # -- events ----------------------------------------------------------------------------------------
+    @_writes
     async def append_event(self, kind: str, target: str | None, payload: Doc, at: float) -> int:
         with self._tx() as db:
             cur = db.execute(
@@ -213,6 +279,7 @@ class SqliteStore(Store):
         return (int(low), int(high))
 
     # -- sidecars --------------------------------------------------------------------------------------
+    @_writes
     async def put_sidecar(self, run_id: str, doc: Doc) -> None:
         self.db.execute("INSERT OR REPLACE INTO runs (run_id, doc) VALUES (?, ?)", (run_id, _dump(doc)))
 
@@ -224,6 +291,7 @@ class SqliteStore(Store):
         return {r[0]: json.loads(r[1]) for r in self.db.execute("SELECT run_id, doc FROM runs")}
 
     # -- reports ---------------------------------------------------------------------------------------
+    @_writes
     async def put_reports(self, reports: list[Doc]) -> Stored:
         with self._tx() as db:
             new: set[str] = set()
@@ -250,6 +318,7 @@ class SqliteStore(Store):
 
         return await self._off_loop(read)
 
+    @_writes
     async def put_starts(self, starts: list[Doc]) -> None:
         with self._tx() as db:
             for start in starts:
@@ -268,6 +337,7 @@ class SqliteStore(Store):
         return await self._off_loop(read)
 
     # -- documents -----------------------------------------------------------------------------------
+    @_writes
     async def put_doc(self, kind: str, doc_id: str, doc: Doc) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO docs (kind, id, version, doc) VALUES (?, ?, ?, ?)",
@@ -283,6 +353,7 @@ class SqliteStore(Store):
             json.loads(r[0]) for r in self.db.execute("SELECT doc FROM docs WHERE kind = ? ORDER BY rowid", (kind,))
         ]
 
+    @_writes
     async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
         with self._tx() as db:
             row = db.execute("SELECT version FROM docs WHERE kind = ? AND id = ?", (kind, doc_id)).fetchone()
@@ -296,6 +367,7 @@ class SqliteStore(Store):
             return True
 
     # -- records ---------------------------------------------------------------------------------------
+    @_writes
     async def append_record(self, record: Doc) -> bool:
         def append(db: sqlite3.Connection) -> bool:
             encoded = jsonpieces.dumps(record)  # before the transaction: the lock is held for the insert only
@@ -315,6 +387,7 @@ class SqliteStore(Store):
             lambda db: [json.loads(r[0]) for r in db.execute("SELECT doc FROM records ORDER BY pos")])
 
     # -- leases ---------------------------------------------------------------------------------------
+    @_writes
     async def try_lease(self, name: str, owner: str, ttl_s: float, now: float) -> bool:
         with self._tx() as db:
             row = db.execute("SELECT owner, expires FROM leases WHERE name = ?", (name,)).fetchone()
@@ -326,6 +399,7 @@ class SqliteStore(Store):
             return True
 
     # -- budgets ----------------------------------------------------------------------------------------
+    @_writes
     async def take_slice(self, slice_doc: Doc, counters: list[tuple[str, int]], want: int, fraction: float,
                          ttl_s: float = 0) -> tuple[int, int | None]:
         with self._tx() as db:  # BEGIN IMMEDIATE: one writer at a time, so no two slices see the same remainder
@@ -346,6 +420,7 @@ class SqliteStore(Store):
             db.execute("INSERT INTO slices (id, open, doc) VALUES (?, 1, ?)", (doc["id"], _dump(doc)))
             return granted, None
 
+    @_writes
     async def settle_slice(self, slice_id: str, used: int, at: float) -> Doc | None:
         with self._tx() as db:
             row = db.execute("SELECT doc FROM slices WHERE id = ? AND open = 1", (slice_id,)).fetchone()

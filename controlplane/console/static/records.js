@@ -48,10 +48,28 @@ function show(r, v) {
     h("dt", {}, "Completed"), h("dd", {}, when(r.completed_at)),
     h("dt", {}, "Terminated"), h("dd", {}, (r.agents_terminated || []).map((a) => typeof a === "string" ? a : a.agent).join(", ") || "—"),
     h("dt", {}, "Unaccounted"), h("dd", {}, (r.agents_unaccounted || []).map((a) => a.agent).join(", ") || "none"),
+    ...overlap(r),
     h("dt", {}, "Hash"), h("dd", { class: "mono" }, r.hash)),
     h("a", { href: har, download: `${r.termination_id}.har`, id: "har-link" }, "Download the HAR of this record's calls")));
   renderCalls();
   document.getElementById("record-detail").scrollIntoView({ block: "start" });
+}
+
+// Where terminations overlap a call belongs to one record: say which others this one amends, accounts for, or
+// leaves calls to.
+function overlap(r) {
+  const rows = [];
+  if (r.amends) rows.push(h("dt", {}, "Amends"), h("dd", { class: "mono" }, r.amends));
+  if ((r.accounts_for || []).length) {
+    rows.push(h("dt", {}, "Accounts for"), h("dd", {}, r.accounts_for.map((a) =>
+      `${a.record_id} (${a.termination_id}): ${[...a.agents, ...a.call_ids.map((c) => `call ${c}`)].join(", ")}`)
+      .join("; ")));
+  }
+  if ((r.calls_held_by || []).length) {
+    rows.push(h("dt", {}, "Calls held by"), h("dd", {}, r.calls_held_by.map((c) =>
+      `${c.record_id} (${c.termination_id}): ${c.calls} call(s)`).join("; ")));
+  }
+  return rows;
 }
 
 function renderCalls() {
