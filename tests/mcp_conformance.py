@@ -342,14 +342,18 @@ def tethered_calls(tethered: Tethered, agent: str | None = None) -> list[dict[st
     return tethered.cp.client().request("GET", f"/v1/reports?agent={agent or tethered.identity.agent}")
 
 
-def under_tether_run(tethered: Tethered, agent: str, state_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """The command prefix and environment that run the runner under ``tether run --cooperative`` as ``agent``,
-    a second agent of the same control plane holding the same grants. ``tether run`` sets the proxy variables;
-    it does not set ``NODE_USE_ENV_PROXY``, so this adds it to the environment ``tether run`` passes on."""
+def under_tether_run(tethered: Tethered, agent: str, state_dir: Path,
+                     cooperative: bool = False) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment that run the runner under ``tether run`` as ``agent``, a second agent
+    of the same control plane holding the same grants: enforced (tether run's default: the command's only way
+    out is the sidecar, whatever it follows), or ``--cooperative`` (proxy variables only: tether run does not
+    set ``NODE_USE_ENV_PROXY``, so this adds it to the environment tether run passes on)."""
     identity = tethered.cp.issue(agent, dict.fromkeys(tethered.grants.entries, "direct"))
     prefix = [PYTHON, "-m", "cli", "run", "--controlplane", tethered.cp.url, "--chain", str(identity.chain_path),
-              "--key", str(identity.key_path), "--state-dir", str(state_dir), "--cooperative", "--"]
-    return prefix, {**runner_env(None, tethered.cp.env()), "NODE_USE_ENV_PROXY": "1"}
+              "--key", str(identity.key_path), "--state-dir", str(state_dir),
+              *(["--cooperative"] if cooperative else []), "--"]
+    env = runner_env(None, tethered.cp.env())
+    return prefix, {**env, "NODE_USE_ENV_PROXY": "1"} if cooperative else env
 
 
 # -- the runner -----------------------------------------------------------------------------------------------------
@@ -392,6 +396,17 @@ def server_scenarios(chain: Toolchain) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^\s*- (\S+)", out, re.M)]
 
 
+_TETHER_CODE = re.compile(r"\btether\.[a-z_]+\b")
+
+
+def _failure(check: dict[str, Any]) -> str:
+    """A failed check as one line: its id and message, and the tether codes in the answer it judged (a check
+    that read a refusal's body, such as the DNS-rebinding probe, names it only in its details)."""
+    line = f"{check.get('id')}: {check.get('errorMessage') or check.get('description')}"
+    codes = sorted(set(_TETHER_CODE.findall(json.dumps(check.get("details")))) - set(_TETHER_CODE.findall(line)))
+    return f"{line} [answer: {', '.join(codes)}]" if codes else line
+
+
 def _checks(out_dir: Path) -> dict[str, Scenario]:
     """Each scenario's verdict from its ``checks.json`` (a scenario passes when no check is a FAILURE)."""
     found: dict[str, Scenario] = {}
@@ -400,8 +415,7 @@ def _checks(out_dir: Path) -> dict[str, Scenario]:
         if match is None or not (entry / "checks.json").exists():
             continue
         checks = json.loads((entry / "checks.json").read_text())
-        failures = tuple(f"{check.get('id')}: {check.get('errorMessage') or check.get('description')}"
-                         for check in checks if check.get("status") == "FAILURE")
+        failures = tuple(_failure(check) for check in checks if check.get("status") == "FAILURE")
         passed = sum(1 for check in checks if check.get("status") == "SUCCESS")
         found[match.group("name")] = Scenario(match.group("name"), passed, len(failures), failures)
     return found

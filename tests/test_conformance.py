@@ -3,16 +3,15 @@
 Two real servers from npm, on 127.0.0.1: the suite's own reference server (every scenario passes against it)
 and ``@modelcontextprotocol/server-everything``. For each, the runner (``@modelcontextprotocol/conformance``
 on Node 22) runs every server scenario directly, then through a real ``tether sidecar`` whose chain holds
-(``direct``) every item the server offers that the catalog can name (on main: every tool), under a real control
-plane, following ``HTTP_PROXY`` with
+(``direct``) every item the server offers that the catalog can name (tools, resources and templates, prompts,
+logging, completion, subscriptions), under a real control plane, following ``HTTP_PROXY`` with
 ``NODE_USE_ENV_PROXY=1``. Every scenario that passes directly must pass through tether.
 
-Known today: the sidecar refuses every MCP method that is not tool plumbing (resources, prompts, logging,
-completion: the catalog cannot grant them yet), and answers a refused ``tools/call`` with an HTTP 403 that the
-TypeScript SDK reports as a transport error. Those scenarios are ``xfail(strict=True)`` with
-``raises=RefusedByTether``: they count as expected only while tether's own refusal is what fails them, and turn
-into failures when they pass (un-xfail them then) or fail for any other reason. The catalog grants every item
-the server offers that this code's catalog can name, so the flip comes with the code that can name them.
+Known today (``REFUSED_TODAY``): tether answers its refusal of a ``Host`` that does not name the destination
+with HTTP 200 and a JSON-RPC error, where the DNS-rebinding probe expects a 4xx; and server-everything accepts a
+subscription to a resource it does not offer, which tether refuses as absent. Those scenarios are
+``xfail(strict=True, raises=RefusedByTether)``: expected only while tether's own refusal is what fails them,
+failures as soon as they pass (remove the entry then) or fail for any other reason.
 
 Skipped, with the reason printed, where the npm packages cannot be installed. The kit is installed once into
 ``$TETHER_CONFORMANCE_CACHE`` (default ``.cache/conformance``); see docs/conformance.md.
@@ -52,55 +51,30 @@ DIRECT_PASSES = {
         "resources-unsubscribe", "prompts-list"}),
 }
 
-LOGGING = "logging/setLevel is refused: the catalog cannot grant logging yet"
-COMPLETION = "completion/complete is refused: the catalog cannot grant completion yet"
-RESOURCES_LIST = "resources/list is refused: the catalog cannot grant resources yet"
-RESOURCES_READ = "resources/read is refused: the catalog cannot grant resources yet"
-SUBSCRIBE = "resources/subscribe is refused: the catalog cannot grant subscriptions yet"
-SUBSCRIBE_ABSENT = (f"{SUBSCRIBE}; and the scenario subscribes to test://watched-resource, which server-everything "
-                    "does not offer (it accepts the subscription anyway), so no grant names it")
-PROMPTS_LIST = "prompts/list is refused: the catalog cannot grant prompts yet"
-PROMPTS_GET = "prompts/get is refused: the catalog cannot grant prompts yet"
-UNKNOWN_TOOL = ("a tools/call for a tool the server does not have is refused with HTTP 403 (absent from the "
-                "catalog), which the TypeScript SDK reports as a transport error; directly the server answers "
-                "an isError result, which the scenario accepts")
+HOST_REFUSAL_200 = ("the probe sends Host: evil.example.com and expects a 4xx; through the sidecar (explicit "
+                    "proxy) tether refuses it (tether.unknown_destination, the request never reaches the server) "
+                    "but answers HTTP 200 with a JSON-RPC error, as it answers every refused JSON-RPC request")
+SUBSCRIBE_ABSENT = ("the scenario subscribes to test://watched-resource, which server-everything does not offer (it "
+                    "accepts the subscription anyway, so the scenario passes directly): no grant names it, so "
+                    "tether refuses it as absent. By design: remove only if the scenario changes")
 
-# Scenario -> why it fails through tether today. Remove an entry when the change it names lands.
+# Scenario -> (what each failed check must show: tether's refusal, why it fails through tether today).
+# Remove an entry when its scenario passes.
 REFUSED_TODAY = {
     "reference": {
-        "logging-set-level": LOGGING,
-        "tools-call-with-logging": LOGGING,
-        "completion-complete": COMPLETION,
-        "resources-list": RESOURCES_LIST,
-        "resources-read-text": RESOURCES_READ,
-        "resources-read-binary": RESOURCES_READ,
-        "resources-templates-read": RESOURCES_READ,
-        "resources-subscribe": SUBSCRIBE,
-        "resources-unsubscribe": SUBSCRIBE,
-        "prompts-list": PROMPTS_LIST,
-        "prompts-get-simple": PROMPTS_GET,
-        "prompts-get-with-args": PROMPTS_GET,
-        "prompts-get-embedded-resource": PROMPTS_GET,
-        "prompts-get-with-image": PROMPTS_GET,
+        "dns-rebinding-protection": ("[answer: tether.unknown_destination]", HOST_REFUSAL_200),
     },
     "everything": {
-        "logging-set-level": LOGGING,
-        "tools-call-simple-text": UNKNOWN_TOOL,
-        "tools-call-error": UNKNOWN_TOOL,
-        "resources-list": RESOURCES_LIST,
-        "resources-subscribe": SUBSCRIBE_ABSENT,
-        "resources-unsubscribe": SUBSCRIBE_ABSENT,
-        "prompts-list": PROMPTS_LIST,
+        "resources-subscribe": ("MCP error -32003: resource 'test://watched-resource' is not granted",
+                                SUBSCRIBE_ABSENT),
+        "resources-unsubscribe": ("MCP error -32003: resource 'test://watched-resource' is not granted",
+                                  SUBSCRIBE_ABSENT),
     },
 }
 
-# How a failed check shows tether's refusal: today the SDK quotes the 403 body with its data.code; once a refusal
-# is a JSON-RPC error answered 200, the SDK's message carries tether's JSON-RPC code (proxy/mcp.py JSONRPC_REFUSED).
-REFUSAL_MARKS = ('"code": "tether.capability_absent"', "MCP error -32003:")
-
 
 class RefusedByTether(AssertionError):
-    """The scenario failed through tether, and every failed check is tether's own refusal."""
+    """The scenario failed through tether, and every failed check shows the refusal ``REFUSED_TODAY`` names."""
 
 
 @dataclass
@@ -224,7 +198,8 @@ def _through_tether_cases() -> list[Any]:
                 continue
             marks = []
             if name in REFUSED_TODAY[kind]:
-                marks.append(pytest.mark.xfail(strict=True, raises=RefusedByTether, reason=REFUSED_TODAY[kind][name]))
+                reason = REFUSED_TODAY[kind][name][1]
+                marks.append(pytest.mark.xfail(strict=True, raises=RefusedByTether, reason=reason))
             cases.append(pytest.param(kind, name, marks=marks, id=f"{kind}-{name}"))
     return cases
 
@@ -237,6 +212,7 @@ def test_a_scenario_that_passes_directly_passes_through_tether(suites: Suites, k
     assert through is not None, f"the runner reported nothing for {scenario}: {run.sidecar.log_path}"
     if through.passed:
         return
-    if through.failures and all(any(mark in failure for mark in REFUSAL_MARKS) for failure in through.failures):
+    mark = REFUSED_TODAY[kind].get(scenario, ("", ""))[0]
+    if mark and through.failures and all(mark in failure for failure in through.failures):
         raise RefusedByTether(f"{scenario} through tether: {through.failures}")
     raise AssertionError(f"{scenario} passes directly, fails through tether: {through.failures}")
