@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from mitmproxy import http
 
@@ -305,11 +306,44 @@ class Streamer:
             resp.stream = True
 
 
-class Capture:
-    """Every call's flow, redacted, in mitmproxy's format. A capture that fails refuses that call only."""
+STREAM_CAPTURE_BYTES = 1 << 20  # per flow: how much of a streamed answer the capture keeps
 
-    def __init__(self, writer: CaptureWriter, allow_uncaptured: bool) -> None:
-        self.writer, self.allow_uncaptured = writer, allow_uncaptured
+
+class _Tee:
+    """A streamed answer as it passes (``flow.response.stream``), its first ``limit`` bytes kept for the
+    capture; what follows is only counted."""
+
+    def __init__(self, inner: Any, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+        self.kept: list[bytes] = []
+        self.size = 0
+        self.total = 0
+
+    def __call__(self, chunk: bytes) -> Any:
+        out = chunk if self.inner is True else self.inner(chunk)
+        parts = [out] if isinstance(out, bytes) else list(out)
+        for part in parts:
+            self.total += len(part)
+            room = self.limit - self.size
+            if room > 0 and part:
+                self.kept.append(part[:room])
+                self.size += min(room, len(part))
+        return parts if not isinstance(out, bytes) else out
+
+
+class Capture:
+    """Every call's flow, redacted, in mitmproxy's format. A capture that fails refuses that call only.
+
+    A streamed answer (SSE, chunked, large) is captured as it passes, up to ``STREAM_CAPTURE_BYTES`` per flow;
+    the flow's comment says when the capture holds only the first part of it."""
+
+    def __init__(self, writer: CaptureWriter, allow_uncaptured: bool, stream_bytes: int = STREAM_CAPTURE_BYTES) -> None:
+        self.writer, self.allow_uncaptured, self.stream_bytes = writer, allow_uncaptured, stream_bytes
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        resp = flow.response
+        if resp is not None and resp.stream and not isinstance(resp.stream, _Tee) and call_of(flow) is not None:
+            resp.stream = _Tee(resp.stream, self.stream_bytes)  # lives and goes with the flow
 
     def request(self, flow: http.HTTPFlow) -> None:
         call = call_of(flow)
@@ -339,6 +373,12 @@ class Capture:
         call = call_of(flow)
         if call is None:
             return
+        tee = flow.response.stream if flow.response is not None else None
+        if isinstance(tee, _Tee) and flow.response is not None:  # sent already: this is the capture's copy only
+            flow.response.raw_content = b"".join(tee.kept)
+            if tee.total > tee.size:
+                flow.comment = (f"tether: streamed answer, the capture holds its first {tee.size} of "
+                                f"{tee.total} bytes")
         if call.capture_ref is not None:
             # Captured before it left: the final state is written once the answer is on its way to the agent
             # (mitmproxy sends it when this hook returns), not in front of it.

@@ -127,11 +127,29 @@ class Tunnels:
         flow.kill()
 
 
-class Enforcer:
-    """Absence, not gates: match every call to a capability and let go only what the chain grants."""
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
-    def __init__(self, catalog: Catalog, chain: ChainState) -> None:
-        self.catalog, self.chain = catalog, chain
+
+def own_destinations(controlplane_url: str) -> frozenset[tuple[str, int]]:
+    """Where the sidecar's own control plane listens, as (host, port) a request could name (a loopback address in
+    each of its spellings): never a tool, whatever the catalog says."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(controlplane_url)
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    hosts = LOOPBACK_NAMES if host in LOOPBACK_NAMES else {host}
+    return frozenset((h, port) for h in hosts)
+
+
+class Enforcer:
+    """Absence, not gates: match every call to a capability and let go only what the chain grants. The sidecar's
+    own control plane is never a destination (``forbidden``): an agent reaches it only through what the sidecar
+    itself sends, even under a catalog that names its address."""
+
+    def __init__(self, catalog: Catalog, chain: ChainState,
+                 forbidden: frozenset[tuple[str, int]] = frozenset()) -> None:
+        self.catalog, self.chain, self.forbidden = catalog, chain, forbidden
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
@@ -148,6 +166,10 @@ class Enforcer:
         state = state_of(flow)
         if state.call is None:  # every request is tracked; one that is not cannot be decided on
             refuse(flow, Refusal(codes.CAPABILITY_ABSENT, "an untracked request is not forwarded"))
+            return
+        if (flow.request.host.lower().strip("[]"), flow.request.port) in self.forbidden:
+            refuse(flow, Refusal(codes.CAPABILITY_ABSENT, "the sidecar's control plane is not a tool: an agent "
+                                 "reaches it only through its sidecar", reason="controlplane"))
             return
         try:
             req = flow.request

@@ -35,7 +35,7 @@ from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .credentials import Credentials, Injector
-from .enforce import Enforcer, Forwarder, Holds, Tunnels
+from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
 from .flowstate import state_of
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from .pipeline import Pipeline
@@ -251,7 +251,8 @@ class Sidecar:
         spend = self.budgets.spend if self.budgets.active else None
         tracing = call_tracing(self.agent, self.run_id, self.resolved)
         ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
-                           Tunnels(catalog, state, self.track, self.resolve), Enforcer(catalog, state),
+                           Tunnels(catalog, state, self.track, self.resolve),
+                           Enforcer(catalog, state, own_destinations(self.config.controlplane)),
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
                            Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier), Streamer(),
                            WebsocketBound()]

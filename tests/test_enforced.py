@@ -151,6 +151,7 @@ for dest, ports in (("granted", cfg["granted"]), ("ungranted", cfg["other"])):
         out[f"node {dest} {scheme}"] = node(url)
     out[f"java {dest} https"] = java(f"https://localhost:{ports[1]}/x")  # its trust store is cacerts, not PEM
     out[f"raw {dest}"] = raw(ports[0])
+out["controlplane"] = [urllib_get(f"http://{h}:{cfg['cp']}/healthz") for h in ("127.0.0.1", "localhost")]
 out["ws granted"] = asyncio.run(websocket(f"ws://127.0.0.1:{cfg['ws']}/ws"))  # ignores proxy variables
 out["ws ungranted"] = asyncio.run(websocket(f"ws://127.0.0.1:{cfg['ws']}/ws-plain"))
 out["stdio"] = asyncio.run(stdio_fetch([f"https://localhost:{cfg['granted'][1]}/x",
@@ -319,11 +320,12 @@ capabilities:
   guarded.add:   {{mcp: {{url: "http://127.0.0.1:{mcp.port}/mcp", tool: add}}}}
   ws.chat:       {{http: {{host: 127.0.0.1, port: {ws.port}, methods: [GET], path: "/ws", websocket: true}}}}
   ws.plain:      {{http: {{host: 127.0.0.1, port: {ws.port}, methods: [GET], path: "/ws-plain"}}}}
+  oops.cp:       {{http: {{host: 127.0.0.1, port: {cp.port}, methods: [GET], path: "/*"}}}}
 """)
     cp.signing_key_path.write_bytes(keys.private_pem(keys.generate()))
     cp.start()
     ident = cp.issue("enforced.agent", {"granted.http": "direct", "granted.https": "direct", "guarded.add": "direct",
-                                        "ws.chat": "direct", "ws.plain": "direct"})
+                                        "ws.chat": "direct", "ws.plain": "direct", "oops.cp": "direct"})
     for name in ("chain", "key"):
         shutil.copyfile(getattr(ident, f"{name}_path"), home / name)
     (home / "secret").write_text("file-secret-4b1d9e\n")
@@ -357,7 +359,7 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     servers = w["servers"]
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "mcp": f"http://127.0.0.1:{w['mcp'].port}/mcp", "stdio_server": str(home / "stdio_server.py"),
-           "home": str(home), "key": str(home / "key"), "ws": w["ws"].port,
+           "home": str(home), "key": str(home / "key"), "ws": w["ws"].port, "cp": w["cp"].port,
            "java": str(home / "Get.java") if shutil.which("java") else None}
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8", "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_TOKEN": "operator-token-77c2",
@@ -390,6 +392,8 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     assert w["mcp"].calls == ["add"]
     assert out["ws granted"] == "echo: hi" and out["ws ungranted"] == "403 tether.capability_absent", out
     assert w["ws"].ws_messages == ["hi"]
+    # the control plane is no tool, even where a catalog names its address (here: oops.cp)
+    assert out["controlplane"] == ["403 tether.capability_absent"] * 2, out["controlplane"]
     assert all(s.connections == 0 for s in servers["other"]), "an ungranted server was reached"
     assert servers["granted"][0].connections >= 5 and servers["granted"][1].connections >= 5
 
