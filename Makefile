@@ -4,7 +4,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 $$(ls -d $$(pyenv root 2>/dev/n
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench venv clean compile
 
 $(BIN)/tether: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "tether needs Python >= 3.12 (set PYTHON=/path/to/python3.12)"; exit 1; }
@@ -15,13 +15,18 @@ $(BIN)/tether: pyproject.toml
 
 venv: $(BIN)/tether
 
-demo: venv
+# Byte-compiled once, so that every process tether starts (sidecars, control planes, tests' subprocesses) reads
+# .pyc files even where PYTHONDONTWRITEBYTECODE is set (an editable install writes none otherwise).
+compile: venv
+	@$(BIN)/python -m compileall -q capability cli controlplane proxy tests bench >/dev/null
+
+demo: venv compile
 	$(BIN)/tether demo
 
 lint: venv
 	$(BIN)/ruff check .
 
-test: venv lint
+test: venv lint compile
 	$(BIN)/pytest -q -p no:cacheprovider
 
 bench: venv
