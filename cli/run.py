@@ -248,6 +248,7 @@ def _command_env(info: dict, secrets: list, isolation: Any, enclosure: Any, stat
     proxies = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
     if isolation is None and enclosure is None:
         env.update(dict.fromkeys(proxies, info["proxy"]))
+        env["NODE_USE_ENV_PROXY"] = "1"  # Node 22.21+ and 24: fetch follows the proxy variables (older Node ignores it)
         ca = os.path.abspath(info["ca"])
     else:
         # Every connection is intercepted where it goes: no proxy to follow (or to find out of reach).

@@ -115,6 +115,10 @@ class Resolver:
         self.resolve(call, resolution, detail=detail, code=state.aborted)
 
 
+# Refusals a server would never have answered (the request never was its to answer): they keep their 4xx.
+NOT_THE_SERVERS_ANSWER = frozenset({codes.UNKNOWN_DESTINATION, codes.CHAIN_INVALID})
+
+
 class McpFilter:
     """What the agent does not hold does not exist: ungranted tools, resources, resource templates and prompts
     are removed from every list result, JSON or SSE; a resources/updated notification about an ungranted
@@ -219,7 +223,11 @@ class McpFilter:
     def _answer_as_server(flow: http.HTTPFlow, resp: http.Response) -> None:
         """A refused JSON-RPC request gets its JSON-RPC answer (``proxy.flowstate.refuse`` wrote it) at HTTP 200,
         as a server answers one: an SDK reads a 403 as a transport or authorization failure, not as the
-        refusal of one request. ``Tether-Error`` stays. Requests that are not JSON-RPC keep their status."""
+        refusal of one request. ``Tether-Error`` stays. Requests that are not JSON-RPC keep their status, and so do
+        refusals of where the request goes rather than of what it asks (an unknown destination, a ``Host`` that
+        names another server: a DNS-rebinding probe expects a 4xx, as a server's own guard answers one)."""
+        if state_of(flow).refused in NOT_THE_SERVERS_ANSWER:
+            return
         if flow.request.method == "POST" and mcp.answers_requests(state_of(flow).mcp_parsed):
             resp.status_code = 200
             resp.reason = "OK"

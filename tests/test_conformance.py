@@ -51,9 +51,6 @@ DIRECT_PASSES = {
         "resources-unsubscribe", "prompts-list"}),
 }
 
-HOST_REFUSAL_200 = ("the probe sends Host: evil.example.com and expects a 4xx; through the sidecar (explicit "
-                    "proxy) tether refuses it (tether.unknown_destination, the request never reaches the server) "
-                    "but answers HTTP 200 with a JSON-RPC error, as it answers every refused JSON-RPC request")
 SUBSCRIBE_ABSENT = ("the scenario subscribes to test://watched-resource, which server-everything does not offer (it "
                     "accepts the subscription anyway, so the scenario passes directly): no grant names it, so "
                     "tether refuses it as absent. By design: remove only if the scenario changes")
@@ -61,9 +58,7 @@ SUBSCRIBE_ABSENT = ("the scenario subscribes to test://watched-resource, which s
 # Scenario -> (what each failed check must show: tether's refusal, why it fails through tether today).
 # Remove an entry when its scenario passes.
 REFUSED_TODAY = {
-    "reference": {
-        "dns-rebinding-protection": ("[answer: tether.unknown_destination]", HOST_REFUSAL_200),
-    },
+    "reference": {},
     "everything": {
         "resources-subscribe": ("MCP error -32003: resource 'test://watched-resource' is not granted",
                                 SUBSCRIBE_ABSENT),
