@@ -27,6 +27,7 @@ from ..metrics import Metrics
 from ..store import Doc, Store, StoreUnavailable
 from .approvals import ApprovalService
 from .budgets import budget_use
+from .clock import ClockService
 from .events import EventService
 from .grants import GrantService, principal_of
 from .records import RecordService
@@ -41,7 +42,8 @@ ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are wat
 class TerminationService:
     def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], *, signing_key: Ed25519PrivateKey,
                  replica: str, lease_ttl_s: float, grace_s: float, events: EventService, grants: GrantService,
-                 approvals: ApprovalService, records: RecordService, sidecars: SidecarService) -> None:
+                 approvals: ApprovalService, records: RecordService, sidecars: SidecarService,
+                 clock_watch: ClockService) -> None:
         self.store = store
         self.metrics = metrics
         self.clock = clock
@@ -50,6 +52,7 @@ class TerminationService:
         self.grace_s = grace_s
         self.events, self.grants, self.approvals = events, grants, approvals
         self.records, self.sidecars = records, sidecars
+        self.clock_watch = clock_watch
         self._wake = asyncio.Event()
         self.started_at = clock()
         # After a restart, sidecars retry every half second; give them this long to come back and
@@ -58,7 +61,11 @@ class TerminationService:
 
     # -- requests -------------------------------------------------------------------------------------
     async def terminate(self, agent: str, caller: Caller | None, mode: str, window_s: float, reason: str) -> Doc:
-        """Start terminating ``agent`` and its subtree (an admin, or a principal above every link it holds)."""
+        """Start terminating ``agent`` and its subtree (an admin, or a principal above every link it holds).
+
+        The deadline is fixed here, on this replica's clock, which must agree with the store's: a clock
+        behind would date it already past (every drain an abort), one ahead would stretch it."""
+        self.clock_watch.require_true("fix a termination's deadline")
         graph = await self.grants.graph()
         links = graph.links_of(agent)
         if not links:
@@ -143,6 +150,11 @@ class TerminationService:
                 pass
 
     async def drive_all(self) -> None:
+        # A skewed clock takes no lease: ahead, it would judge every other replica's lease expired and every
+        # window over at once (reconciling before the sidecars answered); behind, it would hold windows open
+        # past their end. A replica that stops renewing loses its leases to the others within LEASE_S.
+        if self.clock_watch.verdict().skewed:
+            return
         now = self.clock()
         for doc in await self.store.list_docs("termination"):
             if doc["state"] == proto.TERMINATED and (
@@ -203,6 +215,16 @@ class TerminationService:
     async def drive(self, doc: Doc) -> None:
         acks = await self._acks(doc)
         step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s)
+        overdue = step.doc["state"] == proto.RECONCILING and doc["state"] != proto.RECONCILING
+        if overdue and set(doc["agents"]) - set(acks):
+            # The window is over on this clock with agents still silent: read the store's clock afresh before
+            # acting on it, so a clock stepped since the last measurement cannot close a window early.
+            try:
+                skewed = (await self.clock_watch.measure()).skewed
+            except TimeoutError:
+                skewed = True
+            if skewed:
+                return
         new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:
@@ -266,6 +288,7 @@ class TerminationService:
                 "grace_s": doc["grace_s"],
                 "issued_at": self.clock(),
             }
+            command["remaining_s"] = proto.remaining(command, command["issued_at"])
             # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
             # the same id starts clean.
             graph = await self.grants.graph()
