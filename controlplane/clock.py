@@ -29,7 +29,8 @@ CLOCK_SKEWED = "tether.clock_skewed"
 SKEW_BOUND_S = 2.0  # past this offset from the store's clock a replica takes no lease and fixes no deadline
 MEASURE_INTERVAL_S = 2.0  # how often a replica reads the store's clock
 STALE_AFTER_S = 30.0  # a measurement older than this no longer vouches for the clock
-SAMPLES_KEPT = 8  # the measurement used is the one with the shortest round trip among the latest few
+SAMPLES_KEPT = 8  # the latest few measurements
+PRECISE_S = SKEW_BOUND_S / 4  # a measurement at least this certain (half its round trip) decides on its own
 SIDECAR_RUNS_KEPT = 1024
 SIDECAR_HORIZON_S = 300.0  # sidecar runs heard from within this long count in their median
 SIDECAR_QUORUM = 3  # runs needed before the sidecars' median is logged as disagreeing
@@ -73,7 +74,12 @@ class ClockWatch:
         return sample
 
     def best(self, at: float) -> Sample | None:
+        """The newest precise measurement (so a stepped clock shows at the next one); failing that, while the
+        store answers slowly, the most certain of the fresh ones."""
         fresh = [s for s in self._samples if at - s.at <= STALE_AFTER_S]
+        precise = [s for s in fresh if s.uncertainty_s <= PRECISE_S]
+        if precise:
+            return precise[-1]
         return min(fresh, key=lambda s: s.uncertainty_s) if fresh else None
 
     def verdict(self, at: float) -> Verdict:
