@@ -8,6 +8,7 @@ a restarted control plane picks up every termination that is not ``terminated``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -65,6 +66,8 @@ class TerminationService:
 
         The deadline is fixed here, on this replica's clock, which must agree with the store's: a clock
         behind would date it already past (every drain an abort), one ahead would stretch it."""
+        with contextlib.suppress(TimeoutError):  # a store too slow to answer leaves the last verdict standing
+            await self.clock_watch.measure()  # afresh: a clock stepped since the last measurement shows now
         self.clock_watch.require_true("fix a termination's deadline")
         graph = await self.grants.graph()
         links = graph.links_of(agent)
@@ -150,17 +153,24 @@ class TerminationService:
                 pass
 
     async def drive_all(self) -> None:
+        now = self.clock()
+        todo = [doc for doc in await self.store.list_docs("termination") if not (
+            doc["state"] == proto.TERMINATED
+            and (not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S))]
         # A skewed clock takes no lease: ahead, it would judge every other replica's lease expired and every
         # window over at once (reconciling before the sidecars answered); behind, it would hold windows open
-        # past their end. A replica that stops renewing loses its leases to the others within LEASE_S.
-        if self.clock_watch.verdict().skewed:
+        # past their end. The store's clock is read afresh before each pass that may take a lease (one round
+        # trip), so a clock stepped since the last measurement neither takes nor renews one on its new time.
+        # A replica that stops renewing loses its leases to the others within LEASE_S.
+        if not todo:
             return
-        now = self.clock()
-        for doc in await self.store.list_docs("termination"):
-            if doc["state"] == proto.TERMINATED and (
-                not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S
-            ):
-                continue
+        try:
+            skewed = (await self.clock_watch.measure()).skewed
+        except TimeoutError:
+            skewed = True
+        if skewed:
+            return
+        for doc in todo:
             if not await self.store.try_lease(f"termination:{doc['id']}", self.replica, LEASE_S, self.clock()):
                 continue
             if doc["state"] == proto.TERMINATED:
@@ -215,16 +225,6 @@ class TerminationService:
     async def drive(self, doc: Doc) -> None:
         acks = await self._acks(doc)
         step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s)
-        overdue = step.doc["state"] == proto.RECONCILING and doc["state"] != proto.RECONCILING
-        if overdue and set(doc["agents"]) - set(acks):
-            # The window is over on this clock with agents still silent: read the store's clock afresh before
-            # acting on it, so a clock stepped since the last measurement cannot close a window early.
-            try:
-                skewed = (await self.clock_watch.measure()).skewed
-            except TimeoutError:
-                skewed = True
-            if skewed:
-                return
         new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:
