@@ -29,8 +29,7 @@ CLOCK_SKEWED = "tether.clock_skewed"
 SKEW_BOUND_S = 2.0  # past this offset from the store's clock a replica takes no lease and fixes no deadline
 MEASURE_INTERVAL_S = 2.0  # how often a replica reads the store's clock
 STALE_AFTER_S = 30.0  # a measurement older than this no longer vouches for the clock
-SAMPLES_KEPT = 8  # the latest few measurements
-PRECISE_S = SKEW_BOUND_S / 4  # a measurement at least this certain (half its round trip) decides on its own
+SAMPLES_KEPT = 8  # the latest few measurements (the newest decides)
 SIDECAR_RUNS_KEPT = 1024
 SIDECAR_HORIZON_S = 300.0  # sidecar runs heard from within this long count in their median
 SIDECAR_QUORUM = 3  # runs needed before the sidecars' median is logged as disagreeing
@@ -74,27 +73,29 @@ class ClockWatch:
         return sample
 
     def best(self, at: float) -> Sample | None:
-        """The newest precise measurement (so a stepped clock shows at the next one); failing that, while the
-        store answers slowly, the most certain of the fresh ones."""
-        fresh = [s for s in self._samples if at - s.at <= STALE_AFTER_S]
-        precise = [s for s in fresh if s.uncertainty_s <= PRECISE_S]
-        if precise:
-            return precise[-1]
-        return min(fresh, key=lambda s: s.uncertainty_s) if fresh else None
+        """The newest measurement (so a stepped clock shows at the next one), unless it is stale."""
+        return self._samples[-1] if self._samples and at - self._samples[-1].at <= STALE_AFTER_S else None
 
     def verdict(self, at: float) -> Verdict:
+        """Skewed unless the newest measurement puts the offset within the bound, its uncertainty included:
+        a round trip too slow to tell (or one the clock was stepped during) fails closed until the next."""
         if self.local:
             return Verdict(False, 0.0, 0.0, "")
         sample = self.best(at)
         if sample is None:
             return Verdict(True, None, None, f"this replica's clock has not been compared with the {self.reference} "
                            f"store's in the last {STALE_AFTER_S:.0f}s")
-        if abs(sample.offset_s) > self.bound_s:
-            ahead = "ahead of" if sample.offset_s > 0 else "behind"
-            return Verdict(True, sample.offset_s, sample.uncertainty_s,
-                           f"this replica's clock is {abs(sample.offset_s):.1f}s {ahead} the {self.reference} "
+        offset, uncertainty = sample.offset_s, sample.uncertainty_s
+        if abs(offset) - uncertainty > self.bound_s:
+            ahead = "ahead of" if offset > 0 else "behind"
+            return Verdict(True, offset, uncertainty,
+                           f"this replica's clock is {abs(offset):.1f}s {ahead} the {self.reference} "
                            f"store's (bound {self.bound_s:g}s): fix its time sync (NTP)")
-        return Verdict(False, sample.offset_s, sample.uncertainty_s, "")
+        if abs(offset) + uncertainty > self.bound_s:
+            return Verdict(True, offset, uncertainty,
+                           f"this replica's clock cannot be told within {self.bound_s:g}s of the {self.reference} "
+                           f"store's (offset {offset:+.1f}s, round trip {2 * uncertainty:.1f}s)")
+        return Verdict(False, offset, uncertainty, "")
 
     def changed(self, at: float) -> Verdict | None:
         """The verdict, when it differs from the one this was last asked about (None otherwise)."""

@@ -11,6 +11,7 @@ lease and reconciled at once: agents unaccounted, calls ``unknown``; S dated dea
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,19 +47,31 @@ SETTLE_S = 30.0  # generous bounds for a busy machine; nothing below asserts on 
 
 @dataclass
 class SkewedControlPlane(ControlPlaneProcess):
-    """A replica run under libfaketime: its whole process sees the wall clock shifted by ``offset``."""
+    """A replica run under libfaketime: its whole process sees the wall clock shifted by ``offset``, or, with
+    ``offset_file``, by what that file says at the moment (rewrite it to step the clock; its monotonic
+    clock is left alone, as an NTP step leaves it)."""
 
     offset: str = "+0s"
-    extra_env: dict[str, str] = field(default_factory=dict)
+    offset_file: Path | None = None
 
     def start(self) -> SkewedControlPlane:
         log = open(self.directory / "controlplane.log", "ab")
-        self.proc = subprocess.Popen(
-            [str(FAKETIME), "-f", self.offset, PYTHON, "-m", "cli", "controlplane", "serve",
-             "--listen", f"127.0.0.1:{self.port}", "--store", str(self.store), "--catalog", str(self.catalog_path),
-             "--signing-key", str(self.signing_key_path), "--lease-ttl", str(self.lease_ttl),
-             "--grace", str(self.grace)],
-            stdout=log, stderr=log, env=self.env())
+        serve = [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
+                 "--store", str(self.store), "--catalog", str(self.catalog_path),
+                 "--signing-key", str(self.signing_key_path), "--lease-ttl", str(self.lease_ttl),
+                 "--grace", str(self.grace)]
+        env = self.env()
+        if self.offset_file is None:
+            command = [str(FAKETIME), "-f", self.offset, *serve]
+        else:
+            (library,) = glob.glob("/usr/lib/*/faketime/libfaketime.so.1") or [None]
+            if library is None:
+                pytest.skip("libfaketime.so.1 is not installed")
+            self.offset_file.write_text(self.offset + "\n")
+            command = serve
+            env.update(LD_PRELOAD=library, FAKETIME_TIMESTAMP_FILE=str(self.offset_file),
+                       FAKETIME_CACHE_DURATION="1", FAKETIME_DONT_FAKE_MONOTONIC="1")
+        self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
         wait_until(lambda: health(self)[0] in (200, 503), 20, what=f"replica {self.offset} on {self.port}")
         return self
 

@@ -30,16 +30,26 @@ def test_the_measured_offset_is_within_its_uncertainty_of_the_true_one(true_offs
     assert abs(sample.uncertainty_s - rtt / 2) < 1e-5
 
 
-def test_the_newest_precise_measurement_decides_and_old_ones_lapse() -> None:
+def test_the_newest_measurement_decides_and_lapses() -> None:
     watch = ClockWatch("redis")
-    watch.measured(100.0, 70.0, 100.0, at=0.0)  # a clean one: 30 s ahead
-    watch.measured(100.0, 97.0, 104.0, at=1.0)  # a 4 s round trip says "5 s, give or take 2": not used
+    watch.measured(100.0, 70.0, 100.0, at=0.0)  # 30 s ahead
     verdict = watch.verdict(at=1.0)
     assert verdict.skewed and verdict.offset_s == 30.0 and "30.0s ahead of the redis store's" in verdict.reason
-    lapsed = watch.verdict(at=STALE_AFTER_S + 0.5)  # the clean one lapsed: the imprecise one is all there is
-    assert lapsed.offset_s == 5.0 and lapsed.uncertainty_s == 2.0 and lapsed.skewed
-    later = watch.verdict(at=STALE_AFTER_S + 2)
+    watch.measured(130.0, 130.0, 130.001, at=1.0)  # fixed
+    assert not watch.verdict(at=1.0).skewed
+    later = watch.verdict(at=1.0 + STALE_AFTER_S + 0.5)
     assert later.skewed and later.offset_s is None and "has not been compared" in later.reason  # fail closed
+
+
+def test_a_round_trip_too_slow_to_tell_fails_closed() -> None:
+    watch = ClockWatch("redis")
+    watch.measured(100.0, 101.0, 104.0, at=0.0)  # "+1 s, give or take 2": it may be 3 s off
+    verdict = watch.verdict(at=0.0)
+    assert verdict.skewed and verdict.uncertainty_s == 2.0 and "cannot be told within 2s" in verdict.reason
+    watch.measured(100.0, 70.0, 160.0, at=1.0)  # stepped 60 s during the round trip: +0 give or take 30
+    assert watch.verdict(at=1.0).skewed
+    watch.measured(160.0, 160.0, 160.01, at=2.0)
+    assert not watch.verdict(at=2.0).skewed
 
 
 def test_a_stepped_clock_shows_at_the_next_measurement() -> None:
