@@ -253,3 +253,31 @@ def test_the_correct_replica_drives_and_the_drain_window_holds(replicas: Replica
         assert f"termination {tid}: terminated" in (replicas.a.directory / "controlplane.log").read_text()
         for cp in (replicas.fast, replicas.slow):
             assert f"termination {tid}:" not in cp.log_text
+
+
+def test_commands_are_handed_out_with_the_window_left_by_good_clocks_only(replicas: Replicas) -> None:
+    """A standing drain command carries ``remaining_s``, the window left as a duration, from a replica whose
+    clock agrees with the store's; the fast replica hands it out with the deadline only."""
+    identity = replicas.a.delegate(replicas.root, "timed", {"slow.read": "direct"})
+    replicas.a.client().request("POST", "/v1/chains/register", {"chain": identity.wire})
+    key = keys.load_private(identity.key_path.read_bytes())
+    link = parse_chain_unverified(identity.wire)[-1].hash
+    body = json.dumps({"state": "serving"}).encode()
+
+    def heartbeat(cp: ControlPlaneProcess) -> dict[str, Any]:
+        proof = make_proof(key, agent="timed", method="POST", path="/v1/sidecars/heartbeat", body=body,
+                           now=time.time(), link=link, run="probe-timed")
+        resp = requests.post(cp.url + "/v1/sidecars/heartbeat", data=body, timeout=10,
+                             headers={"Tether-Proof": proof, "Content-Type": "application/json"})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    window = 60.0
+    tid = replicas.a.client().request("POST", "/v1/agents/timed/terminate",
+                                      {"mode": "drain", "window_s": window})["termination_id"]
+    command = wait_until(lambda: heartbeat(replicas.a)["command"], SETTLE_S, what="the standing command")
+    assert command["termination_id"] == tid and 0 < command["remaining_s"] <= window
+    assert abs(command["deadline"] - time.time() - command["remaining_s"]) < 5  # the same moment, as a duration
+    on_fast = heartbeat(replicas.fast)["command"]
+    assert on_fast["termination_id"] == tid and on_fast["deadline"] == command["deadline"]
+    assert "remaining_s" not in on_fast  # not measured on a clock 30 s off

@@ -77,7 +77,7 @@ class ClockService:
         window left as a duration, unless this clock is skewed (then the sidecar has only the deadline and
         the window, as before, rather than a duration measured on a bad clock)."""
         if command is None or self.verdict().skewed:
-            return command
+            return None if command is None else {k: v for k, v in command.items() if k != "remaining_s"}
         return proto.delivered(command, self.clock())
 
     def skew_reason(self) -> str:

@@ -288,14 +288,15 @@ class TerminationService:
                 "grace_s": doc["grace_s"],
                 "issued_at": self.clock(),
             }
-            command["remaining_s"] = proto.remaining(command, command["issued_at"])
             # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
-            # the same id starts clean.
+            # the same id starts clean. The standing command is stored as fixed; the event carries the window
+            # left as of now (``remaining_s``), as a heartbeat's answer or a resync do when they hand it out.
             graph = await self.grants.graph()
             for link_hash in sorted(_links_of(doc, graph)):
                 agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
                 await self.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
-                await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash})
+                await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
+                                                               "remaining_s": proto.remaining(command, self.clock())})
 
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
