@@ -74,6 +74,8 @@ class ProofClock(Protocol):
 
     def skew_reason(self) -> str: ...  # empty unless this replica's clock is skewed
 
+    def reference_now(self, now: float) -> float: ...  # ``now`` on the store's clock, as measured
+
 
 class Authenticator:
     def __init__(self, store: Store, admin_token: str, clock=time.time) -> None:
@@ -126,10 +128,8 @@ class Authenticator:
         against several links)."""
         now = self.clock()
         check_signed(proof, keys.from_jwk(key_jwk), method=request.method, path=request.path_qs, body=body)
-        if self.proof_clock is not None and proof.run is not None:  # a sidecar's clock, worth comparing with
-            self.proof_clock.proof_seen(proof.run, now, float(proof.claims["iat"]))
-        try:
-            check_fresh(proof, now=now)
+        try:  # judged on the store's clock: a replica's own error moves no proof in or out of its window
+            check_fresh(proof, now=self.proof_clock.reference_now(now) if self.proof_clock is not None else now)
         except ApiError as exc:
             skew = self.proof_clock.skew_reason() if self.proof_clock is not None else ""
             if skew:  # the fault may be this replica's, not the signer's: say so
@@ -142,6 +142,10 @@ class Authenticator:
             f"proof:{proof.jti}", self.replays.window_s, now
         ):
             raise ApiError(401, UNAUTHORIZED, "Tether-Proof was already used; sign each request afresh")
+        if self.proof_clock is not None and proof.run is not None:
+            # A sidecar's fresh, first-used proof: its signing time is that sidecar's clock, worth comparing this
+            # one with (a replayed or stale proof is not: anyone holding one could skew the comparison).
+            self.proof_clock.proof_seen(proof.run, now, float(proof.claims["iat"]))
 
     async def sidecar(self, request: web.Request, body: bytes) -> Caller:
         """Authenticate a chain holder by its registered leaf link (and the sidecar run it names)."""

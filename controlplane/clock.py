@@ -9,8 +9,10 @@ takes no termination lease and fixes no deadline (``tether.clock_skewed``), and 
 a readiness probe takes it out of rotation. The embedded SQLite store has one replica: its clock is the
 reference, its offset is 0 by definition and never refuses anything.
 
-Sidecars' proofs carry their signing time (``iat``): the age of each verified proof at arrival is this
-replica's clock against that sidecar's, plus the transit. Their median over the sidecar runs heard from
+Sidecars' proofs are judged on the store's clock (this one corrected by the measured offset), so a skewed
+replica neither refuses fresh proofs as signed ahead nor keeps stale ones fresh. They carry their signing
+time (``iat``): the age of each accepted proof at arrival is this replica's clock against that sidecar's,
+plus the transit. Their median over the sidecar runs heard from
 lately is reported beside the store's figure (and logged when it crosses the bound) but decides nothing: a
 node of sidecars with a bad clock must not stop the control plane from terminating anything.
 

@@ -80,6 +80,13 @@ class ClockService:
             return None if command is None else {k: v for k, v in command.items() if k != "remaining_s"}
         return proto.delivered(command, self.clock())
 
+    def reference_now(self, now: float) -> float:
+        """``now`` (this clock) on the store's clock, by the newest measurement: what a sidecar's proof is
+        judged on, so a skewed replica (out of rotation, but still followed by the sidecars connected to it)
+        neither refuses fresh proofs as signed ahead nor keeps stale ones fresh. Unmeasured: ``now``."""
+        sample = self.watch.best(self.monotonic())
+        return now if sample is None else now - sample.offset_s
+
     def skew_reason(self) -> str:
         return self.verdict().reason
 
