@@ -118,6 +118,13 @@ def check_proof(
     """Raise ApiError(401) unless ``proof`` signs exactly this request with ``key``, recently: at most
     ``max_age`` seconds ago and at most ``leeway`` seconds ahead of ``now`` (a proof dated further ahead
     would stay fresh past its age bound, and is what a pre-signed replay looks like)."""
+    check_signed(proof, key, method=method, path=path, body=body)
+    check_fresh(proof, now=now, max_age=max_age, leeway=leeway)
+
+
+def check_signed(proof: Proof, key: Ed25519PublicKey, *, method: str, path: str, body: bytes) -> None:
+    """The first half of ``check_proof``: ``proof`` signs exactly this request with ``key`` (so its ``iat``
+    is the signer's word, worth comparing clocks with, before ``check_fresh`` judges it)."""
     try:
         key.verify(proof.signature, proof.signing_input)
     except InvalidSignature:
@@ -127,8 +134,13 @@ def check_proof(
         raise _unauthorized("Tether-Proof was made for another request")
     if c["bh"] != body_hash(body):
         raise _unauthorized("Tether-Proof does not match the request body")
+
+
+def check_fresh(proof: Proof, *, now: float, max_age: float = MAX_AGE_S, leeway: float = FUTURE_LEEWAY_S) -> None:
+    """The second half of ``check_proof``: signed at most ``max_age`` seconds before ``now`` and at most
+    ``leeway`` seconds after it."""
     # Written so that a NaN iat (JSON allows it) is stale rather than forever fresh.
-    iat = float(c["iat"])
+    iat = float(proof.claims["iat"])
     if not now - max_age <= iat:
         raise _unauthorized(f"Tether-Proof is older than {max_age:.0f}s (or the clocks disagree)")
     if not iat <= now + leeway:
@@ -136,4 +148,5 @@ def check_proof(
                             "clock leeway): check the signer's clock")
 
 
-__all__ = ["FUTURE_LEEWAY_S", "MAX_AGE_S", "Proof", "body_hash", "check_proof", "make_proof", "read_proof"]
+__all__ = ["FUTURE_LEEWAY_S", "MAX_AGE_S", "Proof", "body_hash", "check_fresh", "check_proof", "check_signed",
+           "make_proof", "read_proof"]

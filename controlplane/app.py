@@ -33,6 +33,7 @@ from .routes.sidecars import SidecarRoutes
 from .routes.terminations import TerminationRoutes
 from .services.approvals import ApprovalService
 from .services.budgets import BudgetService
+from .services.clock import ClockService
 from .services.events import EventService
 from .services.grants import GrantService
 from .services.records import RecordService
@@ -73,13 +74,15 @@ class ControlPlane:
         self.auth = Authenticator(store, admin_token, clock)
         self.metrics = Metrics(catalog.names())
         self.loop_watch = LoopWatch()
+        self.clock_watch = ClockService(store, clock, self.replica)
+        self.auth.proof_clock = self.clock_watch
         self._wire_services(budget_window_s)
         self.routes: list[Route] = []
-        self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.terminations.run,
-                                                                 self.budgets.run]
+        self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.clock_watch.run,
+                                                                 self.terminations.run, self.budgets.run]
         ops = OpsRoutes(store=store, replica=self.replica, catalog=catalog, signing_key=signing_key, auth=self.auth,
                         metrics=self.metrics, loop_watch=self.loop_watch, events=self.events, routes=self.routes,
-                        clock=clock)
+                        clock=clock, clock_watch=self.clock_watch)
         self.add(*ops.table(), *GrantRoutes(self.grants).table(),
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),
@@ -88,16 +91,17 @@ class ControlPlane:
 
     def _wire_services(self, budget_window_s: float | None) -> None:
         store, metrics, clock = self.store, self.metrics, self.clock
-        self.events = EventService(store, metrics, clock)
+        self.events = EventService(store, metrics, clock, self.clock_watch.handed_out)
         self.grants = GrantService(store, self.signing_key, self.catalog, self.verifier, metrics, self.events, clock)
-        self.sidecars = SidecarService(store, metrics, clock, self.lease_ttl_s, self.replica)
+        self.sidecars = SidecarService(store, metrics, clock, self.lease_ttl_s, self.replica,
+                                       self.clock_watch.handed_out)
         self.approvals = ApprovalService(store, metrics, self.events, clock, self.approval_ttl_s)
         self.records = RecordService(store, metrics, clock)
         self.budgets = BudgetService(store, metrics, clock, self.grants, self.lease_ttl_s, budget_window_s)
         self.terminations = TerminationService(
             store, metrics, clock, signing_key=self.signing_key, replica=self.replica, lease_ttl_s=self.lease_ttl_s,
             grace_s=self.grace_s, events=self.events, grants=self.grants, approvals=self.approvals,
-            records=self.records, sidecars=self.sidecars)
+            records=self.records, sidecars=self.sidecars, clock_watch=self.clock_watch)
 
     # -- the route table ----------------------------------------------------------------------------------
     def add(self, *routes: Route) -> None:
@@ -125,6 +129,10 @@ class ControlPlane:
             await self.grants.record_owners()
         except (StoreUnavailable, ConnectionError, OSError) as exc:  # the API answers 503 until the store is back
             log.warning("could not record agent-id owners at start-up: %s", exc)
+        try:  # compared once before serving, so a skewed replica never joins the readiness rotation
+            await self.clock_watch.measure()
+        except (StoreUnavailable, ConnectionError, OSError, TimeoutError) as exc:
+            log.warning("could not read the store's clock at start-up: %s", exc)
         self._tasks = [asyncio.create_task(job()) for job in self.background]
 
     async def _on_shutdown(self, app: web.Application) -> None:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from capability import keys
 from capability.errors import BAD_REQUEST, FORBIDDEN, UNAUTHORIZED, ApiError
-from capability.proof import MAX_AGE_S, Proof, check_proof, read_proof
+from capability.proof import MAX_AGE_S, Proof, check_fresh, check_signed, read_proof
 
 from .store import Doc, Store
 
@@ -67,6 +67,16 @@ class ReplayCache:
         return True
 
 
+class ProofClock(Protocol):
+    """What the replica's clock watch (``controlplane/services/clock.py``) takes from verified proofs."""
+
+    def proof_seen(self, run: str, now: float, iat: float) -> None: ...
+
+    def skew_reason(self) -> str: ...  # empty unless this replica's clock is skewed
+
+    def reference_now(self, now: float) -> float: ...  # ``now`` on the store's clock, as measured
+
+
 class Authenticator:
     def __init__(self, store: Store, admin_token: str, clock=time.time) -> None:
         self.store = store
@@ -74,6 +84,7 @@ class Authenticator:
         self.clock = clock
         self.replays = ReplayCache()
         self.sessions: SessionTable | None = None  # set when the console is installed
+        self.proof_clock: ProofClock | None = None  # set by the control plane: proofs' ages measure this clock
         # Registered links never change (a link is named by the hash of its content, and registering it
         # again leaves it as it was), so each replica keeps the ones its sidecars sign with: one store round
         # trip less on every heartbeat, report batch and stream connect.
@@ -116,7 +127,14 @@ class Authenticator:
         """Verify the proof for this request; ``consume`` marks it used (off when the same request is checked
         against several links)."""
         now = self.clock()
-        check_proof(proof, keys.from_jwk(key_jwk), method=request.method, path=request.path_qs, body=body, now=now)
+        check_signed(proof, keys.from_jwk(key_jwk), method=request.method, path=request.path_qs, body=body)
+        try:  # judged on the store's clock: a replica's own error moves no proof in or out of its window
+            check_fresh(proof, now=self.proof_clock.reference_now(now) if self.proof_clock is not None else now)
+        except ApiError as exc:
+            skew = self.proof_clock.skew_reason() if self.proof_clock is not None else ""
+            if skew:  # the fault may be this replica's, not the signer's: say so
+                raise ApiError(exc.http_status, exc.code, f"{exc.message} ({skew})") from None
+            raise
         if not consume:
             return
         # Locally first (cheap), then in the store, so a proof replayed to another replica is refused too.
@@ -124,6 +142,10 @@ class Authenticator:
             f"proof:{proof.jti}", self.replays.window_s, now
         ):
             raise ApiError(401, UNAUTHORIZED, "Tether-Proof was already used; sign each request afresh")
+        if self.proof_clock is not None and proof.run is not None:
+            # A sidecar's fresh, first-used proof: its signing time is that sidecar's clock, worth comparing this
+            # one with (a replayed or stale proof is not: anyone holding one could skew the comparison).
+            self.proof_clock.proof_seen(proof.run, now, float(proof.claims["iat"]))
 
     async def sidecar(self, request: web.Request, body: bytes) -> Caller:
         """Authenticate a chain holder by its registered leaf link (and the sidecar run it names)."""

@@ -23,7 +23,7 @@ _AUTH = {
 }
 
 # The refusals a route can answer, by what it takes: who may call it, whether it has a body and path ids.
-_REFUSALS = {
+REFUSALS = {
     400: "Malformed, oversized, too deeply nested or ill-typed input (tether.bad_request); the message names "
          "the field",
     401: "No credentials, or a Tether-Proof that does not verify (tether.unauthorized)",
@@ -41,7 +41,8 @@ _ERROR_RESPONSE_HEADERS = {
 }
 
 
-def _refusal(status: int | str, description: str) -> dict[str, Any]:
+def refusal(status: int | str, description: str) -> dict[str, Any]:
+    """A refusal's response object (a route's ``extra_responses`` use it to say more than the default)."""
     return {"description": description, "headers": _ERROR_RESPONSE_HEADERS,
             "content": {"application/json": {"schema": ref("Error")}}}
 
@@ -59,9 +60,9 @@ def _responses(route: Any) -> dict[str, Any]:
     if route.method == "POST":
         statuses |= {409, 413}
     for status in sorted(statuses - {route.status}):
-        responses[str(status)] = _refusal(status, _REFUSALS[status])
+        responses[str(status)] = refusal(status, REFUSALS[status])
     responses.update({str(k): v for k, v in route.extra_responses.items()})
-    responses["default"] = _refusal("default", "Any other refusal, in the same shape")
+    responses["default"] = refusal("default", "Any other refusal, in the same shape")
     return responses
 
 

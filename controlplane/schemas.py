@@ -149,14 +149,26 @@ APPROVE_REQUEST = obj({"call_hash": nullable({"type": "string", "maxLength": 200
 SIGN_IN_REQUEST = obj({"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, "token")
 
 # -- documents ----------------------------------------------------------------------------------------------
+CLOCK = obj({"reference": {"enum": ["redis", "local"],
+                           "description": "the clock compared with: the shared store's (Redis TIME), or, on the "
+                                          "embedded store, this replica's own (offset 0, never skewed)"},
+             "bound_s": NUM, "skewed": {"type": "boolean"},
+             "offset_s": {**nullable(NUM), "description": "this clock minus the reference (positive: ahead); null "
+                                                          "while unmeasured"},
+             "uncertainty_s": {**nullable(NUM), "description": "half the round trip of the measurement used"},
+             "reason": {"type": "string", "description": "when skewed: why"},
+             "sidecars": obj({"offset_s": nullable(NUM), "runs": {"type": "integer", "minimum": 0}},
+                             "offset_s", "runs")},
+            "reference", "bound_s", "skewed", "offset_s", "uncertainty_s", "sidecars")
 HEALTH = obj({"status": {"enum": ["ok", "unhealthy"]},
               "store": {"enum": ["ok", "unreachable", "unwritable"],
                         "description": "unwritable: it answers but refuses writes (a full disk, a read-only file "
                                        "system, Redis out of memory or refusing writes)"},
-              "code": {"enum": ["tether.store_unavailable", "tether.store_unwritable"],
-                       "description": "when unhealthy: the code the API's writes answer with meanwhile"},
+              "code": {"enum": ["tether.store_unavailable", "tether.store_unwritable", "tether.clock_skewed"],
+                       "description": "when unhealthy: the code the API's writes (or, tether.clock_skewed, its "
+                                      "terminations) answer with meanwhile"},
               "reason": {"type": "string", "description": "when unhealthy: why, in the store's own words"},
-              "replica": STR, "catalog": STR},
+              "replica": STR, "catalog": STR, "clock": CLOCK},
              "status", "store", "replica", "catalog")
 GRANT = obj({"agent": STR, "jti": STR, "link": STR, "chain": STRINGS}, "agent", "jti", "link", "chain")
 REVOCATION = obj({"jti": STR, "agent": STR, "by": STR, "at": NUM, "reason": nullable(STR),

@@ -132,6 +132,21 @@ def finish(doc: Doc, record_id: str, now: float, unaccounted: Iterable[str] = ()
     return _moved(doc, TERMINATED, now, completed_at=now, record_id=record_id, open_agents=sorted(unaccounted))
 
 
+# -- commands as handed to sidecars --------------------------------------------------------------------
+def remaining(command: Doc, now: float) -> float:
+    """How long a command's drain window still runs, on the clock of the replica handing it out (which agrees
+    with the store's, or it would fix no deadline and drive nothing): a duration a sidecar can count down on
+    its own monotonic clock, whatever its wall clock says. The absolute ``deadline`` stays for older sidecars."""
+    return round(max(0.0, min(float(command["deadline"]) - now, float(command["window_s"]))), 3)
+
+
+def delivered(command: Doc | None, now: float) -> Doc | None:
+    """A stored command as handed out now (a heartbeat's answer, a resync): its ``remaining_s`` as of now."""
+    if not command or "deadline" not in command or "window_s" not in command:
+        return command
+    return {**command, "remaining_s": remaining(command, now)}
+
+
 # -- the reconciliation record -----------------------------------------------------------------------
 def record_hash(record: Mapping[str, Any]) -> str:
     body = {k: v for k, v in record.items() if k not in ("hash", "signature")}

@@ -14,7 +14,9 @@ from capability.errors import STORE_UNAVAILABLE
 
 from .. import schemas as sc
 from ..auth import Authenticator
+from ..clock import CLOCK_SKEWED
 from ..metrics import LoopWatch, Metrics, gauge
+from ..services.clock import ClockService
 from ..services.events import EventService
 from ..store import STORE_UNWRITABLE, Store, StoreUnavailable
 from . import NONE, Route
@@ -25,22 +27,27 @@ class OpsRoutes:
 
     def __init__(self, *, store: Store, replica: str, catalog: Catalog, signing_key: Ed25519PrivateKey,
                  auth: Authenticator, metrics: Metrics, loop_watch: LoopWatch, events: EventService,
-                 routes: list[Route], clock: Callable[[], float]) -> None:
+                 routes: list[Route], clock: Callable[[], float], clock_watch: ClockService) -> None:
         self.store, self.replica, self.catalog, self.signing_key = store, replica, catalog, signing_key
         self.auth, self.metrics, self.loop_watch, self.events = auth, metrics, loop_watch, events
-        self.routes, self.clock = routes, clock
+        self.routes, self.clock, self.clock_watch = routes, clock, clock_watch
 
     async def h_healthz(self, request: web.Request) -> web.Response:
-        """200 only while the store answers and takes writes: a replica whose every write would fail (a full
-        disk, Redis out of memory) must leave the readiness rotation, not answer 500 to every caller."""
-        doc: dict[str, object] = {"replica": self.replica, "catalog": self.catalog.hash}
+        """200 only while the store answers and takes writes and this replica's clock is within the bound of
+        the store's: a replica whose every write would fail (a full disk, Redis out of memory) or whose clock
+        would void drain windows must leave the readiness rotation, not answer every caller wrongly."""
+        clock = self.clock_watch.watch.to_dict(self.clock_watch.monotonic())
+        doc: dict[str, object] = {"replica": self.replica, "catalog": self.catalog.hash, "clock": clock}
         if not await self.store.healthy():
             store, code, reason = "unreachable", STORE_UNAVAILABLE, f"the store {self.store.url} does not answer"
         else:
             status = await self.store.write_status()
-            if status.writable:
+            if status.writable and not clock["skewed"]:
                 return web.json_response({"status": "ok", "store": "ok", **doc})
-            store, code, reason = "unwritable", STORE_UNWRITABLE, status.reason
+            if status.writable:
+                store, code, reason = "ok", CLOCK_SKEWED, clock["reason"]
+            else:
+                store, code, reason = "unwritable", STORE_UNWRITABLE, status.reason
         return web.json_response({"status": "unhealthy", "store": store, "code": code, "reason": reason, **doc},
                                  status=503, headers={"Tether-Error": code})
 
@@ -49,6 +56,7 @@ class OpsRoutes:
         (a scraper sends the admin token as its bearer); anyone else gets the fleet-wide series."""
         lines = gauge("tether_up", "1 while the control plane serves.", [("", 1)])
         lines += self.loop_watch.lines()
+        lines += self.clock_watch.lines()
         try:
             lines += await self._store_gauges(per_agent=self.auth.is_admin(request))
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
@@ -101,11 +109,14 @@ class OpsRoutes:
 
     def table(self) -> list[Route]:
         return [
-            Route("GET", "/healthz", self.h_healthz, "Readiness: the store answers and takes writes", NONE, "ops",
+            Route("GET", "/healthz", self.h_healthz, "Readiness: the store answers and takes writes, and this "
+                  "replica's clock agrees with the store's", NONE, "ops",
                   ok=sc.HEALTH,
                   extra_responses={503: {"description": "The store is unreachable (code tether.store_unavailable) "
                                                         "or refuses writes (tether.store_unwritable: a full disk, "
-                                                        "a read-only file system, Redis out of memory); the "
+                                                        "a read-only file system, Redis out of memory), or this "
+                                                        "replica's clock is off the store's by more than the bound "
+                                                        "or was not compared lately (tether.clock_skewed); the "
                                                         "reason says which",
                                          "headers": {"Tether-Error": {"schema": {"type": "string"},
                                                                       "description": "The code, as in the body"}},

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from .. import schemas as sc
 from .. import termination as proto
+from ..openapi import REFUSALS, refusal
 from ..schemas import MAX_REASON
 from ..services.records import RecordService
 from ..services.terminations import TerminationService
@@ -52,7 +53,10 @@ class TerminationRoutes:
         return [
             Route("POST", "/v1/agents/{agent}/terminate", self.h_terminate, "Terminate an agent and its subtree",
                   ADMIN_OR_ANCESTOR, "termination", body=sc.TERMINATE_REQUEST, ok=sc.TERMINATION_STARTED,
-                  status=202),
+                  status=202, extra_responses={503: refusal(503, REFUSALS[503] + "; or this replica's clock is "
+                                                            "off the store's by more than the bound "
+                                                            "(tether.clock_skewed): it fixes no deadline, send the "
+                                                            "request to another replica")}),
             Route("GET", "/v1/terminations", self.h_list, "List terminations", ADMIN, "termination",
                   ok=sc.TERMINATIONS),
             Route("GET", "/v1/terminations/{id}", self.h_get, "A termination's state", ADMIN_OR_ANCESTOR,

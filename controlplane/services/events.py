@@ -21,8 +21,10 @@ BATCH = 500  # events read from the store at a time
 
 
 class EventService:
-    def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float],
+                 handed_out: Callable[[Doc | None], Doc | None] = lambda command: command) -> None:
         self.store = store
+        self.handed_out = handed_out  # a stored command as handed to the sidecar now (its window left)
         self.metrics = metrics
         self.clock = clock
         self._signal = asyncio.Event()
@@ -98,7 +100,7 @@ class EventService:
         """Everything a sidecar must know when it cannot resume: its chain's revocations, its link's
         command, its link's decided approvals."""
         revocations = await self.store.revocations()
-        command = await self.store.get_doc("command", link_hash)
+        command = self.handed_out(await self.store.get_doc("command", link_hash))
         approvals = [a for a in await self.store.list_docs("approval")
                      if a.get("link") == link_hash and a["status"] != PENDING]
         self.metrics.inc("tether_event_resyncs_total")

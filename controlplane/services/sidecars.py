@@ -17,12 +17,13 @@ MAX_INFLIGHT = 10_000  # calls in flight a run's document keeps
 
 class SidecarService:
     def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], lease_ttl_s: float,
-                 replica: str) -> None:
+                 replica: str, handed_out: Callable[[Doc | None], Doc | None] = lambda command: command) -> None:
         self.store = store
         self.metrics = metrics
         self.clock = clock
         self.lease_ttl_s = lease_ttl_s
         self.replica = replica
+        self.handed_out = handed_out  # a stored command as handed to the sidecar now (its window left)
 
     async def heartbeat(self, caller: Caller, beat: Doc, sent: Doc) -> Doc:
         """Renew a run's lease. The in-flight list and state belong to this run alone: a second run (a
@@ -49,7 +50,7 @@ class SidecarService:
             "lease_expires_at": doc["lease_expires"],
             "now": now,
             "run_id": run,
-            "command": await self.store.get_doc("command", caller.link_hash),
+            "command": self.handed_out(await self.store.get_doc("command", caller.link_hash)),
             # Belt and braces: a revocation whose event was lost still reaches the sidecar here.
             "revoked": sorted(await self.store.revoked_among(chain_jtis(caller.link))),
         }

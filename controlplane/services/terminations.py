@@ -8,6 +8,7 @@ a restarted control plane picks up every termination that is not ``terminated``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ..metrics import Metrics
 from ..store import Doc, Store, StoreUnavailable
 from .approvals import ApprovalService
 from .budgets import budget_use
+from .clock import ClockService
 from .events import EventService
 from .grants import GrantService, principal_of
 from .records import RecordService
@@ -41,7 +43,8 @@ ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are wat
 class TerminationService:
     def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], *, signing_key: Ed25519PrivateKey,
                  replica: str, lease_ttl_s: float, grace_s: float, events: EventService, grants: GrantService,
-                 approvals: ApprovalService, records: RecordService, sidecars: SidecarService) -> None:
+                 approvals: ApprovalService, records: RecordService, sidecars: SidecarService,
+                 clock_watch: ClockService) -> None:
         self.store = store
         self.metrics = metrics
         self.clock = clock
@@ -50,6 +53,7 @@ class TerminationService:
         self.grace_s = grace_s
         self.events, self.grants, self.approvals = events, grants, approvals
         self.records, self.sidecars = records, sidecars
+        self.clock_watch = clock_watch
         self._wake = asyncio.Event()
         self.started_at = clock()
         # After a restart, sidecars retry every half second; give them this long to come back and
@@ -58,7 +62,13 @@ class TerminationService:
 
     # -- requests -------------------------------------------------------------------------------------
     async def terminate(self, agent: str, caller: Caller | None, mode: str, window_s: float, reason: str) -> Doc:
-        """Start terminating ``agent`` and its subtree (an admin, or a principal above every link it holds)."""
+        """Start terminating ``agent`` and its subtree (an admin, or a principal above every link it holds).
+
+        The deadline is fixed here, on this replica's clock, which must agree with the store's: a clock
+        behind would date it already past (every drain an abort), one ahead would stretch it."""
+        with contextlib.suppress(TimeoutError):  # a store too slow to answer leaves the last verdict standing
+            await self.clock_watch.measure()  # afresh: a clock stepped since the last measurement shows now
+        self.clock_watch.require_true("fix a termination's deadline")
         graph = await self.grants.graph()
         links = graph.links_of(agent)
         if not links:
@@ -144,11 +154,23 @@ class TerminationService:
 
     async def drive_all(self) -> None:
         now = self.clock()
-        for doc in await self.store.list_docs("termination"):
-            if doc["state"] == proto.TERMINATED and (
-                not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S
-            ):
-                continue
+        todo = [doc for doc in await self.store.list_docs("termination") if not (
+            doc["state"] == proto.TERMINATED
+            and (not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S))]
+        # A skewed clock takes no lease: ahead, it would judge every other replica's lease expired and every
+        # window over at once (reconciling before the sidecars answered); behind, it would hold windows open
+        # past their end. The store's clock is read afresh before each pass that may take a lease (one round
+        # trip), so a clock stepped since the last measurement neither takes nor renews one on its new time.
+        # A replica that stops renewing loses its leases to the others within LEASE_S.
+        if not todo:
+            return
+        try:
+            skewed = (await self.clock_watch.measure()).skewed
+        except TimeoutError:
+            skewed = True
+        if skewed:
+            return
+        for doc in todo:
             if not await self.store.try_lease(f"termination:{doc['id']}", self.replica, LEASE_S, self.clock()):
                 continue
             if doc["state"] == proto.TERMINATED:
@@ -267,12 +289,14 @@ class TerminationService:
                 "issued_at": self.clock(),
             }
             # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
-            # the same id starts clean.
+            # the same id starts clean. The standing command is stored as fixed; the event carries the window
+            # left as of now (``remaining_s``), as a heartbeat's answer or a resync do when they hand it out.
             graph = await self.grants.graph()
             for link_hash in sorted(_links_of(doc, graph)):
                 agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
                 await self.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
-                await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash})
+                await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
+                                                               "remaining_s": proto.remaining(command, self.clock())})
 
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.

@@ -86,6 +86,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def healthy(self) -> bool: ...
 
+    clock_name: str | None = None  # a store with a clock of its own names it ("redis")
+
+    async def reference_time(self) -> float | None:
+        """The store's own clock (seconds since the epoch), which every replica sharing it compares its own
+        with (``controlplane/clock.py``); None for a store that is part of this process (SQLite: one replica,
+        whose clock is the reference)."""
+        return None
+
     _write_health: WriteHealth | None = None
     _probe_lock: asyncio.Lock | None = None
 

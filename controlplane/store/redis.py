@@ -13,7 +13,9 @@ seq N+1 without N.
 
 Leases are decided on the ``now`` the caller passes, exactly like SQLite, so both stores agree under a
 test clock; the Redis key also carries a real-time expiry one minute past the lease, only so that leases
-of dead replicas do not pile up. Replicas must therefore have roughly synchronised clocks (NTP).
+of dead replicas do not pile up. Replicas must therefore have synchronised clocks (NTP): each compares its
+clock with Redis ``TIME`` (``reference_time``) and takes no lease while it is off by more than the bound
+(``controlplane/clock.py``).
 
 Availability: ``open()`` does not fail when Redis is unreachable. A replica may start before Redis
 (compose, Kubernetes); until Redis answers, every store call raises ``StoreUnavailable`` (the API answers
@@ -259,6 +261,8 @@ return out
 
 
 class RedisStore(Store):
+    clock_name = "redis"
+
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         db = parts.path.strip("/") or "0"
@@ -334,6 +338,11 @@ class RedisStore(Store):
             return bool(await self.r.ping())
         except (*_UNAVAILABLE, StoreUnavailable):
             return False
+
+    @_guarded
+    async def reference_time(self) -> float | None:
+        seconds, micros = await self.r.time()
+        return int(seconds) + int(micros) / 1e6
 
     @_guarded
     @_writes
