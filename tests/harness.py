@@ -498,9 +498,10 @@ class SidecarProcess:
 class McpServer:
     """A streamable-HTTP MCP server (mcp SDK) with tools add, slow, send_email, delete_everything."""
 
-    def __init__(self, port: int | None = None, json_response: bool = False) -> None:
+    def __init__(self, port: int | None = None, json_response: bool = False, guarded: bool = False) -> None:
         self.port = port or free_port()
         self.json_response = json_response
+        self.guarded = guarded  # the SDK's DNS-rebinding guard: only Host 127.0.0.1:PORT or localhost:PORT
         self.calls: list[str] = []
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -541,7 +542,13 @@ class McpServer:
             calls.append("delete_everything")
             return "deleted"
 
-        app = server.streamable_http_app(json_response=self.json_response)
+        guard = None
+        if self.guarded:
+            from mcp.server.transport_security import TransportSecuritySettings
+
+            guard = TransportSecuritySettings(enable_dns_rebinding_protection=True,
+                                              allowed_hosts=[f"127.0.0.1:{self.port}", f"localhost:{self.port}"])
+        app = server.streamable_http_app(json_response=self.json_response, transport_security=guard)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      lifespan="on"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)

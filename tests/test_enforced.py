@@ -28,7 +28,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import pytest
 
 from capability import keys
 
-from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, ToolServer, free_port, make_test_ca, wait_until
+from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, McpServer, ToolServer, make_test_ca
 from .test_isolate import Counting
 
 USER = "tether-enforced"
@@ -248,46 +247,6 @@ def _traversable(paths: list[Path]) -> Iterator[None]:
             os.chmod(d, mode)
 
 
-class GuardedMcp:
-    """An SDK MCP server on 127.0.0.1 that accepts only Host 127.0.0.1:PORT or localhost:PORT (the SDK's DNS
-    rebinding guard); tools add and delete_everything."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.calls: list[str] = []
-
-    def start(self) -> GuardedMcp:
-        import uvicorn
-        from mcp.server.mcpserver import MCPServer
-        from mcp.server.transport_security import TransportSecuritySettings
-
-        server = MCPServer("guarded")
-        calls = self.calls
-
-        @server.tool()
-        def add(a: int, b: int) -> int:
-            """Add two numbers."""
-            calls.append("add")
-            return a + b
-
-        @server.tool()
-        def delete_everything() -> str:
-            """Never granted."""
-            calls.append("delete_everything")
-            return "deleted"
-
-        guard = TransportSecuritySettings(enable_dns_rebinding_protection=True,
-                                          allowed_hosts=[f"127.0.0.1:{self.port}", f"localhost:{self.port}"])
-        app = server.streamable_http_app(transport_security=guard)
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        threading.Thread(target=self._server.run, daemon=True).start()
-        wait_until(lambda: self._server.started, 15, what="guarded MCP server")
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-
-
 @pytest.fixture
 def enforced_world(tmp_path: Path) -> Iterator[dict[str, Any]]:
     user = None
@@ -308,7 +267,7 @@ def enforced_world(tmp_path: Path) -> Iterator[dict[str, Any]]:
     tls.load_cert_chain(test_ca.cert_pem, test_ca.key_pem)
     servers = {"granted": (Counting("granted"), Counting("granted-tls", tls)),
                "other": (Counting("other"), Counting("other-tls", tls))}
-    mcp = GuardedMcp().start()
+    mcp = McpServer(guarded=True).start()  # behind the SDK's DNS-rebinding guard
     ws = ToolServer().start()
     cp = ControlPlaneProcess(tmp_path / "cp")
     cp.directory.mkdir(parents=True)
