@@ -69,8 +69,11 @@ class SidecarState:
         if self.command and self.command.get("termination_id") == command.get("termination_id"):
             if not (self.mode == DRAINING and command.get("mode") == "abort"):
                 return self.mode
+        mode = ABORTING if command.get("mode") == "abort" else DRAINING
+        if self.mode == ABORTING and mode == DRAINING:
+            return self.mode  # an abort under way is never softened by another termination's drain
         self.command = dict(command)
-        self.mode = ABORTING if command.get("mode") == "abort" else DRAINING
+        self.mode = mode
         return self.mode
 
     def quiesced(self) -> None:

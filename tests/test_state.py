@@ -92,8 +92,9 @@ def test_chain_time_with_its_leeway() -> None:
     # the same termination escalates from drain to abort, never back
     ([{"termination_id": "t1", "mode": "drain"}, {"termination_id": "t1", "mode": "abort"}], ABORTING, codes.DRAINING),
     ([{"termination_id": "t1", "mode": "abort"}, {"termination_id": "t1", "mode": "drain"}], ABORTING, codes.DRAINING),
-    # another termination takes over
-    ([{"termination_id": "t1", "mode": "abort"}, {"termination_id": "t2", "mode": "drain"}], DRAINING, codes.DRAINING),
+    # another termination's abort takes over; its drain never softens an abort under way (both get acknowledged)
+    ([{"termination_id": "t1", "mode": "drain"}, {"termination_id": "t2", "mode": "abort"}], ABORTING, codes.DRAINING),
+    ([{"termination_id": "t1", "mode": "abort"}, {"termination_id": "t2", "mode": "drain"}], ABORTING, codes.DRAINING),
 ])
 def test_commands(commands: list[dict], mode: str, refused: str | None) -> None:
     state = new_state()
