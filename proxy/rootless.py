@@ -110,11 +110,55 @@ def network_commands(iptables: str, ip6tables: str | None) -> list[list[str]]:
 
 
 def trust_mounts(ca_pem: bytes, workdir: Path, path_dirs: list[str], cache: Path | None = None) -> list[Mount]:
-    """Copies of the system's trust stores with tether's CA added, written under ``workdir``, as mounts over the
-    originals: bundle files, certificate directories (with the CA under its subject hash where ``openssl`` can
-    compute it), Java's ``cacerts`` (a PKCS#12 trust store, which Java reads wherever it expects JKS), and
-    certifi's bundles in the Pythons on PATH."""
-    out = workdir / "trust"
+    """Copies of the system's trust stores with tether's CA added, as mounts over the originals: bundle files,
+    certificate directories (with the CA under its subject hash where ``openssl`` can compute it), Java's
+    ``cacerts`` (a PKCS#12 trust store, which Java reads wherever it expects JKS), and certifi's bundles in the
+    Pythons on PATH. Written under ``workdir``, or kept in ``cache`` (the state dir) for as long as the CA and
+    the system's stores stay what they were, so that a run does not copy them again."""
+    if cache is None:
+        return _build_trust(ca_pem, workdir / "trust", path_dirs, None)
+    key = _trust_key(ca_pem, path_dirs)
+    kept = cache / f"trust-{key}"
+    manifest = kept / "mounts.json"
+    if not manifest.exists():
+        cache.mkdir(mode=0o700, exist_ok=True)
+        building = cache / f".trust-{key}-{os.getpid()}"
+        shutil.rmtree(building, ignore_errors=True)
+        mounts = [Mount(m.source.replace(str(building), str(kept), 1), m.target, m.directory)
+                  for m in _build_trust(ca_pem, building, path_dirs, cache)]
+        (building / "mounts.json").write_text(json.dumps([asdict(m) for m in mounts]))
+        try:
+            os.rename(building, kept)
+        except OSError:  # another run kept the same one first
+            shutil.rmtree(building, ignore_errors=True)
+        for old in cache.glob("trust-*"):
+            if old != kept:
+                shutil.rmtree(old, ignore_errors=True)
+    return [Mount(**m) for m in json.loads(manifest.read_text())]
+
+
+def _trust_key(ca_pem: bytes, path_dirs: list[str]) -> str:
+    """What the copies depend on: the CA, the system's bundle and what its certificate directories hold."""
+    import hashlib
+
+    digest = hashlib.sha256(ca_pem)
+    for name in (*TRUST_FILES, *JAVA_STORES, *_certifi_bundles(path_dirs)):
+        with contextlib.suppress(OSError):
+            st = os.stat(name)
+            digest.update(f"{name}:{os.path.realpath(name)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for directory in TRUST_DIRS:
+        with contextlib.suppress(OSError):
+            digest.update(f"{directory}:{sorted(os.listdir(directory))}".encode())
+    return digest.hexdigest()[:24]
+
+
+def _certifi_bundles(path_dirs: list[str]) -> list[str]:
+    return sorted({os.path.realpath(p) for d in path_dirs
+                   for p in glob.glob(os.path.join(d, "..", "lib", "python3*", "site-packages", "certifi",
+                                                   "cacert.pem"))})
+
+
+def _build_trust(ca_pem: bytes, out: Path, path_dirs: list[str], cache: Path | None) -> list[Mount]:
     out.mkdir(mode=0o755)
     truststore = _java_truststore(ca_pem, cache) if any(os.path.isfile(j) for j in JAVA_STORES) else b""
     mounts: list[Mount] = []
@@ -132,9 +176,7 @@ def trust_mounts(ca_pem: bytes, workdir: Path, path_dirs: list[str], cache: Path
         mounts.append(Mount(str(copy), name, True))
         covered.append(name + os.sep)
     files = [os.path.realpath(f) for f in (*TRUST_FILES, *JAVA_STORES) if os.path.isfile(f)]
-    files += sorted({os.path.realpath(p) for d in path_dirs
-                     for p in glob.glob(os.path.join(d, "..", "lib", "python3*", "site-packages", "certifi",
-                                                     "cacert.pem"))})
+    files += _certifi_bundles(path_dirs)
     for i, name in enumerate(dict.fromkeys(files)):
         if any(name.startswith(c) for c in covered):
             continue  # its directory's copy already holds the store with the CA
