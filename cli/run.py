@@ -208,11 +208,12 @@ def _enclose(enclosure: Any, command: list[str], env: dict[str, str], info: dict
              covered: list[Path]) -> None:
     """Start the command in the enclosure: the system's trust stores with the sidecar's CA, the resolver, and
     covers over the state root, the keys and the secret files."""
-    from proxy.rootless import Plan, cover_mounts, resolver_mount, trust_mounts
+    from proxy.rootless import Plan, cover_mounts, node_mounts, resolver_mount, trust_mounts
 
     ca_pem = Path(info["ca"]).read_bytes()
     path_dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d]
     mounts = [*trust_mounts(ca_pem, enclosure.workdir, path_dirs, Path(info["state_dir"])),
+              *node_mounts(Path(env["NODE_EXTRA_CA_CERTS"]), enclosure.workdir, path_dirs),
               *resolver_mount(enclosure.workdir),
               *cover_mounts([*covered, *(Path(s.ref) for s in secrets if s.kind == "file")], enclosure.workdir)]
     enclosure.start(Plan(command, env, os.getcwd(), mounts))

@@ -11,8 +11,9 @@ allows unprivileged user namespaces. Nothing here needs a capability on the host
   upstream from the host's network, as in its transparent mode (proxy/transparent.py). So ``127.0.0.1:P`` inside
   is, through the sidecar and only where the catalog grants it, ``127.0.0.1:P`` on the host, under the same name.
   Other protocols (UDP but DNS, ICMP, raw sockets) meet only the namespace's loopback.
-- **Trust.** The system's CA bundle files and certificate directory (and ``certifi`` bundles of Pythons on PATH)
-  show a copy with tether's CA added, bind-mounted over them: a client verifies the sidecar with no variable set.
+- **Trust.** The system's CA bundle files and certificate directory (and ``certifi`` bundles of Pythons on PATH,
+  Java's ``cacerts``) show a copy with tether's CA added, bind-mounted over them, and every ``node`` on PATH runs
+  with ``NODE_EXTRA_CA_CERTS`` set: a client verifies the sidecar with no variable set.
 - **Authority.** The state root (the sidecar's key, CA key, spool, captures), the key files and secret files are
   covered by empty mounts.
 - **Processes.** The command runs one user namespace deeper, as the invoking user with no capability: it cannot
@@ -230,6 +231,28 @@ def _java_truststore(ca_pem: bytes, cache: Path | None) -> bytes:
         kept.parent.mkdir(mode=0o700, exist_ok=True)
         kept.write_bytes(store)
     return store
+
+
+def node_mounts(bundle: Path, workdir: Path, path_dirs: list[str]) -> list[Mount]:
+    """Node trusts only its bundled roots and ``NODE_EXTRA_CA_CERTS``, so a Node child whose environment was wiped
+    (an SDK's stdio server) would not trust the sidecar. Every ``node`` on PATH is shown as a two-line wrapper that
+    sets the variable when it is missing and runs the real binary (bound beside it). Nothing is wrapped where the
+    work dir's file system is ``noexec`` (the wrapper could not run there)."""
+    if os.statvfs(workdir).f_flag & os.ST_NOEXEC:
+        return []
+    binaries = dict.fromkeys(os.path.realpath(os.path.join(d, "node")) for d in path_dirs
+                             if os.access(os.path.join(d, "node"), os.X_OK))
+    mounts: list[Mount] = []
+    for i, real in enumerate(b for b in binaries if os.path.isfile(b)):
+        home = workdir / "node" / str(i)
+        home.mkdir(parents=True, mode=0o755)
+        (home / "node.real").touch(mode=0o755)  # where the real binary is bound, before the wrapper covers it
+        wrapper = home / "node"
+        wrapper.write_text(f'#!/bin/sh\nNODE_EXTRA_CA_CERTS="${{NODE_EXTRA_CA_CERTS:-{bundle}}}" '
+                           f'exec "{home / "node.real"}" "$@"\n')
+        wrapper.chmod(0o755)
+        mounts += [Mount(real, str(home / "node.real"), False), Mount(str(wrapper), real, False)]
+    return mounts
 
 
 def bundle_path(workdir: Path, ca_pem: bytes) -> Path:

@@ -45,7 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 AGENT = r'''
 import asyncio, json, os, socket, ssl, subprocess, sys
 cfg = json.loads(sys.argv[1])
-node_ca = os.environ.get("NODE_EXTRA_CA_CERTS")
 for name in ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"):
     os.environ.pop(name, None)  # from here on, every client trusts what the system's stores hold
 out = {}
@@ -98,8 +97,9 @@ def raw(port):
 def node(url):
     js = ("fetch(process.argv[1]).then(async r => console.log(r.status + ' ' + (r.headers.get('tether-error') || "
           "(await r.text()).slice(0, 40)))).catch(e => console.log('error ' + (e.cause && e.cause.code || e.name)))")
-    env = {**os.environ, "NODE_EXTRA_CA_CERTS": node_ca}  # Node trusts its own bundled roots, not the system's
-    return subprocess.run(["node", "-e", js, url], capture_output=True, text=True, timeout=30, env=env).stdout.strip()
+    # no NODE_EXTRA_CA_CERTS here either (Node trusts only its bundled roots and that variable): the enclosure's
+    # node sets it itself when it is missing
+    return subprocess.run(["node", "-e", js, url], capture_output=True, text=True, timeout=30).stdout.strip()
 
 async def websocket(url):
     import aiohttp
