@@ -1,0 +1,204 @@
+"""stdio MCP servers under the sidecar: ``tether mcp stdio`` between a host and its stdio server, end to end.
+
+The host is the official SDK's ``Client`` spawning ``tether mcp stdio ... -- python notes_server.py`` over stdio,
+exactly as a desktop agent would; the server is the SDK's ``MCPServer`` on stdio, with read and write tools, that
+writes every tool it runs to a log file, so "never executed" is checked at the server. The bridge starts a real
+``tether sidecar``; the control plane is a real process; its reports are the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client, StdioServerParameters
+
+from capability.catalog import normalize_url, parse_catalog, stdio_endpoint
+from capability.errors import CatalogError
+
+from .harness import PYTHON, ControlPlaneProcess, Identity, free_port, prepare_controlplane, reports_for, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+WAIT = 60.0  # bounded waits, generous for a loaded machine; nothing asserts on timing
+STDIO_CAPS = """
+  notes.read:   {mcp: {url: "stdio://notes", tool: read_note}}
+  notes.list:   {mcp: {url: "stdio://notes", tool: list_notes}}
+  notes.slow:   {mcp: {url: "stdio://notes", tool: slow}}
+  notes.write:  {mcp: {url: "stdio://notes", tool: write_note}}
+  notes.delete: {mcp: {url: "stdio://notes", tool: delete_note}}
+  files.read:   {mcp: {url: "stdio://files", tool: read_text_file}}
+  files.list:   {mcp: {url: "stdio://files", tool: list_directory}}
+  files.write:  {mcp: {url: "stdio://files", tool: write_file}}
+  files.edit:   {mcp: {url: "stdio://files", tool: edit_file}}
+  files.mkdir:  {mcp: {url: "stdio://files", tool: create_directory}}
+  files.move:   {mcp: {url: "stdio://files", tool: move_file}}
+"""
+READS = {"notes.read": "direct", "notes.list": "direct", "notes.slow": "direct"}
+
+SERVER = '''
+"""A stdio MCP server (the SDK's MCPServer) that logs every tool it runs, one line each, to argv[1]."""
+import asyncio
+import sys
+
+from mcp.server.mcpserver import MCPServer
+
+LOG = sys.argv[1]
+server = MCPServer("notes")
+notes = {"hello": "hello, world"}
+
+
+def ran(what: str) -> None:
+    with open(LOG, "a") as f:
+        f.write(what + "\\n")
+
+
+@server.tool()
+def read_note(name: str) -> str:
+    """Read a note."""
+    ran(f"read_note {name}")
+    return notes.get(name, "")
+
+
+@server.tool()
+def list_notes() -> list[str]:
+    """List the notes."""
+    ran("list_notes")
+    return sorted(notes)
+
+
+@server.tool()
+async def slow(seconds: float) -> str:
+    """Think for a while, then answer."""
+    ran("slow start")
+    await asyncio.sleep(seconds)
+    ran("slow done")
+    return f"slept {seconds}"
+
+
+@server.tool()
+def write_note(name: str, text: str) -> str:
+    """Write a note."""
+    ran(f"write_note {name}")
+    notes[name] = text
+    return "written"
+
+
+@server.tool()
+def delete_note(name: str) -> str:
+    """Delete a note."""
+    ran(f"delete_note {name}")
+    notes.pop(name, None)
+    return "deleted"
+
+
+server.run("stdio")
+'''
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess]:
+    directory = tmp_path_factory.mktemp("stdio")
+    cp = prepare_controlplane(directory / "cp", free_port(), free_port(), free_port())
+    cp.catalog_path.write_text(cp.catalog_path.read_text().replace("roles:\n", STDIO_CAPS + "roles:\n", 1))
+    cp.start()
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@dataclass
+class Stdio:
+    """One host session's parts: the identity, the server's log, where the bridge keeps its sidecar."""
+
+    cp: ControlPlaneProcess
+    identity: Identity
+    directory: Path
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "executed.log"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.directory / "sidecar"
+
+    def executed(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def params(self, *server: str, name: str = "notes", extra: tuple[str, ...] = ()) -> StdioServerParameters:
+        command = server or (PYTHON, str(self.directory / "notes_server.py"), str(self.log))
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env["TETHER_CONTROLPLANE"] = self.cp.url
+        return StdioServerParameters(
+            command=PYTHON, cwd=str(REPO), env=env,
+            args=["-m", "cli", "mcp", "stdio", "--chain", str(self.identity.chain_path), "--key",
+                  str(self.identity.key_path), "--name", name, "--state-dir", str(self.state_dir), *extra,
+                  "--", *command])
+
+    def reports(self) -> list[dict[str, Any]]:
+        return reports_for(self.cp, self.identity.agent)
+
+
+def stdio_session(cp: ControlPlaneProcess, tmp_path: Path, agent: str, caps: dict[str, str]) -> Stdio:
+    (tmp_path / "notes_server.py").write_text(SERVER)
+    return Stdio(cp, cp.issue(agent, caps), tmp_path)
+
+
+def tool_call(reports: list[dict[str, Any]], capability: str) -> list[dict[str, Any]]:
+    return [r for r in reports if r.get("capability") == capability]
+
+
+def text_of(result: Any) -> str:
+    return "".join(getattr(c, "text", "") for c in result.content)
+
+
+# -- the catalog form ------------------------------------------------------------------------------------
+def test_the_catalog_names_a_stdio_server_by_a_reserved_endpoint() -> None:
+    catalog = parse_catalog('capabilities:\n  n.read: {mcp: {url: "stdio://notes", tool: read_note}}\n')
+    assert catalog.capabilities["n.read"].mcp.url == "stdio://notes"  # kept as written (and so hashed)
+    assert normalize_url("stdio://notes") == normalize_url(stdio_endpoint("notes")) == "http://notes.stdio.tether:80/mcp"
+    assert catalog.match_mcp(catalog.mcp_server("http://notes.stdio.tether:80/mcp"), "read_note") == ["n.read"]
+    assert catalog.mcp_server("http://notes.stdio.tether.evil.example:80/mcp") is None
+    for bad in ("stdio://Notes", "stdio://no_tes", "stdio://notes/mcp", "stdio://notes?x=1", "stdio://", "stdio://a.b"):
+        with pytest.raises(CatalogError):
+            parse_catalog(f'capabilities:\n  n.read: {{mcp: {{url: "{bad}", tool: read_note}}}}\n')
+    with pytest.raises(CatalogError, match="takes no credential"):
+        parse_catalog('credentials:\n  k: {header: Authorization, format: "Bearer {secret}"}\n'
+                      'capabilities:\n  n.read: {mcp: {url: "stdio://notes", tool: read_note}, credential: k}\n')
+
+
+# -- end to end ------------------------------------------------------------------------------------------
+def test_only_granted_tools_exist_writes_are_refused_and_never_run_and_every_call_is_reported(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    s = stdio_session(cp, tmp_path, "stdio-reader", READS)
+
+    async def host() -> dict[str, Any]:
+        async with Client(s.params(), mode="legacy") as client:
+            tools = sorted(t.name for t in (await client.list_tools()).tools)
+            read = await client.call_tool("read_note", {"name": "hello"})
+            write = await client.call_tool("write_note", {"name": "x", "text": "pwned"})
+            delete = await client.call_tool("delete_note", {"name": "hello"})
+            again = await client.call_tool("read_note", {"name": "hello"})
+            return {"tools": tools, "read": read, "write": write, "delete": delete, "again": again}
+
+    out = asyncio.run(asyncio.wait_for(host(), WAIT))
+    assert out["tools"] == ["list_notes", "read_note", "slow"]
+    assert not out["read"].is_error and text_of(out["read"]) == "hello, world"
+    for refused in (out["write"], out["delete"]):
+        assert refused.is_error and "tether.capability_absent" in text_of(refused), refused
+        assert refused.meta["tether/error"]["code"] == "tether.capability_absent"
+    assert text_of(out["again"]) == "hello, world"  # the note was never deleted
+    assert s.executed() == ["read_note hello", "read_note hello"]  # the writes never reached the server
+    reports = wait_until(lambda: len(r := s.reports()) >= 5 and r, WAIT, what="the bridge's calls in the reports")
+    assert [r["resolution"] for r in tool_call(reports, "notes.read")] == ["completed", "completed"]
+    [write] = tool_call(reports, "notes.write")
+    [delete] = tool_call(reports, "notes.delete")
+    assert write["resolution"] == delete["resolution"] == "refused"
+    assert write["code"] == delete["code"] == "tether.capability_absent"
+    assert all(r["url"] == "http://notes.stdio.tether:80/mcp" for r in reports), reports
