@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client, MCPError, StdioServerParameters
 
 from capability.catalog import normalize_url, parse_catalog, stdio_endpoint
 from capability.errors import CatalogError
@@ -202,3 +202,64 @@ def test_only_granted_tools_exist_writes_are_refused_and_never_run_and_every_cal
     assert write["resolution"] == delete["resolution"] == "refused"
     assert write["code"] == delete["code"] == "tether.capability_absent"
     assert all(r["url"] == "http://notes.stdio.tether:80/mcp" for r in reports), reports
+
+
+def test_a_revoked_chain_refuses_every_message_and_nothing_more_reaches_the_server(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    s = stdio_session(cp, tmp_path, "stdio-revoked", READS)
+
+    async def host() -> tuple[Any, Any]:
+        async with Client(s.params(), mode="legacy") as client:
+            first = await client.call_tool("read_note", {"name": "hello"})
+            await asyncio.to_thread(cp.client().request, "POST", f"/v1/grants/{s.identity.jti}/revoke",
+                                    {"reason": "test"})
+            deadline = asyncio.get_running_loop().time() + WAIT
+            while True:  # the sidecar learns of it over its event stream: the first refusal is the test
+                later = await client.call_tool("read_note", {"name": "hello"})
+                if later.is_error or asyncio.get_running_loop().time() > deadline:
+                    return first, later
+                await asyncio.sleep(0.2)
+
+    first, later = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert not first.is_error
+    assert later.is_error and later.meta["tether/error"]["code"] == "tether.chain_revoked", later
+
+    def revoked_reported() -> list[dict[str, Any]]:
+        reports = s.reports()
+        return reports if any(r.get("code") == "tether.chain_revoked" for r in reports) else []
+
+    reports = wait_until(revoked_reported, WAIT, what="the refusal in the reports")
+    completed = [r for r in tool_call(reports, "notes.read") if r["resolution"] == "completed"]
+    assert len(s.executed()) == len(completed) >= 1  # every read the server ran was one the record completed
+    assert all(line == "read_note hello" for line in s.executed())
+
+
+def test_an_abort_cuts_a_slow_call_at_the_server_and_the_record_says_unknown(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    s = stdio_session(cp, tmp_path, "stdio-abort", READS)
+
+    async def host() -> dict[str, Any]:
+        async with Client(s.params(), mode="legacy") as client:
+            slow = asyncio.create_task(client.call_tool("slow", {"seconds": 120}))
+            await asyncio.to_thread(wait_until, lambda: "slow start" in s.executed(), WAIT, what="the slow tool")
+            doc = await asyncio.to_thread(cp.client().request, "POST", f"/v1/agents/{s.identity.agent}/terminate",
+                                          {"mode": "abort", "window_s": 0, "reason": "test"})
+            try:
+                cut: Any = await slow
+            except MCPError as exc:
+                cut = exc
+            await asyncio.to_thread(wait_until, lambda: cp.client().request(
+                "GET", f"/v1/terminations/{doc['id']}")["state"] == "terminated", WAIT, what="the termination")
+            after = await client.call_tool("read_note", {"name": "hello"})  # the session lives on, refused
+            return {"cut": cut, "after": after, "termination": doc["id"]}
+
+    out = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert isinstance(out["cut"], MCPError), out["cut"]
+    assert out["cut"].code == -32003 and out["cut"].data["code"] == "tether.aborted", out["cut"]
+    assert out["after"].is_error and out["after"].meta["tether/error"]["code"] == "tether.terminated", out["after"]
+    record = cp.client().request("GET", f"/v1/records/{out['termination']}")
+    [call] = [c for c in record["calls"] if c.get("capability") == "notes.slow"]
+    assert call["resolution"] == "unknown" and call.get("code") == "tether.aborted", call
+    # The bridge cancelled the call at the server (notifications/cancelled): the tool never finished.
+    wait_until(lambda: "slow start" in s.executed(), WAIT)
+    assert "slow done" not in s.executed() and "read_note hello" not in s.executed()
