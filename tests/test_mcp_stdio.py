@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,3 +265,63 @@ def test_an_abort_cuts_a_slow_call_at_the_server_and_the_record_says_unknown(
     # The bridge cancelled the call at the server (notifications/cancelled): the tool never finished.
     wait_until(lambda: "slow start" in s.executed(), WAIT)
     assert "slow done" not in s.executed() and "read_note hello" not in s.executed()
+
+
+# -- a real stdio server from npm --------------------------------------------------------------------------
+FILESYSTEM = "@modelcontextprotocol/server-filesystem"
+NPM_DIR = REPO / ".cache" / "npm-fs"
+
+
+def filesystem_server() -> Path:
+    """The reference filesystem server from npm, installed once under the repo's ignored .cache/."""
+    binary = NPM_DIR / "node_modules" / ".bin" / "mcp-server-filesystem"
+    if binary.exists():
+        return binary
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        pytest.skip("node and npm are not installed: the npm filesystem server cannot run")
+    NPM_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(NPM_DIR), FILESYSTEM],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"npm install {FILESYSTEM} did not finish in 300 s")
+    if done.returncode != 0 or not binary.exists():
+        reason = f"npm install {FILESYSTEM} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+        print(reason)
+        pytest.skip(reason)
+    return binary
+
+
+def test_the_npm_filesystem_server_with_only_its_read_tools_granted(cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    binary = filesystem_server()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "notes.txt").write_text("the quick brown fox\n")
+    s = Stdio(cp, cp.issue("stdio-files", {"files.read": "direct", "files.list": "direct"}), tmp_path)
+
+    async def host() -> dict[str, Any]:
+        async with Client(s.params(str(binary), str(data), name="files"), mode="legacy") as client:
+            tools = sorted(t.name for t in (await client.list_tools()).tools)
+            read = await client.call_tool("read_text_file", {"path": str(data / "notes.txt")})
+            listing = await client.call_tool("list_directory", {"path": str(data)})
+            write = await client.call_tool("write_file", {"path": str(data / "pwned.txt"), "content": "pwned"})
+            mkdir = await client.call_tool("create_directory", {"path": str(data / "new")})
+            move = await client.call_tool("move_file", {"source": str(data / "notes.txt"),
+                                                        "destination": str(data / "gone.txt")})
+            return {"tools": tools, "read": read, "list": listing, "write": write, "mkdir": mkdir, "move": move}
+
+    out = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert out["tools"] == ["list_directory", "read_text_file"]
+    assert not out["read"].is_error and "the quick brown fox" in text_of(out["read"])
+    assert not out["list"].is_error and "notes.txt" in text_of(out["list"])
+    for name in ("write", "mkdir", "move"):
+        assert out[name].is_error and out[name].meta["tether/error"]["code"] == "tether.capability_absent", out[name]
+    assert sorted(p.name for p in data.iterdir()) == ["notes.txt"]  # nothing written, made or moved
+    reports = wait_until(lambda: len(tool_call(r := s.reports(), "files.move")) == 1 and r, WAIT,
+                         what="every call in the reports")
+    assert [r["resolution"] for r in tool_call(reports, "files.read")] == ["completed"]
+    assert [r["resolution"] for r in tool_call(reports, "files.list")] == ["completed"]
+    for capability in ("files.write", "files.mkdir", "files.move"):
+        [refused] = tool_call(reports, capability)
+        assert refused["resolution"] == "refused" and refused["code"] == "tether.capability_absent", refused
