@@ -33,6 +33,7 @@ STDIO_CAPS = """
   notes.slow:   {mcp: {url: "stdio://notes", tool: slow}}
   notes.write:  {mcp: {url: "stdio://notes", tool: write_note}}
   notes.delete: {mcp: {url: "stdio://notes", tool: delete_note}}
+  notes.ask:    {mcp: {url: "stdio://notes", tool: ask}}
   files.read:   {mcp: {url: "stdio://files", tool: read_text_file}}
   files.list:   {mcp: {url: "stdio://files", tool: list_directory}}
   files.write:  {mcp: {url: "stdio://files", tool: write_file}}
@@ -47,7 +48,8 @@ SERVER = '''
 import asyncio
 import sys
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import SamplingMessage, TextContent
 
 LOG = sys.argv[1]
 server = MCPServer("notes")
@@ -96,6 +98,16 @@ def delete_note(name: str) -> str:
     ran(f"delete_note {name}")
     notes.pop(name, None)
     return "deleted"
+
+
+@server.tool()
+async def ask(question: str, ctx: Context) -> str:
+    """Say what it does, then ask the host's model (sampling: a request from the server to the host)."""
+    ran(f"ask {question}")
+    await ctx.info(f"asking the host: {question}")
+    answer = await ctx.session.create_message(
+        [SamplingMessage(role="user", content=TextContent(type="text", text=question))], max_tokens=16)
+    return f"the host said {answer.content.text}"
 
 
 server.run("stdio")
@@ -190,7 +202,7 @@ def test_only_granted_tools_exist_writes_are_refused_and_never_run_and_every_cal
             return {"tools": tools, "read": read, "write": write, "delete": delete, "again": again}
 
     out = asyncio.run(asyncio.wait_for(host(), WAIT))
-    assert out["tools"] == ["list_notes", "read_note", "slow"]
+    assert out["tools"] == ["list_notes", "read_note", "slow"]  # and not ask, write_note, delete_note
     assert not out["read"].is_error and text_of(out["read"]) == "hello, world"
     for refused in (out["write"], out["delete"]):
         assert refused.is_error and "tether.capability_absent" in text_of(refused), refused
@@ -203,6 +215,44 @@ def test_only_granted_tools_exist_writes_are_refused_and_never_run_and_every_cal
     [delete] = tool_call(reports, "notes.delete")
     assert write["resolution"] == delete["resolution"] == "refused"
     assert write["code"] == delete["code"] == "tether.capability_absent"
+    assert all(r["url"] == "http://notes.stdio.tether:80/mcp" for r in reports), reports
+
+
+def test_the_servers_own_messages_reach_the_host_and_its_answers_reach_the_server_through_the_sidecar(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    """A log notification and a sampling request, from server to host over the listen stream, and the host's answer
+    back: each a call through the sidecar, none around it."""
+    from mcp.types import CreateMessageResult, TextContent
+
+    s = stdio_session(cp, tmp_path, "stdio-sampling", {**READS, "notes.ask": "direct"})
+    logged: list[str] = []
+    asked: list[str] = []
+
+    async def sample(context: Any, params: Any) -> CreateMessageResult:
+        asked.append(params.messages[0].content.text)
+        return CreateMessageResult(role="assistant", content=TextContent(type="text", text="forty-two"),
+                                   model="host-model")
+
+    async def log(params: Any) -> None:
+        logged.append(str(params.data))
+
+    async def host() -> Any:
+        async with Client(s.params(), mode="legacy", sampling_callback=sample, logging_callback=log) as client:
+            result = await client.call_tool("ask", {"question": "the answer?"})
+            for _ in range(200):  # the notification may trail the result: it came on the other stream
+                if logged:
+                    break
+                await asyncio.sleep(0.05)
+            return result
+
+    result = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert not result.is_error and text_of(result) == "the host said forty-two", result
+    assert asked == ["the answer?"] and logged == ["asking the host: the answer?"]
+    reports = wait_until(lambda: len(tool_call(r := s.reports(), "notes.ask")) == 1 and r, WAIT,
+                         what="the call in the reports")
+    assert tool_call(reports, "notes.ask")[0]["resolution"] == "completed"
+    methods = [r["method"] for r in reports]
+    assert "GET" in methods  # the listen stream that carried the server's messages went through the sidecar
     assert all(r["url"] == "http://notes.stdio.tether:80/mcp" for r in reports), reports
 
 
