@@ -9,9 +9,13 @@ writes every tool it runs to a log file, so "never executed" is checked at the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,8 @@ READS = {"notes.read": "direct", "notes.list": "direct", "notes.slow": "direct"}
 SERVER = '''
 """A stdio MCP server (the SDK's MCPServer) that logs every tool it runs, one line each, to argv[1]."""
 import asyncio
+import contextlib
+import json
 import sys
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -375,3 +381,72 @@ def test_the_npm_filesystem_server_with_only_its_read_tools_granted(cp: ControlP
     for capability in ("files.write", "files.mkdir", "files.move"):
         [refused] = tool_call(reports, capability)
         assert refused["resolution"] == "refused" and refused["code"] == "tether.capability_absent", refused
+
+
+# -- nothing goes around the sidecar -------------------------------------------------------------------------
+def test_routes_lead_only_named_stdio_servers_to_loopback_bridges() -> None:
+    from mitmproxy.connection import Server
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+    from mitmproxy.test.tflow import tclient_conn
+
+    from capability.errors import TetherError
+    from proxy.stdio import StdioRoutes, parse_routes
+
+    routes = parse_routes(["notes=127.0.0.1:4100", "files=[::1]:4200"])
+    assert routes == {"notes": ("127.0.0.1", 4100), "files": ("::1", 4200)}
+    for bad in ("notes=10.0.0.1:80", "notes=example.com:80", "Notes=127.0.0.1:80", "notes=127.0.0.1",
+                "notes", "notes=127.0.0.1:0"):
+        with pytest.raises(TetherError):
+            parse_routes([bad])
+    with pytest.raises(TetherError):
+        parse_routes(["notes=127.0.0.1:1", "notes=127.0.0.1:2"])
+
+    def connect(host: str) -> Server:
+        server = Server(address=(host, 80))
+        StdioRoutes(routes).server_connect(ServerConnectionHookData(server=server, client=tclient_conn()))
+        return server
+
+    assert connect("notes.stdio.tether").address == ("127.0.0.1", 4100) and connect("notes.stdio.tether").error is None
+    assert connect("NOTES.stdio.tether.").address == ("127.0.0.1", 4100)
+    for unrouted in ("other.stdio.tether", "a.notes.stdio.tether"):
+        refused = connect(unrouted)
+        assert refused.error and refused.address == (unrouted, 80)  # fails before connecting; never resolved
+    assert connect("notes.stdio.tether.example").error is None  # an ordinary name: not ours to touch
+    assert connect("notes.stdio.tether.example").address == ("notes.stdio.tether.example", 80)
+
+
+def _bridge_port(state_dir: Path) -> int:
+    """The bridge's loopback port, as a local process could learn it: from its sidecar's command line."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            argv = cmdline.read_bytes().split(b"\0")
+            if str(state_dir).encode() in argv and b"--stdio-route" in argv:
+                return int(argv[argv.index(b"--stdio-route") + 1].rsplit(b":", 1)[1])
+    raise AssertionError("no sidecar with a --stdio-route found")
+
+
+def test_a_local_process_that_finds_the_bridges_port_cannot_go_around_the_sidecar(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    s = stdio_session(cp, tmp_path, "stdio-bypass", READS)
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "write_note", "arguments": {"name": "x", "text": "pwned"}}}
+
+    async def host() -> list[int]:
+        async with Client(s.params(), mode="legacy") as client:
+            await client.list_tools()
+            port = await asyncio.to_thread(_bridge_port, s.state_dir)
+            statuses = []
+            for headers in ({}, {"Authorization": "Bearer guessed"}):
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/mcp", json.dumps(call).encode(),
+                                                 {"Content-Type": "application/json", **headers})
+                try:
+                    await asyncio.to_thread(urllib.request.urlopen, request, timeout=10)
+                    statuses.append(200)
+                except urllib.error.HTTPError as exc:
+                    statuses.append(exc.code)
+            after = await client.call_tool("read_note", {"name": "hello"})  # the session goes on
+            assert not after.is_error
+            return statuses
+
+    assert asyncio.run(asyncio.wait_for(host(), WAIT * 2)) == [401, 401]
+    assert s.executed() == ["read_note hello"]
