@@ -74,6 +74,9 @@ def add_mcp(sub: Any) -> None:
             option.add_to(s, **OVERRIDES.get(option.dest, {}))
     s.add_argument("--name", required=True, metavar="NAME",
                    help="the server's name in the catalog: its capabilities name url stdio://NAME")
+    s.add_argument("--enforce-server", action="store_true",
+                   help="run the server under tether run, enforced: its own outbound traffic has no way out but "
+                   "the same sidecar (the catalog must grant what it calls; Linux namespaces)")
     s.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the stdio server and its arguments")
     s.set_defaults(func=cmd_mcp_stdio)
 
@@ -426,19 +429,31 @@ class Bridge:
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))  # bound before the sidecar starts: its route names this port
         port = listener.getsockname()[1]
-        state_dir, ready = self._state_dir(), None
+        state_dir = self._state_dir()
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         ready = state_dir / "sidecar.ready"
         ready.unlink(missing_ok=True)
-        log_path = state_dir / "sidecar.log"
-        self.sidecar = self._start_sidecar(state_dir, ready, log_path, port)
+        route = f"{args.name}=127.0.0.1:{port}"
+        child: Any = None
         try:
-            info = await asyncio.to_thread(_wait_ready, self.sidecar, ready, log_path)
+            if args.enforce_server:
+                # tether run starts the sidecar (with our route) and the server enclosed: one sidecar for both.
+                child = await asyncio.create_subprocess_exec(
+                    *self._run_argv(state_dir, ready, route), stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT, env=child_env(), preexec_fn=die_with_parent)
+                agent_dir = state_dir / self._agent()
+                log_path = agent_dir / "sidecar.log"
+                info = await asyncio.to_thread(_wait_ready, _Polled(child), ready, log_path)
+            else:
+                log_path = state_dir / "sidecar.log"
+                self.sidecar = self._start_sidecar(state_dir, ready, log_path, route)
+                info = await asyncio.to_thread(_wait_ready, self.sidecar, ready, log_path)
             say(f"stdio server {args.name} behind the sidecar for {info['agent']} at {info['proxy']} "
                 f"(log {log_path})")
-            child = await asyncio.create_subprocess_exec(
-                *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
-                env=child_env(), preexec_fn=die_with_parent)
+            if child is None:
+                child = await asyncio.create_subprocess_exec(
+                    *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
+                    env=child_env(), preexec_fn=die_with_parent)
             endpoint = Endpoint(child, token)
             runner = web.AppRunner(endpoint.app(), handler_cancellation=True, access_log=None)
             await runner.setup()
@@ -447,18 +462,23 @@ class Bridge:
             stdin, out = await host_pipes()
             relay = HostRelay(stdio_endpoint(args.name), info["proxy"], token, out)
             hosting = asyncio.create_task(relay.relay(stdin))
-            watching = asyncio.create_task(asyncio.to_thread(self.sidecar.wait))
+            # Enforced, the sidecar is tether run's: it ends with the server, and so does the bridge.
+            watching = asyncio.create_task(asyncio.to_thread(self.sidecar.wait) if self.sidecar is not None
+                                           else asyncio.Event().wait())
             stopping = asyncio.get_running_loop().create_future()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, lambda s=sig: stopping.done() or
                                                               stopping.set_result(s))
             done, _ = await asyncio.wait({hosting, reading, watching, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if watching in done:
+            if watching in done and self.sidecar is not None:
                 say(f"the sidecar exited ({self.sidecar.returncode}); nothing more reaches the stdio server "
                     f"(see {log_path})")
-            code = await self._finish(child, endpoint, hosting, reading)
+            # tether run stops its sidecar after the server: its stop window and reports come first.
+            patience = args.stop_window + 20 if args.enforce_server else 5.0
+            code = await self._finish(child, endpoint, hosting, reading, patience)
+            watching.cancel()
             await runner.cleanup()
-            if watching in done:
+            if watching in done and self.sidecar is not None:
                 return self.sidecar.returncode or 1
             if stopping.done():
                 return 128 + int(stopping.result())
@@ -466,17 +486,23 @@ class Bridge:
         finally:
             listener.close()
             self._stop_sidecar()
+            if child is not None and child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await child.wait()
 
-    async def _finish(self, child: Any, endpoint: Endpoint, hosting: asyncio.Task, reading: asyncio.Task) -> int:
-        """Close the child's stdin, give it a moment to exit (then SIGTERM, then SIGKILL); the host relay ends."""
+    async def _finish(self, child: Any, endpoint: Endpoint, hosting: asyncio.Task, reading: asyncio.Task,
+                      patience: float) -> int:
+        """Close the child's stdin, give it ``patience`` seconds to exit (then SIGTERM, then SIGKILL); the host
+        relay ends."""
         if child.stdin is not None:
             with contextlib.suppress(OSError):
                 child.stdin.close()
-        for step in (lambda: None, child.terminate, child.kill):
+        for step, wait_s in ((lambda: None, patience), (child.terminate, patience), (child.kill, 5.0)):
             with contextlib.suppress(ProcessLookupError):
                 step()
             try:
-                await asyncio.wait_for(asyncio.shield(reading), 5)
+                await asyncio.wait_for(asyncio.shield(reading), wait_s)
                 break
             except TimeoutError:
                 continue
@@ -485,21 +511,39 @@ class Bridge:
         code = endpoint.exited if endpoint.exited is not None else child.returncode or 0
         return 128 - code if code < 0 else code
 
-    def _state_dir(self) -> Path:
+    def _agent(self) -> str:
         from capability.chain import parse_chain_unverified
         from capability.shared import read_chain
 
+        return parse_chain_unverified(read_chain(self.args.chain))[-1].sub
+
+    def _state_dir(self) -> Path:
+        """The sidecar's state dir (enforced: the root of tether run's, which keeps the agent's inside it)."""
         if self.args.state_dir:
             return Path(self.args.state_dir)
-        agent = parse_chain_unverified(read_chain(self.args.chain))[-1].sub
         # Per server: a host that starts several stdio servers under one chain runs one sidecar for each.
-        return default_state_root() / agent / "stdio" / self.args.name
+        return default_state_root() / self._agent() / "stdio" / self.args.name
 
-    def _start_sidecar(self, state_dir: Path, ready: Path, log_path: Path, port: int) -> subprocess.Popen:
+    def _sidecar_args(self, route: str) -> argparse.Namespace:
+        return argparse.Namespace(**{**vars(self.args), "listen": "127.0.0.1:0", "transparent_listen": None,
+                                     "dns_listen": None, "stdio_route": [route]})
+
+    def _run_argv(self, state_dir: Path, ready: Path, route: str) -> list[str]:
+        """``tether run`` for the server, enforced, with every sidecar option (and our route) forwarded."""
+        from .remote import DEFAULT_CONTROLPLANE
+        from .run import SET_BY_RUN
+
+        args = self._sidecar_args(route)
+        resolved = {"chain": args.chain, "key": args.key, "state_dir": str(state_dir), "ready_file": str(ready)}
+        argv = [sys.executable, "-m", "cli", "run", "--controlplane", args.controlplane or DEFAULT_CONTROLPLANE]
+        for option in SIDECAR_OPTIONS:
+            argv += option.argv(resolved[option.dest] if option.dest in SET_BY_RUN else getattr(args, option.dest))
+        return [*argv, "--", *self.command]
+
+    def _start_sidecar(self, state_dir: Path, ready: Path, log_path: Path, route: str) -> subprocess.Popen:
         from .run import _die_with_parent, sidecar_argv, without_authority
 
-        args = argparse.Namespace(**{**vars(self.args), "listen": "127.0.0.1:0", "transparent_listen": None,
-                                     "dns_listen": None, "stdio_route": [f"{self.args.name}=127.0.0.1:{port}"]})
+        args = self._sidecar_args(route)
         argv = sidecar_argv(args, chain=args.chain, key=args.key, state_dir=state_dir, ready=ready)
         with open(log_path, "ab") as log_file:
             # Never the host's stdin or stdout: those carry the MCP session.
@@ -512,6 +556,16 @@ class Bridge:
 
         if self.sidecar is not None:
             _stop(self.sidecar, self.args.stop_window)
+
+
+class _Polled:
+    """An asyncio child as ``_wait_ready`` polls a sidecar: ``poll()`` is its exit status, or None while it runs."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    def poll(self) -> int | None:
+        return self.process.returncode
 
 
 def child_env() -> dict[str, str]:

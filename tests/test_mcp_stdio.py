@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +28,16 @@ from mcp import Client, MCPError, StdioServerParameters
 from capability.catalog import normalize_url, parse_catalog, stdio_endpoint
 from capability.errors import CatalogError
 
-from .harness import PYTHON, ControlPlaneProcess, Identity, free_port, prepare_controlplane, reports_for, wait_until
+from .harness import (
+    PYTHON,
+    ControlPlaneProcess,
+    Identity,
+    ToolServer,
+    free_port,
+    prepare_controlplane,
+    reports_for,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 60.0  # bounded waits, generous for a loaded machine; nothing asserts on timing
@@ -38,6 +48,7 @@ STDIO_CAPS = """
   notes.write:  {mcp: {url: "stdio://notes", tool: write_note}}
   notes.delete: {mcp: {url: "stdio://notes", tool: delete_note}}
   notes.ask:    {mcp: {url: "stdio://notes", tool: ask}}
+  notes.fetch:  {mcp: {url: "stdio://notes", tool: fetch}}
   files.read:   {mcp: {url: "stdio://files", tool: read_text_file}}
   files.list:   {mcp: {url: "stdio://files", tool: list_directory}}
   files.write:  {mcp: {url: "stdio://files", tool: write_file}}
@@ -50,9 +61,9 @@ READS = {"notes.read": "direct", "notes.list": "direct", "notes.slow": "direct"}
 SERVER = '''
 """A stdio MCP server (the SDK's MCPServer) that logs every tool it runs, one line each, to argv[1]."""
 import asyncio
-import contextlib
-import json
 import sys
+import urllib.error
+import urllib.request
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import SamplingMessage, TextContent
@@ -107,6 +118,20 @@ def delete_note(name: str) -> str:
 
 
 @server.tool()
+def fetch(url: str) -> str:
+    """The server's own outbound HTTP (it reads no proxy variables: only enforcement governs it)."""
+    ran(f"fetch {url}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=30) as resp:
+            return f"{resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"{exc.code} {exc.headers.get('Tether-Error')}"
+    except OSError as exc:
+        return f"error {exc}"
+
+
+@server.tool()
 async def ask(question: str, ctx: Context) -> str:
     """Say what it does, then ask the host's model (sampling: a request from the server to the host)."""
     ran(f"ask {question}")
@@ -121,9 +146,18 @@ server.run("stdio")
 
 
 @pytest.fixture(scope="module")
-def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess]:
+def tools() -> Iterator[ToolServer]:
+    server = ToolServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory, tools: ToolServer) -> Iterator[ControlPlaneProcess]:
     directory = tmp_path_factory.mktemp("stdio")
-    cp = prepare_controlplane(directory / "cp", free_port(), free_port(), free_port())
+    cp = prepare_controlplane(directory / "cp", tools.port, free_port(), free_port())
     cp.catalog_path.write_text(cp.catalog_path.read_text().replace("roles:\n", STDIO_CAPS + "roles:\n", 1))
     cp.start()
     try:
@@ -450,3 +484,43 @@ def test_a_local_process_that_finds_the_bridges_port_cannot_go_around_the_sideca
 
     assert asyncio.run(asyncio.wait_for(host(), WAIT * 2)) == [401, 401]
     assert s.executed() == ["read_note hello"]
+
+
+# -- the server's own traffic, enforced ----------------------------------------------------------------------
+def _no_namespaces() -> str | None:
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return "needs Linux and unshare"
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "true"], capture_output=True,
+                          text=True, check=False)
+    return None if done.returncode == 0 else f"no unprivileged user namespaces here: {done.stderr.strip()}"
+
+
+def test_an_enforced_servers_own_http_goes_through_the_same_sidecar(
+        cp: ControlPlaneProcess, tools: ToolServer, tmp_path: Path) -> None:
+    reason = _no_namespaces()
+    if reason:
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    s = stdio_session(cp, tmp_path, "stdio-enforced", {**READS, "notes.fetch": "direct", "issues.read": "direct"})
+    granted = f"http://127.0.0.1:{tools.port}/repos/o/r/issues"
+    ungranted = f"http://127.0.0.1:{tools.port}/slow"
+    before = tools.hits_for("/slow")
+
+    async def host() -> dict[str, Any]:
+        async with Client(s.params(extra=("--enforce-server",)), mode="legacy") as client:
+            tools_listed = sorted(t.name for t in (await client.list_tools()).tools)
+            ok = await client.call_tool("fetch", {"url": granted})
+            refused = await client.call_tool("fetch", {"url": ungranted})
+            write = await client.call_tool("write_note", {"name": "x", "text": "pwned"})
+            return {"tools": tools_listed, "ok": text_of(ok), "refused": text_of(refused), "write": write}
+
+    out = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert out["tools"] == ["fetch", "list_notes", "read_note", "slow"]
+    assert out["ok"] == "200" and out["refused"] == "403 tether.capability_absent", out
+    assert out["write"].is_error and s.executed() == [f"fetch {granted}", f"fetch {ungranted}"]
+    assert tools.hits_for("/repos/o/r/issues") >= 1 and tools.hits_for("/slow") == before
+    reports = wait_until(lambda: len(tool_call(r := s.reports(), "issues.read")) == 1 and r, WAIT,
+                         what="the server's own call in the reports")
+    [own] = tool_call(reports, "issues.read")
+    assert own["resolution"] == "completed" and own["method"] == "GET" and own["url"].endswith("/repos/o/r/issues")
+    assert [r["resolution"] for r in tool_call(reports, "notes.fetch")] == ["completed", "completed"]
