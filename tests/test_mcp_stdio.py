@@ -296,6 +296,77 @@ def test_the_servers_own_messages_reach_the_host_and_its_answers_reach_the_serve
     assert all(r["url"] == "http://notes.stdio.tether:80/mcp" for r in reports), reports
 
 
+def _pending(cp: ControlPlaneProcess, agent: str) -> list[dict[str, Any]]:
+    return [a for a in cp.client().request("GET", "/v1/approvals?status=pending") if a["agent"] == agent]
+
+
+def test_an_approval_tier_write_is_held_until_a_person_decides_and_the_capture_holds_every_message(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    from proxy.capture import read_flows
+
+    s = stdio_session(cp, tmp_path, "stdio-approval", {**READS, "notes.write": "approval"})
+    admin = cp.client()
+
+    async def host() -> dict[str, Any]:
+        async with Client(s.params(), mode="legacy") as client:
+            tools = sorted(t.name for t in (await client.list_tools()).tools)
+            first = asyncio.create_task(client.call_tool("write_note", {"name": "a", "text": "approved"}))
+            [held] = await asyncio.to_thread(wait_until, lambda: _pending(cp, s.identity.agent), WAIT,
+                                             what="a pending approval")
+            assert held["capability"] == "notes.write" and not first.done() and s.executed() == []
+            read = await client.call_tool("read_note", {"name": "hello"})  # other calls go on meanwhile
+            await asyncio.to_thread(admin.request, "POST", f"/v1/approvals/{held['id']}/approve")
+            approved = await first
+            second = asyncio.create_task(client.call_tool("write_note", {"name": "b", "text": "denied"}))
+            [held] = await asyncio.to_thread(wait_until, lambda: _pending(cp, s.identity.agent), WAIT,
+                                             what="a second pending approval")
+            await asyncio.to_thread(admin.request, "POST", f"/v1/approvals/{held['id']}/deny")
+            return {"tools": tools, "read": read, "approved": approved, "denied": await second}
+
+    out = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert out["tools"] == ["list_notes", "read_note", "slow", "write_note"]
+    assert not out["read"].is_error and not out["approved"].is_error and text_of(out["approved"]) == "written"
+    assert out["denied"].is_error and out["denied"].meta["tether/error"]["code"] == "tether.approval_denied"
+    assert s.executed() == ["read_note hello", "write_note a"]
+    # The capture holds each message as it crossed the sidecar, the bridge's token redacted like any Authorization.
+    flows = wait_until(lambda: read_flows(s.state_dir / "captures" / "flows.mitm"), WAIT, what="captured flows")
+    bodies = [f.request.get_content() or b"" for f in flows]
+    assert any(b'"write_note"' in b and b'"approved"' in b for b in bodies)
+    assert any(b'"write_note"' in b and b'"denied"' in b for b in bodies)
+    assert {f.request.headers.get("authorization") for f in flows} == {"[REDACTED]"}
+    assert all(f.request.pretty_url == "http://notes.stdio.tether/mcp" for f in flows)
+
+
+def test_a_drain_lets_a_call_in_flight_finish_and_refuses_new_ones(cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    s = stdio_session(cp, tmp_path, "stdio-drain", READS)
+
+    async def host() -> dict[str, Any]:
+        async with Client(s.params(), mode="legacy") as client:
+            await client.list_tools()  # the SDK checks results against the tools it listed (no list in a drain)
+            slow = asyncio.create_task(client.call_tool("slow", {"seconds": 3}))
+            await asyncio.to_thread(wait_until, lambda: "slow start" in s.executed(), WAIT, what="the slow tool")
+            doc = await asyncio.to_thread(cp.client().request, "POST", f"/v1/agents/{s.identity.agent}/terminate",
+                                          {"mode": "drain", "window_s": 60, "reason": "test"})
+            new: Any = None
+            while not slow.done():  # a call that arrives while the drain waits for the slow one
+                new = await client.call_tool("read_note", {"name": "hello"})
+                if new.is_error:
+                    break
+                await asyncio.sleep(0.1)
+            return {"slow": await slow, "new": new, "termination": doc["id"]}
+
+    out = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert not out["slow"].is_error and text_of(out["slow"]) == "slept 3.0"
+    assert out["new"].is_error and out["new"].meta["tether/error"]["code"] == "tether.draining", out["new"]
+    tid = out["termination"]
+    wait_until(lambda: cp.client().request("GET", f"/v1/terminations/{tid}")["state"] == "terminated", WAIT,
+               what="the termination")
+    record = cp.client().request("GET", f"/v1/records/{tid}")
+    [slow] = [c for c in record["calls"] if c.get("capability") == "notes.slow"]
+    assert slow["resolution"] == "completed", slow
+    assert "slow done" in s.executed()
+
+
 def test_a_revoked_chain_refuses_every_message_and_nothing_more_reaches_the_server(
         cp: ControlPlaneProcess, tmp_path: Path) -> None:
     s = stdio_session(cp, tmp_path, "stdio-revoked", READS)
