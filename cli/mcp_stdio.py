@@ -51,6 +51,7 @@ LISTEN_S = 60.0  # a listen stream is ended by the endpoint this often (the brid
 # well inside the sidecar's call timeout, so none of them ends in the record as a call cut off
 CUT = -32003  # the JSON-RPC error code of tether's refusals (proxy/mcp.py JSONRPC_REFUSED)
 CHILD_EXITED = -32000
+REQUEST_CANCELLED = -32800  # the answer the endpoint gives a request the host cancelled (the server gives none)
 ABORTED = "tether.aborted"
 SIDECAR_GONE = "tether.sidecar_failed"
 # Sidecar options whose meaning the bridge sets itself, or that make no sense in front of one stdio server.
@@ -168,6 +169,11 @@ class Endpoint:
         except ValueError:
             return web.json_response(jsonrpc_error(None, -32700, "not JSON"), status=400)
         ids = requests_in(value)
+        if len({id_key(i) for i in ids}) < len(ids) or any(id_key(i) in self.pending for i in ids):
+            # Two requests under one id could not be told apart in the server's answers: neither is sent.
+            answers = [jsonrpc_error(i, -32600, f"a request with id {i!r} is already in flight") for i in ids]
+            return web.Response(body=line_of(answers if isinstance(value, list) else answers[0]),
+                                content_type="application/json")
         loop = asyncio.get_running_loop()
         waiting = {id_key(i): (i, loop.create_future()) for i in ids}
         for key, (_, future) in waiting.items():
@@ -177,6 +183,7 @@ class Endpoint:
                 await self.to_child(value)
             except OSError as exc:
                 return web.json_response(jsonrpc_error(ids[0] if ids else None, CHILD_EXITED, str(exc)), status=502)
+            self._cancelled_by_client(value)
             if not ids:
                 return web.Response(status=202)
             answers = [await future for _, future in waiting.values()]
@@ -196,6 +203,18 @@ class Endpoint:
                     del self.pending[key]
         body = answers if isinstance(value, list) else answers[0]
         return web.Response(body=line_of(body), content_type="application/json")
+
+    def _cancelled_by_client(self, value: Any) -> None:
+        """A host's ``notifications/cancelled`` (now at the server) ends the POST still waiting for that request: a
+        server that honours it never answers, and the call must not stay in flight until the sidecar's timeout.
+        The host, which forgot the id, never sees this answer (``HostRelay`` drops it)."""
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and item.get("method") == "notifications/cancelled":
+                params = item.get("params")
+                request_id = params.get("requestId") if isinstance(params, dict) else None
+                future = self.pending.get(id_key(request_id))
+                if future is not None and not future.done():
+                    future.set_result(jsonrpc_error(request_id, REQUEST_CANCELLED, "cancelled by the client"))
 
     async def listen(self, request: Any) -> Any:
         """The GET listen stream: the child's notifications and requests, as SSE, for ``LISTEN_S`` at most."""
@@ -279,6 +298,7 @@ class HostRelay:
         self.session: Any = None
         self.tasks: set[asyncio.Task] = set()
         self.answered = asyncio.Event()  # the first request answered: the session is up, the listen stream opens
+        self.cancelled: set[str] = set()  # ids of requests the host cancelled: their answers are not the host's
         self._write = asyncio.Lock()
 
     async def to_host(self, value: Any) -> None:
@@ -327,6 +347,7 @@ class HostRelay:
             await self.to_host(jsonrpc_error(None, -32700, "not JSON: nothing was sent to the server"))
             return
         ids = requests_in(value)
+        self._note_cancelled(value)
         try:
             async with self.session.post(self.url, data=line, proxy=self.proxy, headers=self.headers(**{
                     "Content-Type": "application/json", "Accept": "application/json, text/event-stream"})) as resp:
@@ -334,9 +355,13 @@ class HostRelay:
                 answer = self._answer(resp, body, ids)
         except (aiohttp.ClientError, OSError) as exc:
             # The request left and no complete answer came back (the sidecar cut it, or the sidecar is gone).
+            ids = [i for i in ids if id_key(i) not in self.cancelled]
             if ids:
                 await self._cut(ids, exc)
             return
+        if ids and all(id_key(i) in self.cancelled for i in ids):
+            self.cancelled.difference_update(id_key(i) for i in ids)
+            return  # the host gave up on it: its answer (the endpoint's, or the server's) is nobody's
         if answer is not None:
             await self.to_host(answer)
             if ids:
@@ -344,6 +369,15 @@ class HostRelay:
         elif resp.status >= 300 and not ids:
             say(f"a message from the host was refused ({resp.headers.get('Tether-Error') or resp.status}); "
                 "it did not reach the server")
+
+    def _note_cancelled(self, value: Any) -> None:
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and item.get("method") == "notifications/cancelled":
+                params = item.get("params")
+                if isinstance(params, dict) and "requestId" in params:
+                    if len(self.cancelled) > 10_000:  # ids whose answer never came back: forget the oldest guesses
+                        self.cancelled.clear()
+                    self.cancelled.add(id_key(params["requestId"]))
 
     @staticmethod
     def _answer(resp: Any, body: bytes, ids: list[Any]) -> Any:
@@ -475,7 +509,7 @@ class Bridge:
                     f"(see {log_path})")
             # tether run stops its sidecar after the server: its stop window and reports come first.
             patience = args.stop_window + 20 if args.enforce_server else 5.0
-            code = await self._finish(child, endpoint, hosting, reading, patience)
+            code = await self._finish(child, endpoint, hosting, reading, patience, relay)
             watching.cancel()
             await runner.cleanup()
             if watching in done and self.sidecar is not None:
@@ -492,7 +526,7 @@ class Bridge:
                 await child.wait()
 
     async def _finish(self, child: Any, endpoint: Endpoint, hosting: asyncio.Task, reading: asyncio.Task,
-                      patience: float) -> int:
+                      patience: float, relay: HostRelay) -> int:
         """Close the child's stdin, give it ``patience`` seconds to exit (then SIGTERM, then SIGKILL); the host
         relay ends."""
         if child.stdin is not None:
@@ -506,6 +540,8 @@ class Bridge:
                 break
             except TimeoutError:
                 continue
+        if relay.tasks:  # a server that exited answered its waiting requests with an error: the host gets them
+            await asyncio.wait(set(relay.tasks), timeout=3)
         hosting.cancel()
         await asyncio.gather(hosting, reading, return_exceptions=True)
         code = endpoint.exited if endpoint.exited is not None else child.returncode or 0

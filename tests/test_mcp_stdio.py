@@ -367,6 +367,28 @@ def test_a_drain_lets_a_call_in_flight_finish_and_refuses_new_ones(cp: ControlPl
     assert "slow done" in s.executed()
 
 
+def test_a_call_the_host_gives_up_on_is_cancelled_at_the_server_and_leaves_nothing_in_flight(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    s = stdio_session(cp, tmp_path, "stdio-cancel", READS)
+
+    async def host() -> tuple[Any, Any]:
+        async with Client(s.params(), mode="legacy") as client:
+            await client.list_tools()
+            try:  # the SDK gives up after its read timeout and sends notifications/cancelled
+                gave_up: Any = await client.call_tool("slow", {"seconds": 120}, read_timeout_seconds=3)
+            except MCPError as exc:
+                gave_up = exc
+            after = await client.call_tool("read_note", {"name": "hello"})
+            return gave_up, after
+
+    gave_up, after = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
+    assert isinstance(gave_up, MCPError) and not after.is_error
+    reports = wait_until(lambda: len(tool_call(r := s.reports(), "notes.slow")) == 1 and r, WAIT,
+                         what="the cancelled call's report (not left in flight until the call timeout)")
+    assert tool_call(reports, "notes.slow")[0]["resolution"] == "completed"
+    assert "slow start" in s.executed() and "slow done" not in s.executed()  # the server stopped the work
+
+
 def test_a_revoked_chain_refuses_every_message_and_nothing_more_reaches_the_server(
         cp: ControlPlaneProcess, tmp_path: Path) -> None:
     s = stdio_session(cp, tmp_path, "stdio-revoked", READS)
