@@ -73,8 +73,9 @@ def add_mcp(sub: Any) -> None:
     for option in SIDECAR_OPTIONS:
         if option.dest not in NOT_HERE:
             option.add_to(s, **OVERRIDES.get(option.dest, {}))
-    s.add_argument("--name", required=True, metavar="NAME",
-                   help="the server's name in the catalog: its capabilities name url stdio://NAME")
+    s.add_argument("--name", metavar="NAME",
+                   help="the server's name in the catalog: its capabilities name url stdio://NAME (default: the "
+                   "one stdio server the chain holds anything on)")
     s.add_argument("--enforce-server", action="store_true",
                    help="run the server under tether run, enforced: its own outbound traffic has no way out but "
                    "the same sidecar (the catalog must grant what it calls; Linux namespaces)")
@@ -93,11 +94,44 @@ def cmd_mcp_stdio(args: argparse.Namespace) -> int:
     if not command:
         raise TetherError("give the stdio server's command after --, e.g. tether mcp stdio --chain c --key k "
                           "--name files -- npx -y @modelcontextprotocol/server-filesystem /data", code=BAD_REQUEST)
+    if args.name is None:
+        args.name = default_name(args)
     if not stdio_name_ok(args.name):
         raise TetherError(f"--name is one lower-case DNS label (letters, digits, '-'), as in the catalog's "
                           f"stdio://NAME (not {args.name!r})", code=BAD_REQUEST)
     setup_logging()
     return asyncio.run(Bridge(args, command).run())
+
+
+def default_name(args: argparse.Namespace) -> str:
+    """The one stdio server on which the chain holds anything, per the catalog (``--catalog``, else the control
+    plane's): a host config then needs no ``--name`` when its grant covers a single stdio server."""
+    from urllib.parse import urlsplit
+
+    from capability.catalog import catalog_from, empty_catalog, stdio_server_name
+    from capability.chain import parse_chain_unverified
+    from capability.shared import load_catalog, read_chain
+
+    from .remote import client
+
+    if args.catalog:
+        catalog = load_catalog(args.catalog)
+    else:
+        doc = client(args).request("GET", "/v1/catalog", admin=False)
+        catalog = catalog_from(doc["catalog"]) if doc["catalog"].get("capabilities") else empty_catalog()
+    held = parse_chain_unverified(read_chain(args.chain))[-1].caps
+    names = set()
+    for name in held:
+        cap = catalog.capabilities.get(name)
+        if cap is not None and cap.mcp is not None and held[name] != "absent":
+            server = stdio_server_name(urlsplit(cap.mcp.server).hostname or "")
+            if server is not None:
+                names.add(server)
+    if len(names) != 1:
+        raise TetherError("give --name: the chain holds capabilities on " + (
+            f"the stdio servers {', '.join(sorted(names))}" if names else "no stdio server (stdio://NAME) of the "
+            "catalog"), code=BAD_REQUEST)
+    return names.pop()
 
 
 def jsonrpc_error(msg_id: Any, code: int, message: str, data: dict[str, Any] | None = None) -> dict[str, Any]:

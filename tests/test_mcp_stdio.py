@@ -185,14 +185,15 @@ class Stdio:
     def executed(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
 
-    def params(self, *server: str, name: str = "notes", extra: tuple[str, ...] = ()) -> StdioServerParameters:
+    def params(self, *server: str, name: str | None = "notes", extra: tuple[str, ...] = ()) -> StdioServerParameters:
         command = server or (PYTHON, str(self.directory / "notes_server.py"), str(self.log))
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
         env["TETHER_CONTROLPLANE"] = self.cp.url
         return StdioServerParameters(
             command=PYTHON, cwd=str(REPO), env=env,
             args=["-m", "cli", "mcp", "stdio", "--chain", str(self.identity.chain_path), "--key",
-                  str(self.identity.key_path), "--name", name, "--state-dir", str(self.state_dir), *extra,
+                  str(self.identity.key_path), *(["--name", name] if name else []), "--state-dir",
+                  str(self.state_dir), *extra,
                   "--", *command])
 
     def reports(self) -> list[dict[str, Any]]:
@@ -542,6 +543,17 @@ def test_routes_lead_only_named_stdio_servers_to_loopback_bridges() -> None:
     assert connect("notes.stdio.tether.example").address == ("notes.stdio.tether.example", 80)
 
 
+def test_without_name_the_bridge_needs_a_chain_on_exactly_one_stdio_server(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    for agent, caps, says in (("stdio-two", {"notes.read": "direct", "files.read": "direct"}, "files, notes"),
+                              ("stdio-none", {"issues.read": "direct"}, "no stdio server")):
+        ident = cp.issue(agent, caps)
+        done = subprocess.run([PYTHON, "-m", "cli", "mcp", "stdio", "--controlplane", cp.url, "--chain",
+                               str(ident.chain_path), "--key", str(ident.key_path), "--", "true"],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert done.returncode == 2 and "tether.bad_request" in done.stderr and says in done.stderr, done.stderr
+
+
 def _bridge_port(state_dir: Path) -> int:
     """The bridge's loopback port, as a local process could learn it: from its sidecar's command line."""
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -559,7 +571,7 @@ def test_a_local_process_that_finds_the_bridges_port_cannot_go_around_the_sideca
             "params": {"name": "write_note", "arguments": {"name": "x", "text": "pwned"}}}
 
     async def host() -> list[int]:
-        async with Client(s.params(), mode="legacy") as client:
+        async with Client(s.params(name=None), mode="legacy") as client:  # the one stdio server it holds: notes
             await client.list_tools()
             port = await asyncio.to_thread(_bridge_port, s.state_dir)
             statuses = []
