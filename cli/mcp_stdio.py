@@ -518,6 +518,9 @@ class Bridge:
                 info = await asyncio.to_thread(_wait_ready, self.sidecar, ready, log_path)
             say(f"stdio server {args.name} behind the sidecar for {info['agent']} at {info['proxy']} "
                 f"(log {log_path})")
+            if not args.enforce_server:
+                say("every MCP message passes the sidecar; the server's own outbound traffic does not (give "
+                    "--enforce-server to enforce it too)")
             if child is None:
                 child = await asyncio.create_subprocess_exec(
                     *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
