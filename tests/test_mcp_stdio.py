@@ -229,21 +229,25 @@ def test_the_catalog_names_a_stdio_server_by_a_reserved_endpoint() -> None:
 
 
 # -- end to end ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
 def test_only_granted_tools_exist_writes_are_refused_and_never_run_and_every_call_is_reported(
-        cp: ControlPlaneProcess, tmp_path: Path) -> None:
-    s = stdio_session(cp, tmp_path, "stdio-reader", READS)
+        cp: ControlPlaneProcess, tmp_path: Path, mode: str) -> None:
+    """Both protocol versions the SDK speaks: ``legacy`` (2025-11-25, initialize) and ``auto`` (2026-07-28 first)."""
+    s = stdio_session(cp, tmp_path, f"stdio-reader-{mode}", READS)
 
     async def host() -> dict[str, Any]:
-        async with Client(s.params(), mode="legacy") as client:
+        async with Client(s.params(), mode=mode) as client:
             tools = sorted(t.name for t in (await client.list_tools()).tools)
             read = await client.call_tool("read_note", {"name": "hello"})
             write = await client.call_tool("write_note", {"name": "x", "text": "pwned"})
             delete = await client.call_tool("delete_note", {"name": "hello"})
             again = await client.call_tool("read_note", {"name": "hello"})
-            return {"tools": tools, "read": read, "write": write, "delete": delete, "again": again}
+            return {"tools": tools, "read": read, "write": write, "delete": delete, "again": again,
+                    "protocol": client.protocol_version}
 
     out = asyncio.run(asyncio.wait_for(host(), WAIT))
-    assert out["tools"] == ["list_notes", "read_note", "slow"]  # and not ask, write_note, delete_note
+    assert out["protocol"] == {"legacy": "2025-11-25", "auto": "2026-07-28"}[mode], out["protocol"]
+    assert out["tools"] == ["list_notes", "read_note", "slow"]  # and not ask, fetch, write_note, delete_note
     assert not out["read"].is_error and text_of(out["read"]) == "hello, world"
     for refused in (out["write"], out["delete"]):
         assert refused.is_error and "tether.capability_absent" in text_of(refused), refused
