@@ -23,7 +23,11 @@ import json
 import os
 import sys
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiohttp
+    from aiohttp import web
 
 LINE_LIMIT = 64 << 20  # the longest JSON-RPC line read from the host or the child (a large resource, say)
 LISTEN_S = 60.0  # a listen stream is ended by the endpoint this often (the bridge reopens it at once): each stays
@@ -32,6 +36,7 @@ CUT = -32003  # the JSON-RPC error code of tether's refusals (proxy/mcp.py JSONR
 CHILD_EXITED = -32000
 REQUEST_CANCELLED = -32800  # the answer the endpoint gives a request the host cancelled (the server gives none)
 ABORTED = "tether.aborted"
+SIDECAR_FAILED = "tether.sidecar_failed"
 
 
 def jsonrpc_error(msg_id: Any, code: int, message: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -72,7 +77,7 @@ class Endpoint:
         self.exited: int | None = None
         self._write = asyncio.Lock()
 
-    def app(self) -> Any:
+    def app(self) -> web.Application:
         from aiohttp import web
 
         app = web.Application(client_max_size=LINE_LIMIT)
@@ -81,7 +86,7 @@ class Endpoint:
         app.router.add_delete("/mcp", self.end_session)
         return app
 
-    def _authorized(self, request: Any) -> bool:
+    def _authorized(self, request: web.Request) -> bool:
         given = request.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
 
@@ -93,7 +98,7 @@ class Endpoint:
             stdin.write(line_of(value))
             await stdin.drain()
 
-    async def post(self, request: Any) -> Any:
+    async def post(self, request: web.Request) -> web.StreamResponse:
         from aiohttp import web
 
         if not self._authorized(request):
@@ -115,8 +120,12 @@ class Endpoint:
         try:
             try:
                 await self.to_child(value)
-            except OSError as exc:
-                return web.json_response(jsonrpc_error(ids[0] if ids else None, CHILD_EXITED, str(exc)), status=502)
+            except OSError as exc:  # the server is gone: its requests are answered as a server would, at 200
+                answers = [jsonrpc_error(i, CHILD_EXITED, str(exc)) for i in ids]
+                if not answers:
+                    return web.Response(status=502, text=str(exc))
+                return web.Response(body=line_of(answers if isinstance(value, list) else answers[0]),
+                                    content_type="application/json")
             self._cancelled_by_client(value)
             if not ids:
                 return web.Response(status=202)
@@ -150,7 +159,7 @@ class Endpoint:
                 if future is not None and not future.done():
                     future.set_result(jsonrpc_error(request_id, REQUEST_CANCELLED, "cancelled by the client"))
 
-    async def listen(self, request: Any) -> Any:
+    async def listen(self, request: web.Request) -> web.StreamResponse:
         """The GET listen stream: the child's notifications and requests, as SSE, for ``LISTEN_S`` at most."""
         from aiohttp import web
 
@@ -180,7 +189,7 @@ class Endpoint:
             await resp.write_eof()
         return resp
 
-    async def end_session(self, request: Any) -> Any:
+    async def end_session(self, request: web.Request) -> web.StreamResponse:
         from aiohttp import web
 
         return web.Response(status=401 if not self._authorized(request) else 405)
@@ -229,7 +238,7 @@ class HostRelay:
 
     def __init__(self, url: str, proxy: str, token: str, out: asyncio.StreamWriter) -> None:
         self.url, self.proxy, self.token, self.out = url, proxy, token, out
-        self.session: Any = None
+        self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task] = set()
         self.answered = asyncio.Event()  # the first request answered: the session is up, the listen stream opens
         self.cancelled: set[str] = set()  # ids of requests the host cancelled: their answers are not the host's
@@ -282,13 +291,19 @@ class HostRelay:
             return
         ids = requests_in(value)
         self._note_cancelled(value)
+        assert self.session is not None
         try:
             async with self.session.post(self.url, data=line, proxy=self.proxy, headers=self.headers(**{
                     "Content-Type": "application/json", "Accept": "application/json, text/event-stream"})) as resp:
                 body = await resp.read()
                 answer = self._answer(resp, body, ids)
+        except aiohttp.ClientConnectorError as exc:  # the sidecar is not there: nothing left
+            for i in ids:
+                await self.to_host(jsonrpc_error(i, CUT, f"the sidecar cannot be reached, so nothing was sent ({exc})",
+                                                 {"code": SIDECAR_FAILED}))
+            return
         except (aiohttp.ClientError, OSError) as exc:
-            # The request left and no complete answer came back (the sidecar cut it, or the sidecar is gone).
+            # The request left and no complete answer came back (the sidecar cut it, or the sidecar went away).
             ids = [i for i in ids if id_key(i) not in self.cancelled]
             if ids:
                 await self._cut(ids, exc)
@@ -314,7 +329,7 @@ class HostRelay:
                     self.cancelled.add(id_key(params["requestId"]))
 
     @staticmethod
-    def _answer(resp: Any, body: bytes, ids: list[Any]) -> Any:
+    def _answer(resp: aiohttp.ClientResponse, body: bytes, ids: list[Any]) -> Any:
         """What the host gets for one POST: the JSON-RPC answer as the sidecar relayed it, or, when the answer is
         not JSON-RPC (a refusal of something else), a JSON-RPC error per request saying why. None: nothing."""
         text = body.strip()
@@ -346,6 +361,7 @@ class HostRelay:
         import aiohttp
 
         await self.answered.wait()
+        assert self.session is not None
         failures = 0
         refused_with: str | None = None
         while True:
@@ -365,7 +381,7 @@ class HostRelay:
             failures += 1
             await asyncio.sleep(min(5.0, 0.25 * 2 ** min(failures, 5)))
 
-    async def _events(self, content: Any) -> None:
+    async def _events(self, content: aiohttp.StreamReader) -> None:
         data: list[bytes] = []
         async for raw in content:
             line = raw.rstrip(b"\r\n")
