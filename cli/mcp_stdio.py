@@ -167,7 +167,9 @@ class Bridge:
                     *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
                     env=child_env(), preexec_fn=die_with_parent)
             endpoint = Endpoint(child, token)
-            runner = web.AppRunner(endpoint.app(), handler_cancellation=True, access_log=None)
+            # The sidecar points each connection for the reserved name at this port anew (mitmproxy reuses a
+            # connection only for the address it asked for), so idle ones are closed soon rather than kept.
+            runner = web.AppRunner(endpoint.app(), handler_cancellation=True, access_log=None, keepalive_timeout=2.0)
             await runner.setup()
             await web.SockSite(runner, listener).start()
             reading = asyncio.create_task(endpoint.read_child())

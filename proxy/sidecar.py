@@ -41,7 +41,7 @@ from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_lay
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
-from .stdio import StdioRoutes
+from .stdio import StdioRoutes, serves_stdio
 from .telemetry import call_tracing
 from .transparent import Transparent, serve_dns, serve_enclosure
 
@@ -203,7 +203,9 @@ class Sidecar:
         self.credentials.bind(self.catalog)
         self.capture.protect(self.credentials.header_names(), self.credentials.values)
         master.addons.add(Pipeline(self.addons()))
-        if self.config.stdio_routes:  # a connection's address, not a call's decision: outside the pipeline
+        if self.config.stdio_routes or serves_stdio(self.catalog):
+            # A connection's address, not a call's decision: outside the pipeline (and only where a stdio server can
+            # be named, as every addon costs every hook). A reserved name without a route never reaches DNS.
             master.addons.add(StdioRoutes(self.config.stdio_routes))
         # rawtcp off: bytes mitmproxy cannot read as HTTP are never passed through as a raw stream.
         updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600,

@@ -14,8 +14,9 @@ import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
-from capability.catalog import STDIO_DOMAIN, stdio_name_ok, stdio_server_name
+from capability.catalog import STDIO_DOMAIN, Catalog, stdio_name_ok, stdio_server_name
 from capability.errors import BAD_REQUEST, TetherError
 
 log = logging.getLogger("tether.sidecar")
@@ -40,6 +41,12 @@ def parse_routes(texts: Iterable[str]) -> dict[str, tuple[str, int]]:
             raise TetherError(f"--stdio-route names {name} twice", code=BAD_REQUEST)
         routes[name] = (host, int(port))
     return routes
+
+
+def serves_stdio(catalog: Catalog) -> bool:
+    """True when the catalog names a stdio server (``stdio://NAME``, or its reserved URL)."""
+    return any(cap.mcp is not None and stdio_server_name(urlsplit(cap.mcp.server).hostname or "") is not None
+               for cap in catalog.capabilities.values())
 
 
 class StdioRoutes:

@@ -32,6 +32,7 @@ from .harness import (
     PYTHON,
     ControlPlaneProcess,
     Identity,
+    SidecarProcess,
     ToolServer,
     free_port,
     prepare_controlplane,
@@ -689,3 +690,23 @@ def test_an_enforced_servers_own_http_goes_through_the_same_sidecar(
     [own] = tool_call(reports, "issues.read")
     assert own["resolution"] == "completed" and own["method"] == "GET" and own["url"].endswith("/repos/o/r/issues")
     assert [r["resolution"] for r in tool_call(reports, "notes.fetch")] == ["completed", "completed"]
+
+
+def test_a_sidecar_without_a_route_for_a_stdio_server_fails_the_call_before_it_connects(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    ident = cp.issue("stdio-unrouted", READS)
+    sidecar = SidecarProcess(cp, ident).start()
+    try:
+        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "read_note", "arguments": {}}}
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": sidecar.proxy}))
+        request = urllib.request.Request(stdio_endpoint("notes"), json.dumps(call).encode(),
+                                         {"Content-Type": "application/json", "Accept": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            opener.open(request, timeout=30)
+        assert failed.value.code == 502
+        reports = wait_until(lambda: s if (s := tool_call(reports_for(cp, ident.agent), "notes.read")) else None,
+                             WAIT, what="the call's report")
+        assert [r["resolution"] for r in reports] == ["failed_not_sent"], reports
+        assert "no --stdio-route for it" in sidecar.log_text
+    finally:
+        sidecar.stop()
