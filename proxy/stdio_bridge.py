@@ -257,7 +257,8 @@ class HostRelay:
 
         # No timeout: a call may be held for a person's approval; the sidecar's call timeout bounds the rest.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-        async with aiohttp.ClientSession(timeout=timeout, trust_env=False, auto_decompress=False) as session:
+        async with aiohttp.ClientSession(timeout=timeout, trust_env=False, auto_decompress=False,
+                                         read_bufsize=LINE_LIMIT) as session:  # a listen event is one line
             self.session = session
             listen = asyncio.create_task(self.listen())
             try:
@@ -296,7 +297,7 @@ class HostRelay:
             async with self.session.post(self.url, data=line, proxy=self.proxy, headers=self.headers(**{
                     "Content-Type": "application/json", "Accept": "application/json, text/event-stream"})) as resp:
                 body = await resp.read()
-                answer = self._answer(resp, body, ids)
+                answers = self._answers(resp, body, ids)
         except aiohttp.ClientConnectorError as exc:  # the sidecar is not there: nothing left
             for i in ids:
                 await self.to_host(jsonrpc_error(i, CUT, f"the sidecar cannot be reached, so nothing was sent ({exc})",
@@ -311,13 +312,15 @@ class HostRelay:
         if ids and all(id_key(i) in self.cancelled for i in ids):
             self.cancelled.difference_update(id_key(i) for i in ids)
             return  # the host gave up on it: its answer (the endpoint's, or the server's) is nobody's
-        if answer is not None:
+        if not ids:  # notifications and the host's own answers get none back, refused or not
+            if resp.status >= 300:
+                say(f"a message from the host was refused ({resp.headers.get('Tether-Error') or resp.status}); "
+                    "it did not reach the server")
+            return
+        for answer in answers:
             await self.to_host(answer)
-            if ids:
-                self.answered.set()
-        elif resp.status >= 300 and not ids:
-            say(f"a message from the host was refused ({resp.headers.get('Tether-Error') or resp.status}); "
-                "it did not reach the server")
+        if answers:
+            self.answered.set()
 
     def _note_cancelled(self, value: Any) -> None:
         for item in value if isinstance(value, list) else [value]:
@@ -329,26 +332,32 @@ class HostRelay:
                     self.cancelled.add(id_key(params["requestId"]))
 
     @staticmethod
-    def _answer(resp: aiohttp.ClientResponse, body: bytes, ids: list[Any]) -> Any:
-        """What the host gets for one POST: the JSON-RPC answer as the sidecar relayed it, or, when the answer is
-        not JSON-RPC (a refusal of something else), a JSON-RPC error per request saying why. None: nothing."""
-        text = body.strip()
-        if text.startswith(b"data:") or "text/event-stream" in resp.headers.get("Content-Type", ""):
-            text = b"".join(line[5:].strip() for line in text.splitlines() if line.startswith(b"data:"))
-        try:
-            value = json.loads(text) if text else None
-        except ValueError:
-            value = None
-        items = value if isinstance(value, list) else [value]
-        if value is not None and all(isinstance(m, dict) and m.get("jsonrpc") == "2.0" for m in items):
-            return value
+    def _answers(resp: aiohttp.ClientResponse, body: bytes, ids: list[Any]) -> list[Any]:
+        """The lines the host gets for one POST: the JSON-RPC answer as the sidecar relayed it (each SSE event's,
+        should an answer come as a stream), or, when the answer is not JSON-RPC (a refusal of something else), a
+        JSON-RPC error per request saying why. Nothing for a notification that was accepted."""
+        if "text/event-stream" in resp.headers.get("Content-Type", ""):
+            texts = [b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
+                     for event in body.replace(b"\r\n", b"\n").split(b"\n\n")]
+        else:
+            texts = [body.strip()]
+        values: list[Any] = []
+        for text in (t for t in texts if t.strip()):
+            try:
+                values.append(json.loads(text))
+            except ValueError:
+                values = []
+                break
+        items = [m for v in values for m in (v if isinstance(v, list) else [v])]
+        if items and all(isinstance(m, dict) and m.get("jsonrpc") == "2.0" for m in items):
+            return values
         if not ids:
-            return None
+            return []
+        value = values[0] if len(values) == 1 else None
         error = value.get("error") if isinstance(value, dict) and isinstance(value.get("error"), dict) else {}
         code = resp.headers.get("Tether-Error") or error.get("code") or f"http_{resp.status}"
         message = error.get("message") or f"the sidecar answered HTTP {resp.status}"
-        answers = [jsonrpc_error(i, CUT, message, {**error, "code": code}) for i in ids]
-        return answers if len(answers) > 1 else answers[0]
+        return [jsonrpc_error(i, CUT, message, {**error, "code": code}) for i in ids]
 
     async def _cut(self, ids: list[Any], exc: BaseException) -> None:
         message = ("tether cut this call before its answer came back (an abort, a drain past its window, or the "
@@ -376,7 +385,7 @@ class HostRelay:
                     if why != refused_with:
                         say(f"the listen stream for the server's own messages was refused ({why}); retrying")
                         refused_with = why
-            except (aiohttp.ClientError, OSError):
+            except (aiohttp.ClientError, OSError, ValueError):  # ValueError: a line past LINE_LIMIT
                 pass
             failures += 1
             await asyncio.sleep(min(5.0, 0.25 * 2 ** min(failures, 5)))

@@ -710,3 +710,30 @@ def test_a_sidecar_without_a_route_for_a_stdio_server_fails_the_call_before_it_c
         assert "no --stdio-route for it" in sidecar.log_text
     finally:
         sidecar.stop()
+
+
+def test_what_the_host_gets_for_each_answer_the_sidecar_relays() -> None:
+    from multidict import CIMultiDict
+
+    from proxy.stdio_bridge import HostRelay
+
+    @dataclass
+    class Answer:  # the two fields of aiohttp's ClientResponse the relay reads
+        status: int
+        headers: CIMultiDict
+
+    def answers(status: int, body: bytes, ids: list[Any], **headers: str) -> list[Any]:
+        return HostRelay._answers(Answer(status, CIMultiDict(headers)), body, ids)  # type: ignore[arg-type]
+
+    ok = {"jsonrpc": "2.0", "id": 1, "result": {}}
+    assert answers(200, json.dumps(ok).encode(), [1], **{"Content-Type": "application/json"}) == [ok]
+    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}}
+    sse = f"event: message\r\ndata: {json.dumps(note)}\r\n\r\ndata: {json.dumps(ok)}\r\n\r\n".encode()
+    assert answers(200, sse, [1], **{"Content-Type": "text/event-stream"}) == [note, ok]
+    refusal = json.dumps({"error": {"code": "tether.capability_absent", "message": "no"}}).encode()
+    [error] = answers(403, refusal, [1], **{"Tether-Error": "tether.capability_absent"})
+    assert error["id"] == 1 and error["error"]["code"] == -32003
+    assert error["error"]["data"]["code"] == "tether.capability_absent" and error["error"]["message"] == "no"
+    [error] = answers(502, b"Bad Gateway", ["a"])
+    assert error["id"] == "a" and error["error"]["data"]["code"] == "http_502"
+    assert answers(202, b"", []) == []
