@@ -193,7 +193,8 @@ class Bridge:
             watching.cancel()
             await runner.cleanup()
             if watching in done and self.sidecar is not None:
-                return self.sidecar.returncode or 1
+                died = self.sidecar.returncode
+                return 128 - died if died < 0 else died or 1
             if stopping.done():
                 return 128 + int(stopping.result())
             return code

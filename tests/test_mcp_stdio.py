@@ -737,3 +737,48 @@ def test_what_the_host_gets_for_each_answer_the_sidecar_relays() -> None:
     [error] = answers(502, b"Bad Gateway", ["a"])
     assert error["id"] == "a" and error["error"]["data"]["code"] == "http_502"
     assert answers(202, b"", []) == []
+
+
+def test_a_bridge_whose_sidecar_dies_ends_and_nothing_more_reaches_the_server(
+        cp: ControlPlaneProcess, tmp_path: Path) -> None:
+    """Raw JSON-RPC lines on the bridge's stdio, as a host writes them."""
+    import signal
+    import threading
+
+    s = stdio_session(cp, tmp_path, "stdio-orphan", READS)
+    params = s.params()
+    bridge = subprocess.Popen([params.command, *params.args], cwd=params.cwd, env=params.env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines: list[bytes] = []
+    threading.Thread(target=lambda: lines.extend(iter(bridge.stdout.readline, b"")), daemon=True).start()
+    try:
+        def send(doc: dict[str, Any]) -> None:
+            bridge.stdin.write(json.dumps(doc).encode() + b"\n")
+            bridge.stdin.flush()
+
+        send({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "host", "version": "1"}}})
+        wait_until(lambda: lines, WAIT, what="the initialize answer")
+        assert json.loads(lines[0])["result"]["serverInfo"]["name"] == "notes"
+        send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        sidecar_pid = wait_until(lambda: _pid_of_sidecar(s.state_dir), WAIT, what="the sidecar")
+        os.kill(sidecar_pid, signal.SIGKILL)
+        with contextlib.suppress(BrokenPipeError):  # the bridge may be gone already
+            send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                  "params": {"name": "read_note", "arguments": {"name": "hello"}}})
+        assert bridge.wait(timeout=WAIT) == 128 + signal.SIGKILL
+        assert b"the sidecar exited" in bridge.stderr.read()
+        assert s.executed() == []
+    finally:
+        if bridge.poll() is None:
+            bridge.kill()
+            bridge.wait()
+
+
+def _pid_of_sidecar(state_dir: Path) -> int | None:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            argv = cmdline.read_bytes().split(b"\0")
+            if str(state_dir).encode() in argv and b"--stdio-route" in argv:
+                return int(cmdline.parent.name)
+    return None
