@@ -37,6 +37,29 @@ _MCP_KEYS = {"url", *MCP_KINDS}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _TEMPLATE_EXPR = re.compile(r"\{[^{}]*\}")
 MAX_URI = 8192  # the longest resource URI matched; a longer one is refused
+# A stdio MCP server (``tether mcp stdio``) has no address of its own: the catalog names it ``stdio://NAME``, and
+# its bridge sends every message to the reserved endpoint ``http://NAME.stdio.tether/mcp`` through its sidecar,
+# which alone knows where that name leads (``--stdio-route``). ``.tether`` is no public top-level domain.
+STDIO_SCHEME = "stdio"
+STDIO_DOMAIN = "stdio.tether"
+_STDIO_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def stdio_name_ok(name: str) -> bool:
+    """A stdio server's name is one DNS label in lower case: it becomes ``NAME.stdio.tether``."""
+    return bool(_STDIO_NAME.fullmatch(name))
+
+
+def stdio_endpoint(name: str) -> str:
+    """The reserved URL a stdio server named ``name`` is reached at through its sidecar."""
+    return f"http://{name}.{STDIO_DOMAIN}/mcp"
+
+
+def stdio_server_name(host: str) -> str | None:
+    """``NAME`` for a host ``NAME.stdio.tether`` (any case, a trailing dot allowed), else None."""
+    host = host.lower().rstrip(".")
+    name, dot, domain = host.partition(".")
+    return name if dot and domain == STDIO_DOMAIN and stdio_name_ok(name) else None
 
 
 def _default_port(scheme: str) -> int:
@@ -64,9 +87,12 @@ def _is_ipv6(text: str) -> bool:
 
 
 def normalize_url(url: str) -> str:
-    """``scheme://host:port/path`` with the default port made explicit, no query, no trailing slash."""
+    """``scheme://host:port/path`` with the default port made explicit, no query, no trailing slash; a stdio
+    server's ``stdio://NAME`` as its reserved endpoint (``stdio_endpoint``)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
+    if scheme == STDIO_SCHEME:
+        return normalize_url(stdio_endpoint((parts.hostname or "").lower()))
     host = host_key(parts.hostname or "")
     port = parts.port or _default_port(scheme)
     path = parts.path.rstrip("/") or "/"
@@ -484,8 +510,12 @@ def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
         parts.port  # noqa: B018 -- raises ValueError on a port that is not 0-65535
     except ValueError as exc:
         raise _fail(source, f"{where}.url", f"not a valid URL ({exc}): {url!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
-        raise _fail(source, f"{where}.url", f"expected an http(s) URL without a query, got {url!r}")
+    if parts.scheme == STDIO_SCHEME:
+        if not stdio_name_ok(parts.netloc) or parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise _fail(source, f"{where}.url", f"a stdio server is named stdio://NAME, NAME one lower-case DNS "
+                        f"label (letters, digits, '-'), with nothing after it; got {url!r}")
+    elif parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        raise _fail(source, f"{where}.url", f"expected an http(s) URL without a query, or stdio://NAME, got {url!r}")
     kinds = [k for k in MCP_KINDS if k in raw]
     if len(kinds) != 1:
         raise _fail(source, where, f"needs exactly one item: one of {', '.join(MCP_KINDS)}"
@@ -554,6 +584,10 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
     for cap in caps.values():  # an MCP session is one stream of requests: one credential per server
         if cap.mcp is not None:
             seen = servers.setdefault(cap.mcp.server, cap.credential)
+            if cap.credential and stdio_server_name(urlsplit(cap.mcp.server).hostname or ""):
+                raise _fail(source, f"capability {cap.name!r}.credential", f"the stdio server {cap.mcp.url} is "
+                            "reached only through its own bridge: it takes no credential (give the server its "
+                            "secrets in its own environment)")
             if seen != cap.credential:
                 raise _fail(source, f"capability {cap.name!r}.credential", f"every item of the MCP server "
                             f"{cap.mcp.url} must name the same credential ({seen!r} and {cap.credential!r})")

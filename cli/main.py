@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import agents, audit, budgets, capture, controlplane, grant, ops, run, sidecar
+from . import agents, audit, budgets, capture, controlplane, grant, mcp_stdio, ops, run, sidecar
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     controlplane.add_controlplane_group(sub)
     sidecar.add_sidecar(sub)
     run.add_run(sub)
+    mcp_stdio.add_mcp(sub)
     grant.add_keygen(sub)
     grant.add_grant(sub)
     agents.add_revoke(sub)

@@ -102,6 +102,8 @@ SIDECAR_OPTIONS: tuple[Option, ...] = (
            "reads it (repeat)", action="append", metavar="NAME=env:VAR|NAME=file:PATH"),
     Option("--transparent-listen", "transparent_listen",
            "also intercept transparently here (the egress lock's or --isolate's redirect target)", metavar="H:P"),
+    Option("--stdio-route", "stdio_route", "reach the stdio MCP server NAME (catalog url stdio://NAME) at its "
+           "bridge's loopback address (set by tether mcp stdio; repeat)", action="append", metavar="NAME=H:P"),
     Option("--dns-listen", "dns_listen", "answer DNS here: every name resolves to the transparent listener's "
            "address (used by tether run --isolate)", metavar="H:P"),
 )
@@ -138,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     from capability.shared import load_catalog, parse_listen, read_chain, read_file
     from proxy.credentials import load_secrets
     from proxy.sidecar import SidecarConfig
+    from proxy.stdio import parse_routes
 
     wire = read_chain(args.chain)
     agent = parse_chain_unverified(wire)[-1].sub
@@ -164,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         transparent_listen=parse_listen(args.transparent_listen, 15001) if args.transparent_listen else None,
         dns_listen=parse_listen(args.dns_listen, 53) if args.dns_listen else None,
         enclosure_fds=getattr(args, "enclosure_fds", None),
+        stdio_routes=parse_routes(args.stdio_route or []),
         trust=keys.load_public(read_file(args.trust, "trust key"), args.trust) if args.trust else None,
         # Each start-up attempt gives up this soon; serve_sidecar says so and starts the next (never gives up).
         startup_timeout_s=STATUS_EVERY_S,

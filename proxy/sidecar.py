@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_lay
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
+from .stdio import StdioRoutes, serves_stdio
 from .telemetry import call_tracing
 from .transparent import Transparent, serve_dns, serve_enclosure
 
@@ -75,6 +76,8 @@ class SidecarConfig:
     transparent_listen: tuple[str, int] | None  # also intercept redirected connections here
     dns_listen: tuple[str, int] | None  # answer DNS here with the transparent address (--isolate)
     enclosure_fds: tuple[int, int] | None = None  # tether run's enclosure: its listener and resolver sockets
+    # stdio MCP servers this sidecar reaches for their bridge: NAME -> the bridge's loopback address (proxy/stdio.py)
+    stdio_routes: dict[str, tuple[str, int]] = field(default_factory=dict)
     startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
 
 
@@ -200,6 +203,10 @@ class Sidecar:
         self.credentials.bind(self.catalog)
         self.capture.protect(self.credentials.header_names(), self.credentials.values)
         master.addons.add(Pipeline(self.addons()))
+        if self.config.stdio_routes or serves_stdio(self.catalog):
+            # A connection's address, not a call's decision: outside the pipeline (and only where a stdio server can
+            # be named, as every addon costs every hook). A reserved name without a route never reaches DNS.
+            master.addons.add(StdioRoutes(self.config.stdio_routes))
         # rawtcp off: bytes mitmproxy cannot read as HTTP are never passed through as a raw stream.
         updates: dict[str, Any] = {"connection_strategy": "lazy", "http2": True, "tcp_timeout": 600,
                                    "rawtcp": False}
