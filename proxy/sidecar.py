@@ -577,7 +577,11 @@ class Sidecar:
         # Only calls that left for the upstream are waited for: a call that arrives now is refused at once, and
         # an agent that keeps calling must not hold the drain (or the acknowledgement) to its full length.
         window_s = 0.0
-        if self.state.mode == DRAINING:
+        if self.state.mode == DRAINING and isinstance(command.get("remaining_s"), int | float):
+            # The window left as the control plane's good clock saw it when it handed the command out: our own
+            # clock (which may be off) plays no part, only the monotonic one from now on.
+            window_s = max(0.0, min(float(command["remaining_s"]), float(command.get("window_s", 0))))
+        elif self.state.mode == DRAINING:
             deadline = min(float(command.get("deadline", time.time())),
                            time.time() + float(command.get("window_s", 0)))
             window_s = max(0.0, deadline - time.time())
