@@ -5,7 +5,8 @@ Run by an unprivileged user (the test creates one when it runs as root; otherwis
 tests), ``tether run`` encloses a script in user, network, mount and PID namespaces (proxy/rootless.py). The
 script first deletes every CA variable from its own environment, then tries each client to a granted and an
 ungranted server, by HTTP and HTTPS, on the host's loopback: Python's urllib, aiohttp's default session (which
-ignores proxy variables), ``curl --noproxy '*'``, a raw socket, Node's built-in ``fetch``, a stdio MCP server that
+ignores proxy variables) and its websockets, the ``websockets`` library, ``curl --noproxy '*'``, a raw socket, Node's
+built-in ``fetch`` (no CA variable either), Java's HttpClient, IPv6 loopback by address, a stdio MCP server that
 the official Python SDK starts with its minimal environment and that fetches over HTTPS with httpx (certifi's
 bundle), and an SDK MCP server on loopback behind the SDK's DNS-rebinding guard. The upstreams count every
 connection they get: an ungranted one must get none. The script also reports its environment, every file it can
@@ -112,6 +113,17 @@ async def websocket(url):
     except Exception as e:
         return f"error {type(e).__name__}"
 
+def websockets_client(url):
+    from websockets.sync.client import connect
+    try:
+        with connect(url, open_timeout=10, proxy=None) as ws:
+            ws.send("hey")
+            return ws.recv(timeout=10)
+    except Exception as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        headers = getattr(getattr(e, "response", None), "headers", {}) or {}
+        return f"{status} {headers.get('Tether-Error')}" if status else f"error {type(e).__name__}"
+
 def java(url):
     if not cfg["java"]:
         return "skipped: no java"
@@ -153,6 +165,10 @@ for dest, ports in (("granted", cfg["granted"]), ("ungranted", cfg["other"])):
 out["controlplane"] = [urllib_get(f"http://{h}:{cfg['cp']}/healthz") for h in ("127.0.0.1", "localhost")]
 out["ws granted"] = asyncio.run(websocket(f"ws://127.0.0.1:{cfg['ws']}/ws"))  # ignores proxy variables
 out["ws ungranted"] = asyncio.run(websocket(f"ws://127.0.0.1:{cfg['ws']}/ws-plain"))
+out["websockets granted"] = websockets_client(f"ws://127.0.0.1:{cfg['ws']}/ws")
+out["websockets ungranted"] = websockets_client(f"ws://127.0.0.1:{cfg['ws']}/ws-plain")
+out["v6 granted"] = urllib_get(f"http://[::1]:{cfg['v6']}/x")  # the host's IPv6 loopback, by its address
+out["v6 ungranted"] = urllib_get(f"http://[::1]:{cfg['v6']}/y")  # a path no capability names
 out["stdio"] = asyncio.run(stdio_fetch([f"https://localhost:{cfg['granted'][1]}/x",
                                         f"https://localhost:{cfg['other'][1]}/x"]))
 try:
@@ -269,6 +285,7 @@ def enforced_world(tmp_path: Path) -> Iterator[dict[str, Any]]:
                "other": (Counting("other"), Counting("other-tls", tls))}
     mcp = McpServer(guarded=True).start()  # behind the SDK's DNS-rebinding guard
     ws = ToolServer().start()
+    v6 = Counting("granted-v6", host="::1")
     cp = ControlPlaneProcess(tmp_path / "cp")
     cp.directory.mkdir(parents=True)
     g = servers["granted"]
@@ -280,11 +297,13 @@ capabilities:
   ws.chat:       {{http: {{host: 127.0.0.1, port: {ws.port}, methods: [GET], path: "/ws", websocket: true}}}}
   ws.plain:      {{http: {{host: 127.0.0.1, port: {ws.port}, methods: [GET], path: "/ws-plain"}}}}
   oops.cp:       {{http: {{host: 127.0.0.1, port: {cp.port}, methods: [GET], path: "/*"}}}}
+  v6.read:       {{http: {{host: "[::1]", port: {v6.port}, methods: [GET], path: "/x"}}}}
 """)
     cp.signing_key_path.write_bytes(keys.private_pem(keys.generate()))
     cp.start()
     ident = cp.issue("enforced.agent", {"granted.http": "direct", "granted.https": "direct", "guarded.add": "direct",
-                                        "ws.chat": "direct", "ws.plain": "direct", "oops.cp": "direct"})
+                                        "ws.chat": "direct", "ws.plain": "direct", "oops.cp": "direct",
+                                        "v6.read": "direct"})
     for name in ("chain", "key"):
         shutil.copyfile(getattr(ident, f"{name}_path"), home / name)
     (home / "secret").write_text("file-secret-4b1d9e\n")
@@ -300,11 +319,12 @@ capabilities:
     os.chmod(home / "secret", 0o600)
     try:
         with _traversable([Path(PYTHON), REPO / "cli"] if user is not None else []):
-            yield {"cp": cp, "servers": servers, "mcp": mcp, "home": home, "user": user, "ws": ws}
+            yield {"cp": cp, "servers": servers, "mcp": mcp, "home": home, "user": user, "ws": ws, "v6": v6}
     finally:
         cp.stop()
         mcp.stop()
         ws.stop()
+        v6.stop()
         for pair in servers.values():
             for server in pair:
                 server.stop()
@@ -319,6 +339,7 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "mcp": f"http://127.0.0.1:{w['mcp'].port}/mcp", "stdio_server": str(home / "stdio_server.py"),
            "home": str(home), "key": str(home / "key"), "ws": w["ws"].port, "cp": w["cp"].port,
+           "v6": w["v6"].port,
            "java": str(home / "Get.java") if shutil.which("java") else None}
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8", "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_TOKEN": "operator-token-77c2",
@@ -350,7 +371,10 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     assert out["guarded mcp"]["delete_everything"].startswith("error"), out["guarded mcp"]
     assert w["mcp"].calls == ["add"]
     assert out["ws granted"] == "echo: hi" and out["ws ungranted"] == "403 tether.capability_absent", out
-    assert w["ws"].ws_messages == ["hi"]
+    assert out["websockets granted"] == "echo: hey", out["websockets granted"]
+    assert out["websockets ungranted"] == "403 tether.capability_absent", out["websockets ungranted"]
+    assert w["ws"].ws_messages == ["hi", "hey"]
+    assert out["v6 granted"] == "200 granted-v6" and out["v6 ungranted"] == "403 tether.capability_absent", out
     # the control plane is no tool, even where a catalog names its address (here: oops.cp)
     assert out["controlplane"] == ["403 tether.capability_absent"] * 2, out["controlplane"]
     assert all(s.connections == 0 for s in servers["other"]), "an ungranted server was reached"

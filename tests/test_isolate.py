@@ -123,6 +123,7 @@ class Counting:
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
             def get_request(self) -> tuple[socket.socket, object]:
                 conn, addr = super().get_request()
