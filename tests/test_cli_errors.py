@@ -32,8 +32,12 @@ class Background:
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
         self.log = cwd / f"bg-{args[0]}-{os.getpid()}-{id(self)}.log"
         with open(self.log, "wb") as out:
+            # Ctrl-C as a terminal delivers it: whatever the test runner's own SIGINT disposition is (a parallel
+            # worker ignores it, and an ignored signal stays ignored across exec), the command starts with the
+            # default one, as from a shell.
             self.proc = subprocess.Popen([PYTHON, "-m", "cli", *args], cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"},
-                                         stdout=out, stderr=out)
+                                         stdout=out, stderr=out,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     @property
     def text(self) -> str:

@@ -46,6 +46,20 @@ CALL_S = 3
 SETTLE_S = 30.0  # generous bounds for a busy machine; nothing below asserts on timing
 
 
+def faketime_env(offset: str, offset_file: Path | None = None) -> dict[str, str]:
+    """The environment that runs a process under libfaketime, its wall clock shifted by ``offset`` (with
+    ``offset_file``: by what that file says at the moment; rewrite it to step the clock, its monotonic clock
+    left alone, as an NTP step leaves it)."""
+    (library,) = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")[:1] or [None]
+    if library is None:
+        pytest.skip("libfaketime.so.1 is not installed (apt-get install faketime)")
+    if offset_file is None:
+        return {"LD_PRELOAD": library, "FAKETIME": offset}
+    offset_file.write_text(offset + "\n")
+    return {"LD_PRELOAD": library, "FAKETIME_TIMESTAMP_FILE": str(offset_file), "FAKETIME_CACHE_DURATION": "1",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
 @dataclass
 class SkewedControlPlane(ControlPlaneProcess):
     """A replica run under libfaketime: its whole process sees the wall clock shifted by ``offset``, or, with
@@ -61,18 +75,10 @@ class SkewedControlPlane(ControlPlaneProcess):
                  "--store", str(self.store), "--catalog", str(self.catalog_path),
                  "--signing-key", str(self.signing_key_path), "--lease-ttl", str(self.lease_ttl),
                  "--grace", str(self.grace)]
-        env = self.env()
-        if self.offset_file is None:
-            command = [str(FAKETIME), "-f", self.offset, *serve]
-        else:
-            (library,) = glob.glob("/usr/lib/*/faketime/libfaketime.so.1") or [None]
-            if library is None:
-                pytest.skip("libfaketime.so.1 is not installed")
-            self.offset_file.write_text(self.offset + "\n")
-            command = serve
-            env.update(LD_PRELOAD=library, FAKETIME_TIMESTAMP_FILE=str(self.offset_file),
-                       FAKETIME_CACHE_DURATION="1", FAKETIME_DONT_FAKE_MONOTONIC="1")
-        self.proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+        # libfaketime preloaded into the replica itself, not through the faketime command: that one forks, and
+        # stopping it would leave the replica running.
+        env = {**self.env(), **faketime_env(self.offset, self.offset_file)}
+        self.proc = subprocess.Popen(serve, stdout=log, stderr=log, env=env)
         wait_until(lambda: health(self)[0] in (200, 503), 20, what=f"replica {self.offset} on {self.port}")
         return self
 

@@ -21,6 +21,7 @@ import requests
 
 from .conftest import World
 from .harness import PYTHON, wait_until
+from .test_clock_skew import faketime_env
 
 FAKETIME = shutil.which("faketime")
 AHEAD = "+4s"  # inside the 5 s leeway a proof may be dated ahead
@@ -37,10 +38,10 @@ def test_a_sidecar_with_its_clock_ahead_keeps_the_whole_drain_window(world: Worl
     state.mkdir()
     ready = state / "ready.json"
     with open(state / "sidecar.log", "wb") as log:
-        proc = subprocess.Popen([FAKETIME, "-f", AHEAD, PYTHON, "-m", "cli", "sidecar", "--controlplane",
+        proc = subprocess.Popen([PYTHON, "-m", "cli", "sidecar", "--controlplane",
                                  world.cp.url, "--chain", str(ident.chain_path), "--key", str(ident.key_path),
                                  "--listen", "127.0.0.1:0", "--state-dir", str(state), "--ready-file", str(ready)],
-                                stdout=log, stderr=log, env=world.cp.env())
+                                stdout=log, stderr=log, env={**world.cp.env(), **faketime_env(AHEAD)})
     try:
         wait_until(lambda: ready.exists() or proc.poll() is not None, 60, what="the sidecar 4 s ahead")
         assert ready.exists(), (state / "sidecar.log").read_text()[-2000:]
