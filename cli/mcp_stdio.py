@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from capability.errors import BAD_REQUEST, TetherError
 
 from .remote import add_controlplane
+from .run import die_with_parent
 from .sidecar import SIDECAR_OPTIONS, default_state_root
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class Bridge:
         from capability.catalog import stdio_endpoint
         from proxy.stdio_bridge import LINE_LIMIT, Endpoint, HostRelay, host_pipes, say
 
-        from .run import _wait_ready
+        from .run import wait_ready
 
         args = self.args
         token = secrets.token_urlsafe(32)
@@ -152,11 +153,11 @@ class Bridge:
                     stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT, env=child_env(), preexec_fn=die_with_parent)
                 agent_dir = state_dir / self._agent()
                 log_path = agent_dir / "sidecar.log"
-                info = await asyncio.to_thread(_wait_ready, _Polled(child), ready, log_path)
+                info = await asyncio.to_thread(wait_ready, _Polled(child), ready, log_path)
             else:
                 log_path = state_dir / "sidecar.log"
                 self.sidecar = self._start_sidecar(state_dir, ready, log_path, route)
-                info = await asyncio.to_thread(_wait_ready, self.sidecar, ready, log_path)
+                info = await asyncio.to_thread(wait_ready, self.sidecar, ready, log_path)
             say(f"stdio server {args.name} behind the sidecar for {info['agent']} at {info['proxy']} "
                 f"(log {log_path})")
             if not args.enforce_server:
@@ -258,7 +259,7 @@ class Bridge:
         return [*argv, "--", *self.command]
 
     def _start_sidecar(self, state_dir: Path, ready: Path, log_path: Path, route: str) -> subprocess.Popen:
-        from .run import _die_with_parent, sidecar_argv, without_authority
+        from .run import sidecar_argv, without_authority
 
         args = self._sidecar_args(route)
         argv = sidecar_argv(args, chain=args.chain, key=args.key, state_dir=state_dir, ready=ready)
@@ -266,17 +267,17 @@ class Bridge:
             # Never the host's stdin or stdout: those carry the MCP session.
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                                     start_new_session=True, env=without_authority(os.environ),
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
 
     def _stop_sidecar(self) -> None:
-        from .run import _stop
+        from .run import stop_sidecar
 
         if self.sidecar is not None:
-            _stop(self.sidecar, self.args.stop_window)
+            stop_sidecar(self.sidecar, self.args.stop_window)
 
 
 class _Polled:
-    """An asyncio child as ``_wait_ready`` polls a sidecar: ``poll()`` is its exit status, or None while it runs."""
+    """An asyncio child as ``wait_ready`` polls a sidecar: ``poll()`` is its exit status, or None while it runs."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
@@ -290,9 +291,3 @@ def child_env() -> dict[str, str]:
     from .run import without_authority
 
     return without_authority(os.environ)
-
-
-def die_with_parent() -> None:
-    from .run import _die_with_parent
-
-    _die_with_parent()

@@ -158,10 +158,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         with open(log_path, "ab") as log_file:
             sidecar = subprocess.Popen(argv, stdout=log_file, stderr=log_file, start_new_session=True,
                                        env=without_authority(os.environ), pass_fds=fds,
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=die_with_parent)
         if enclosure is not None:
             enclosure.close_sockets()  # the sidecar's alone now
-        info = _wait_ready(sidecar, ready, log_path)
+        info = wait_ready(sidecar, ready, log_path)
         env = _command_env(info, secrets, isolation, enclosure, state_dir)
         env.update({"TETHER_AGENT": agent, "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE})
         if enclosure is None:  # enclosed, the chain and state dir are covered: naming them would only mislead
@@ -199,7 +199,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     enclosure.process.wait(timeout=5)
             enclosure.destroy()
         if sidecar is not None:
-            _stop(sidecar, args.stop_window)
+            stop_sidecar(sidecar, args.stop_window)
         if isolation is not None:
             isolation.destroy()
 
@@ -284,7 +284,7 @@ def _wait_command(child: subprocess.Popen) -> int:
     return 128 - code if code < 0 else code
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the sidecar child: if `tether run` dies (even by SIGKILL), the kernel sends us SIGTERM."""
     try:
         import ctypes
@@ -295,7 +295,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _wait_ready(sidecar: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 45.0) -> dict:
+def wait_ready(sidecar: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 45.0) -> dict:
     """Wait for the sidecar's ready file, showing its status lines as they come: while it says it is still
     trying to reach the control plane, so does run (Ctrl-C gives up)."""
     deadline = time.monotonic() + timeout
@@ -330,7 +330,7 @@ def _relay_status(log_path: Path, offset: int) -> tuple[int, bool]:
     return offset + len(complete), bool(waiting)
 
 
-def _stop(sidecar: subprocess.Popen, window_s: float) -> None:
+def stop_sidecar(sidecar: subprocess.Popen, window_s: float) -> None:
     """SIGTERM, then time for the sidecar's own stop: its window, the cut calls' last events, its reports."""
     if sidecar.poll() is not None:
         return
