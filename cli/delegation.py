@@ -16,6 +16,7 @@ child of an enforced command is enforced.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -49,9 +50,10 @@ def requested(args: Any, defaults: Any) -> dict[str, Any]:
 
 def child_argv(options: dict[str, Any], *, controlplane: str, parent_chain: str, parent_key: str,
                state_root: str) -> list[str]:
-    """The outer side's ``tether run`` for a request: the parent's own chain and key, the request's options."""
-    argv = [sys.executable, "-m", "cli", "run", "--controlplane", controlplane, "--parent-chain", parent_chain,
-            "--parent-key", parent_key, "--state-dir", state_root]
+    """The outer side's ``tether run`` for a request: the parent's own chain and key, the request's options.
+    Isolated (``-I``): nothing of the requester's environment or working directory reaches this interpreter."""
+    argv = [sys.executable, "-I", "-m", "cli", "run", "--controlplane", controlplane, "--parent-chain",
+            parent_chain, "--parent-key", parent_key, "--state-dir", state_root]
     for name, value in options.items():
         if name not in ALLOWED:
             raise TetherError(f"a delegated child may not set {name}", code=BAD_REQUEST)
@@ -99,6 +101,8 @@ class DelegationServer:
         self.path = path
         self.spec = {"controlplane": controlplane, "parent_chain": parent_chain, "parent_key": parent_key,
                      "state_root": state_root}
+        self.private = Path(state_root) / ".delegation"  # under the state root: covered from the command
+        self.private.mkdir(mode=0o700, exist_ok=True)
         self.children: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -119,6 +123,8 @@ class DelegationServer:
     def _serve(self, conn: socket.socket) -> None:
         from proxy.rootless import receive, send
 
+        from .run import without_authority
+
         child: subprocess.Popen | None = None
         fds: list[int] = []
         try:
@@ -126,15 +132,22 @@ class DelegationServer:
             if len(fds) != 3 or not doc.get("command"):
                 send(conn, {"exit": 2})
                 return
-            argv = [*child_argv(doc.get("options", {}), **self.spec), "--", *doc["command"]]
-            env = {k: v for k, v in doc.get("env", {}).items()
-                   if k not in ("TETHER_ADMIN_TOKEN", "TETHER_TOKEN", "TETHER_KEY")}
+            # The requester's environment and directory are its command's only: the child tether run runs outside
+            # the enclosure, so it gets this process's environment (an LD_PRELOAD or PYTHONPATH of the
+            # requester's would run its code out here) and this directory.
+            wanted = {str(k): str(v) for k, v in dict(doc.get("env", {})).items()
+                      if k not in ("TETHER_ADMIN_TOKEN", "TETHER_TOKEN", "TETHER_KEY")}
+            env_file = self.private / f"env-{os.urandom(8).hex()}.json"
+            env_file.write_text(json.dumps(wanted))
+            os.chmod(env_file, 0o600)
+            argv = [*child_argv(doc.get("options", {}), **self.spec), "--command-env", str(env_file),
+                    "--command-cwd", str(doc.get("cwd") or "/"), "--", *doc["command"]]
             with self._lock:
                 if self._closed:
                     send(conn, {"exit": 143})
                     return
-                child = subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=doc.get("cwd"),
-                                         env=env, start_new_session=True)
+                child = subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2],
+                                         env=without_authority(os.environ), start_new_session=True)
                 self.children.append(child)
             for fd in fds:
                 os.close(fd)

@@ -69,6 +69,10 @@ def add_run(sub: Any) -> None:
                    "programs that ignore HTTP(S)_PROXY are not governed (says so on every start)")
     p.add_argument("--user", default=None, help="Linux, root: enforce by a veth namespace and host rules instead, "
                    "running the command as this unprivileged user (e.g. nobody)")
+    # Set by the tether run that delegates for an enforced command (cli/delegation.py): the sub-agent's own
+    # environment and working directory are its command's, never this process's.
+    p.add_argument("--command-env", metavar="F", help=argparse.SUPPRESS)
+    p.add_argument("--command-cwd", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
     p.set_defaults(func=cmd_run)
 
@@ -162,7 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if enclosure is not None:
             enclosure.close_sockets()  # the sidecar's alone now
         info = wait_ready(sidecar, ready, log_path)
-        env = _command_env(info, secrets, isolation, enclosure, state_dir)
+        env = _command_env(info, secrets, isolation, enclosure, state_dir, _base_env(args.command_env))
         env.update({"TETHER_AGENT": agent, "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE})
         if enclosure is None:  # enclosed, the chain and state dir are covered: naming them would only mislead
             env.update({"TETHER_CHAIN": os.path.abspath(chain_path), "TETHER_STATE_DIR": os.path.abspath(state_root)})
@@ -181,7 +185,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"tether: {agent} runs enforced: its only way out is its sidecar (log {log_path})",
                   file=sys.stderr, flush=True)
             _enclose(enclosure, command, env, info, secrets,
-                     [state_root, Path(key_path), *([Path(args.parent_key)] if args.parent_key else [])])
+                     [state_root, Path(key_path), *([Path(args.parent_key)] if args.parent_key else [])],
+                     args.command_cwd or os.getcwd())
             return _wait_command(enclosure.process)
         where = info["proxy"] if isolation is None else \
             f"{isolation.plan.host_ip}:{TRANSPARENT_PORT} (isolated in {isolation.plan.netns} as {isolation.user.name})"
@@ -205,7 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _enclose(enclosure: Any, command: list[str], env: dict[str, str], info: dict, secrets: list,
-             covered: list[Path]) -> None:
+             covered: list[Path], cwd: str) -> None:
     """Start the command in the enclosure: the system's trust stores with the sidecar's CA, the resolver, and
     covers over the state root, the keys and the secret files."""
     from proxy.rootless import Plan, cover_mounts, node_mounts, resolver_mount, trust_mounts
@@ -216,7 +221,7 @@ def _enclose(enclosure: Any, command: list[str], env: dict[str, str], info: dict
               *node_mounts(Path(env["NODE_EXTRA_CA_CERTS"]), enclosure.workdir, path_dirs),
               *resolver_mount(enclosure.workdir),
               *cover_mounts([*covered, *(Path(s.ref) for s in secrets if s.kind == "file")], enclosure.workdir)]
-    enclosure.start(Plan(command, env, os.getcwd(), mounts))
+    enclosure.start(Plan(command, env, cwd, mounts))
 
 
 def _identity(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str]:
@@ -238,10 +243,25 @@ def without_authority(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k not in AUTHORITY_VARIABLES}
 
 
-def _command_env(info: dict, secrets: list, isolation: Any, enclosure: Any, state_dir: Path) -> dict:
+def _base_env(path: str | None) -> Mapping[str, str]:
+    """The environment the command starts from: this process's, or (a delegated sub-agent) the one its parent
+    asked for, read from the file the delegating run wrote and then removed."""
+    if path is None:
+        return os.environ
+    try:
+        doc = json.loads(Path(path).read_text())
+    finally:
+        Path(path).unlink(missing_ok=True)
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+        raise TetherError(f"{path}: not an environment (a JSON object of strings)", code=BAD_REQUEST)
+    return doc
+
+
+def _command_env(info: dict, secrets: list, isolation: Any, enclosure: Any, state_dir: Path,
+                 base: Mapping[str, str]) -> dict:
     """The command's environment: the proxy (or, enforced, none to follow), the CA, and no token or sidecar
     secret."""
-    env = without_authority(os.environ)
+    env = without_authority(base)
     for spec in secrets:  # the secret is the sidecar's alone: the command never sees the variable
         if spec.kind == "env":
             env.pop(spec.ref, None)

@@ -414,6 +414,17 @@ out["child"] = [done.returncode, [l for l in done.stdout.splitlines() if l.start
 wider = subprocess.run([*run, "--agent", "enforced.wider", "--cap", "other.cap=direct", "--", "true"],
                        capture_output=True, text=True, timeout=120)
 out["wider"] = [wider.returncode, wider.stderr[-400:]]
+# the requester's environment and directory are its child command's, never the delegating run's: a PYTHONPATH
+# (or working directory) holding a package named like tether's must not run outside the enclosure
+evil = os.path.join(cfg["home"], "evil")
+os.makedirs(os.path.join(evil, "cli"), exist_ok=True)
+with open(os.path.join(evil, "cli", "__init__.py"), "w") as f:
+    f.write("import os\n"  # which network namespace the planted code ran in, one line each time
+            f"open({os.path.join(cfg['home'], 'evil-ran')!r}, 'a').write(os.readlink('/proc/self/ns/net') + '\\n')\n")
+planted = subprocess.run([*run, "--agent", "enforced.planted", "--cap", "granted.http=direct", "--", sys.executable,
+                          "-c", "print('PLANTED ok')"], capture_output=True, text=True, timeout=120, cwd=evil,
+                         env={**os.environ, "PYTHONPATH": evil})
+out["planted"] = [planted.returncode, planted.stdout.strip()[-200:], planted.stderr[-400:]]
 secret = subprocess.run([*run, "--agent", "enforced.secret", "--cap", "granted.http=direct", "--secret",
                          f"x=file:{cfg['key']}", "--", "true"], capture_output=True, text=True, timeout=120)
 out["secret"] = [secret.returncode, secret.stderr[-400:]]
@@ -429,7 +440,7 @@ def test_an_enforced_command_delegates_to_sub_agents_through_its_tether_run(enfo
     (home / "delegating.py").write_text(DELEGATING_AGENT)
     if w["user"] is not None:
         os.chown(home / "delegating.py", w["user"].pw_uid, w["user"].pw_gid)
-    cfg = {"granted": [s.port for s in w["servers"]["granted"]], "key": str(home / "key")}
+    cfg = {"granted": [s.port for s in w["servers"]["granted"]], "key": str(home / "key"), "home": str(home)}
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8"}
     command = [PYTHON, "-m", "cli", "run", "--controlplane", w["cp"].url, "--chain", str(home / "chain"), "--key",
@@ -448,6 +459,11 @@ def test_an_enforced_command_delegates_to_sub_agents_through_its_tether_run(enfo
     assert "enforced.child runs enforced" in stderr
     assert out["wider"][0] == 2 and "other.cap" in out["wider"][1], out["wider"]
     assert out["secret"][0] == 2 and "--secret" in out["secret"][1] and "tether.bad_request" in out["secret"][1]
+    assert out["planted"][0] == 0 and "PLANTED ok" in out["planted"][1], out["planted"]
+    # Inside the enclosure the requester's own processes may run what they like (the stub did); outside, where
+    # the delegating run holds the key, nothing of it may run.
+    ran = (home / "evil-ran").read_text().split() if (home / "evil-ran").exists() else []
+    assert os.readlink("/proc/self/ns/net") not in ran, f"the planted package ran outside the enclosure: {ran}"
     agents = w["cp"].client().request("GET", "/v1/agents")["agents"]
     child = next(a for a in agents if a["agent"] == "enforced.child")
     assert child["issuer"] == "enforced.agent" and child["caps"] == {"granted.http": "direct"}
