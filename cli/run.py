@@ -96,6 +96,8 @@ def _delegate(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str
     parent = parse_chain_unverified(parent_wire)[-1]
     parent_key = keys.load_private(read_file(args.parent_key, "parent key"), args.parent_key)
     agent = args.agent or f"{parent.sub}.{uuid.uuid4().hex[:6]}"
+    if agent in (".", ".."):  # a valid id, but its state dir would be the state root or the directory above it
+        raise TetherError(f"--agent {agent}: not an agent id tether run can keep a state dir for", code=BAD_REQUEST)
     child_key = keys.generate()
     child = mint_child(parent, parent_key, agent=agent, subject_key=child_key.public_key(),
                        caps=parse_caps(args.cap), now=time.time(), ttl_s=args.ttl)
