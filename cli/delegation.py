@@ -58,7 +58,9 @@ def child_argv(options: dict[str, Any], *, controlplane: str, parent_chain: str,
         if name not in ALLOWED:
             raise TetherError(f"a delegated child may not set {name}", code=BAD_REQUEST)
         for one in value if isinstance(value, list) else [value]:
-            argv += [ALLOWED[name], str(one)]
+            if not isinstance(one, str | int | float) or isinstance(one, bool):
+                raise TetherError(f"a delegated child's {name} must be text or a number", code=BAD_REQUEST)
+            argv.append(f"{ALLOWED[name]}={one}")  # one token: a value never reads as another option
     return argv
 
 
