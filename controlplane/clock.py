@@ -27,7 +27,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-CLOCK_SKEWED = "tether.clock_skewed"
+from capability.errors import CLOCK_SKEWED  # noqa: F401  (every code is in capability/errors.py; kept importable here)
+
 SKEW_BOUND_S = 2.0  # past this offset from the store's clock a replica takes no lease and fixes no deadline
 MEASURE_INTERVAL_S = 2.0  # how often a replica reads the store's clock
 STALE_AFTER_S = 30.0  # a measurement older than this no longer vouches for the clock

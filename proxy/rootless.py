@@ -46,9 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capability.errors import TetherError
+from capability.errors import ISOLATION_UNAVAILABLE, TetherError
 
-ISOLATION_UNAVAILABLE = "tether.isolation_unavailable"
 LISTEN_PORT = 15001  # inside the namespace: every TCP connection is redirected here
 DNS_ANSWER = "100.64.0.1"  # every name, inside; shared address space, so no catalog names it by accident
 ENABLE_HINT = ("enable unprivileged user namespaces (sysctl -w user.max_user_namespaces=15000; Debian's "
@@ -343,13 +342,11 @@ class Enclosure:
     """The namespaces of one ``tether run``, seen from outside: their two sockets (for the sidecar), then the
     command in them."""
 
-    def __init__(self, process: subprocess.Popen, chan: socket.socket, listener: int, resolver: int,
-                 ipv6: bool) -> None:
+    def __init__(self, process: subprocess.Popen, chan: socket.socket, listener: int, resolver: int) -> None:
         self.process = process
         self.chan = chan
         self.listener = listener
         self.resolver = resolver
-        self.ipv6 = ipv6
         self.workdir = Path(tempfile.mkdtemp(prefix="tether-run-"))
         os.chmod(self.workdir, 0o755)
 
@@ -375,7 +372,7 @@ class Enclosure:
         if "error" in doc:
             process.wait()
             raise IsolationUnavailable(f"cannot enclose the command: {doc['error']}: {ENABLE_HINT}")
-        return cls(process, ours, fds[0], fds[1], bool(doc.get("ipv6")))
+        return cls(process, ours, fds[0], fds[1])
 
     def start(self, plan: Plan) -> None:
         """Mount and run the command; raises when the inside could not (the command did not start)."""

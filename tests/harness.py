@@ -370,6 +370,17 @@ class ControlPlaneProcess:
     def env(self) -> dict[str, str]:
         return {**os.environ, "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_CONTROLPLANE": self.url}
 
+    def replica(self, directory: Path, kind: type[ControlPlaneProcess] | None = None,
+                **options: Any) -> Any:
+        """Another replica of this deployment (not started): the same store, catalog, signing key, lease and
+        grace; ``kind`` a subclass for one run differently (a skewed clock)."""
+        other = (kind or ControlPlaneProcess)(directory, store=self.store, lease_ttl=self.lease_ttl,
+                                              grace=self.grace, **options)
+        other.directory.mkdir(parents=True)
+        for path in (self.catalog_path, self.signing_key_path):
+            shutil.copy(path, other.directory / path.name)
+        return other
+
     def start(self) -> ControlPlaneProcess:
         log = open(self.directory / "controlplane.log", "ab")
         store = self.store or f"sqlite:///{self.directory / 'tether.db'}"

@@ -135,12 +135,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, test_ca: harness.TestCA) 
     world = build_world(directory, test_ca, store=store)
     skewed = {}
     for name, offset in (("fast", f"+{SKEW_S:.0f}s"), ("slow", f"-{SKEW_S:.0f}s")):
-        cp = SkewedControlPlane(directory / f"cp-{name}", store=store, lease_ttl=world.cp.lease_ttl,
-                                grace=world.cp.grace, offset=offset)
-        cp.directory.mkdir(parents=True)
-        for path in (world.cp.catalog_path, world.cp.signing_key_path):  # one deployment: same catalog, same key
-            shutil.copy(path, cp.directory / path.name)
-        skewed[name] = cp
+        skewed[name] = world.cp.replica(directory / f"cp-{name}", SkewedControlPlane, offset=offset)
     sidecars: list[SidecarProcess] = []
     try:
         world.cp.start()

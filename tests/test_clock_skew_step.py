@@ -7,7 +7,6 @@ so nobody could take it over, and reconciled at once: the agent unaccounted, the
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,11 +43,7 @@ def stepped(tmp_path: Any, test_ca: harness.TestCA) -> Iterator[Stepped]:
         pytest.skip("faketime (libfaketime) is not installed")
     redis = RedisServer(tmp_path / "redis").start()
     world = build_world(tmp_path, test_ca, store=redis.url(0))
-    b = SkewedControlPlane(tmp_path / "cp-b", store=redis.url(0), lease_ttl=world.cp.lease_ttl, grace=world.cp.grace,
-                           offset="+0s", offset_file=tmp_path / "cp-b-offset")
-    b.directory.mkdir(parents=True)
-    for path in (world.cp.catalog_path, world.cp.signing_key_path):
-        shutil.copy(path, b.directory / path.name)
+    b = world.cp.replica(tmp_path / "cp-b", SkewedControlPlane, offset="+0s", offset_file=tmp_path / "cp-b-offset")
     try:
         b.start()
         yield Stepped(world, b)

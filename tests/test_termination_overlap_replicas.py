@@ -14,7 +14,6 @@ and then an addendum or the child's record reports them):
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,11 +48,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, test_ca: harness.TestCA) -> I
     directory = tmp_path_factory.mktemp("overlap")
     redis = RedisServer(directory / "redis").start()
     world = build_world(directory, test_ca, store=redis.url(0))
-    b = ControlPlaneProcess(directory / "cp-b", store=redis.url(0), lease_ttl=world.cp.lease_ttl,
-                            grace=world.cp.grace)
-    b.directory.mkdir(parents=True)
-    for path in (world.cp.catalog_path, world.cp.signing_key_path):  # one deployment: same catalog, same key
-        shutil.copy(path, b.directory / path.name)
+    b = world.cp.replica(directory / "cp-b")  # one deployment: same store, catalog and key
     sidecars: list[SidecarProcess] = []
     try:
         world.cp.start()

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from capability.errors import STORE_UNWRITABLE  # noqa: F401  (every code is in capability/errors.py; kept importable here)
+
 from .health import WriteHealth
 
 Doc = dict[str, Any]
@@ -49,7 +51,6 @@ class StoreUnavailable(Exception):
 
 # The code of a refused write, in the API's answers and in /healthz. (The control plane's own; capability.errors
 # holds the codes the sidecar shares.)
-STORE_UNWRITABLE = "tether.store_unwritable"
 
 
 class StoreUnwritable(StoreUnavailable):
