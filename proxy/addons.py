@@ -115,10 +115,6 @@ class Resolver:
         self.resolve(call, resolution, detail=detail, code=state.aborted)
 
 
-# Refusals a server would never have answered (the request never was its to answer): they keep their 4xx.
-NOT_THE_SERVERS_ANSWER = frozenset({codes.UNKNOWN_DESTINATION, codes.CHAIN_INVALID})
-
-
 class McpFilter:
     """What the agent does not hold does not exist: ungranted tools, resources, resource templates and prompts
     are removed from every list result, JSON or SSE; a resources/updated notification about an ungranted
@@ -161,8 +157,7 @@ class McpFilter:
         server = state.mcp_server
         resp = flow.response
         if server is not None and resp is not None and state.refused is not None:
-            self._answer_as_server(flow, resp)
-            return
+            return  # tether's own answer (proxy.flowstate.refuse): nothing of the server's to filter
         if server is None or resp is None:
             return
         media = mcp.media_type(resp.headers.get("content-type", ""))
@@ -218,19 +213,6 @@ class McpFilter:
         if removed or "content-encoding" in resp.headers:
             resp.headers.pop("content-encoding", None)
             resp.content = body  # sets a matching Content-Length
-
-    @staticmethod
-    def _answer_as_server(flow: http.HTTPFlow, resp: http.Response) -> None:
-        """A refused JSON-RPC request gets its JSON-RPC answer (``proxy.flowstate.refuse`` wrote it) at HTTP 200,
-        as a server answers one: an SDK reads a 403 as a transport or authorization failure, not as the
-        refusal of one request. ``Tether-Error`` stays. Requests that are not JSON-RPC keep their status, and so do
-        refusals of where the request goes rather than of what it asks (an unknown destination, a ``Host`` that
-        names another server: a DNS-rebinding probe expects a 4xx, as a server's own guard answers one)."""
-        if state_of(flow).refused in NOT_THE_SERVERS_ANSWER:
-            return
-        if flow.request.method == "POST" and mcp.answers_requests(state_of(flow).mcp_parsed):
-            resp.status_code = 200
-            resp.reason = "OK"
 
     def _refusal(self, flow: http.HTTPFlow, reason: str) -> tuple[int, bytes, dict[str, str]]:
         call = call_of(flow)

@@ -13,6 +13,8 @@ from typing import Any
 
 from mitmproxy import http
 
+from capability import errors as codes
+
 from . import mcp
 from .decision import Refusal
 from .state import Call
@@ -48,20 +50,33 @@ def call_of(flow: http.HTTPFlow) -> Call | None:
     return state.call if state is not None else None
 
 
+# Refusals a server would never have answered (the request never was its to answer): they keep their 4xx.
+NOT_THE_SERVERS_ANSWER = frozenset({codes.UNKNOWN_DESTINATION, codes.CHAIN_INVALID})
+
+
 def refuse(flow: http.HTTPFlow, refusal: Refusal, *, outcome: str = "refused") -> None:
-    """Answer the client from the sidecar; nothing leaves for the upstream."""
+    """Answer the client from the sidecar; nothing leaves for the upstream.
+
+    A refused JSON-RPC request gets its JSON-RPC answer at HTTP 200, as a server answers one: an SDK reads a 403
+    as a transport or authorization failure, not as the refusal of one request (``Tether-Error`` stays). Requests
+    that are not JSON-RPC keep the refusal's status, and so do refusals of where the request goes rather than of
+    what it asks (an unknown destination, a ``Host`` naming another server: a DNS-rebinding probe expects a 4xx,
+    as a server's own guard answers one)."""
     state = state_of(flow)
     call = state.call
     error: dict[str, Any] = {"code": refusal.code, "message": refusal.message,
                              "call_id": call.call_id if call else None, "capability": call.capability if call else None}
     error.update({k: v for k, v in refusal.details.items() if v is not None})
+    status = refusal.http_status
     if state.mcp_server and flow.request.method == "POST":
         body = mcp.error_body(state.mcp_parsed, mcp.request_id(flow.request.raw_content or b""), refusal.message,
                               error)
+        if mcp.answers_requests(state.mcp_parsed) and refusal.code not in NOT_THE_SERVERS_ANSWER:
+            status = 200
     else:
         body = json.dumps({"error": error}).encode()
     flow.response = http.Response.make(
-        refusal.http_status, body,
+        status, body,
         {"Content-Type": "application/json", "Tether-Error": refusal.code, "Cache-Control": "no-store"},
     )
     state.refused = refusal.code

@@ -405,7 +405,8 @@ def test_a_drain_lets_a_call_in_flight_finish_and_refuses_new_ones(cp: ControlPl
     async def host() -> dict[str, Any]:
         async with Client(s.params(), mode="legacy") as client:
             await client.list_tools()  # the SDK checks results against the tools it listed (no list in a drain)
-            slow = asyncio.create_task(client.call_tool("slow", {"seconds": 3}))
+            # Long enough that the drain reaches the sidecar while it runs, however loaded the machine
+            slow = asyncio.create_task(client.call_tool("slow", {"seconds": 12}))
             await asyncio.to_thread(wait_until, lambda: "slow start" in s.executed(), WAIT, what="the slow tool")
             doc = await asyncio.to_thread(cp.client().request, "POST", f"/v1/agents/{s.identity.agent}/terminate",
                                           {"mode": "drain", "window_s": 60, "reason": "test"})
@@ -418,7 +419,7 @@ def test_a_drain_lets_a_call_in_flight_finish_and_refuses_new_ones(cp: ControlPl
             return {"slow": await slow, "new": new, "termination": doc["id"]}
 
     out = asyncio.run(asyncio.wait_for(host(), WAIT * 2))
-    assert not out["slow"].is_error and text_of(out["slow"]) == "slept 3.0"
+    assert not out["slow"].is_error and text_of(out["slow"]) == "slept 12.0"
     assert out["new"].is_error and out["new"].meta["tether/error"]["code"] == "tether.draining", out["new"]
     tid = out["termination"]
     wait_until(lambda: cp.client().request("GET", f"/v1/terminations/{tid}")["state"] == "terminated", WAIT,
