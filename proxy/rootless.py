@@ -296,6 +296,9 @@ def _subject_hash(pem: Path) -> str | None:
 
 
 # -- the wire between outside and inside: length-prefixed JSON, sockets alongside the first message --------------
+MAX_MESSAGE = 16 << 20  # a plan or a delegation request: a command line and an environment
+
+
 def send(chan: socket.socket, doc: dict[str, Any], fds: list[int] | None = None) -> None:
     data = json.dumps(doc).encode()
     frame = struct.pack("!I", len(data)) + data
@@ -314,6 +317,8 @@ def receive(chan: socket.socket) -> tuple[dict[str, Any], list[int]]:
             raise EOFError("the other side of the enclosure closed")
         head += more
     (size,) = struct.unpack("!I", head)
+    if size > MAX_MESSAGE:  # the other side may be the enclosed command itself (cli/delegation.py)
+        raise ValueError(f"a message of {size} bytes (at most {MAX_MESSAGE})")
     body = b""
     while len(body) < size:
         more = chan.recv(size - len(body))
