@@ -174,7 +174,7 @@ class DelegationServer:
         while child.poll() is None:
             try:
                 doc, _ = receive(conn)
-            except (OSError, EOFError):
+            except (OSError, EOFError, ValueError):  # gone, or not speaking the protocol: it ends
                 if child.poll() is None:
                     child.terminate()
                 return
