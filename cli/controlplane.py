@@ -75,19 +75,19 @@ def load_serving_catalog(path: str | None) -> Catalog:
 
 
 def load_or_create_signing_key(path: str) -> keys.Ed25519PrivateKey:
+    """The key at ``path``, or a new one written there. Creation is atomic and exclusive: replicas starting at
+    the same moment on one directory end up sharing the first one's key (the others read it)."""
     from capability import keys
+    from capability.shared import publish_file
 
     p = Path(path)
-    if p.exists():
-        return keys.load_private(p.read_bytes(), path)
-    key = keys.generate()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(keys.private_pem(key))
-    Path(f"{path}.pub").write_bytes(keys.public_pem(key.public_key()))
-    print(f"tether: created signing key {path} (public half {path}.pub)", file=sys.stderr)
-    return key
+    if not p.exists():
+        key = keys.generate()
+        if publish_file(path, keys.private_pem(key)):
+            publish_file(f"{path}.pub", keys.public_pem(key.public_key()), 0o644)
+            print(f"tether: created signing key {path} (public half {path}.pub)", file=sys.stderr)
+            return key
+    return keys.load_private(p.read_bytes(), path)
 
 
 def admin_token_from_env() -> str:
@@ -111,7 +111,7 @@ def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin
     catalog = load_serving_catalog(catalog_path)  # before any file is created: bad input leaves nothing behind
     store = open_store_url(store_url)
     cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token,
-                      budget_window_s=rate_window_s, **options)
+                      budget_window_s=rate_window_s, signing_key_source=signing_key_path, **options)
     console.install(cp)  # the web console at /ui/
     return cp
 

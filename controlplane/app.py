@@ -39,6 +39,7 @@ from .services.grants import GrantService
 from .services.records import RecordService
 from .services.sidecars import SidecarService
 from .services.terminations import TerminationService
+from .signing import check_head
 from .store import Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane")
@@ -61,9 +62,11 @@ class ControlPlane:
         clock: Callable[[], float] = time.time,
         replica: str | None = None,
         budget_window_s: float | None = None,
+        signing_key_source: str = "the signing key",
     ) -> None:
         self.store = store
         self.signing_key = signing_key
+        self.signing_key_source = signing_key_source  # its file, named when it did not sign the record log
         self.catalog = catalog
         self.clock = clock
         self.lease_ttl_s = lease_ttl_s
@@ -125,6 +128,7 @@ class ControlPlane:
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def _on_startup(self, app: web.Application) -> None:
         await self.store.open()
+        await self._check_signing_key()
         try:
             await self.grants.record_owners()
         except (StoreUnavailable, ConnectionError, OSError) as exc:  # the API answers 503 until the store is back
@@ -134,6 +138,17 @@ class ControlPlane:
         except (StoreUnavailable, ConnectionError, OSError, TimeoutError) as exc:
             log.warning("could not read the store's clock at start-up: %s", exc)
         self._tasks = [asyncio.create_task(job()) for job in self.background]
+
+    async def _check_signing_key(self) -> None:
+        """Serve only with the key that signed the record log's head (``tether.signing_key_mismatch``, raised
+        out of start-up). A store that does not answer yet is no reason to stay down: every record written
+        checks the head it extends again."""
+        try:
+            records = await self.store.records()
+        except (StoreUnavailable, ConnectionError, OSError) as exc:
+            log.warning("could not read the record log to check the signing key at start-up: %s", exc)
+            return
+        check_head(records[-1] if records else None, self.signing_key.public_key(), self.signing_key_source)
 
     async def _on_shutdown(self, app: web.Application) -> None:
         await self.events.hub.close()  # open streams end, so the server's wait for its handlers does not hang

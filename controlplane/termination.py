@@ -289,7 +289,9 @@ def terminated_agents(record: Mapping[str, Any]) -> list[str]:
 
 
 def seal(record: Doc, signing_key: Any) -> Doc:
-    """Hash the record and sign the hash with the control plane's key."""
+    """Hash the record and sign the hash with the control plane's key; ``key_id`` names that key (its RFC 7638
+    thumbprint) so a reader can tell which key a record claims, and a mismatch names both keys."""
+    record = {**record, "key_id": keys.thumbprint(signing_key.public_key())}
     digest = record_hash(record)
     signature = keys.b64url(signing_key.sign(digest.encode("ascii")))
     return {**record, "hash": digest, "signature": signature}
