@@ -155,6 +155,12 @@ class OidcClient:
     async def finish(self, pending: Pending, *, code: str | None, state: str | None, iss: str | None = None,
                      now: float | None = None) -> SignedIn:
         """Redeem the code (with the PKCE verifier), check the ID token, and say who signed in."""
+        _, claims = await self.redeem(pending, code=code, state=state, iss=iss, now=now)
+        return operator_from(claims, self.settings)
+
+    async def redeem(self, pending: Pending, *, code: str | None, state: str | None, iss: str | None = None,
+                     now: float | None = None) -> tuple[str, dict[str, Any]]:
+        """The callback's half: the ID token the code is redeemed for, and its checked claims."""
         check_callback(pending, state, time.time() if now is None else now)
         if iss is not None and iss != self.settings.issuer:  # RFC 9207: a mix-up with another provider
             raise TetherError(f"the callback came from issuer {iss!r}, not {self.settings.issuer!r}",
@@ -173,8 +179,7 @@ class OidcClient:
         if not isinstance(id_token, str):
             raise TetherError("the provider's token answer holds no ID token (is the 'openid' scope allowed?)",
                               code=UNAUTHORIZED)
-        claims = await self.verify_id_token(id_token, pending.nonce)
-        return operator_from(claims, self.settings)
+        return id_token, await self.verify_id_token(id_token, pending.nonce)
 
     async def verify_id_token(self, id_token: str, nonce: str | None) -> dict[str, Any]:
         """The ID token's claims, once its signature (the provider's published keys), issuer, audience, expiry

@@ -96,7 +96,7 @@ def test_an_id_token_for_another_client_or_issuer_is_refused(provider: OidcProvi
     async def flow() -> None:
         url, pending = await console.begin(CALLBACK)
         back = await asyncio.to_thread(sign_in, url, "alice", CALLBACK)
-        token = await _token(console, pending, back["code"])
+        token, _ = await console.redeem(pending, code=back["code"], state=back["state"])
         cli = OidcClient(settings(provider, client_id="tether-cli"))
         with pytest.raises(TetherError, match="does not verify"):  # its audience is the console, not the CLI
             await cli.verify_id_token(token, pending.nonce)
@@ -108,14 +108,6 @@ def test_an_id_token_for_another_client_or_issuer_is_refused(provider: OidcProvi
             await console.verify_id_token(forged, pending.nonce)
 
     asyncio.run(flow())
-
-
-async def _token(client: OidcClient, pending: object, code: str) -> str:
-    meta = await client.metadata()
-    async with client._oauth(pending.redirect_uri) as oauth:  # type: ignore[attr-defined]
-        token = await oauth.fetch_token(meta["token_endpoint"], grant_type="authorization_code", code=code,
-                                        code_verifier=pending.code_verifier)  # type: ignore[attr-defined]
-    return token["id_token"]
 
 
 def test_a_discovery_document_naming_another_issuer_is_refused(provider: OidcProvider, tmp_path: Path) -> None:
