@@ -5,8 +5,9 @@
 it the tools ``add`` and ``delete_everything``), ``confirm`` (a 2026-07-28 multi-round-trip tool: asks the client
 to confirm with an ``input_required`` result, then acts), and the task methods (``tasks/get``, ``tasks/result``,
 ``tasks/cancel``, ``tasks/list``) of a hand-written task store: the SDK 2.3 has the task types but no task
-runtime, so a ``tools/call`` carrying ``params.task`` is answered with a task by the server's tool-call
-interceptor (an SDK extension), and the task methods are extension methods. ``calls`` records every handler run.
+runtime (and validates every ``tools/call`` result as a ``CallToolResult``), so a ``tools/call`` carrying
+``params.task`` is answered with a task by a small ASGI layer in front of the SDK app, and the task methods are
+SDK extension methods. ``calls`` records every handler run.
 """
 
 from __future__ import annotations
@@ -92,14 +93,6 @@ class NextServer(McpServer):
                         MethodBinding("tasks/cancel", TaskParams, cancel),
                         MethodBinding("tasks/list", ListParams, listed)]
 
-            async def intercept_tool_call(self, params: Any, ctx: Any, call_next: Any) -> Any:
-                if params.task is None:
-                    return await call_next(ctx)
-                task_id = f"task-{uuid.uuid4().hex[:12]}"
-                calls.append(f"task {params.name} {task_id}")
-                tasks[task_id] = {"tool": params.name, "text": f"job {params.arguments.get('n')} done"}
-                return {"task": {**task_doc(task_id), "status": "working"}}
-
         server = MCPServer("tether-test-next", extensions=[Tasks()])
 
         @server.tool()
@@ -153,13 +146,52 @@ class NextServer(McpServer):
             calls.append(f"confirm does {action}")
             return CallToolResult(content=[TextContent(type="text", text=f"did {action}")])
 
-        app = server.streamable_http_app()
+        app = self._task_creation(server.streamable_http_app(), task_doc)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      lifespan="on"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         wait_until(lambda: self._server.started, 15, what="MCP next server")
         return self
+
+    def _task_creation(self, inner: Any, task_doc: Callable[[str], dict[str, Any]]) -> Any:
+        """A ``tools/call`` carrying ``params.task`` is answered with a task (2025-11-25 ``CreateTaskResult``)
+        in front of the SDK app, which validates every ``tools/call`` result as a ``CallToolResult``."""
+        calls, tasks = self.calls, self.tasks
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or scope["method"] != "POST":
+                await inner(scope, receive, send)
+                return
+            messages, body, more = [], b"", True
+            while more:
+                message = await receive()
+                messages.append(message)
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                doc = None
+            params = doc.get("params") if isinstance(doc, dict) else None
+            if doc.get("method") == "tools/call" and isinstance(params, dict) and "task" in params:  # type: ignore[union-attr]
+                task_id = f"task-{uuid.uuid4().hex[:12]}"
+                calls.append(f"task {params['name']} {task_id}")
+                tasks[task_id] = {"tool": params["name"], "text": f"{params['name']} {params['arguments']['n']} done"}
+                out = json.dumps({"jsonrpc": "2.0", "id": doc["id"],  # type: ignore[index]
+                                  "result": {"task": {**task_doc(task_id), "status": "working"}}}).encode()
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(out)).encode())]})
+                await send({"type": "http.response.body", "body": out})
+                return
+
+            async def replay() -> dict[str, Any]:
+                return messages.pop(0) if messages else await receive()
+
+            await inner(scope, replay, send)
+
+        return app
 
 
 @dataclass
