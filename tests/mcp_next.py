@@ -26,7 +26,15 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import Context
 
-from .harness import ControlPlaneProcess, McpServer, SidecarProcess, free_port, prepare_controlplane, wait_until
+from .harness import (
+    ControlPlaneProcess,
+    Identity,
+    McpServer,
+    SidecarProcess,
+    free_port,
+    prepare_controlplane,
+    wait_until,
+)
 from .test_mcp import Wiretap, tap
 
 MODERN = "2026-07-28"
@@ -202,7 +210,10 @@ class NextWorld:
     sidecars: list[SidecarProcess] = field(default_factory=list)
 
     def sidecar(self, agent: str, caps: dict[str, Any]) -> SidecarProcess:
-        sidecar = SidecarProcess(self.cp, self.cp.issue(agent, caps))
+        return self.sidecar_of(self.cp.issue(agent, caps))
+
+    def sidecar_of(self, identity: Identity) -> SidecarProcess:
+        sidecar = SidecarProcess(self.cp, identity)
         self.sidecars.append(sidecar)
         return sidecar.start()
 

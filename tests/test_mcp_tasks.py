@@ -12,6 +12,7 @@ that round is a new call (held again)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,8 +114,6 @@ def pending_approvals(world: NextWorld, agent: str) -> list[dict[str, Any]]:
 
 
 def test_an_approval_covers_its_calls_follow_up_rounds_and_a_replayed_round_is_held_again(world: NextWorld) -> None:
-    import threading
-
     from mcp.types import ElicitResult
 
     agent = "rounds"
@@ -164,3 +163,44 @@ def test_an_approval_covers_its_calls_follow_up_rounds_and_a_replayed_round_is_h
     assert replayed["result"]["isError"], replayed
     assert replayed["result"]["_meta"]["tether/error"]["code"] == "tether.approval_denied", replayed
     assert world.server.calls.count("confirm does ship") == 1
+
+
+def test_a_follow_up_round_is_refused_once_the_chain_is_revoked(world: NextWorld) -> None:
+    import asyncio
+
+    from mcp.types import ElicitResult
+
+    agent = "rounds-revoked"
+    identity = world.cp.issue(agent, {"next.confirm": "approval", "next.add": "direct"})
+    sidecar = world.sidecar_of(identity)
+    admin = world.cp.client()
+    world.server.calls.clear()
+    probe = {"jsonrpc": "2.0", "id": "probe", "method": "tools/list",
+             "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}}
+
+    def revoked() -> bool:
+        with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
+            headers = {**HEADERS, "mcp-protocol-version": MODERN, "mcp-method": "tools/list"}
+            return http.post(world.server.url, json=probe, headers=headers).headers.get(
+                "tether-error") == "tether.chain_revoked"
+
+    async def elicit(context: Any, params: Any) -> ElicitResult:
+        # Between the rounds: revoke, and answer only once the sidecar knows.
+        await asyncio.to_thread(admin.request, "POST", f"/v1/grants/{identity.jti}/revoke", {"reason": "test"})
+        await asyncio.to_thread(wait_until, revoked, WAIT, 0.1, "the sidecar to learn of the revocation")
+        return ElicitResult(action="accept", content={})
+
+    def approve_when_held() -> None:
+        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the held call")
+        admin.request("POST", f"/v1/approvals/{held[0]['id']}/approve")
+
+    approver = threading.Thread(target=approve_when_held)
+    approver.start()
+
+    async def body(client: Client) -> Any:
+        return await client.call_tool("confirm", {"action": "launch"})
+
+    result = world.session(sidecar, MODERN, body, elicitation_callback=elicit)
+    approver.join()
+    assert result.is_error and result.meta["tether/error"]["code"] == "tether.chain_revoked", result
+    assert world.server.calls == ["confirm asks launch"]  # the follow-up never reached the server
