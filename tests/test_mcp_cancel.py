@@ -6,6 +6,7 @@ protocol version: ``notifications/cancelled`` in 2025-11-25 (legacy), closing th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,12 +24,20 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NextWorld]:
     yield from next_world(tmp_path_factory.mktemp("mcp-cancel"))
 
 
-async def cancelled_after(client: Client, seconds: float, name: str, args: dict[str, Any]) -> None:
-    try:
-        await asyncio.wait_for(client.call_tool(name, args), seconds)
-    except TimeoutError:
-        return
-    raise AssertionError("the call finished before it could be cancelled")
+async def cancel_once_started(world: NextWorld, client: Client, seconds: float) -> None:
+    """Call ``slow`` and cancel it once the server runs it (so it surely left), as a caller giving up does."""
+    started = world.server.calls.count(f"slow {seconds}")
+    call = asyncio.ensure_future(client.call_tool("slow", {"seconds": seconds}))
+    for _ in range(int(WAIT / 0.05)):
+        if world.server.calls.count(f"slow {seconds}") > started:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the call never reached the server")
+    assert not call.done(), "the call finished before it could be cancelled"
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
 
 
 @pytest.mark.parametrize("mode", ["legacy", MODERN])
@@ -40,7 +49,7 @@ def test_a_cancelled_call_is_cancelled_and_its_resend_is_a_new_call_not_charged_
 
     async def body(client: Client) -> tuple[Any, Any]:
         await client.list_tools()
-        await cancelled_after(client, 2.5, "slow", {"seconds": SLOW})
+        await cancel_once_started(world, client, SLOW)
         resent = await client.call_tool("slow", {"seconds": SLOW})  # the same request: a re-issue
         other = await client.call_tool("slow", {"seconds": 0.1})  # a new call: the budget of one is spent
         return resent, other
