@@ -47,6 +47,7 @@ KEY_INVALID = "tether.key_invalid"
 LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot listen where it was told
 FILE_EXISTS = "tether.file_exists"  # a key (or other file tether creates) is already there: never overwritten
 SIGNING_KEY_MISMATCH = "tether.signing_key_mismatch"  # the signing key did not sign the record log it would extend
+MCP_SESSION_UNKNOWN = "tether.mcp_session_unknown"  # an Mcp-Session-Id this sidecar run did not see issued
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

@@ -20,8 +20,9 @@ from .catalog import TIERS, Catalog, parse_catalog
 from .errors import BAD_REQUEST, CATALOG_INVALID, FILE_EXISTS, TetherError
 
 # What became of a call (DESIGN.md section 5): the sidecar resolves each call to one of these, the control
-# plane records them.
-RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
+# plane records them. ``cancelled``: an MCP call the client cancelled or disconnected from after it left, before
+# its answer reached it (the server may have acted on it; a re-send is a new call, ``reissue_of`` this one).
+RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown", "cancelled")
 
 
 def read_file(path: str, what: str) -> bytes:

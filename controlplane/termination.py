@@ -159,7 +159,7 @@ def _in_order(reports: list[Doc]) -> list[Doc]:
 
 def _call_entry(report: Doc) -> Doc:
     entry = {f: report.get(f) for f in RECORD_FIELDS}
-    for extra in ("ended_at", "code", "termination_id", "run_id"):
+    for extra in ("ended_at", "code", "termination_id", "run_id", "reissue_of"):
         if report.get(extra) is not None:
             entry[extra] = report[extra]
     return entry

@@ -37,6 +37,7 @@ from .channel import ControlChannel, sleep_backoff
 from .credentials import Credentials, Injector
 from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
 from .flowstate import state_of
+from .mcpcalls import McpCalls, McpLedger
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
@@ -257,12 +258,14 @@ class Sidecar:
         catalog, state = self.catalog, self.state
         spend = self.budgets.spend if self.budgets.active else None
         tracing = call_tracing(self.agent, self.run_id, self.resolved)
+        mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
+        self.resolved.append(mcp_calls.on_resolved)
         ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
                            Tunnels(catalog, state, self.track, self.resolve),
-                           Enforcer(catalog, state, own_destinations(self.config.controlplane)),
+                           Enforcer(catalog, state, own_destinations(self.config.controlplane)), mcp_calls,
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
-                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier), Streamer(),
-                           WebsocketBound()]
+                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier, mcp_calls),
+                           Streamer(), WebsocketBound()]
         if self.config.capture:
             ours.append(Capture(self.capture, self.allow_uncaptured))
         return [*ours, Resolver(self.resolve)]
