@@ -69,8 +69,9 @@ class Operator:
 
 
 def needed_roles(allowed: frozenset[str]) -> str:
-    """The roles a refusal names, the narrowest first (``approver`` before ``admin``)."""
-    return " or ".join(r for r in ROLES if r in allowed)
+    """The role a refusal names: the narrowest that would do, and admin (which does everything) after it."""
+    narrow = [r for r in ROLES if r in allowed and r != ADMIN_ROLE]
+    return f"the {' or '.join(narrow)} role (or admin)" if narrow else "the admin role"
 
 
 class SessionTable(Protocol):
@@ -220,7 +221,7 @@ class Authenticator:
     def allow(who: Operator, allowed: frozenset[str], what: str) -> Operator:
         if not who.may(allowed):
             raise ApiError(403, FORBIDDEN, f"{who.name} ({', '.join(sorted(who.roles))}) may not {what}: it needs "
-                           f"the {needed_roles(allowed)} role", needs=[r for r in ROLES if r in allowed],
+                           f"{needed_roles(allowed)}", needs=[r for r in ROLES if r in allowed],
                            operator=who.name)
         return who
 
