@@ -126,6 +126,12 @@ def test_every_route_against_every_role(cp: ControlPlaneProcess) -> None:
                 assert answer["error"]["operator"] == f"every-{role}"
             checked += 1
     assert checked == 4 * len(routes) and len(routes) > 25
+    with urllib.request.urlopen(cp.url + "/openapi.json", timeout=10) as resp:  # and the document says so
+        paths = json.load(resp)["paths"]
+    for route in routes:
+        published = paths[route.path][route.method.lower()]["x-tether-roles"]
+        assert published == [r for r in ROLES if r in (route.roles or ())], (route.method, route.path)
+        assert set(published) == CHANGES.get((route.method, route.path), set(ROLES))
     assert Client(cp.url, tokens["viewer"]).request("GET", "/v1/operators/me")["operator"] == "every-viewer"
 
 
