@@ -9,21 +9,28 @@ wrong tokens from one source never lock the rightful operator out of the console
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
+from capability.errors import ApiError
 from controlplane.auth import Operator, token_hash
 from controlplane.console.sessions import SignInThrottle
+from controlplane.metrics import Metrics
+from controlplane.services.operators import OperatorService
+from controlplane.store import open_store_url
 
 from .conftest import World
-from .harness import ADMIN_TOKEN, PYTHON, wait_until
+from .harness import ADMIN_TOKEN, PYTHON, RedisServer, wait_until
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -121,6 +128,47 @@ def test_an_operator_is_named_with_how_they_signed_in() -> None:
     assert who.attribution(5.0) == {"operator": "alice", "via": "token", "at": 5.0}
     assert who.may(frozenset({"approver", "admin"})) and not who.may(frozenset({"responder", "admin"}))
     assert token_hash("t") == token_hash(" t ") != token_hash("u")
+
+
+# -- both stores, two replicas ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+async def test_operators_hold_across_replicas_of_either_store(kind: str, tmp_path: Path) -> None:
+    """What one replica adds, rotates or revokes, the other sees at once; two replicas adding one name at
+    the same time make one operator."""
+    server = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    url = server.url(0) if server else f"sqlite:///{tmp_path / 'tether.db'}"
+    stores = [open_store_url(url), open_store_url(url)]
+    try:
+        for store in stores:
+            await store.open()
+        clock = [1000.0]
+        a, b = (OperatorService(store, Metrics([]), lambda: clock[0]) for store in stores)
+        admin = Operator("admin", frozenset({"admin"}))
+        added = await a.add("alice", ["approver", "viewer"], 60, admin)
+        assert added["roles"] == ["viewer", "approver"] and "token_hash" not in added
+        alice = await b.by_token(added["token"], clock[0])
+        assert alice is not None and (alice.name, alice.roles) == ("alice", frozenset({"viewer", "approver"}))
+        rotated = await b.rotate("alice", None, admin)
+        assert await a.by_token(added["token"], clock[0]) is None  # the old token proves nobody
+        assert (await a.by_token(rotated["token"], clock[0])) is not None
+        assert rotated["expires_at"] == clock[0] + 60  # a rotation keeps the lifetime
+        clock[0] += 61
+        assert await a.by_token(rotated["token"], clock[0]) is None  # expired
+        await a.revoke("alice", admin)
+        assert (await b.list())[0]["status"] == "revoked"
+        results = await asyncio.gather(a.add("bob", ["viewer"], None, admin), b.add("bob", ["admin"], None, admin),
+                                       return_exceptions=True)
+        wins = [r for r in results if isinstance(r, dict)]
+        assert len(wins) == 1 and all(isinstance(r, ApiError) and r.code == "tether.conflict"
+                                      for r in results if r not in wins)
+        (bob,) = [d for d in await a.list() if d["name"] == "bob"]
+        assert bob["roles"] == wins[0]["roles"]
+        assert await b.by_token(wins[0]["token"], clock[0]) is not None
+    finally:
+        for store in stores:
+            await store.close()
+        if server:
+            server.stop()
 
 
 # -- three operators, the CLI and the console -------------------------------------------------------------
