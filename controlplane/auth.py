@@ -152,10 +152,6 @@ class Authenticator:
     def bootstrap(self) -> Operator:
         return Operator(BOOTSTRAP, frozenset({ADMIN_ROLE}), VIA_TOKEN, token_hash(self.admin_token.decode()))
 
-    def presents_operator(self, request: web.Request) -> bool:
-        """Whether the request carries an operator's credentials at all (a bearer token or a session cookie)."""
-        return request.headers.get("Authorization", "").startswith("Bearer ") or bool(self._session_id(request))
-
     async def operator(self, request: web.Request) -> Operator | None:
         """The operator a request proves: its bearer token's, else its console session's; None for neither.
         A change made with a session must carry the session's CSRF token (``tether.csrf`` otherwise)."""
