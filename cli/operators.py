@@ -26,10 +26,10 @@ def add_operators(sub: Any) -> None:
                           "(everything); repeat for several")
     add.add_argument("--expires", metavar="DURATION", help="the token expires after this long (30d, 12h, 90m, 3600s)")
     rotate = actions.add_parser("rotate", help="a new token for an operator (the old one and its sessions end)")
-    rotate.add_argument("name")
+    rotate.add_argument("name", help="the operator whose token is replaced")
     rotate.add_argument("--expires", metavar="DURATION", help="the new token's lifetime (default: as before)")
     revoke = actions.add_parser("revoke", help="revoke an operator (its token and console sessions stop working)")
-    revoke.add_argument("name")
+    revoke.add_argument("name", help="the operator to revoke")
     listing = actions.add_parser("list", help="the operators, their roles, status and history")
     whoami = actions.add_parser("whoami", help="who TETHER_TOKEN (or TETHER_ADMIN_TOKEN) signs in as")
     for q in (add, rotate, revoke, listing, whoami):
