@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from .process import listen_error, wait_for_signal
 
 if TYPE_CHECKING:
+    import ssl
+
     from capability import keys
     from capability.catalog import Catalog
     from controlplane.app import ControlPlane
@@ -41,6 +43,9 @@ def add_serve(sub: Any) -> None:
                    help="seconds a sidecar may go without contact")
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
                    help="seconds past a drain window before reconciling")
+    p.add_argument("--tls-cert", metavar="F.pem", default=None,
+                   help="serve over TLS with this certificate (chain); the console's cookie is then __Host- and Secure")
+    p.add_argument("--tls-key", metavar="F.pem", default=None, help="the private key of --tls-cert")
     p.add_argument("--rate-window", type=float, default=None, metavar="S",
                    help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
                         "shorter only for tests)")
@@ -54,9 +59,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = parse_listen(args.listen, 7000)
+    tls = tls_context(args.tls_cert, args.tls_key)
     cp = build(args.store, args.catalog, args.signing_key, admin_token_from_env(), lease_ttl_s=args.lease_ttl,
-               grace_s=args.grace, rate_window_s=args.rate_window)
-    stopped_by = asyncio.run(serve(cp, host, port))
+               grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None)
+    stopped_by = asyncio.run(serve(cp, host, port, tls=tls))
     return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: the shell's convention; SIGTERM: a clean stop
 
 
@@ -90,9 +96,34 @@ def load_or_create_signing_key(path: str) -> keys.Ed25519PrivateKey:
     return keys.load_private(p.read_bytes(), path)
 
 
+def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The server's TLS context from ``--tls-cert``/``--tls-key`` (both or neither)."""
+    import ssl
+
+    from capability.errors import BAD_REQUEST, TetherError
+
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise TetherError("--tls-cert and --tls-key go together", code=BAD_REQUEST)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise TetherError(f"cannot load --tls-cert {cert} / --tls-key {key}: {exc}", code=BAD_REQUEST) from None
+    return context
+
+
 def admin_token_from_env() -> str:
+    from controlplane.console.sessions import SignInThrottle
+
     token = os.environ.get("TETHER_ADMIN_TOKEN", "")
     if token:
+        if len(token.strip()) < SignInThrottle.STRONG_CHARS:
+            print(f"tether: TETHER_ADMIN_TOKEN is shorter than {SignInThrottle.STRONG_CHARS} characters: the console "
+                  "treats it as guessable, so wrong tokens from one address hold it back too; use a longer one, or "
+                  "sign in as a named operator (tether operators add)", file=sys.stderr)
         return token
     token = secrets.token_urlsafe(24)
     print(
@@ -103,7 +134,7 @@ def admin_token_from_env() -> str:
 
 
 def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin_token: str,
-          rate_window_s: float | None = None, **options: float) -> ControlPlane:
+          rate_window_s: float | None = None, tls: bool = False, **options: float) -> ControlPlane:
     from controlplane import console
     from controlplane.app import ControlPlane
     from controlplane.store import open_store_url
@@ -112,28 +143,33 @@ def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin
     store = open_store_url(store_url)
     cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token,
                       budget_window_s=rate_window_s, signing_key_source=signing_key_path, **options)
-    console.install(cp)  # the web console at /ui/
+    console.install(cp, tls=tls)  # the web console at /ui/
     return cp
 
 
-async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM or SIGINT; returns the signal that stopped it."""
+async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,
+                tls: ssl.SSLContext | None = None) -> int:
+    """Serve until SIGTERM or SIGINT (over TLS with ``tls``); returns the signal that stopped it."""
     from aiohttp import web
 
     runner = web.AppRunner(cp.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         raise listen_error(f"the control plane cannot listen on {host}:{port}", exc) from None
     print(
-        f"tether: control plane {cp.replica} listening on http://{host}:{port} (store {cp.store.url}, "
-        f"catalog {cp.catalog.hash[:19]}…)",
+        f"tether: control plane {cp.replica} listening on {'https' if tls else 'http'}://{host}:{port} (store "
+        f"{cp.store.url}, catalog {cp.catalog.hash[:19]}…)",
         file=sys.stderr,
         flush=True,
     )
+    if tls is None:
+        print(f"tether: the console (/ui/) is served over plain HTTP: browsers send its session cookie to every port "
+              f"of {host} (cookies are scoped by host, not port), so any process listening on one can read a "
+              "session; serve it with --tls-cert/--tls-key", file=sys.stderr, flush=True)
     try:
         return await wait_for_signal(ready.set if ready is not None else None)
     finally:

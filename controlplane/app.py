@@ -28,6 +28,7 @@ from .routes import Handler, Route, enforced, error_middleware
 from .routes.approvals import ApprovalRoutes
 from .routes.budgets import BudgetRoutes
 from .routes.grants import GrantRoutes
+from .routes.operators import OperatorRoutes
 from .routes.ops import OpsRoutes
 from .routes.sidecars import SidecarRoutes
 from .routes.terminations import TerminationRoutes
@@ -36,6 +37,7 @@ from .services.budgets import BudgetService
 from .services.clock import ClockService
 from .services.events import EventService
 from .services.grants import GrantService
+from .services.operators import OperatorService
 from .services.records import RecordService
 from .services.sidecars import SidecarService
 from .services.terminations import TerminationService
@@ -90,7 +92,8 @@ class ControlPlane:
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),
                  *TerminationRoutes(self.terminations, self.records).table(),
-                 *BudgetRoutes(self.budgets).table())
+                 *BudgetRoutes(self.budgets).table(),
+                 *OperatorRoutes(self.operators).table())
 
     def _wire_services(self, budget_window_s: float | None) -> None:
         store, metrics, clock = self.store, self.metrics, self.clock
@@ -100,6 +103,8 @@ class ControlPlane:
                                        self.clock_watch.handed_out)
         self.approvals = ApprovalService(store, metrics, self.events, clock, self.approval_ttl_s)
         self.records = RecordService(store, metrics, clock)
+        self.operators = OperatorService(store, metrics, clock)
+        self.auth.operators = self.operators
         self.budgets = BudgetService(store, metrics, clock, self.grants, self.lease_ttl_s, budget_window_s)
         self.terminations = TerminationService(
             store, metrics, clock, signing_key=self.signing_key, replica=self.replica, lease_ttl_s=self.lease_ttl_s,

@@ -198,6 +198,7 @@ def build_record(
         "subject": termination["subject"],
         "mode": termination["mode"],
         "requested_by": termination["requested_by"],
+        "operator": termination.get("operator"),  # who requested it, and how they signed in (None: a principal)
         "requested_at": termination["requested_at"],
         "completed_at": now,
         "window_s": termination["window_s"],
@@ -408,6 +409,7 @@ def build_addendum(termination: Doc, log: list[Doc], *, record_id: str, reports:
     return {
         "record_id": record_id, "termination_id": termination["id"], "subject": termination["subject"],
         "mode": termination["mode"], "requested_by": termination["requested_by"],
+        "operator": termination.get("operator"),
         "requested_at": termination["requested_at"], "completed_at": now, "window_s": termination["window_s"],
         "reason": termination.get("reason", ""), "amends": earlier[0]["record_id"],
         "calls": calls, "leases": [], "agents_terminated": entries,

@@ -1,5 +1,5 @@
 // Held calls: the exact request (redacted as captures are), where the agent sits, approve or deny.
-import { ago, api, h, replace, state, toast } from "./api.js";
+import { ago, api, byText, h, replace, state, toast } from "./api.js";
 
 function requestText(req) {
   const lines = [`${req.method} ${req.url}`, ...req.headers.map(([k, v]) => `${k}: ${v}`), ""];
@@ -19,6 +19,7 @@ function card(a) {
       h("dt", {}, "Call"), h("dd", { class: "mono" }, a.call_id),
       h("dt", {}, "Asked"), h("dd", {}, ago(a.requested_at)),
       h("dt", {}, "May decide"), h("dd", {}, (a.deciders || ["admin"]).join(", ")),
+      a.decided_at ? [h("dt", {}, "Decided"), h("dd", { class: "decided-by" }, `${a.status} by ${byText(a.decided_by, a.operator)}, ${ago(a.decided_at)}`)] : null,
       req ? [h("dt", {}, "Call hash"), h("dd", { class: "mono call-hash" }, req.call_hash),
              h("dt", {}, "Body"), h("dd", {}, size)] : null),
     req ? h("pre", { class: "request", "aria-label": "The held request" }, requestText(req))
