@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from capability import keys
     from capability.catalog import Catalog
     from controlplane.app import ControlPlane
+    from controlplane.services.signin import SsoConfig
 
 
 def add_controlplane_group(sub: Any) -> None:
@@ -49,6 +50,20 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--rate-window", type=float, default=None, metavar="S",
                    help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
                         "shorter only for tests)")
+    sso = p.add_argument_group("single sign-on (OpenID Connect; docs/console.md)")
+    sso.add_argument("--oidc-issuer", metavar="URL", help="the provider's issuer URL (turns single sign-on on)")
+    sso.add_argument("--oidc-client-id", metavar="ID", help="the console's client at the provider")
+    sso.add_argument("--oidc-client-secret-file", metavar="F",
+                     help="the console client's secret, if it is a confidential client (else PKCE alone)")
+    sso.add_argument("--oidc-cli-client-id", metavar="ID",
+                     help="a native (public) client for `tether login` (a loopback redirect on any port)")
+    sso.add_argument("--oidc-roles-claim", default="tether_roles", metavar="CLAIM",
+                     help="the ID token claim listing the person's tether roles (default tether_roles)")
+    sso.add_argument("--oidc-name-claim", default="preferred_username", metavar="CLAIM",
+                     help="the claim that names the operator (default preferred_username; else the subject)")
+    sso.add_argument("--oidc-redirect-uri", metavar="URL",
+                     help="the console's callback as registered at the provider (default: this server's "
+                          "/ui/oidc/callback as the browser reached it)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -60,8 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = parse_listen(args.listen, 7000)
     tls = tls_context(args.tls_cert, args.tls_key)
+    sso = sso_config(args)
     cp = build(args.store, args.catalog, args.signing_key, admin_token_from_env(), lease_ttl_s=args.lease_ttl,
-               grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None)
+               grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None, sso=sso,
+               oidc_redirect_uri=args.oidc_redirect_uri)
     stopped_by = asyncio.run(serve(cp, host, port, tls=tls))
     return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: the shell's convention; SIGTERM: a clean stop
 
@@ -133,8 +150,31 @@ def admin_token_from_env() -> str:
     return token
 
 
+def sso_config(args: argparse.Namespace) -> SsoConfig | None:
+    """The ``--oidc-*`` options, checked (``tether.bad_request``), or None when single sign-on is off."""
+    from capability.errors import BAD_REQUEST, TetherError
+    from capability.shared import read_file
+    from controlplane.oidc import OidcSettings
+    from controlplane.services.signin import SsoConfig
+
+    if not args.oidc_issuer:
+        if args.oidc_client_id or args.oidc_cli_client_id:
+            raise TetherError("--oidc-client-id needs --oidc-issuer", code=BAD_REQUEST)
+        return None
+    if not args.oidc_client_id:
+        raise TetherError("--oidc-issuer needs --oidc-client-id (the console's client at the provider)",
+                          code=BAD_REQUEST)
+    secret = None
+    if args.oidc_client_secret_file:
+        secret = read_file(args.oidc_client_secret_file, "client secret").decode().strip()
+    settings = OidcSettings(issuer=args.oidc_issuer, client_id=args.oidc_client_id, client_secret=secret,
+                            roles_claim=args.oidc_roles_claim, name_claim=args.oidc_name_claim)
+    return SsoConfig(settings, cli_client_id=args.oidc_cli_client_id)
+
+
 def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin_token: str,
-          rate_window_s: float | None = None, tls: bool = False, **options: float) -> ControlPlane:
+          rate_window_s: float | None = None, tls: bool = False, sso: SsoConfig | None = None,
+          oidc_redirect_uri: str | None = None, **options: float) -> ControlPlane:
     from controlplane import console
     from controlplane.app import ControlPlane
     from controlplane.store import open_store_url
@@ -143,7 +183,15 @@ def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin
     store = open_store_url(store_url)
     cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token,
                       budget_window_s=rate_window_s, signing_key_source=signing_key_path, **options)
-    console.install(cp, tls=tls)  # the web console at /ui/
+    ui = console.install(cp, tls=tls)  # the web console at /ui/
+    if sso is not None:
+        from controlplane.console import sso as sso_routes
+        from controlplane.services.signin import SingleSignOn
+
+        sso_routes.install(cp, ui, SingleSignOn(sso, cp.operators, store, cp.signing_key, cp.clock),
+                           oidc_redirect_uri)
+        print(f"tether: single sign-on through {sso.settings.issuer} (console client {sso.settings.client_id}"
+              f"{', CLI client ' + sso.cli_client_id if sso.cli_client_id else ''})", file=sys.stderr)
     return cp
 
 

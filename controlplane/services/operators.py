@@ -22,6 +22,8 @@ from ..metrics import Metrics
 from ..store import Doc, Store
 
 OPERATOR, TOKEN = "operator", "operator_token"
+SIGN_IN = "oidc_sign_in"  # one single sign-on (by the hash of the token it was given): a CLI's or a console's
+VIA_OIDC = "oidc"
 NAME = re.compile(r"[a-z][a-z0-9._-]{0,63}")
 MAX_EXPIRY_S = 10 * 365 * 86400
 ADDED, ROTATED, REVOKED = "added", "rotated", "revoked"
@@ -66,16 +68,52 @@ class OperatorService:
     async def by_token(self, token: str, now: float) -> Operator | None:
         digest = token_hash(token)
         pointer = await self.store.get_doc(TOKEN, digest)
-        return await self.current(pointer["name"], digest, now) if pointer is not None else None
+        if pointer is not None:
+            return await self.current(pointer["name"], digest, now)
+        return await self._signed_in(digest, None, now)
 
     async def current(self, name: str, digest: str, now: float) -> Operator | None:
-        """The operator ``name`` while ``digest`` is the hash of its current, unexpired, unrevoked token."""
+        """The operator ``name`` while ``digest`` is the hash of its current, unexpired, unrevoked token (or of
+        a single sign-on of that name that is still live)."""
         doc = await self.store.get_doc(OPERATOR, name)
+        if doc is None or doc["token_hash"] != digest:
+            signed_in = await self._signed_in(digest, name, now)
+            if signed_in is not None:
+                return signed_in
         if doc is None or doc.get("revoked_at") or not secrets.compare_digest(doc["token_hash"], digest):
             return None
         if doc.get("expires_at") is not None and doc["expires_at"] <= now:
             return None
         return Operator(name, frozenset(doc["roles"]), "token", digest)
+
+    # -- single sign-on: a person the OpenID provider vouched for, for a while -------------------------------
+    async def sign_in(self, name: str, roles: tuple[str, ...], ttl_s: float, subject: str, issuer: str) -> tuple[
+            str, Operator]:
+        """A token for a person the provider signed in (returned once, kept as its hash) and who it proves:
+        ``name`` with the provider's roles, ``via: oidc``, until ``ttl_s`` from now or ``operators revoke``."""
+        now = self.clock()
+        token = _new_token()
+        digest = token_hash(token)
+        await self.store.put_doc(SIGN_IN, digest, {
+            "token_hash": digest, "name": name, "roles": list(roles), "subject": subject, "issuer": issuer,
+            "created_at": now, "expires_at": now + ttl_s, "revoked_at": None})
+        self.metrics.inc("tether_operator_sign_ins_total")
+        return token, Operator(name, frozenset(roles), VIA_OIDC, digest)
+
+    async def _signed_in(self, digest: str, name: str | None, now: float) -> Operator | None:
+        doc = await self.store.get_doc(SIGN_IN, digest)
+        if doc is None or doc.get("revoked_at") or doc["expires_at"] <= now or name not in (None, doc["name"]):
+            return None
+        return Operator(doc["name"], frozenset(doc["roles"]), VIA_OIDC, digest)
+
+    async def _end_sign_ins(self, name: str, now: float) -> list[Doc]:
+        """Every live single sign-on of ``name``, ended; the ones that were live."""
+        ended = []
+        for doc in await self.store.list_docs(SIGN_IN):
+            if doc["name"] == name and not doc.get("revoked_at") and doc["expires_at"] > now:
+                await self.store.put_doc(SIGN_IN, doc["token_hash"], {**doc, "revoked_at": now})
+                ended.append(doc)
+        return ended
 
     # -- changes, each recorded in the operator's history ----------------------------------------------------
     async def add(self, name: str, roles: list[Any], expires_in_s: float | None, by: Operator) -> Doc:
@@ -109,8 +147,16 @@ class OperatorService:
         return {**view(doc, now), "token": token}
 
     async def revoke(self, name: str, by: Operator) -> Doc:
-        old = await self._live(name)
+        """Revoke an operator's token, and end every live single sign-on of that name."""
         now = self.clock()
+        ended = await self._end_sign_ins(name, now)
+        doc = await self.store.get_doc(OPERATOR, name)
+        if (doc is None or doc.get("revoked_at")) and ended:  # a person known only through the provider
+            return {"name": name, "roles": sorted({r for d in ended for r in d["roles"]}), "status": "revoked",
+                    "created_at": min(d["created_at"] for d in ended), "expires_at": None, "rotated_at": None,
+                    "revoked_at": now, "history": [{"action": REVOKED, "sign_ins_ended": len(ended),
+                                                    **by.attribution(now)}]}
+        old = await self._live(name)
         doc = {**old, "revoked_at": now, "history": [*old["history"], {"action": REVOKED, **by.attribution(now)}],
                "version": old["version"] + 1}
         await self._write(doc, old)

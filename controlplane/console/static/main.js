@@ -74,6 +74,11 @@ async function start() {
     show("agents");
   } catch {
     signedIn(false);
+    try {  // single sign-on, when the control plane is configured with a provider
+      const sso = await api("GET", "/v1/auth/oidc");
+      $("sso-link").textContent = `Sign in with single sign-on (${new URL(sso.issuer).host})`;
+      $("sso").hidden = false;
+    } catch { /* not configured: the token form alone */ }
   }
 }
 
