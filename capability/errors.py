@@ -45,6 +45,7 @@ ISOLATION_UNAVAILABLE = "tether.isolation_unavailable"  # tether run cannot enfo
 CONTROLPLANE_UNREACHABLE = "tether.controlplane_unreachable"
 KEY_INVALID = "tether.key_invalid"
 LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot listen where it was told
+CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected credential goes only over verified TLS
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

@@ -8,6 +8,12 @@ itself. Tokens are cached until shortly before they expire and fetched once per 
 rate (concurrent calls share one request). Nothing leaves uncredentialed: no secret, or a token endpoint
 that fails, refuses the call with ``tether.credential_unavailable``.
 
+A credential is injected only into a request that leaves to its capability's exact host and port over TLS
+verified for that host (``capability.credentials.route_refusal``); any other request under that capability is
+refused with ``tether.credential_requires_tls`` before anything leaves. ``CredentialRoutes`` applies the rule
+as soon as the call is decided (before an approval is asked for, a budget unit spent or a start spooled), and
+the ``Injector`` applies it again at the moment it injects.
+
 Every value injected (secrets, tokens, the rendered header values) is handed to the capture writer, which
 redacts it wherever it appears in a captured flow (proxy/capture.py); none is ever logged.
 """
@@ -24,11 +30,11 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 import aiohttp
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from capability import errors as codes
-from capability.catalog import Catalog
-from capability.credentials import Credential
+from capability.catalog import Catalog, host_key, url_route
+from capability.credentials import Credential, Leaving, Route, route_refusal
 
 from .decision import ChainState, Refusal
 from .flowstate import refuse, state_of
@@ -50,6 +56,88 @@ MIN_SCRUB = 6  # shorter values are not scrubbed from captures by value (they wo
 class CredentialUnavailable(Refusal):
     def __init__(self, message: str, *, credential: str) -> None:
         super().__init__(codes.CREDENTIAL_UNAVAILABLE, message, credential=credential)
+
+
+class CredentialRequiresTls(Refusal):
+    def __init__(self, message: str, *, credential: str, route: Route) -> None:
+        super().__init__(codes.CREDENTIAL_REQUIRES_TLS, message + "; the call was not sent", credential=credential,
+                         destination=str(route))
+
+
+def upstream_verified() -> bool:
+    """mitmproxy verifies upstream certificates unless ``ssl_insecure`` is on (tether never turns it on; a
+    sidecar that cannot tell counts as not verifying)."""
+    try:
+        return ctx.options.ssl_insecure is False
+    except AttributeError:
+        return False
+
+
+def leaving(flow: http.HTTPFlow) -> Leaving:
+    """Where and how this request's upstream connection goes.
+
+    mitmproxy connects to the request's host and port, with TLS when its scheme is https, reusing the flow's
+    connection when that one has this address (then its server name, which the tunnel fixed to the CONNECT host,
+    is what the certificate is verified for) and otherwise opening one named for the request's host."""
+    req, conn = flow.request, flow.server_conn
+    reused = conn.address is not None and (conn.address[0], conn.address[1]) == (req.host, req.port)
+    sni = (conn.sni or flow.client_conn.sni or req.host) if reused else req.host  # as mitmproxy chooses it
+    return Leaving(scheme=req.scheme, host=host_key(req.host), port=req.port, sni=host_key(sni),
+                   verified=upstream_verified())
+
+
+def _credential_of(catalog: Catalog, flow: http.HTTPFlow) -> tuple[Credential, Route | None] | None:
+    """The credential this flow's call injects and the route it may go to (None: the catalog names none)."""
+    state = state_of(flow)
+    if state.mcp_server is not None:
+        credential = catalog.mcp_credential(state.mcp_server)
+        return (credential, url_route(state.mcp_server)) if credential is not None else None
+    call = state.call
+    if call is None or not call.capability:
+        return None
+    credential = catalog.credential_of(call.capability)
+    return (credential, catalog.route_of(call.capability)) if credential is not None else None
+
+
+def check_route(catalog: Catalog, flow: http.HTTPFlow) -> Credential | None:
+    """The credential to inject into this flow, or None; raises CredentialRequiresTls when the request would
+    not leave to its capability's exact host and port over verified TLS."""
+    found = _credential_of(catalog, flow)
+    if found is None:
+        return None
+    credential, route = found
+    if route is None:  # the catalog refuses such a capability; a sidecar never sends one a credential
+        raise CredentialRequiresTls(f"the capability of credential {credential.name} names no scheme and port",
+                                    credential=credential.name, route=Route("https", "?", 0))
+    why = route_refusal(route, credential, leaving(flow))
+    if why is not None:
+        raise CredentialRequiresTls(why, credential=credential.name, route=route)
+    return credential
+
+
+class CredentialRoutes:
+    """Refuses a credentialed call that would not leave over verified TLS to its capability's exact host and
+    port, as soon as it is decided: before an approval is asked for, a budget unit taken or a start spooled.
+
+    Runs right after the Enforcer (which names the call's capability or MCP server)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self._check(flow)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        self._check(flow)
+
+    def _check(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            return
+        try:
+            check_route(self.catalog, flow)
+        except Refusal as refusal:
+            log.warning("refused %s %s: %s", flow.request.method, flow.request.pretty_url, refusal.message)
+            refuse(flow, refusal)
 
 
 # -- secrets: parsed and read in proxy/secrets.py (light: tether run reads them without the proxy's imports) ----
@@ -273,13 +361,6 @@ class Injector:
     def __init__(self, catalog: Catalog, credentials: Credentials, chain: ChainState) -> None:
         self.catalog, self.credentials, self.chain = catalog, credentials, chain
 
-    def _credential(self, flow: http.HTTPFlow) -> Credential | None:
-        state = state_of(flow)
-        if state.mcp_server is not None:
-            return self.catalog.mcp_credential(state.mcp_server)
-        call = state.call
-        return self.catalog.credential_of(call.capability) if call is not None and call.capability else None
-
     def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         if flow.response is None and flow.request.stream:
             return self._inject(flow)
@@ -292,7 +373,7 @@ class Injector:
 
     def _inject(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         try:
-            credential = self._credential(flow)
+            credential = check_route(self.catalog, flow)  # again, at the moment it would be injected
             if credential is None:
                 return None
             headers = flow.request.headers

@@ -34,7 +34,7 @@ from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBo
 from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
-from .credentials import Credentials, Injector
+from .credentials import CredentialRoutes, Credentials, Injector
 from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
 from .flowstate import state_of
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
@@ -260,6 +260,7 @@ class Sidecar:
         ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
                            Tunnels(catalog, state, self.track, self.resolve),
                            Enforcer(catalog, state, own_destinations(self.config.controlplane)),
+                           CredentialRoutes(catalog),  # before an approval, a budget unit, a spooled start
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
                            Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier), Streamer(),
                            WebsocketBound()]
