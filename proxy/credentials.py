@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import ssl
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, quote_plus
 
 import aiohttp
 from mitmproxy import ctx, http
@@ -254,6 +255,25 @@ def _token_from(doc: object) -> tuple[str, float]:
     return value, float(expires_in)
 
 
+def spelled(value: bytes) -> set[bytes]:
+    """The ways an injected value can appear in a message a tool sends back: as it is, percent-encoded (a URL, a
+    form), JSON-escaped, and base64 (standard and URL-safe) at each of the three alignments it can start at inside
+    a longer base64 text (a ``Basic`` header, an echoed body): only the characters that depend on the value alone,
+    so the value is found whatever surrounds it. Bodies are searched decoded (proxy/capture.py)."""
+    forms = {value, quote(value, safe="").encode(), quote_plus(value, safe="").encode()}
+    text = value.decode("utf-8", "replace")
+    forms.add(json.dumps(text)[1:-1].encode())
+    forms.add(json.dumps(text, ensure_ascii=False)[1:-1].encode())
+    for offset in range(3):
+        total = offset + len(value)
+        inner = base64.b64encode(b"\0" * offset + value)[(4 if offset else 0):(total // 3) * 4]
+        forms.update((inner, inner.translate(_URLSAFE)))
+    return forms
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
 # -- the sidecar's credentials ---------------------------------------------------------------------------------
 class Credentials:
     """The secrets this sidecar holds and the tokens it has fetched, for one catalog."""
@@ -311,7 +331,8 @@ class Credentials:
             for token in client.issued:
                 out.add(token)
                 out.add(client.credential.render(token))
-        return sorted((v.encode() for v in out if len(v) >= MIN_SCRUB), key=len, reverse=True)
+        spellings = {form for v in out if len(v) >= MIN_SCRUB for form in spelled(v.encode())}
+        return sorted((v for v in spellings if len(v) >= MIN_SCRUB), key=len, reverse=True)
 
     def _client(self, credential: Credential) -> TokenClient:
         client = self.clients.get(credential.name)

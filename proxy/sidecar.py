@@ -79,6 +79,7 @@ class SidecarConfig:
     # stdio MCP servers this sidecar reaches for their bridge: NAME -> the bridge's loopback address (proxy/stdio.py)
     stdio_routes: dict[str, tuple[str, int]] = field(default_factory=dict)
     startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
+    redact_default_fields: bool = True  # the field names that say secret (proxy/capture.py), unless turned off
 
 
 def mitmproxy_addons() -> list[Any]:
@@ -122,7 +123,7 @@ class Sidecar:
         self.retired: str | None = None  # why this run may never serve (its chain is revoked or expired)
         self.reporter = Reporter(self.channel, config.state_dir / "reports.spool")
         self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
-                                     config.redact_fields)
+                                     config.redact_fields, default_fields=config.redact_default_fields)
         self.allow_uncaptured = config.allow_uncaptured
         self.calls = CallTable()
         self.credentials = Credentials(config.secrets, config.upstream_ca)
