@@ -116,9 +116,21 @@ def check_route(catalog: Catalog, flow: http.HTTPFlow) -> Credential | None:
     return credential
 
 
+def check_scheme(catalog: Catalog, flow: http.HTTPFlow) -> None:
+    """A capability that names its ``scheme`` is reached over that scheme only: another request to its host and
+    port does not fall under it (``tether.capability_absent``, reason ``scheme``). (Matching itself compares host,
+    port, method and path; the scheme is read here, once the capability is known.)"""
+    call = state_of(flow).call
+    cap = catalog.capabilities.get(call.capability or "") if call is not None else None
+    if cap is not None and cap.http is not None and cap.http.scheme not in (None, flow.request.scheme):
+        raise Refusal(codes.CAPABILITY_ABSENT, f"capability {cap.name} is reached over {cap.http.scheme} only; this "
+                      f"request is {flow.request.scheme}", reason="scheme")
+
+
 class CredentialRoutes:
     """Refuses a credentialed call that would not leave over verified TLS to its capability's exact host and
     port, as soon as it is decided: before an approval is asked for, a budget unit taken or a start spooled.
+    Also refuses a call over another scheme than its capability names (``check_scheme``).
 
     Runs right after the Enforcer (which names the call's capability or MCP server)."""
 
@@ -136,6 +148,7 @@ class CredentialRoutes:
             return
         try:
             check_route(self.catalog, flow)
+            check_scheme(self.catalog, flow)
         except Refusal as refusal:
             log.warning("refused %s %s: %s", flow.request.method, flow.request.pretty_url, refusal.message)
             refuse(flow, refusal)

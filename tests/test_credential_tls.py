@@ -11,6 +11,7 @@ inside a CONNECT, another port).
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import ssl
@@ -136,6 +137,21 @@ async def test_the_route_check_reads_mitmproxys_upstream_verification_option() -
 
     assert flow() is None
     assert flow(ssl_insecure=True) == REQUIRES_TLS
+
+
+async def test_a_capability_that_names_its_scheme_is_reached_over_it_only() -> None:
+    catalog = parse_catalog('capabilities:\n  s.read: {http: {host: a.example, port: 8443, scheme: https, '
+                            'methods: [GET], path: "/*"}}\n')
+    guard = CredentialRoutes(catalog)
+    for scheme, refused_with in ((b"https", None), (b"http", "tether.capability_absent")):
+        f = tflow.tflow(req=tutils.treq(scheme=scheme, host="a.example", port=8443, path=b"/x"))
+        state_of(f).call = Call(call_id="c", agent="a", method="GET", url=f.request.url, started_at=0.0,
+                                capability="s.read")
+        with taddons.context():
+            guard.request(f)
+        assert (f.response.headers.get("Tether-Error") if f.response else None) == refused_with
+        if f.response:
+            assert json.loads(f.response.content)["error"]["reason"] == "scheme"
 
 
 # -- end to end ------------------------------------------------------------------------------------------------
