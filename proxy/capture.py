@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ class Fields:
 
     named: frozenset[str] = frozenset()
     defaults: bool = True
+    _memo: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # name -> answer
 
     @classmethod
     def of(cls, names: Iterable[str] = (), *, defaults: bool = True) -> Fields:
@@ -69,8 +71,14 @@ class Fields:
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        key = field_key(name)
-        return key in self.named or (self.defaults and key.endswith(SECRET_FIELD_ENDINGS))
+        answer = self._memo.get(name)
+        if answer is None:  # a few distinct names recur in every body: each is judged once
+            key = field_key(name)
+            answer = key in self.named or (self.defaults and key.endswith(SECRET_FIELD_ENDINGS))
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[name] = answer
+        return answer
 
     def __bool__(self) -> bool:
         return self.defaults or bool(self.named)
@@ -85,6 +93,7 @@ class Fields:
 
 
 FieldNames = Fields | frozenset[str]
+_JSON_KEY = re.compile(rb'"([^"]*)"\s*:')
 UNDECODABLE = b"[REDACTED: undecodable encoded body]"
 
 
@@ -124,6 +133,9 @@ def _redact_fields(body: bytes, media: str, fields: FieldNames) -> bytes | None:
     # redacted as JSON; a server that parses it leniently would see the secret otherwise.
     if "json" not in media and body.lstrip()[:1] not in (b"{", b"["):
         return body
+    if b"\\" not in body and not any(k.decode("utf-8", "replace").lower() in fields
+                                      for k in dict.fromkeys(_JSON_KEY.findall(body))):
+        return body  # no key it redacts (without escapes, every key is a quoted run followed by a colon)
     try:
         value = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -71,6 +71,20 @@ def test_the_default_field_names_say_secret_and_others_pass() -> None:
     assert not Fields.of(defaults=False) and Fields.of()
 
 
+@pytest.mark.parametrize(("media", "body"), [
+    ("application/json", b'{"a": [{"b": {"Client-Secret": "SECRET"}}]}'),
+    ("application/json", b'{"pass\\u0077ord": "SECRET"}'),  # an escaped name is the same key
+    ("text/plain", b'  {"refreshToken" : "SECRET"}'),
+    ("application/x-www-form-urlencoded", b"user=u&pass%77ord=SECRET"),
+], ids=["nested", "escaped-name", "json-as-text", "form-escaped-name"])
+def test_default_fields_are_redacted_however_the_name_is_written(media: str, body: bytes) -> None:
+    flow = tflow.tflow(resp=True)
+    flow.request.method, flow.request.headers["Content-Type"], flow.request.content = "POST", media, body
+    data = encode_flow(flow, Fields.of(), Conns())
+    assert b"SECRET" not in data and b"REDACTED" in data
+    assert b"SECRET" in encode_flow(flow, Fields.of(defaults=False), Conns())  # the default is what redacted it
+
+
 def json_flow(body: dict[str, Any], *, gzipped: bool) -> http.HTTPFlow:
     flow = tflow.tflow(resp=True)
     flow.response.headers["Content-Type"] = "application/json"
