@@ -386,4 +386,8 @@ def test_zz_only_the_genuine_listeners_saw_a_secret_and_refusals_are_reported(wo
     plain, genuine = world.plain.port, world.genuine.port
     wanted = {f"http://127.0.0.1:{plain}/p/steal", f"http://127.0.0.1:{genuine}/g/steal"}
     wait_until(lambda: wanted <= refused_urls(), 30, interval=0.3, what="the refusals' reports")
+    # the impostor's certificate failed the connection before the request was written
+    impostor = f"https://127.0.0.1:{world.impostor.port}/i/steal"
+    resolutions = {r["url"]: r["resolution"] for r in reports_for(world.sidecar.cp, "cred.tls")}
+    assert resolutions.get(impostor) == "failed_not_sent", resolutions
     assert SECRET not in world.sidecar.log_text and LOOP_SECRET not in world.sidecar.log_text
