@@ -16,6 +16,7 @@ import asyncio
 import base64
 import gzip
 import json
+import os
 import secrets
 import subprocess
 import threading
@@ -234,7 +235,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from capability import keys
 
     cp.signing_key_path.write_bytes(keys.private_pem(keys.generate()))
-    cp.start()
+    os.environ["TETHER_CAPTURES"] = str(cp.directory / "sidecars")  # the console's HAR download reads them
+    try:
+        cp.start()
+    finally:
+        os.environ.pop("TETHER_CAPTURES", None)
     identity = cp.issue("redact.agent", {"echo.write": "direct", "echo.held": "approval"})
     sidecar = SidecarProcess(cp, identity, ["--secret", f"tool=file:{secret_dir / 'tool'}"])
     sidecar.start(upstream_ca=ca.ca_pem)
@@ -298,6 +303,10 @@ def test_no_secret_in_any_capture_har_console_view_log_spool_record_or_store(wor
     texts = [e["response"]["content"].get("text", "") for e in har["log"]["entries"]]
     assert len(har["log"]["entries"]) >= 4 and any('"visible"' in t for t in texts)  # decoded, and shown
     assert any("[REDACTED]" in t for t in texts)
+    # the console's HAR download (the same export, served by the control plane)
+    console_har = admin.request("GET", "/v1/captures/har?agent=redact.agent")
+    assert len(console_har["log"]["entries"]) == len(har["log"]["entries"])
+    (world.root / "console.har").write_text(json.dumps(console_har))
     assert list(world.cp.directory.glob("*.db-wal")), "the control plane's WAL is where this test looks"
     assert hits(world.root) == []
 
