@@ -48,6 +48,7 @@ LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot
 FILE_EXISTS = "tether.file_exists"  # a key (or other file tether creates) is already there: never overwritten
 SIGNING_KEY_MISMATCH = "tether.signing_key_mismatch"  # the signing key did not sign the record log it would extend
 MCP_SESSION_UNKNOWN = "tether.mcp_session_unknown"  # an Mcp-Session-Id this sidecar run did not see issued
+CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected credential goes only over verified TLS
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:
