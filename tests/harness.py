@@ -352,6 +352,7 @@ class ControlPlaneProcess:
     store: str | None = None
     proc: subprocess.Popen | None = None
     tls: TestCA | None = None  # served over TLS with this CA's server certificate (localhost, 127.0.0.1)
+    options: tuple[str, ...] = ()  # more `controlplane serve` options (single sign-on's, say)
 
     @property
     def url(self) -> str:
@@ -393,7 +394,8 @@ class ControlPlaneProcess:
             [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
              "--store", store, "--catalog", str(self.catalog_path), "--signing-key", str(self.signing_key_path),
              "--lease-ttl", str(self.lease_ttl), "--grace", str(self.grace),
-             *(["--tls-cert", str(self.tls.cert_pem), "--tls-key", str(self.tls.key_pem)] if self.tls else [])],
+             *(["--tls-cert", str(self.tls.cert_pem), "--tls-key", str(self.tls.key_pem)] if self.tls else []),
+             *self.options],
             stdout=log, stderr=log, env=self.env())
         wait_until(self.healthy, 20, what=f"control plane on {self.port} (log {self.directory}/controlplane.log)")
         return self
