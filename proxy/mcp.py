@@ -460,15 +460,19 @@ class SseListsFilter:
     Used as mitmproxy's ``flow.response.stream`` callable: it never yields an empty chunk (on a chunked
     answer that would end the body early) and flushes what is left on the final call. An event whose data
     is not JSON cannot be filtered and is dropped; a stream that stops decoding is cut from there on.
+
+    Linear in the stream: each byte is appended once, scanned for line ends once (an unfinished line holds
+    no line end, so the scan goes on from where the last one stopped), copied once into its event, and read
+    once more by the event's rewrite. A 10 MB ``tools/list`` is one event of one ``data:`` line that arrives
+    in hundreds of chunks; rescanning or recopying the unfinished part per chunk made that quadratic.
     """
 
     def __init__(self, allowed: Visible | Callable[[str], bool], decoder: Decoder | None = None) -> None:
         self.allowed = as_visible(allowed)
         self.decoder = decoder
-        self.buffer = b""
-        self.scanned = 0  # where the line scan of the event in ``buffer`` stopped
+        self.pending = bytearray()  # the unfinished event: its complete lines, then the unfinished line
+        self.line_start = 0  # where the unfinished line begins in ``pending``
         self.after_cr = False  # the last byte scanned was a CR: an LF right after it belongs to it
-        self.event_start = True
         self.started = False
         self.broken: str | None = None
         self.removed = 0
@@ -485,40 +489,51 @@ class SseListsFilter:
         except Unreadable as exc:
             self.broken = str(exc)
             return []
+        if not chunk and not final:
+            return []  # a coding's header, say: nothing to read yet (and a CR just read still waits for its LF)
+        scan_from = len(self.pending)
         if self.after_cr and chunk.startswith(b"\n"):
             # The CR ended its line when it arrived (as a client does, so an idle stream is not held back);
-            # this LF completes that CRLF. Dropping it keeps the client reading exactly the lines read here.
-            chunk = chunk[1:]
+            # this LF completes that CRLF. Still beside its CR (in the unfinished event) it stays, read already;
+            # after a CR that has left (it ended an event), it is dropped. Either way the client reads exactly
+            # the lines read here (an LF sent apart from its CR would be a blank line to it, and one sent
+            # back beside it would swallow the blank line that follows).
+            if self.pending:
+                scan_from += 1
+                self.line_start += 1
+            else:
+                chunk = chunk[1:]
         self.after_cr = False
-        self.buffer += chunk
+        self.pending += chunk
         if not self.started:
-            if len(self.buffer) < len(_BOM) and not final:
+            if len(self.pending) < len(_BOM) and not final:
                 return []
             self.started = True
-            if self.buffer.startswith(_BOM):  # the client skips one at the start; so does the parse here
-                self.buffer = self.buffer[len(_BOM):]
-        return [out for out in (self._rewrite(event) for event in self._events(final)) if out]
+            scan_from = 0
+            if self.pending.startswith(_BOM):  # the client skips one at the start; so does the parse here
+                del self.pending[:len(_BOM)]
+        return [out for out in (self._rewrite(event) for event in self._events(scan_from, final)) if out]
 
-    def _events(self, final: bool) -> list[bytes]:
+    def _events(self, scan_from: int, final: bool) -> list[bytes]:
+        """The events completed by the bytes from ``scan_from`` on (and on the final call, what is left)."""
         events = []
-        buf = self.buffer
-        line_start = self.scanned
-        begin = 0
-        while True:
-            m = _EOL.search(buf, line_start)
-            if m is None:
-                break
-            blank = m.start() == line_start
+        buf = self.pending
+        line_start = self.line_start
+        begin = 0  # where the first event not yet cut out begins
+        for m in _EOL.finditer(buf, scan_from):
+            if m.start() == line_start:  # a blank line ends the event
+                events.append(bytes(buf[begin:m.end()]))
+                begin = m.end()
             line_start = m.end()
-            if blank:
-                events.append(buf[begin:line_start])
-                begin = line_start
         self.after_cr = line_start == len(buf) and buf.endswith(b"\r")
-        self.buffer = buf[begin:]
-        self.scanned = line_start - begin
-        if final and self.buffer:
-            events.append(self.buffer)
-            self.buffer, self.scanned = b"", 0
+        # Everything before ``begin`` is cut out; what stays arrived in this chunk (it follows a line end
+        # found in it), so the deletion copies no more than the chunk.
+        del buf[:begin]
+        self.line_start = line_start - begin
+        if final and buf:
+            events.append(bytes(buf))
+            buf.clear()
+            self.line_start = 0
         return events
 
     def _rewrite(self, event: bytes) -> bytes:
