@@ -21,7 +21,7 @@ import binascii
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -447,7 +447,34 @@ def filter_json_body(body: bytes, allowed: Visible | Callable[[str], bool]) -> t
     return (b"" if value is None else json.dumps(value).encode()), removed
 
 
-_EOL = re.compile(rb"\r\n|\r|\n")  # SSE lines end in CRLF, LF or a lone CR, all three equally
+def _line_ends(buf: bytes | bytearray, pos: int = 0) -> Iterator[tuple[int, int]]:
+    """Where each line of ``buf`` from ``pos`` on ends, as (first byte of the line end, first byte after it).
+    SSE lines end in CRLF, LF or a lone CR, all three equally; a CR last in ``buf`` ends its line (whatever
+    follows later). Each byte is looked at once, by ``bytes.find`` (a regular expression's alternation reads
+    about 70 MB/s here, ``find`` several GB/s)."""
+    cr, lf = buf.find(b"\r", pos), buf.find(b"\n", pos)
+    while cr >= 0 or lf >= 0:
+        if lf < 0 or 0 <= cr < lf:
+            at, end = cr, (cr + 2 if lf == cr + 1 else cr + 1)
+        else:
+            at, end = lf, lf + 1
+        yield at, end
+        if 0 <= cr < end:
+            cr = buf.find(b"\r", end)
+        if 0 <= lf < end:
+            lf = buf.find(b"\n", end)
+
+
+def _lines(event: bytes) -> list[bytes]:
+    """An event's lines without their line ends (the last one empty when the event ends in a line end)."""
+    lines, start = [], 0
+    for at, end in _line_ends(event):
+        lines.append(event[start:at])
+        start = end
+    lines.append(event[start:])
+    return lines
+
+
 _BOM = b"\xef\xbb\xbf"
 DROPPED = b": tether dropped an event it could not read\n\n"
 
@@ -520,11 +547,11 @@ class SseListsFilter:
         buf = self.pending
         line_start = self.line_start
         begin = 0  # where the first event not yet cut out begins
-        for m in _EOL.finditer(buf, scan_from):
-            if m.start() == line_start:  # a blank line ends the event
-                events.append(bytes(buf[begin:m.end()]))
-                begin = m.end()
-            line_start = m.end()
+        for at, end in _line_ends(buf, scan_from):
+            if at == line_start:  # a blank line ends the event
+                events.append(bytes(buf[begin:end]))
+                begin = end
+            line_start = end
         self.after_cr = line_start == len(buf) and buf.endswith(b"\r")
         # Everything before ``begin`` is cut out; what stays arrived in this chunk (it follows a line end
         # found in it), so the deletion copies no more than the chunk.
@@ -537,7 +564,7 @@ class SseListsFilter:
         return events
 
     def _rewrite(self, event: bytes) -> bytes:
-        lines = _EOL.split(event)
+        lines = _lines(event)
         data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
         if not data_idx:
             return event

@@ -9,6 +9,7 @@ Correctness only: how long a large answer takes is measured in bench/bench_tools
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import zlib
@@ -48,7 +49,7 @@ def run(f: mcp.SseListsFilter, pieces: list[bytes]) -> bytes:
 
 def cut(body: bytes, edges: list[int]) -> list[bytes]:
     points = sorted({e % (len(body) + 1) for e in edges} | {0, len(body)})
-    return [body[a:b] for a, b in zip(points, points[1:]) if b > a]
+    return [body[a:b] for a, b in itertools.pairwise(points) if b > a]
 
 
 EOLS = [b"\n", b"\r\n", b"\r"]
@@ -124,7 +125,7 @@ def test_a_cr_at_a_chunks_end_waits_for_its_lf_across_chunks_that_decode_to_noth
 # -- end to end: a multi-MB list in small writes, through a real sidecar -------------------------------------
 def big_tools() -> list[dict[str, Any]]:
     """About 4.5 MB of tools: two granted ones that are large themselves, thousands that are not granted."""
-    tools = [{"name": "add", "description": "add " + "é∕ \\n " * 170_000, "inputSchema": {"type": "object"}}]
+    tools = [{"name": "add", "description": "add " + "\u00e9\u2215 \\n " * 170_000, "inputSchema": {"type": "object"}}]
     tools += [{"name": f"tool_{i:05d}", "description": f"filler {i} " + "y" * 900, "inputSchema": {}}
               for i in range(3000)]
     tools.append({"name": "send_email", "description": "mail " + "z" * 500_000, "inputSchema": {"type": "object"}})
