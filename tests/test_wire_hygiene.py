@@ -18,12 +18,14 @@ from aiohttp import web
 
 from .conftest import World, build_world, teardown_world
 from .harness import TestCA, ToolServer, wait_until
+from .test_path_hardening import RawTap
 
 CATALOG = """
 capabilities:
   public.read:  {{http: {{host: 127.0.0.1, port: {port}, methods: [GET], path: "/api/public/*"}}}}
   public.write: {{http: {{host: 127.0.0.1, port: {port}, methods: [POST], path: "/api/public/*"}}}}
   private.read: {{http: {{host: 127.0.0.1, port: {port}, methods: [GET, POST], path: "/api/private/*"}}}}
+  raw.read:     {{http: {{host: 127.0.0.1, port: {tap}, methods: [GET], path: "/api/public/*"}}}}
 """
 
 
@@ -50,20 +52,34 @@ class LoggingTool(ToolServer):
 
 
 @pytest.fixture(scope="module")
-def wired(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterator[tuple[LoggingTool, Any]]:
-    tool = LoggingTool().start()
+def world_and_tap(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterator[tuple[Any, RawTap]]:
+    tool, tap = LoggingTool().start(), RawTap().start()
     world: World = build_world(tmp_path_factory.mktemp("wire"), test_ca)
-    world.cp.catalog_path.write_text(CATALOG.format(port=tool.port))
+    world.cp.catalog_path.write_text(CATALOG.format(port=tool.port, tap=tap.port))
     world.cp.start()
     try:
         sidecar = world.sidecar(world.cp.issue("wire", {"public.read": "direct", "public.write": "direct",
-                                                        "private.read": "absent"}))
-        yield tool, sidecar
+                                                        "private.read": "absent", "raw.read": "direct"}))
+        yield (tool, sidecar), tap
         # Whatever was sent, the sidecar wrote no traceback (stderr and its log go to the same file).
         assert "Traceback" not in sidecar.log_text, sidecar.log_text[-3000:]
     finally:
         teardown_world(world)
         tool.stop()
+        tap.stop()
+
+
+@pytest.fixture(scope="module")
+def wired(world_and_tap: tuple[Any, RawTap]) -> tuple[LoggingTool, Any]:
+    return world_and_tap[0]
+
+
+@pytest.fixture(scope="module")
+def tapped(world_and_tap: tuple[Any, RawTap]) -> tuple[RawTap, Any]:
+    """A raw TCP upstream that keeps every request head byte for byte (no HTTP parser of its own to refuse
+    first), behind the same sidecar."""
+    (_, sidecar), tap = world_and_tap
+    return tap, sidecar
 
 
 def connect(proxy: str) -> socket.socket:
@@ -134,14 +150,24 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("what", list(MALFORMED))
-def test_malformed_fields_are_refused_as_bad_requests(wired: Any, what: str) -> None:
-    tool, sidecar = wired
-    target = f"/api/public/malformed-{len(tool.seen)}-{what.replace(' ', '-')}"
-    answer = send(sidecar.proxy, request(tool, target, fields=MALFORMED[what]))
-    assert target not in tool.paths()
+def test_malformed_fields_are_refused_as_bad_requests(tapped: Any, what: str) -> None:
+    tap, sidecar = tapped
+    target = f"/api/public/malformed-{len(tap.heads)}-{what.replace(' ', '-')}"
+    raw = (f"GET http://127.0.0.1:{tap.port}{target} HTTP/1.1\r\nHost: 127.0.0.1:{tap.port}\r\n".encode()
+           + MALFORMED[what] + b"Connection: close\r\n\r\n")
+    answer = send(sidecar.proxy, raw)
+    assert not [t for t in tap.targets() if target.encode() in t]
     if answer[0] == 400 and "tether-error" not in answer[1]:
         return  # mitmproxy's own parser refused it first (a 400 of its own): it never reached tether or the tool
     refused(answer, 400, "tether.bad_request", "malformed_field")
+
+
+def test_a_well_formed_request_reaches_the_raw_upstream(tapped: Any) -> None:
+    tap, sidecar = tapped
+    raw = (f"GET http://127.0.0.1:{tap.port}/api/public/well-formed HTTP/1.1\r\nHost: 127.0.0.1:{tap.port}\r\n"
+           "X-Note: fine\r\nConnection: close\r\n\r\n").encode()
+    assert send(sidecar.proxy, raw)[0] == 200
+    assert tap.targets()[-1] == b"GET /api/public/well-formed HTTP/1.1"
 
 
 def trailered(tool: LoggingTool, target: str, trailer: bytes) -> bytes:
