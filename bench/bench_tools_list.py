@@ -19,9 +19,10 @@ tether's read + parse within 1.5x of direct's (what an agent waits for before it
 cannot get there for any proxy that filters: the sidecar must parse the whole answer before it knows what to
 pass, which costs about what the direct client's own parse costs.
 
-Meanwhile a second client, on its own connection through the same proxy, calls ``add`` every 20 ms: its latency
-while the big answer is in flight against the same call's latency with nothing else going on (printed as p50 and
-max per setup). A proxy that is busy filtering delays it.
+Meanwhile a second client, in a process of its own and on its own connection through the same proxy, calls
+``add`` every 20 ms: its latency while the big answer is in flight (from the request until the big client has
+it) against the same call's latency with nothing else going on (printed as p50 and max per setup). A proxy
+that is busy filtering delays it; so does the upstream while it writes the big answer, and the machine's load.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -140,41 +142,58 @@ async def big_list(session: aiohttp.ClientSession, url: str, proxy: str | None,
     return read, time.perf_counter() - start, len(data), len(names)
 
 
-async def add_call(session: aiohttp.ClientSession, url: str, proxy: str | None) -> float:
-    body = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "add",
-                                                                                       "arguments": {"a": 1}}})
-    start = time.perf_counter()
-    async with session.post(url, data=body, proxy=proxy, headers=HEADERS) as resp:
-        data = await resp.read()
+ADD = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "add", "arguments": {"a": 1}}})
+
+
+def add_caller(url: str, proxy: str | None, idle_calls: int, go: Any, stop: Any, out: Any) -> None:
+    """The other call, in a process of its own (so the client's own work on the big answer does not delay it):
+    ``idle_calls`` calls of ``add`` alone, then, from ``go`` until ``stop``, one every 20 ms."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    target = urlsplit(url)
+    where = urlsplit(proxy) if proxy else target
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+
+    def one() -> float:
+        start = time.perf_counter()
+        conn.request("POST", url if proxy else target.path, ADD, HEADERS)
+        resp = conn.getresponse()
+        data = resp.read()
         if resp.status != 200 or b'"2"' not in data:
             raise RuntimeError(f"tools/call add: {resp.status} {data[:300]!r}")
-    return time.perf_counter() - start
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        one()  # warm the connection
+    out.put([one() for _ in range(idle_calls)])
+    go.wait()
+    during = []
+    while not stop.is_set():
+        during.append(one())
+        stop.wait(0.02)
+    out.put(during)
 
 
 async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int) -> dict[str, Any]:
-    """The small call alone, then the big list with the small call repeating beside it."""
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as big, aiohttp.ClientSession(timeout=timeout) as small:
-        for _ in range(3):
-            await add_call(small, url, proxy)  # warm the connection
-        idle = [await add_call(small, url, proxy) for _ in range(idle_calls)]
-        during: list[float] = []
-        done = asyncio.Event()
-
-        async def beside() -> None:
-            while not done.is_set():
-                during.append(await add_call(small, url, proxy))
-                try:
-                    await asyncio.wait_for(done.wait(), 0.02)
-                except TimeoutError:
-                    pass
-
-        other = asyncio.create_task(beside())
-        try:
-            elapsed, used, size, tools = await big_list(big, url, proxy, kind)
-        finally:
-            done.set()
-            await other
+    """The small call alone, then the big list with the small call repeating beside it (another process)."""
+    mp = multiprocessing.get_context("spawn")
+    go, stop, out = mp.Event(), mp.Event(), mp.Queue()
+    caller = mp.Process(target=add_caller, args=(url, proxy, idle_calls, go, stop, out))
+    caller.start()
+    try:
+        idle = await asyncio.to_thread(out.get, True, 120)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as big:
+            go.set()
+            try:
+                elapsed, used, size, tools = await big_list(big, url, proxy, kind)
+            finally:
+                stop.set()
+        during = await asyncio.to_thread(out.get, True, 120)
+    finally:
+        caller.join(30)
+        if caller.is_alive():
+            caller.kill()
     return {"elapsed": elapsed, "used": used, "size": size, "tools": tools, "idle": idle, "during": during}
 
 
