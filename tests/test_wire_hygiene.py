@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
@@ -324,3 +325,31 @@ def test_the_sidecar_logged_no_traceback(wired: Any) -> None:
     _, sidecar = wired
     wait_until(lambda: sidecar.log_text, 10, what="the sidecar's log")
     assert "Traceback" not in sidecar.log_text, sidecar.log_text[-3000:]
+
+
+# -- the rules alone (pure: proxy.decision and the edge's one pass over the fields) ---------------------------
+def test_every_folding_and_format_character_is_refused_in_a_path() -> None:
+    from proxy.decision import FOLDING_CHARS, Refused, decide
+
+    from .test_decision import CATALOG, STATE, facts
+
+    format_chars = [chr(c) for c in range(0x80, 0x30000) if unicodedata.category(chr(c)) == "Cf"]
+    for char in sorted(FOLDING_CHARS) + format_chars:
+        encoded = "".join(f"%{b:02x}" for b in char.encode())
+        for path in (f"/files/a{char}b", f"/files/a{encoded}b", f"/files/a{encoded.replace('%', '%25')}b"):
+            answer = decide(CATALOG, STATE, facts(path=path))
+            assert isinstance(answer, Refused) and answer.refusal.details["reason"] == "path_character", (path, answer)
+    for path in ("/files/caf\u00e9", "/files/%C3%A9t%C3%A9", "/files/a?q=\u200b", "/files/a?method=fast"):
+        assert not isinstance(decide(CATALOG, STATE, facts(path=path)), Refused), path
+
+
+def test_the_field_pass_names_malformed_fields_and_underscore_spellings() -> None:
+    from proxy.enforce import header_facts
+
+    ok = header_facts(((b"Host", b"a"), (b"X-Note", b"v"), (b"X-Original-URL", b"/x")))
+    assert ok.malformed is None and ok.spelled == () and ok["x-original-url"] == "/x"
+    for fields in (((b"X-A", b"1\r\n 2"),), ((b"X-A", b"1\r2"),), ((b"X-A", b"1\n2"),), ((b"X-A", b"\x00"),),
+                   ((b"X A", b"1"),), ((b"X-A ", b"1"),), ((b"", b"1"),)):
+        assert header_facts(fields).malformed is not None, fields
+    spelled = header_facts(((b"X_Original_URL", b"/x"), (b"x_forwarded_HOST", b"e"), (b"X_Custom_Thing", b"1")))
+    assert spelled.spelled == ("X_Original_URL", "x_forwarded_HOST") and spelled.malformed is None
