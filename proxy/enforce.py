@@ -190,6 +190,9 @@ class Enforcer:
             self._decide(flow, at_headers=True)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        # Trailer fields stop here (proxy/framing.py drops them from HTTP/1 bodies; an HTTP/2 agent's would be
+        # sent on after this hook): nothing was decided on them.
+        flow.request.trailers = None
         if flow.response is not None or flow.request.stream:
             return  # answered by tether already, or decided at the headers and streaming
         state = state_of(flow)
