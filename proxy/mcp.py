@@ -586,7 +586,8 @@ class SseListsFilter:
         self.removed += removed
         if value is None:
             return b""  # a notification about an item the agent does not hold: no event at all
-        kept = [line for i, line in enumerate(lines) if line and i not in data_idx]
+        data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
+        kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
         kept.append(b"data: " + json.dumps(value).encode())
         return b"\n".join(kept) + b"\n\n"
 
