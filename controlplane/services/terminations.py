@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from .sidecars import SidecarService
 log = logging.getLogger("tether.termination")
 DRIVE_INTERVAL_S = 0.25
 LEASE_S = 5.0
+RECORD_PAGE = 2000  # call entries per page: what a record's writer holds at once
 ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are watched for a late acknowledgement
 
 
@@ -111,9 +113,10 @@ class TerminationService:
         return await self.store.list_docs("termination")
 
     async def record(self, record_id: str, caller: Caller | None) -> Doc:
-        """A record, to an admin or to the principal that requested its termination."""
+        """A record's header (every field but its calls: ``records.text`` streams it whole), to an admin or to
+        the principal that requested its termination."""
         try:
-            record = await self.records.record(record_id)
+            record = await self.records.head(record_id)
         except ApiError:
             self.may_follow(caller, None)  # an unknown id is nobody's business but an admin's
             raise
@@ -186,18 +189,20 @@ class TerminationService:
         store = self.store
         links = _links_of(doc, await self.grants.graph())
         while True:
-            records = await store.records()
-            earlier = [r for r in records if r["termination_id"] == doc["id"]]
-            addendum = proto.build_addendum(  # the whole log: calls another termination's record holds stay out
-                doc, records, record_id="rec-" + os.urandom(8).hex(),
-                reports=[r for r in await store.reports(doc["agents"]) if _reported_under(r, links)],
-                runs=mine, acks=acks, prev_hash=records[-1]["hash"] if records else "", now=self.clock())
-            if addendum is None:
+            heads = await store.record_heads()  # the whole log: calls another termination's record holds stay out
+            earlier = [r for r in heads if r["termination_id"] == doc["id"]]
+            late = proto.late_agents(doc, heads, mine, acks)
+            if not late:
+                addendum = None
                 break
-            sealed = proto.seal(addendum, self.signing_key)
-            if await store.append_record(sealed):
-                log.info("termination %s: addendum %s (late: %s)", doc["id"], sealed["record_id"],
-                         ", ".join(proto.terminated_agents(sealed)))
+            record_id = "rec-" + os.urandom(8).hex()
+            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads, agents=late, late=True)
+            staged = await self._stage_reports(builder, record_id, late, links)
+            addendum = proto.addendum_header(builder, record_id=record_id,
+                                             prev_hash=heads[-1]["hash"] if heads else "", now=self.clock())
+            if await self._append(addendum, record_id, staged):
+                log.info("termination %s: addendum %s (late: %s)", doc["id"], record_id,
+                         ", ".join(proto.terminated_agents(addendum)))
                 break
         still = [u["agent"] for u in (addendum or earlier[-1])["agents_unaccounted"]]
         await self._save(doc, {**doc, "open_agents": still, "version": doc["version"] + 1})
@@ -301,44 +306,77 @@ class TerminationService:
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
 
-        The store is read on the event loop; assembling, hashing and signing the record (tens of thousands
-        of calls in a big termination) run in a worker thread so the API keeps answering meanwhile."""
+        A page of reports at a time (``RecordBuilder``): each page's call entries are encoded in a worker
+        thread and staged in the store, so neither the control plane's memory nor its event loop ever holds
+        more than a page; the record is then hashed over its staged entries, signed, and its header appended
+        on the head of the chain (a compare-and-set: a writer that lost the race drops what it staged and
+        builds again on the new head, which may hold some of its calls)."""
         store = self.store
         while True:
-            records = await store.records()
-            for record in records:
-                if record["termination_id"] == doc["id"]:  # written before a restart: never a second record
-                    return record["record_id"], [u["agent"] for u in record["agents_unaccounted"]]
+            heads = await store.record_heads()
+            for head in heads:
+                if head["termination_id"] == doc["id"]:  # written before a restart: never a second record
+                    return head["record_id"], [u["agent"] for u in head["agents_unaccounted"]]
             graph = await self.grants.graph()
             hashes = _links_of(doc, graph)
             links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
             mine, acks = await self.facts(doc)
-            # A call belongs to the first record that holds it as reported (proto.ownership): an overlapping
-            # termination's record, or an earlier one of the same agents (re-granted), is passed as the log.
-            everything = [r for r in await store.reports(doc["agents"]) if _reported_under(r, hashes)]
-            ended = {r["call_id"] for r in everything}
-            starts = [s for s in await store.starts(doc["agents"])
-                      if s["call_id"] not in ended and _reported_under(s, hashes)]
-            inputs = dict(
-                record_id="rec-" + os.urandom(8).hex(),
-                reports=everything,
-                log=records,
-                starts=starts,
-                links=links,
-                revocations=await store.revocations(),
-                runs=mine,
-                acks=acks,
-                prev_hash=records[-1]["hash"] if records else "",
-                now=self.clock(),
+            record_id = "rec-" + os.urandom(8).hex()
+            # A call belongs to the first record that holds it as reported (an overlapping termination's
+            # record, or an earlier one of the same agents, re-granted): the store's index of the log says.
+            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads)
+            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes)
+            # Calls written ahead or last listed in flight and never heard of again end the record as unknown.
+            starts = [s for s in await store.starts(doc["agents"]) if _reported_under(s, hashes)]
+            candidates = sorted({s["call_id"] for s in starts} | proto.inflight_ids(doc["agents"], mine, acks))
+            agents = set(doc["agents"])
+            ended = {r["call_id"] for r in await store.reports_among(candidates)
+                     if r.get("agent") in agents and _reported_under(r, hashes)}
+            held = {cid for cid, (owner, _) in (await store.call_holders(candidates)).items() if owner}
+            header, unknown = builder.finish(
+                record_id=record_id, seen=ended | held, starts=[s for s in starts if s["call_id"] not in ended],
+                links=links, revocations=await store.revocations(),
                 budgets=await budget_use(store, links, self.clock()),
-            )
-            sealed = await asyncio.to_thread(_sealed_record, doc, inputs, self.signing_key)
-            if await store.append_record(sealed):
-                return sealed["record_id"], [u["agent"] for u in sealed["agents_unaccounted"]]
+                prev_hash=heads[-1]["hash"] if heads else "", now=self.clock())
+            staged = await self._stage(record_id, staged, unknown)
+            if await self._append(header, record_id, staged):
+                return record_id, [u["agent"] for u in header["agents_unaccounted"]]
+
+    async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
+                             links: set[str]) -> int:
+        """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many."""
+        staged = 0
+        async for page in self.store.report_pages(sorted(agents), RECORD_PAGE):
+            page = [r for r in page if _reported_under(r, links)]
+            holders = await self.store.call_holders([r["call_id"] for r in page])
+            staged = await self._stage(record_id, staged, builder.take(page, holders))
+        return staged
+
+    async def _stage(self, record_id: str, start: int, entries: list[Doc]) -> int:
+        if entries:
+            await self.store.stage_calls(record_id, start, await asyncio.to_thread(_encoded, entries))
+        return start + len(entries)
+
+    async def _append(self, header: Doc, record_id: str, staged: int) -> bool:
+        """Hash the record over its staged entries, sign it and append its header; False (what was staged
+        dropped) when another record was appended first."""
+        opening, closing = proto.record_frame(header)
+        digest = hashlib.sha256(opening.encode())
+        first = True
+        async for page in self.store.record_calls(record_id, RECORD_PAGE):
+            text = ("" if first else ",") + ",".join(page)
+            first = False
+            await asyncio.to_thread(digest.update, text.encode())
+        digest.update(closing.encode())
+        sealed = proto.sign_hash(header, "sha256:" + digest.hexdigest(), self.signing_key)
+        if await self.store.append_record(sealed, staged=staged):
+            return True
+        await self.store.drop_staged(record_id)
+        return False
 
 
-def _sealed_record(doc: Doc, inputs: Doc, signing_key: object) -> Doc:
-    return proto.seal(proto.build_record(doc, **inputs), signing_key)
+def _encoded(entries: list[Doc]) -> list[tuple[str, bool, str]]:
+    return [(e["call_id"], e.get("reported", True) is not False, proto.encode_entry(e)) for e in entries]
 
 
 def _links_of(doc: Doc, graph: Graph) -> set[str]:
