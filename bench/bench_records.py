@@ -44,7 +44,7 @@ BATCH = 5000
 
 def report_doc(agent: str, link: str, i: int, now: float) -> dict[str, Any]:
     """A stored report as ``RecordService.ingest`` leaves it (the shape of ``proxy.state.Call.report()``)."""
-    resolution = ("completed", "completed", "completed", "failed", "unknown")[i % 5]
+    resolution = ("completed", "completed", "completed", "refused", "unknown")[i % 5]
     return {"call_id": f"{agent}-{i:07d}", "agent": agent, "method": "GET",
             "url": f"http://127.0.0.1:9000/repos/tether/bench/issues/{i}", "started_at": now + i * 1e-3,
             "capability": "issues.read", "tier": "direct", "resolution": resolution,

@@ -98,7 +98,7 @@ def _records_apart(db: sqlite3.Connection) -> None:
     columns = {row[1] for row in db.execute("PRAGMA table_info(records)")}
     whole = "record_id" not in columns or db.execute(
         "SELECT 1 FROM records WHERE record_id IS NULL LIMIT 1").fetchone() is not None
-    orphans = db.execute("SELECT 1 FROM record_calls WHERE NOT EXISTS (SELECT 1 FROM records "
+    orphans = not whole and db.execute("SELECT 1 FROM record_calls WHERE NOT EXISTS (SELECT 1 FROM records "
                          "WHERE records.record_id = record_calls.record_id) LIMIT 1").fetchone() is not None
     if not (whole or orphans or not _has_index(db, "records_id")):
         return  # nothing to write: a file on a full disk or a read-only file system still opens
