@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -346,7 +346,7 @@ class TerminationService:
                              links: set[str]) -> int:
         """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many."""
         staged = 0
-        async for page in self.store.report_pages(sorted(agents), RECORD_PAGE):
+        async for page in _ahead(self.store.report_pages(sorted(agents), RECORD_PAGE)):
             page = [r for r in page if _reported_under(r, links)]
             holders = await self.store.call_holders([r["call_id"] for r in page])
             staged = await self._stage(record_id, staged, builder.take(page, holders))
@@ -373,6 +373,25 @@ class TerminationService:
             return True
         await self.store.drop_staged(record_id)
         return False
+
+
+async def _ahead[T](pages: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``pages``, the next one read while the caller works on the current one (one page ahead, no more)."""
+    nxt: asyncio.Task[T] = asyncio.ensure_future(anext(pages))
+    try:
+        while True:
+            try:
+                page = await nxt
+            except StopAsyncIteration:
+                return
+            nxt = asyncio.ensure_future(anext(pages))
+            yield page
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+        await pages.aclose()  # type: ignore[attr-defined]
 
 
 def _encoded(entries: list[Doc]) -> list[tuple[str, bool, str]]:

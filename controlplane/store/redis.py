@@ -38,7 +38,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -82,6 +81,43 @@ def _start_field(doc: Doc) -> str:
 
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+def _id_args(ids: list[str]) -> list[str]:
+    """('1 ID' | '0 ID') -> (ID, '1' | '0'), as _INDEX_CALLS takes them."""
+    out: list[str] = []
+    for item in ids:
+        flag, _, call_id = item.partition(" ")
+        out += [call_id, flag]
+    return out
+
+
+class _Cursor:
+    """Where a read of one agent's index by start stands: the last (score, member) taken, how many members
+    at that score were read, and what was read and not yet taken."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.score: float | None = None
+        self.at_score = 0
+        self.last: tuple[float, str] | None = None
+        self.buffer: list[tuple[float, str]] = []
+        self.done = False
+
+    def refill(self, rows: list[tuple[float, str]], asked: int) -> None:
+        self.done = len(rows) < asked
+        fresh = [row for row in rows if self.last is None or row > self.last]  # never a member twice
+        for score, _ in rows:
+            if score == self.score:
+                self.at_score += 1
+            else:
+                self.score, self.at_score = score, 1
+        self.buffer = fresh  # empty when a tie group shifted under us: only members taken before were read
+
+    def take(self, n: int) -> list[str]:
+        rows, self.buffer = self.buffer[:n], self.buffer[n:]
+        self.last = rows[-1]
+        return [member for _, member in rows]
 
 
 def _holder_args(texts: list[str]) -> list[str]:
@@ -201,8 +237,8 @@ redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ARGV[1])
 return 1
 """
 
-# KEYS: records, head, the record's staged calls. ARGV: prev_hash, hash, header, how many calls are staged.
-# One chain: append only on the current head; the staged calls stay (no longer expiring). -1: a count
+# KEYS: records, head, the record's staged calls and their ids. ARGV: prev_hash, hash, header, how many calls
+# are staged. One chain: append only on the current head; the staged calls stay (no longer expiring). -1: a count
 # mismatch (a staging write that ran twice): nothing appended, the caller builds the record anew.
 _APPEND_RECORD = """
 local head = redis.call('GET', KEYS[2]) or ''
@@ -211,6 +247,7 @@ if redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return -1 end
 redis.call('RPUSH', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('PERSIST', KEYS[3])
+redis.call('PERSIST', KEYS[4])
 return 1
 """
 
@@ -712,13 +749,18 @@ class RedisStore(Store):
     def _calls_key(self, record_id: str) -> str:
         return self._key("records", "calls", record_id)
 
+    def _ids_key(self, record_id: str) -> str:
+        """Beside a record's calls, each call's id and whether it is reported ('1 ID' or '0 ID'): what the
+        index of the log reads, without decoding the entries."""
+        return self._key("records", "ids", record_id)
+
     @_guarded
     @_writes
     async def append_record(self, record: Doc, staged: int | None = None) -> bool:
         header = {k: v for k, v in record.items() if k != "calls"}
         rid = header["record_id"]
         if staged is None:
-            await self.r.delete(self._calls_key(rid))
+            await self.r.delete(self._calls_key(rid), self._ids_key(rid))
             entries = await asyncio.to_thread(lambda: [
                 (c["call_id"], c.get("reported", True) is not False, encode_entry(c)) for c in record["calls"]])
             for start in range(0, len(entries), 1000):
@@ -727,7 +769,7 @@ class RedisStore(Store):
         encoded = await asyncio.to_thread(jsonpieces.dumps, header)
         args = [record["prev_hash"], record["hash"], encoded, staged]
         done = await self._run("append_record", [self._key("records"), self._key("records", "head"),
-                                                 self._calls_key(rid)], args)
+                                                 self._calls_key(rid), self._ids_key(rid)], args)
         if done < 0:
             raise ValueError(f"record {rid}: the staged call entries are not the {staged} expected")
         if not done:
@@ -742,13 +784,15 @@ class RedisStore(Store):
             return
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.rpush(self._calls_key(record_id), *[text for _, _, text in entries])
+            pipe.rpush(self._ids_key(record_id), *[("1 " if reported else "0 ") + cid for cid, reported, _ in entries])
             pipe.pexpire(self._calls_key(record_id), STAGED_TTL_MS)
+            pipe.pexpire(self._ids_key(record_id), STAGED_TTL_MS)
             await pipe.execute()
 
     @_guarded
     @_writes
     async def drop_staged(self, record_id: str) -> None:
-        await self.r.delete(self._calls_key(record_id))
+        await self.r.delete(self._calls_key(record_id), self._ids_key(record_id))
 
     @_guarded
     async def record_heads(self) -> list[Doc]:
@@ -756,10 +800,13 @@ class RedisStore(Store):
         raws = await self.r.lrange(self._key("records"), 0, -1)
         return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
 
-    async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+    def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+        return self._pages(self._calls_key(record_id), page)
+
+    async def _pages(self, key: str, page: int) -> AsyncIterator[list[str]]:
         start = 0
         while True:
-            texts = await self._lrange(self._calls_key(record_id), start, start + page - 1)
+            texts = await self._lrange(key, start, start + page - 1)
             if texts:
                 yield texts
             if len(texts) < page:
@@ -804,44 +851,56 @@ class RedisStore(Store):
                 texts = await asyncio.to_thread(lambda c=calls: [encode_entry(e) for e in c])
                 await self._run("split_record", [self._key("records"), self._calls_key(head["record_id"])],
                                 [done, raw, jsonpieces.dumps(head), *texts])
-            async for page in self.record_calls(head["record_id"], 1000):
-                pairs = await asyncio.to_thread(_holder_args, page)
+            rid = head["record_id"]
+            legacy = not await self.r.exists(self._ids_key(rid))  # split from a whole record: decode its entries
+            pages = self.record_calls(rid, 1000) if legacy else self._pages(self._ids_key(rid), 1000)
+            async for page in pages:
+                pairs = await asyncio.to_thread(_holder_args, page) if legacy else _id_args(page)
                 await self._run("index_calls", [self._key("records", "owner"), self._key("records", "unknown")],
-                                [head["record_id"], *pairs])
+                                [rid, *pairs])
             await self._run("advance", [counter], [done, done + 1])
 
     async def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
-        """The agents' indexes by start, merged into one sorted set of the moment (a snapshot, so reports
-        arriving meanwhile neither shift nor repeat a page), read a page per round trip."""
+        """The agents' indexes by start, merged: each read a slice at a time from where it stopped (by score,
+        then by member), so no command's cost grows with the termination (a ZUNIONSTORE of 200,000 members
+        holds Redis, and every replica's requests, for most of a second). A report stored meanwhile is
+        included when it sorts after the point reached, and never twice."""
         if not agents:
             return
         for agent in agents:
             await self._index_starts(agent)
-        snapshot = self._key("scan", os.urandom(8).hex())
-        await self._zunion(snapshot, [self._key("reports", "started", a) for a in agents])
-        try:
-            start = 0
-            while True:
-                ids = await self._zrange(snapshot, start, start + page - 1)
-                if ids:
-                    yield await self._hmget(self._key("reports"), ids)
-                if len(ids) < page:
-                    return
-                start += page
-        finally:
-            with contextlib.suppress(*_UNAVAILABLE):
-                await self.r.delete(snapshot)
+        slice_n = max(100, page // len(agents))
+        cursors = [_Cursor(self._key("reports", "started", a)) for a in agents]
+        while True:
+            ids: list[str] = []
+            while len(ids) < page:
+                for cursor in cursors:
+                    while not cursor.buffer and not cursor.done:
+                        await self._fill(cursor, slice_n)
+                heads = [c for c in cursors if c.buffer]
+                if not heads:
+                    break
+                if len(heads) == 1:  # one agent left: its slice as it is
+                    ids += heads[0].take(page - len(ids))
+                    continue
+                # Several: take from the lowest while it stays at most every other's first (its slice is sorted).
+                heads.sort(key=lambda c: c.buffer[0])
+                bound = heads[1].buffer[0]
+                lowest = heads[0]
+                n = 0
+                while n < len(lowest.buffer) and lowest.buffer[n] <= bound and len(ids) + n < page:
+                    n += 1
+                ids += lowest.take(max(1, n))
+            if ids:
+                yield await self._hmget(self._key("reports"), ids)
+            if len(ids) < page:
+                return
 
     @_guarded
-    async def _zunion(self, dest: str, keys: list[str]) -> None:
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.zunionstore(dest, keys, aggregate="MIN")
-            pipe.expire(dest, 3600)
-            await pipe.execute()
-
-    @_guarded
-    async def _zrange(self, key: str, start: int, stop: int) -> list[str]:
-        return await self.r.zrange(key, start, stop)
+    async def _fill(self, cursor: _Cursor, n: int) -> None:
+        low = "-inf" if cursor.score is None else repr(cursor.score)
+        rows = await self.r.zrangebyscore(cursor.key, low, "+inf", start=cursor.at_score, num=n, withscores=True)
+        cursor.refill([(float(score), member) for member, score in rows], n)
 
     @_guarded
     async def _index_starts(self, agent: str) -> None:
