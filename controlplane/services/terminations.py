@@ -38,7 +38,7 @@ from .sidecars import SidecarService
 log = logging.getLogger("tether.termination")
 DRIVE_INTERVAL_S = 0.25
 LEASE_S = 5.0
-RECORD_PAGE = 2000  # call entries per page: what a record's writer holds at once
+RECORD_PAGE = 5000  # call entries per page: what a record's writer holds at once
 ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are watched for a late acknowledgement
 
 

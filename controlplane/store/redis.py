@@ -853,7 +853,7 @@ class RedisStore(Store):
                                 [done, raw, jsonpieces.dumps(head), *texts])
             rid = head["record_id"]
             legacy = not await self.r.exists(self._ids_key(rid))  # split from a whole record: decode its entries
-            pages = self.record_calls(rid, 1000) if legacy else self._pages(self._ids_key(rid), 1000)
+            pages = self.record_calls(rid, 1000) if legacy else self._pages(self._ids_key(rid), 5000)
             async for page in pages:
                 pairs = await asyncio.to_thread(_holder_args, page) if legacy else _id_args(page)
                 await self._run("index_calls", [self._key("records", "owner"), self._key("records", "unknown")],

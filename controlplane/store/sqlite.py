@@ -442,8 +442,10 @@ class SqliteStore(Store):
     @_writes
     async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
         def stage(db: sqlite3.Connection) -> None:
-            with _transaction(db):  # one page per transaction: the loop's writers wait for a page at most
-                db.executemany(_INSERT_ENTRY, _entry_rows(record_id, start, entries))
+            rows = _entry_rows(record_id, start, entries)
+            for part in range(0, len(rows), 1000):  # the loop's writers wait for 1,000 rows' insert at most
+                with _transaction(db):
+                    db.executemany(_INSERT_ENTRY, rows[part:part + 1000])
 
         await self._off_loop(stage)
 
