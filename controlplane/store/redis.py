@@ -782,7 +782,7 @@ class RedisStore(Store):
     async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
         if not entries:
             return
-        async with self.r.pipeline(transaction=True) as pipe:
+        async with self.r.pipeline(transaction=False) as pipe:  # a part written is caught by append's count
             pipe.rpush(self._calls_key(record_id), *[text for _, _, text in entries])
             pipe.rpush(self._ids_key(record_id), *[("1 " if reported else "0 ") + cid for cid, reported, _ in entries])
             pipe.pexpire(self._calls_key(record_id), STAGED_TTL_MS)
@@ -796,9 +796,17 @@ class RedisStore(Store):
 
     @_guarded
     async def record_heads(self) -> list[Doc]:
-        await self._index_records()
+        try:
+            await self._index_records()
+        except StoreUnwritable:
+            refused = True  # reads still answer while Redis refuses writes (the index waits for the next reader)
+        else:
+            refused = False
         raws = await self.r.lrange(self._key("records"), 0, -1)
-        return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
+        heads = await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
+        if refused and any("calls" in head for head in heads):
+            raise StoreUnwritable(f"Redis at {self.url} refuses writes: a record stored whole cannot be split yet")
+        return heads
 
     def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         return self._pages(self._calls_key(record_id), page)
@@ -837,7 +845,7 @@ class RedisStore(Store):
         """Index every record appended and not yet indexed, oldest first (usually none: two small reads)."""
         counter = self._key("records", "indexed")
         while True:
-            async with self.r.pipeline(transaction=True) as pipe:
+            async with self.r.pipeline(transaction=False) as pipe:  # not MULTI: Redis refuses it when out of memory
                 pipe.get(counter)
                 pipe.llen(self._key("records"))
                 done_raw, total = await pipe.execute()
