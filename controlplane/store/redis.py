@@ -11,6 +11,10 @@ long polls on every replica (pub/sub is not durable); what a sidecar receives is
 sorted set by sequence, and because sequence and entry are written in one script, no reader ever sees
 seq N+1 without N.
 
+A record is a header in the chain's list and a list of its call entries of its own, staged before the
+header is appended; an index of the log (who holds each call) is filled oldest record first (see
+"records" below). No command's cost grows with a record: every read and write of one is a page.
+
 Leases are decided on the ``now`` the caller passes, exactly like SQLite, so both stores agree under a
 test clock; the Redis key also carries a real-time expiry one minute past the lease, only so that leases
 of dead replicas do not pile up. Replicas must therefore have synchronised clocks (NTP): each compares its

@@ -2,9 +2,10 @@
 
 Most statements are short and local, so they run on the event loop thread; every write is its own
 transaction, committed before the API answers. The few whose size grows with a termination (its
-reports, the records, appending a record of tens of thousands of calls) run in worker threads, each with
-a connection of its own: WAL lets them read while the loop writes, and a record is encoded before its
-write transaction begins, so the loop's writers wait on the lock only for the insert itself.
+reports, the records) run in worker threads, each with a connection of its own: WAL lets them read while
+the loop writes. A record is stored as a header row and one row per call entry, staged a page at a time
+(1,000 rows per transaction) before the header is appended, so the loop's writers never wait on the lock
+for more than one such insert, whatever the record's size.
 
 A file that cannot take a write (a full disk, a read-only file system) raises ``StoreUnwritable`` with the
 reason, never an internal error, and ``/healthz`` says so until a write succeeds again
