@@ -464,12 +464,18 @@ class VerifyResult:
 
 def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
     """Check the whole log: each hash, each signature, and each link to the previous record."""
+    return verify_digests([(record, record_hash(record)) for record in records], public_key)
+
+
+def verify_digests(records: Sequence[tuple[Mapping[str, Any], str]], public_key: Any) -> VerifyResult:
+    """``verify_records`` over (record or its header, the hash of its content as recomputed): a store's log
+    is checked a page of calls at a time (``RecordService.verify``)."""
     from cryptography.exceptions import InvalidSignature
 
     problems: list[str] = []
     prev = ""
     seen_ids: set[str] = set()
-    for index, record in enumerate(records):
+    for index, (record, digest) in enumerate(records):
         rid = record.get("record_id", f"#{index}")
         if rid in seen_ids:
             problems.append(f"record {index} ({rid}): appears twice")
@@ -479,7 +485,6 @@ def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
                 f"record {index} ({rid}): prev_hash does not name record {index - 1} "
                 "(a record was removed, inserted or reordered)"
             )
-        digest = record_hash(record)
         if record.get("hash") != digest:
             problems.append(f"record {index} ({rid}): content does not match its hash (edited)")
         try:

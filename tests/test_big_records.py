@@ -28,6 +28,8 @@ from capability import keys
 from capability.chain import parse_chain_unverified
 from capability.jsonpieces import canonical_json
 from controlplane import termination as proto
+from controlplane.metrics import Metrics
+from controlplane.services.records import RecordService
 from controlplane.store import open_store_url
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, RedisServer, prepare_controlplane, wait_until
@@ -165,20 +167,21 @@ def old_record(signing: Any) -> dict[str, Any]:
     return proto.seal(record, signing)
 
 
-async def read_back(url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+async def read_back(url: str, public: Any) -> tuple[list[dict[str, Any]], dict[str, Any], bool]:
     store = open_store_url(url)
     await store.open()
     try:
-        return await store.records(), await store.call_holders(["old-3", "old-lost", "nobody"])
+        in_place = (await RecordService(store, Metrics(), time.time).verify(public)).ok  # a page at a time
+        return await store.records(), await store.call_holders(["old-3", "old-lost", "nobody"]), in_place
     finally:
         await store.close()
 
 
 def check_read_back(url: str, whole: dict[str, Any], public: Any) -> None:
     for _ in range(2):  # split once on the first open; the same on the next
-        records, holders = asyncio.run(read_back(url))
+        records, holders, in_place = asyncio.run(read_back(url, public))
         assert records == [whole]
-        assert proto.verify_records(records, public).ok
+        assert proto.verify_records(records, public).ok and in_place
         assert holders == {"old-3": ("rec-old", ()), "old-lost": (None, ("rec-old",))}
 
 

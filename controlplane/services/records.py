@@ -10,6 +10,7 @@ idempotently on ``call_id``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,7 +21,7 @@ from capability.report import read_doc
 from ..auth import Caller
 from ..metrics import Metrics
 from ..store import Doc, Store
-from ..termination import record_frame
+from ..termination import VerifyResult, record_frame, verify_digests
 
 
 class RecordService:
@@ -88,6 +89,20 @@ class RecordService:
             yield (("" if first else ",") + ",".join(page)).encode()
             first = False
         yield closing.encode()
+
+    async def digest(self, head: Doc) -> str:
+        """The hash of a record's content (``termination.record_hash``), over its stored entries a page at a
+        time: what its ``hash`` must be."""
+        body = {k: v for k, v in head.items() if k not in ("hash", "signature")}
+        digest = hashlib.sha256()
+        async for chunk in self.text(body):
+            await asyncio.to_thread(digest.update, chunk)
+        return "sha256:" + digest.hexdigest()
+
+    async def verify(self, public_key: Any) -> VerifyResult:
+        """``tether records verify`` in the control plane, without holding a record whole."""
+        heads = await self.store.record_heads()
+        return verify_digests([(head, await self.digest(head)) for head in heads], public_key)
 
     async def log_text(self) -> AsyncIterator[bytes]:
         """Every record, oldest first, as one JSON list (``GET /v1/records``), streamed like ``text``."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -360,15 +359,7 @@ class TerminationService:
     async def _append(self, header: Doc, record_id: str, staged: int) -> bool:
         """Hash the record over its staged entries, sign it and append its header; False (what was staged
         dropped) when another record was appended first."""
-        opening, closing = proto.record_frame(header)
-        digest = hashlib.sha256(opening.encode())
-        first = True
-        async for page in self.store.record_calls(record_id, RECORD_PAGE):
-            text = ("" if first else ",") + ",".join(page)
-            first = False
-            await asyncio.to_thread(digest.update, text.encode())
-        digest.update(closing.encode())
-        sealed = proto.sign_hash(header, "sha256:" + digest.hexdigest(), self.signing_key)
+        sealed = proto.sign_hash(header, await self.records.digest(header), self.signing_key)
         if await self.store.append_record(sealed, staged=staged):
             return True
         await self.store.drop_staged(record_id)
