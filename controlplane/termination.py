@@ -246,6 +246,7 @@ class RecordBuilder:
         self.terminated = [{**e, "state": "acknowledged_late"} for e in entries] if late else entries
         self.held: dict[str, int] = {}  # record id -> how many of our reports it holds as reported
         self.unknown_there: dict[str, list[str]] = {}  # record id -> calls we report that it listed unknown
+        self.foreseen = False
         self.listed = 0
 
     def _other(self, record_id: str) -> bool:
@@ -262,11 +263,26 @@ class RecordBuilder:
                     self.held[owner] = self.held.get(owner, 0) + 1
                 continue
             entries.append(_call_entry(report))
-            for rid in unknown_in:
-                if rid in self.position and self._other(rid):
-                    self.unknown_there.setdefault(rid, []).append(report["call_id"])
+            if not self.foreseen:
+                self._unknown_there(report["call_id"], unknown_in)
         self.listed += len(entries)
         return entries
+
+    def _unknown_there(self, call_id: str, unknown_in: Iterable[str]) -> None:
+        for rid in unknown_in:
+            if rid in self.position and self._other(rid):
+                self.unknown_there.setdefault(rid, []).append(call_id)
+
+    def foresee(self, reports: Iterable[Doc], holders: Mapping[str, Holders]) -> None:
+        """Before the pages: of the calls earlier records listed ``unknown``, the reports this record will list
+        (``reports``: theirs among this termination's), so ``accounts_for`` is known before the first page.
+        It sorts before ``calls`` in the record's canonical JSON, so the hash is taken as the pages are
+        staged, with no second pass over them."""
+        self.foreseen = True
+        for report in reports:
+            owner, unknown_in = holders.get(report["call_id"], (None, ()))
+            if owner is None or owner not in self.position:
+                self._unknown_there(report["call_id"], unknown_in)
 
     def finish(self, *, record_id: str, seen: Container[str], starts: list[Doc], links: list[Doc],
                revocations: Mapping[str, Doc], budgets: Mapping[str, Doc] | None, prev_hash: str,

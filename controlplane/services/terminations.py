@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -324,36 +325,49 @@ class TerminationService:
             # A call belongs to the first record that holds it as reported (an overlapping termination's
             # record, or an earlier one of the same agents, re-granted): the store's index of the log says.
             builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads)
-            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes)
-            # Calls written ahead or last listed in flight and never heard of again end the record as unknown.
+            ours = partial(_ours, set(doc["agents"]), hashes)
+            # Everything but the pages first: calls written ahead or last listed in flight and never heard of
+            # again (they end the record as unknown), and what it says of other records' unknown calls.
             starts = [s for s in await store.starts(doc["agents"]) if _reported_under(s, hashes)]
             candidates = sorted({s["call_id"] for s in starts} | proto.inflight_ids(doc["agents"], mine, acks))
-            agents = set(doc["agents"])
-            ended = {r["call_id"] for r in await store.reports_among(candidates)
-                     if r.get("agent") in agents and _reported_under(r, hashes)}
+            ended = {r["call_id"] for r in await store.reports_among(candidates) if ours(r)}
             held = {cid for cid, (owner, _) in (await store.call_holders(candidates)).items() if owner}
-            header, unknown = builder.finish(
-                record_id=record_id, seen=ended | held, starts=[s for s in starts if s["call_id"] not in ended],
-                links=links, revocations=await store.revocations(),
-                budgets=await budget_use(store, links, self.clock()),
-                prev_hash=heads[-1]["hash"] if heads else "", now=self.clock())
-            staged = await self._stage(record_id, staged, unknown)
-            if await self._append(header, record_id, staged):
+            elsewhere = [r for r in await store.reports_among(sorted(await store.unknown_calls())) if ours(r)]
+            builder.foresee(elsewhere, await store.call_holders([r["call_id"] for r in elsewhere]))
+            inputs = dict(record_id=record_id, seen=ended | held,
+                          starts=[s for s in starts if s["call_id"] not in ended], links=links,
+                          revocations=await store.revocations(), budgets=await budget_use(store, links, self.clock()),
+                          prev_hash=heads[-1]["hash"] if heads else "")
+            draft, unknown = builder.finish(**inputs, now=self.clock())
+            opening = proto.record_frame(draft)[0]  # every field sorting before "calls" is known by now
+            digest = hashlib.sha256(opening.encode())
+            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes, digest)
+            staged = await self._stage(record_id, staged, unknown, digest)
+            header, _ = builder.finish(**inputs, now=self.clock())
+            again, closing = proto.record_frame(header)
+            if again != opening:  # cannot happen: the fields before the calls depend on nothing the pages said
+                raise RuntimeError(f"termination {doc['id']}: the record's opening changed while it was written")
+            digest.update(closing.encode())
+            sealed = proto.sign_hash(header, "sha256:" + digest.hexdigest(), self.signing_key)
+            if await store.append_record(sealed, staged=staged):
                 return record_id, [u["agent"] for u in header["agents_unaccounted"]]
+            await store.drop_staged(record_id)
 
     async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
-                             links: set[str]) -> int:
-        """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many."""
+                             links: set[str], digest: Any = None) -> int:
+        """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many.
+        ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
         staged = 0
         async for page in _ahead(self.store.report_pages(sorted(agents), RECORD_PAGE)):
             page = [r for r in page if _reported_under(r, links)]
             holders = await self.store.call_holders([r["call_id"] for r in page])
-            staged = await self._stage(record_id, staged, builder.take(page, holders))
+            staged = await self._stage(record_id, staged, builder.take(page, holders), digest)
         return staged
 
-    async def _stage(self, record_id: str, start: int, entries: list[Doc]) -> int:
+    async def _stage(self, record_id: str, start: int, entries: list[Doc], digest: Any = None) -> int:
         if entries:
-            await self.store.stage_calls(record_id, start, await asyncio.to_thread(_encoded, entries))
+            encoded = await asyncio.to_thread(_encoded, entries, digest, start == 0)
+            await self.store.stage_calls(record_id, start, encoded)
         return start + len(entries)
 
     async def _append(self, header: Doc, record_id: str, staged: int) -> bool:
@@ -385,8 +399,12 @@ async def _ahead[T](pages: AsyncIterator[T]) -> AsyncIterator[T]:
         await pages.aclose()  # type: ignore[attr-defined]
 
 
-def _encoded(entries: list[Doc]) -> list[tuple[str, bool, str]]:
-    return [(e["call_id"], e.get("reported", True) is not False, proto.encode_entry(e)) for e in entries]
+def _encoded(entries: list[Doc], digest: Any = None, first: bool = True) -> list[tuple[str, bool, str]]:
+    """Each entry's (call id, reported, canonical JSON); added to ``digest`` (after a comma unless ``first``)."""
+    out = [(e["call_id"], e.get("reported", True) is not False, proto.encode_entry(e)) for e in entries]
+    if digest is not None:
+        digest.update((("" if first else ",") + ",".join(text for _, _, text in out)).encode())
+    return out
 
 
 def _links_of(doc: Doc, graph: Graph) -> set[str]:
@@ -399,6 +417,11 @@ def _links_of(doc: Doc, graph: Graph) -> set[str]:
     for h in roots:
         out.update(d["hash"] for d in graph.descendants(h))
     return out
+
+
+def _ours(agents: set[str], links: set[str], report: Doc) -> bool:
+    """A report of one of the termination's agents, from a run of one of its links."""
+    return report.get("agent") in agents and _reported_under(report, links)
 
 
 def _reported_under(report: Doc, links: set[str]) -> bool:

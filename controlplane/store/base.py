@@ -276,6 +276,11 @@ class Store(abc.ABC):
         """For each of these calls that an appended record lists: the first record (oldest) that holds it as
         reported, or None, and every record that lists it ``unknown`` (``reported: false``), oldest first."""
 
+    @abc.abstractmethod
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        """Every call an appended record lists ``unknown`` -> those records, oldest first (few: the calls of
+        agents that went silent, never heard of again)."""
+
     async def records(self) -> list[Doc]:
         """Every record, whole (its calls decoded), oldest first: for small logs and tests; the API and the
         termination driver read headers and pages instead."""

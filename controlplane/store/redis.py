@@ -845,6 +845,12 @@ class RedisStore(Store):
         return out
 
     @_guarded
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        await self._index_records()
+        listed = await self.r.hgetall(self._key("records", "unknown"))
+        return {cid: tuple(rids.split()) for cid, rids in listed.items()}
+
+    @_guarded
     async def _index_records(self) -> None:
         """Index every record appended and not yet indexed, oldest first (usually none: two small reads)."""
         counter = self._key("records", "indexed")

@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash 
 CREATE TABLE IF NOT EXISTS record_calls (record_id TEXT NOT NULL, seq INTEGER NOT NULL, call_id TEXT NOT NULL,
     reported INTEGER NOT NULL, entry TEXT NOT NULL, PRIMARY KEY (record_id, seq));
 CREATE INDEX IF NOT EXISTS record_calls_call ON record_calls(call_id);
+CREATE INDEX IF NOT EXISTS record_calls_unknown ON record_calls(reported) WHERE reported = 0;
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
@@ -492,6 +493,18 @@ class SqliteStore(Store):
             return {cid: (owner.get(cid), tuple(unknown.get(cid, ()))) for cid in {*owner, *unknown}}
 
         return await self._off_loop(read) if call_ids else {}
+
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        def read(db: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+            out: dict[str, list[str]] = {}
+            for cid, rid in db.execute(
+                    "SELECT record_calls.call_id, record_calls.record_id FROM record_calls JOIN records "
+                    "USING (record_id) WHERE record_calls.reported = 0 ORDER BY records.pos, record_calls.seq"):
+                if rid not in out.setdefault(cid, []):
+                    out[cid].append(rid)
+            return {cid: tuple(rids) for cid, rids in out.items()}
+
+        return await self._off_loop(read)
 
     async def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
         """One query in a connection of its own (a read transaction: a snapshot), sorted by SQLite and
