@@ -21,6 +21,7 @@ from . import (
     capture,
     controlplane,
     grant,
+    keys,
     login,
     mcp_stdio,
     operators,
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_run(sub)
     mcp_stdio.add_mcp(sub)
     grant.add_keygen(sub)
+    keys.add_keys(sub)
     grant.add_grant(sub)
     agents.add_revoke(sub)
     agents.add_agents(sub)

@@ -149,11 +149,11 @@ class ControlPlane:
         out of start-up). A store that does not answer yet is no reason to stay down: every record written
         checks the head it extends again."""
         try:
-            records = await self.store.records()
+            heads = await self.store.record_heads()  # headers only: a log of big records is not read whole
         except (StoreUnavailable, ConnectionError, OSError) as exc:
             log.warning("could not read the record log to check the signing key at start-up: %s", exc)
             return
-        check_head(records[-1] if records else None, self.signing_key.public_key(), self.signing_key_source)
+        check_head(heads[-1] if heads else None, self.signing_key.public_key(), self.signing_key_source)
 
     async def _on_shutdown(self, app: web.Application) -> None:
         await self.events.hub.close()  # open streams end, so the server's wait for its handlers does not hang

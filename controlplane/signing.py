@@ -28,10 +28,15 @@ def signs(record: Doc, public_key: Any) -> bool:
 
 def check_head(head: Doc | None, public_key: Any, key_path: str) -> None:
     """Refuse (``tether.signing_key_mismatch``) a key that did not sign the log's last record."""
-    if head is None or signs(head, public_key):
+    from .rotation import is_rotation, key_in_force
+
+    if key_in_force(head, public_key):
         return
+    assert head is not None
     ours = keys.thumbprint(public_key)
     theirs = head.get("key_id") or "a key the record does not name (written before records named their key)"
+    if is_rotation(head):
+        theirs = f"a rotation to key {head.get('new_key_id')}"
     raise TetherError(
         f"the signing key {key_path} (key id {ours}) did not sign the last record of this store's log "
         f"({head.get('record_id', '?')}, signed by {theirs}): starting would write records that do not verify. "

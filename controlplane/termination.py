@@ -497,7 +497,9 @@ def verify_digests(records: Sequence[tuple[Mapping[str, Any], str]], public_key:
     is checked a page of calls at a time (``RecordService.verify``)."""
     from cryptography.exceptions import InvalidSignature
 
-    problems: list[str] = []
+    from .rotation import signers
+
+    expected, problems = signers([record for record, _ in records], public_key)
     prev = ""
     seen_ids: set[str] = set()
     for index, (record, digest) in enumerate(records):
@@ -512,10 +514,14 @@ def verify_digests(records: Sequence[tuple[Mapping[str, Any], str]], public_key:
             )
         if record.get("hash") != digest:
             problems.append(f"record {index} ({rid}): content does not match its hash (edited)")
+        signer = expected[index]
         try:
-            public_key.verify(keys.b64url_decode(record.get("signature", "")), str(record.get("hash", "")).encode())
+            if signer is None:
+                raise ValueError
+            signer.verify(keys.b64url_decode(record.get("signature", "")), str(record.get("hash", "")).encode())
         except (InvalidSignature, ValueError):
-            problems.append(f"record {index} ({rid}): signature does not verify under the control plane key")
+            problems.append(f"record {index} ({rid}): signature does not verify under the control plane key"
+                            + (f" in force then ({keys.thumbprint(signer)})" if signer is not None else ""))
         prev = record.get("hash", "")
     return VerifyResult(not problems, len(records), tuple(problems))
 

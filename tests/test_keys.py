@@ -141,3 +141,95 @@ def test_a_control_plane_refuses_a_signing_key_that_did_not_sign_its_log(tmp_pat
         assert verify.returncode == 0, verify.stdout + verify.stderr
     finally:
         cp.stop()
+
+
+def _terminate_one(cp: ControlPlaneProcess, tmp_path: Path, agent: str) -> None:
+    """A record in the log: a registered chain for ``agent`` (signed offline with the key in force), terminated."""
+    env = cp.env()
+    assert tether("keygen", "--out", f"{agent}.key", cwd=tmp_path).returncode == 0
+    issued = tether("grant", "issue", "--signing-key", str(cp.signing_key_path), "--catalog", str(cp.catalog_path),
+                    "--agent", agent, "--subject-key", f"{agent}.key.pub", "--role", "reader", "--out",
+                    f"{agent}.chain", cwd=tmp_path, env=env)
+    assert issued.returncode == 0, issued.stderr
+    registered = tether("grant", "register", "--chain", f"{agent}.chain", "--key", f"{agent}.key", cwd=tmp_path,
+                        env=env)
+    assert registered.returncode == 0, registered.stderr
+    done = tether("terminate", agent, "--window", "0", "--wait", cwd=tmp_path, env=env)
+    assert "record rec-" in done.stdout, done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_a_rotation_is_announced_in_the_log_and_verify_holds_across_it(tmp_path: Path, store: str) -> None:
+    redis = RedisServer(tmp_path / "redis").start() if store == "redis" else None
+    try:
+        cp = prepare_controlplane(tmp_path, 1, 2, 3)
+        cp.store = redis.url() if redis else f"sqlite:///{tmp_path / 'tether.db'}"
+        old_pub = tmp_path / "old.pub"
+        old_pub.write_bytes(Path(f"{cp.signing_key_path}.pub").read_bytes())
+        cp.start()
+        try:
+            _terminate_one(cp, tmp_path, "before")
+        finally:
+            cp.stop()
+
+        rotated = tether("keys", "rotate", "--signing-key", str(cp.signing_key_path), "--store", cp.store,
+                         "--reason", "test", cwd=tmp_path)
+        assert rotated.returncode == 0, rotated.stderr
+        old_key = next(p for p in tmp_path.iterdir() if p.name.startswith("signing.key.replaced-"))
+        assert keys.public_pem(keys.load_private(old_key.read_bytes()).public_key()) == old_pub.read_bytes()
+        new_pub = Path(f"{cp.signing_key_path}.pub").read_bytes()
+        assert new_pub != old_pub.read_bytes()
+
+        stale = subprocess.run(  # a replica still holding the old key: refused, naming the rotation
+            [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{free_port()}", "--store",
+             cp.store, "--catalog", str(cp.catalog_path), "--signing-key", str(old_key)],
+            capture_output=True, text=True, timeout=60, env=cp.env())
+        assert stale.returncode == 2 and "tether.signing_key_mismatch" in stale.stderr
+        assert "a rotation to key" in stale.stderr
+
+        cp.start()
+        try:
+            _terminate_one(cp, tmp_path, "after")
+            listed = tether("records", "list", "--json", cwd=tmp_path, env=cp.env())
+            assert listed.returncode == 0, listed.stderr
+            log = json.loads(listed.stdout)
+            assert [r.get("kind", "termination") for r in log] == ["termination", "key_rotation", "termination"]
+            assert log[0]["key_id"] == log[1]["key_id"] == log[1]["old_key_id"] != log[2]["key_id"]
+            assert log[2]["key_id"] == log[1]["new_key_id"]
+            online = tether("records", "verify", cwd=tmp_path, env=cp.env())
+            assert online.returncode == 0 and "3 record(s)" in online.stdout, online.stdout + online.stderr
+            (tmp_path / "log.json").write_text(listed.stdout)
+        finally:
+            cp.stop()
+        for trusted in (old_pub, Path(f"{cp.signing_key_path}.pub")):  # either key follows the log
+            offline = tether("records", "verify", "--file", "log.json", "--trust", str(trusted), cwd=tmp_path)
+            assert offline.returncode == 0, offline.stdout
+        assert tether("keygen", "--out", "stranger.key", cwd=tmp_path).returncode == 0
+        strange = tether("records", "verify", "--file", "log.json", "--trust", "stranger.key.pub", cwd=tmp_path)
+        assert strange.returncode == 1 and "none of the keys that signed this log" in strange.stdout
+    finally:
+        if redis:
+            redis.stop()
+
+
+def test_a_rotation_needs_the_new_keys_signature_and_the_key_in_force() -> None:
+    from controlplane.rotation import cross_sign, rotation_record
+    from controlplane.termination import seal, verify_records
+
+    k0, k1, thief = keys.generate(), keys.generate(), keys.generate()
+    first = seal({"record_id": "r0", "calls": [], "prev_hash": ""}, k0)
+    rotation = seal(cross_sign(rotation_record(record_id="r1", prev_hash=first["hash"], old=k0, new=k1, by="t",
+                                               reason="", now=1.0), k1), k0)
+    after = seal({"record_id": "r2", "calls": [], "prev_hash": rotation["hash"]}, k1)
+    assert verify_records([first, rotation, after], k1.public_key()).ok
+    assert verify_records([first, rotation, after], k0.public_key()).ok
+    # Someone holding only the old key announces a rotation to a key of their own: the cross-signature fails.
+    forged = seal(cross_sign(rotation_record(record_id="r1", prev_hash=first["hash"], old=k0, new=thief, by="t",
+                                             reason="", now=1.0), k1), k0)
+    forged_after = seal({"record_id": "r2", "calls": [], "prev_hash": forged["hash"]}, thief)
+    result = verify_records([first, forged, forged_after], k0.public_key())
+    assert not result.ok and any("did not sign its own rotation" in p for p in result.problems)
+    # A record after the rotation still signed with the old key.
+    late = seal({"record_id": "r2", "calls": [], "prev_hash": rotation["hash"]}, k0)
+    result = verify_records([first, rotation, late], k1.public_key())
+    assert not result.ok and any("in force then" in p for p in result.problems)

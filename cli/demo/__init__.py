@@ -208,7 +208,7 @@ class Demo:
 
     def _approve_held_call(self) -> None:
         approval = self.wait("the approval request", lambda: self.client.request(
-            "GET", "/v1/approvals?status=pending"), timeout=45)[0]
+            "GET", "/v1/approvals?status=pending"), timeout=90)[0]
         self.pause(1.0)
         self.step("A call waits for a person",
                   f"{approval['agent']} wants {approval['method']} {approval['url']} "
@@ -224,7 +224,7 @@ class Demo:
             self.people["alice"].request("POST", f"/v1/approvals/{approval['id']}/approve", {})
 
     def _show_tree(self) -> None:
-        tree = self.wait("all four agents behind live sidecars", self._four_live, timeout=45)
+        tree = self.wait("all four agents behind live sidecars", self._four_live, timeout=90)
         self.pause(1.5)
         self.step("The delegation tree", "Every link is registered before use, so the control plane knows "
                   "every descendant ($ tether agents --tree):")

@@ -192,6 +192,7 @@ class TerminationService:
         links = _links_of(doc, await self.grants.graph())
         while True:
             heads = await store.record_heads()  # the whole log: calls another termination's record holds stay out
+            self._check_key(heads)
             earlier = [r for r in heads if r["termination_id"] == doc["id"]]
             late = proto.late_agents(doc, heads, mine, acks)
             if not late:
@@ -305,6 +306,13 @@ class TerminationService:
                 await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
                                                                "remaining_s": proto.remaining(command, self.clock())})
 
+    def _check_key(self, heads: list[Doc]) -> None:
+        """Write no record the log's readers would reject: this replica's key must be the one in force at the
+        head (a replica still running on the old key after ``tether keys rotate`` writes nothing)."""
+        from ..signing import check_head
+
+        check_head(heads[-1] if heads else None, self.signing_key.public_key(), "this replica's signing key")
+
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
 
@@ -319,6 +327,7 @@ class TerminationService:
             for head in heads:
                 if head["termination_id"] == doc["id"]:  # written before a restart: never a second record
                     return head["record_id"], [u["agent"] for u in head["agents_unaccounted"]]
+            self._check_key(heads)
             graph = await self.grants.graph()
             hashes = _links_of(doc, graph)
             links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
