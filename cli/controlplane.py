@@ -50,6 +50,14 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--rate-window", type=float, default=None, metavar="S",
                    help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
                         "shorter only for tests)")
+    logs = p.add_argument_group("signed checkpoints of the record log (docs/termination.md)")
+    logs.add_argument("--log-origin", default="tether/records", metavar="NAME",
+                      help="the log's name in its checkpoints (give each deployment its own, e.g. tether.example.com/"
+                           "records, before you give a witness its checkpoints)")
+    logs.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="write every checkpoint here (checkpoint.SIZE, latest): an append-only or WORM mount")
+    logs.add_argument("--witness", action="append", default=[], metavar="URL",
+                      help="send every checkpoint to this C2SP tlog-witness (tether witness serve); repeat")
     sso = p.add_argument_group("single sign-on (OpenID Connect; docs/console.md)")
     sso.add_argument("--oidc-issuer", metavar="URL", help="the provider's issuer URL (turns single sign-on on)")
     sso.add_argument("--oidc-client-id", metavar="ID", help="the console's client at the provider")
@@ -79,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cp = build(args.store, args.catalog, args.signing_key, admin_token_from_env(), lease_ttl_s=args.lease_ttl,
                grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None, sso=sso,
                oidc_redirect_uri=args.oidc_redirect_uri)
+    configure_checkpoints(cp, args)
     stopped_by = asyncio.run(serve(cp, host, port, tls=tls))
     return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: the shell's convention; SIGTERM: a clean stop
 
@@ -148,6 +157,19 @@ def admin_token_from_env() -> str:
         file=sys.stderr,
     )
     return token
+
+
+def configure_checkpoints(cp: ControlPlane, args: argparse.Namespace) -> None:
+    import re
+
+    from capability.errors import BAD_REQUEST, TetherError
+    from controlplane.services.checkpoints import Witness
+
+    if not re.fullmatch(r"[^\s+]+", args.log_origin):
+        raise TetherError(f"--log-origin {args.log_origin!r}: a name without spaces or '+'", code=BAD_REQUEST)
+    cp.checkpoints.origin = args.log_origin
+    cp.checkpoints.directory = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    cp.checkpoints.witnesses = [Witness(url) for url in args.witness]
 
 
 def sso_config(args: argparse.Namespace) -> SsoConfig | None:

@@ -55,10 +55,18 @@ def add_approvals(sub: Any) -> None:
 def add_records(sub: Any) -> None:
     p = sub.add_parser("records", help="reconciliation records")
     add_controlplane(p)
-    p.add_argument("action", nargs="?", choices=["list", "show", "verify"], default="list", help="what to do")
-    p.add_argument("id", nargs="?", help="the record (show)")
+    p.add_argument("action", nargs="?", choices=["list", "show", "verify", "checkpoint", "prove", "verify-one"],
+                   default="list", help="what to do")
+    p.add_argument("id", nargs="?", help="the record (show, prove), or its JSON file (verify-one)")
     p.add_argument("--trust", metavar="F.pub", help="control plane public key (default: fetched from it)")
     p.add_argument("--file", metavar="F", help="verify a JSON list of records saved from /v1/records instead")
+    p.add_argument("--checkpoint", metavar="F", help="verify: the log must be exactly the first SIZE records this "
+                   "signed checkpoint commits to (exit 1 naming what is wrong); verify-one: the checkpoint")
+    p.add_argument("--witness-key", action="append", default=[], metavar="VKEY",
+                   help="verify --checkpoint: this witness must have cosigned it (repeat)")
+    p.add_argument("--proof", metavar="F", help="verify-one: the inclusion proof (tether records prove ID)")
+    p.add_argument("--size", type=int, metavar="N", help="prove: for the log of this size (default: now)")
+    p.add_argument("--vkey", action="store_true", help="checkpoint: print the log's verifier key instead")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_records)
 
@@ -241,7 +249,17 @@ def cmd_records(args: argparse.Namespace) -> int:
     from capability.shared import read_file
     from controlplane.termination import verify_records
 
+    from . import checkpoints
+
     c = client(args)
+    if args.action == "verify-one":
+        return checkpoints.cmd_verify_one(args)
+    if args.action == "prove":
+        return checkpoints.cmd_prove(args, c)
+    if args.action == "checkpoint":
+        public = keys.load_public(read_file(args.trust, "trust key"), args.trust) if args.trust else \
+            keys.from_jwk(c.request("GET", "/v1/trust", admin=False)["jwk"])
+        return checkpoints.cmd_checkpoint(args, c, public)
     if args.action == "verify":
         if args.file:
             records = json.loads(read_file(args.file, "records"))
@@ -252,12 +270,17 @@ def cmd_records(args: argparse.Namespace) -> int:
         else:
             public = keys.from_jwk(c.request("GET", "/v1/trust", admin=False)["jwk"])
         result = verify_records(records, public)
-        for problem in result.problems:
+        problems = list(result.problems)
+        if args.checkpoint:
+            note = read_file(args.checkpoint, "checkpoint").decode()
+            problems += checkpoints.check_against(records, note, public, args.witness_key)
+        for problem in problems:
             print(f"FAIL {problem}")
-        if result.ok:
-            print(f"ok: {result.count} record(s), hash chain intact, every signature valid")
+        if not problems:
+            against = f"; exactly the log the checkpoint {args.checkpoint} commits to" if args.checkpoint else ""
+            print(f"ok: {result.count} record(s), hash chain intact, every signature valid{against}")
             return 0
-        print(f"the record log does not verify ({len(result.problems)} problem(s))")
+        print(f"the record log does not verify ({len(problems)} problem(s))")
         return 1
     if args.action == "show":
         if not args.id:

@@ -27,6 +27,7 @@ from .metrics import LoopWatch, Metrics
 from .routes import Handler, Route, enforced, error_middleware
 from .routes.approvals import ApprovalRoutes
 from .routes.budgets import BudgetRoutes
+from .routes.checkpoints import CheckpointRoutes
 from .routes.grants import GrantRoutes
 from .routes.operators import OperatorRoutes
 from .routes.ops import OpsRoutes
@@ -34,6 +35,7 @@ from .routes.sidecars import SidecarRoutes
 from .routes.terminations import TerminationRoutes
 from .services.approvals import ApprovalService
 from .services.budgets import BudgetService
+from .services.checkpoints import CheckpointService
 from .services.clock import ClockService
 from .services.events import EventService
 from .services.grants import GrantService
@@ -84,13 +86,15 @@ class ControlPlane:
         self._wire_services(budget_window_s)
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.clock_watch.run,
-                                                                 self.terminations.run, self.budgets.run]
+                                                                 self.terminations.run, self.budgets.run,
+                                                                 self.checkpoints.run]
         ops = OpsRoutes(store=store, replica=self.replica, catalog=catalog, signing_key=signing_key, auth=self.auth,
                         metrics=self.metrics, loop_watch=self.loop_watch, events=self.events, routes=self.routes,
                         clock=clock, clock_watch=self.clock_watch)
         self.add(*ops.table(), *GrantRoutes(self.grants).table(),
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),
+                 *CheckpointRoutes(self.checkpoints).table(),  # before /v1/records/{id}
                  *TerminationRoutes(self.terminations, self.records).table(),
                  *BudgetRoutes(self.budgets).table(),
                  *OperatorRoutes(self.operators).table())
@@ -103,6 +107,7 @@ class ControlPlane:
                                        self.clock_watch.handed_out)
         self.approvals = ApprovalService(store, metrics, self.events, clock, self.approval_ttl_s)
         self.records = RecordService(store, metrics, clock)
+        self.checkpoints = CheckpointService(store, self.signing_key, clock=clock)  # sinks: set by the CLI
         self.operators = OperatorService(store, metrics, clock)
         self.auth.operators = self.operators
         self.budgets = BudgetService(store, metrics, clock, self.grants, self.lease_ttl_s, budget_window_s)

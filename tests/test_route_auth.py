@@ -57,7 +57,7 @@ def test_every_route_declares_an_auth_kind(tmp_path: Path) -> None:
     assert public == {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/trust"),
                       ("GET", "/v1/catalog"), ("POST", "/v1/chains/verify"), ("GET", "/ui"), ("GET", "/ui/"),
                       ("GET", "/ui/static/{name}"), ("POST", "/ui/session"), ("GET", "/ui/session"),
-                      ("POST", "/ui/logout")}
+                      ("POST", "/ui/logout"), ("GET", "/v1/records/checkpoint")}  # a checkpoint: hashes, signed
     with pytest.raises(ValueError, match="auth"):
         Route("GET", "/nowhere", routes[0].handler, "a route nobody secured", "admin-ish")
     with pytest.raises(ValueError, match="names its roles"):  # a change never defaults to every role

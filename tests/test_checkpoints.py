@@ -1,0 +1,98 @@
+"""Checkpoints leave the box: a control plane publishes signed checkpoints of its record log to a directory and
+to a witness (`tether witness serve`, a real process), and `tether records verify --checkpoint` catches what the
+hash chain alone cannot: a dropped tail, and a history rewritten by whoever holds the signing key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from capability import keys
+from controlplane.notes import COSIGNATURE_V1, Verifier
+from controlplane.termination import seal
+
+from .harness import PYTHON, free_port, prepare_controlplane, stop_process, wait_until
+from .test_keys import _terminate_one, tether
+
+ORIGIN = "tether.test/records"
+
+
+def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_log(tmp_path: Path) -> None:
+    cp = prepare_controlplane(tmp_path, 1, 2, 3)
+    signing = keys.load_private(cp.signing_key_path.read_bytes())
+    log_vkey = Verifier(ORIGIN, signing.public_key()).vkey()
+    assert tether("keygen", "--out", "witness.key", cwd=tmp_path).returncode == 0
+    witness_key = keys.load_private((tmp_path / "witness.key").read_bytes())
+    witness_vkey = Verifier("witness.test", witness_key.public_key(), COSIGNATURE_V1).vkey()
+    port = free_port()
+    witness = subprocess.Popen([PYTHON, "-m", "cli", "witness", "serve", "--name", "witness.test", "--key",
+                                "witness.key", "--log", log_vkey, "--state", "wstate", "--listen",
+                                f"127.0.0.1:{port}"], cwd=tmp_path, stderr=open(tmp_path / "witness.log", "wb"))
+    cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(tmp_path / "checkpoints"), "--witness",
+                  f"http://127.0.0.1:{port}")
+    try:
+        wait_until(lambda: "listening" in (tmp_path / "witness.log").read_text(), 30, what="the witness")
+        cp.start()
+        try:
+            for agent in ("a", "b", "c"):
+                _terminate_one(cp, tmp_path, agent)
+            latest = tmp_path / "checkpoints" / "latest"
+            wait_until(lambda: latest.exists() and latest.read_text().split("\n")[1] == "3"
+                       and "witness.test" in latest.read_text(), 30, what="checkpoint 3, cosigned")
+            assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "latest"
+            assert (tmp_path / "checkpoints" / "checkpoint.3").read_text() == latest.read_text()
+
+            env = cp.env()
+            assert tether("records", "checkpoint", "--vkey", cwd=tmp_path, env=env).stdout.strip() == log_vkey
+            fetched = tether("records", "checkpoint", cwd=tmp_path, env=env).stdout
+            assert fetched.startswith(f"{ORIGIN}\n3\n")
+            ok = tether("records", "verify", "--checkpoint", str(latest), "--witness-key", witness_vkey,
+                        cwd=tmp_path, env=env)
+            assert ok.returncode == 0 and "exactly the log" in ok.stdout, ok.stdout + ok.stderr
+            proof = tether("records", "prove", "--json", cwd=tmp_path, env=env)  # no id: a usage error
+            assert proof.returncode == 2
+            log = json.loads(tether("records", "list", "--json", cwd=tmp_path, env=env).stdout)
+            (tmp_path / "record.json").write_text(json.dumps(log[1]))
+            proved = tether("records", "prove", log[1]["record_id"], cwd=tmp_path, env=env)
+            assert proved.returncode == 0, proved.stderr
+            (tmp_path / "proof.json").write_text(proved.stdout)
+        finally:
+            cp.stop()
+
+        pub = f"{cp.signing_key_path}.pub"
+        one = tether("records", "verify-one", "record.json", "--proof", "proof.json", "--checkpoint", str(latest),
+                     "--trust", pub, cwd=tmp_path)
+        assert one.returncode == 0 and "is record 1 of the 3" in one.stdout, one.stdout + one.stderr
+        edited = {**log[1], "reason": "nothing happened"}
+        (tmp_path / "edited.json").write_text(json.dumps(edited))
+        bad = tether("records", "verify-one", "edited.json", "--proof", "proof.json", "--checkpoint", str(latest),
+                     "--trust", pub, cwd=tmp_path)
+        assert bad.returncode == 1
+
+        # The newest record dropped: the chain alone still verifies; the checkpoint does not.
+        (tmp_path / "short.json").write_text(json.dumps(log[:2]))
+        assert tether("records", "verify", "--file", "short.json", "--trust", pub, cwd=tmp_path).returncode == 0
+        short = tether("records", "verify", "--file", "short.json", "--trust", pub, "--checkpoint", str(latest),
+                       cwd=tmp_path)
+        assert short.returncode == 1 and "dropped tail" in short.stdout
+
+        # Whoever holds the key rewrites the whole chain: every hash and signature checks, the checkpoint does not.
+        rewritten, prev = [], ""
+        for record in log:
+            body = {k: v for k, v in record.items() if k not in ("hash", "signature", "key_id")}
+            body = {**body, "prev_hash": prev, **({"reason": "rewritten"} if not rewritten else {})}
+            rewritten.append(seal(body, signing))
+            prev = rewritten[-1]["hash"]
+        (tmp_path / "rewritten.json").write_text(json.dumps(rewritten))
+        assert tether("records", "verify", "--file", "rewritten.json", "--trust", pub, cwd=tmp_path).returncode == 0
+        caught = tether("records", "verify", "--file", "rewritten.json", "--trust", pub, "--checkpoint",
+                        str(latest), cwd=tmp_path)
+        assert caught.returncode == 1 and "not the log the checkpoint commits to" in caught.stdout
+        unwitnessed = tether("records", "verify", "--file", "rewritten.json", "--trust", pub, "--checkpoint",
+                             str(tmp_path / "checkpoints" / "checkpoint.3"), "--witness-key",
+                             Verifier("other.witness", keys.generate().public_key(), COSIGNATURE_V1).vkey(),
+                             cwd=tmp_path)
+        assert unwitnessed.returncode == 1 and "no cosignature by other.witness" in unwitnessed.stdout
+    finally:
+        stop_process(witness)
