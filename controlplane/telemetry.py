@@ -40,6 +40,18 @@ def revoked(doc: dict[str, Any], link: dict[str, Any]) -> None:
     span.end()
 
 
+def checkpoint(origin: str, size: int, root_b64: str, note: str, now: float) -> None:
+    """A checkpoint of the record log, as a span carrying the signed note (a third sink beside the directory
+    and the witnesses: whatever keeps the traces keeps the checkpoints too)."""
+    t = tracer("tether-controlplane")
+    if t is None:
+        return
+    span = t.start_span(f"checkpoint {origin} {size}", start_time=_ns(now), attributes={
+        "tether.log.origin": origin, "tether.log.size": size, "tether.log.root": root_b64,
+        "tether.log.checkpoint": note})
+    span.end()
+
+
 async def termination_finished(doc: dict[str, Any], facts: Facts, now: float) -> None:
     """Write a finished termination's trace: one root span, a span per revocation and per sidecar run.
     ``facts`` gathers (runs, acknowledgements by run, revocations), asked only when tracing is on."""
