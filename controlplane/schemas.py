@@ -12,6 +12,7 @@ from typing import Any
 
 from capability.chain import MAX_LINKS
 from capability.events import APPROVED, CANCELLED, DENIED, EXPIRED, PENDING
+from capability.shared import RESOLUTIONS
 
 Schema = dict[str, Any]
 
@@ -103,6 +104,16 @@ CALL: Schema = obj({
     "detail": nullable(STR),
 }, "call_id", description="A call report or start (capability.report.CallReport); fields beyond these are not "
    "kept")
+# A final report (capability.report.read_final): what the call became, from the documented list. A batch with
+# one report that is not so is refused whole (400 tether.bad_request naming the field); nothing is stored.
+FINAL_CALL: Schema = {**CALL, "required": ["call_id", "resolution"], "properties": {
+    **CALL["properties"], "resolution": {"type": "string", "enum": list(RESOLUTIONS)},
+    "tier": {"anyOf": [TIER, {"type": "null"}]},
+    "status": nullable({"type": "integer", "minimum": 100, "maximum": 599})},
+    "description": "A call's final report (capability.report.read_final): its resolution is one of the list"}
+# A write-ahead start names no resolution.
+START: Schema = {**CALL, "properties": {**CALL["properties"], "resolution": {"type": "null"}},
+                 "description": "A call's write-ahead start (capability.report.read_start): no resolution yet"}
 HEARTBEAT_REQUEST = obj({
     "state": {"type": ["string", "null"], "maxLength": 32},
     "inflight": nullable(array(ANY_OBJ)),
@@ -115,7 +126,7 @@ HEARTBEAT_REQUEST = obj({
     "revocations_held": nullable({"type": "object", "additionalProperties": NUM,
                                   "description": "jti -> seconds since the sidecar learned of its revocation"}),
 })
-REPORTS_REQUEST = obj({"reports": nullable(array(CALL)), "starts": nullable(array(CALL))})
+REPORTS_REQUEST = obj({"reports": nullable(array(FINAL_CALL)), "starts": nullable(array(START))})
 HELD_REQUEST: Schema = obj({
     "method": {"type": "string", "maxLength": 1024},
     "url": {"type": "string", "maxLength": 65536},
@@ -139,8 +150,8 @@ APPROVAL_REQUEST = obj({
 }, "call_id")
 QUIESCED_REQUEST = obj({
     "termination_id": {"type": "string", "maxLength": 200},
-    "reports": nullable(array(CALL)),
-    "starts": nullable(array(CALL)),
+    "reports": nullable(array(FINAL_CALL)),
+    "starts": nullable(array(START)),
     "calls": nullable(ANY_OBJ),
     "state": STR,
 }, "termination_id")

@@ -307,8 +307,7 @@ class Sidecar:
             await asyncio.wait_for(self.budgets.release(), 3.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.goodbye(), 3.0)
-        await self.channel.close()
-        await self.credentials.close()
+        await self.close_sessions()
         if self._dns is not None:
             self._dns.close()
         if self._enclosure is not None:
@@ -316,6 +315,12 @@ class Sidecar:
         self.capture.close()
         self._lock.close()
         self.stopped.set()
+
+    async def close_sessions(self) -> None:
+        """Close the HTTP client sessions (the control plane's, the OAuth2 token endpoints'): on every way out,
+        or asyncio prints "Unclosed client session" dumps after the sidecar's last line."""
+        await self.channel.close()
+        await self.credentials.close()
 
     def _close_connections(self) -> int:
         """Close every agent connection still open once the proxy stopped listening: a request on one would be
