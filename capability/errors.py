@@ -45,6 +45,10 @@ ISOLATION_UNAVAILABLE = "tether.isolation_unavailable"  # tether run cannot enfo
 CONTROLPLANE_UNREACHABLE = "tether.controlplane_unreachable"
 KEY_INVALID = "tether.key_invalid"
 LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot listen where it was told
+# An approval-tier call whose body is past what an approver is shown whole (or has no end in sight): refused.
+APPROVAL_BODY_TOO_LARGE = "tether.approval_body_too_large"
+# A sidecar run (or link) already has as many calls waiting for a person as the control plane keeps.
+APPROVAL_QUEUE_FULL = "tether.approval_queue_full"
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

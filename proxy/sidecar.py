@@ -35,7 +35,7 @@ from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .credentials import Credentials, Injector
-from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
+from .enforce import APPROVAL_BODY_LIMIT, Enforcer, Forwarder, Holds, Tunnels, filing_refused, own_destinations
 from .flowstate import state_of
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from .pipeline import Pipeline
@@ -470,12 +470,16 @@ class Sidecar:
     # -- approvals ---------------------------------------------------------------------------------------
     async def await_approval(self, call: Call) -> str:
         flow = self.flows.get(call.call_id)
-        shown = held_call(flow, self.capture.fields) if flow is not None else {}
+        # The body whole (Holds refused any past the limit): the approver sees everything that would leave.
+        shown = held_call(flow, self.capture.fields, limit=APPROVAL_BODY_LIMIT) if flow is not None else {}
         try:
             doc = await self.channel.ask_approval({
                 "call_id": call.call_id, "capability": call.capability, "method": call.method, "url": call.url,
                 "timeout_s": self.config.approval_timeout_s, "request": shown, "call_hash": shown.get("call_hash")})
         except ApiError as exc:
+            refused = filing_refused(exc.code, exc.message)
+            if refused is not None:
+                raise refused from None
             return f"approval could not be requested: {exc.message}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         future.call_hash = shown.get("call_hash")  # type: ignore[attr-defined]
