@@ -261,7 +261,7 @@ def test_a_link_past_its_queue_is_refused_whatever_run_it_names(world: World, fl
 def test_the_approvals_page_in_a_browser(world: World, flooded: dict[str, Any], tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
-    from .test_console import CHROMIUM
+    from .test_console import CHROMIUM, shot
 
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is absent; the console's browser test needs it")
@@ -285,6 +285,7 @@ def test_the_approvals_page_in_a_browser(world: World, flooded: dict[str, Any], 
             counts = page.get_by_role("table", name="Pending approvals per agent")
             expect(counts.locator('tr[data-agent="sibling"] .count-filed')).to_have_text("60")
             expect(counts.locator('tr[data-agent="coder"] .count-held')).to_have_text("1")
+            shot(page, "approvals-queue")
             # Paging to the end: every pending one is reachable.
             ids: set[str] = set()
             pager = body.locator("nav.pager").first

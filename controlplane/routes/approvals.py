@@ -11,6 +11,7 @@ from capability.events import APPROVAL_BODY_LIMIT, APPROVED, DENIED, FILED, HELD
 
 from .. import schemas as sc
 from ..body import Fields, bad, query_int
+from ..openapi import refusal
 from ..services.approvals import ApprovalService
 from ..services.grants import ADMIN as BY_ADMIN
 from . import ADMIN, ADMIN_OR_SIDECAR, RUN, Route, body, caller, principal
@@ -65,7 +66,11 @@ class ApprovalRoutes:
     def table(self) -> list[Route]:
         return [
             Route("POST", "/v1/approvals", self.h_approval_new, "Ask for approval of a held call", RUN, "approvals",
-                  body=sc.APPROVAL_REQUEST, ok=sc.ref("Approval"), status=201),
+                  body=sc.APPROVAL_REQUEST, ok=sc.ref("Approval"), status=201, extra_responses={
+                      413: refusal(413, "The held call's body is cut, or past the limit (tether.approval_body_too_"
+                                   "large; the error's limit says how many bytes), or the body is over 8 MiB"),
+                      429: refusal(429, "The run (32) or the link (128) has its fill of pending approvals "
+                                   "(tether.approval_queue_full)")}),
             Route("GET", "/v1/approvals", self.h_approvals, "List approvals: pending first, held calls before filed "
                   "requests, newest first; the Tether-Total header counts every match", ADMIN, "approvals",
                   ok=sc.APPROVALS, query=(
