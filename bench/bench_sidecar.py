@@ -99,13 +99,13 @@ TRANSPARENT = "transparent (--isolate)"
 BOUNDARY_HOST = "tools.bench"  # the tool's name for the isolated client (resolved by the sidecar's /etc/hosts)
 CREDENTIAL_CATALOG = """
 credentials:
-  bench: {header: Authorization, format: "Bearer {secret}"}
+  bench: {header: Authorization, format: "Bearer {secret}", insecure_plain_http: loopback}
 """
 CREDENTIAL_CAPS = """
-  cred.issues: {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/repos/*/*/issues*"}},
+  cred.issues: {{http: {{host: 127.0.0.1, port: {http}, scheme: http, methods: [GET], path: "/repos/*/*/issues*"}},
                 credential: bench}}
-  cred.secure: {{http: {{host: localhost, port: {https}, methods: [GET], path: "/repos/*/*/issues*"}},
-                credential: bench}}
+  cred.secure: {{http: {{host: localhost, port: {https}, scheme: https, methods: [GET],
+                path: "/repos/*/*/issues*"}}, credential: bench}}
 """
 BOUNDARY_CAPS = """
   iso.issues:    {{http: {{host: {host}, port: {http}, methods: [GET], path: "/repos/*/*/issues*"}}}}

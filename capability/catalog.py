@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from .budget import TIERS, GrantError, read_grant
-from .credentials import Credential, parse_credentials
+from .credentials import PLAIN_HTTP_LOOPBACK, Credential, Route, is_loopback, parse_credentials
 from .errors import CatalogError, UnknownCapability
 from .glob import MAX_GLOB, admits, included
 from .jsonpieces import canonical_json
@@ -27,7 +27,8 @@ _METHOD = re.compile(r"^[A-Z]{1,16}$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
 _CAP_KEYS = {"http", "mcp", "description", "credential"}
-_HTTP_KEYS = {"host", "port", "methods", "path", "websocket"}
+_HTTP_KEYS = {"host", "port", "scheme", "methods", "path", "websocket"}
+HTTP_SCHEMES = ("http", "https")
 # An ``mcp`` match names its server and exactly one item: a tool, a resource (a URI glob or URI template), a
 # prompt, or one piece of plumbing a server offers beyond its items (``true``: the whole of it).
 MCP_ITEMS = ("tool", "resource", "prompt")
@@ -155,6 +156,7 @@ class HttpMatch:
     path: str
     port: int | None = None
     websocket: bool = False  # a GET here may upgrade to a websocket (the connection is then the call)
+    scheme: str | None = None  # "https" or "http": required where a credential is injected (see Capability.route)
 
     def matches(self, host: str, port: int, method: str, path: str) -> bool:
         return (
@@ -170,6 +172,8 @@ class HttpMatch:
             d["port"] = self.port
         if self.websocket:  # only when set: a catalog without websockets keeps its hash
             d["websocket"] = True
+        if self.scheme is not None:  # likewise
+            d["scheme"] = self.scheme
         return d
 
 
@@ -233,6 +237,24 @@ class Capability:
     mcp: McpMatch | None = None
     description: str = ""
     credential: str | None = None  # what the sidecar injects for it (a name in the catalog's credentials)
+
+    @property
+    def route(self) -> Route | None:
+        """The one scheme, host and port this capability's requests go to, when the catalog names all three
+        (an ``http`` match with ``scheme`` and ``port``; an ``mcp`` server's URL always does)."""
+        if self.http is not None:
+            h = self.http
+            return Route(h.scheme, h.host, h.port) if h.scheme is not None and h.port is not None else None
+        if self.mcp is not None:
+            return url_route(self.mcp.server)
+        return None
+
+
+def url_route(url: str) -> Route:
+    """A URL's scheme, host and port (the default port made explicit)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return Route(scheme, host_key(parts.hostname or ""), parts.port or _default_port(scheme))
 
 
 def _first_segment(path: str) -> str:
@@ -421,6 +443,10 @@ class Catalog:
         cap = self.capabilities.get(capability)
         return self.credentials.get(cap.credential) if cap is not None and cap.credential else None
 
+    def route_of(self, capability: str) -> Route | None:
+        cap = self.capabilities.get(capability)
+        return cap.route if cap is not None else None
+
     def mcp_credential(self, server: str) -> Credential | None:
         """The credential an MCP server gets on every request (plumbing included); one per server (parsing
         refuses a catalog whose tools on one server name different ones)."""
@@ -492,12 +518,16 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
         raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
     if len(path) > MAX_GLOB:
         raise _fail(source, f"{where}.path", f"a path glob of {len(path)} characters (at most {MAX_GLOB})")
+    scheme = raw.get("scheme")
+    if scheme is not None and scheme not in HTTP_SCHEMES:
+        raise _fail(source, f"{where}.scheme", f"expected https or http, got {scheme!r}")
     websocket = raw.get("websocket", False)
     if not isinstance(websocket, bool):
         raise _fail(source, f"{where}.websocket", f"expected true or false, got {websocket!r}")
     if websocket and "GET" not in methods:
         raise _fail(source, f"{where}.websocket", "a websocket opens with a GET: add GET to methods")
-    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port, websocket=websocket)
+    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port, websocket=websocket,
+                     scheme=scheme)
 
 
 def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
@@ -537,6 +567,26 @@ def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
                         "template with {expressions}), without dot segments, encoded slashes, backslashes, "
                         f"control characters, a fragment or unbalanced braces: {value!r}")
     return McpMatch(url=url, kind=kind, name=value)
+
+
+def _check_route(source: str, cap: Capability, credential: Credential) -> None:
+    """A credential goes to one scheme, host and port, over TLS; plain HTTP only by the credential's explicit
+    ``insecure_plain_http: loopback``, and only to a loopback upstream."""
+    kind = "http" if cap.http is not None else "mcp"
+    where = f"capability {cap.name!r}.{kind}"
+    route = cap.route
+    if route is None:
+        raise _fail(source, where, f"injects the credential {credential.name!r}: name the scheme and port it is "
+                    "sent to (e.g. scheme: https, port: 443); a credential goes to one scheme, host and port only")
+    if route.scheme == "https":
+        return
+    if credential.insecure_plain_http != PLAIN_HTTP_LOOPBACK:
+        raise _fail(source, where, f"would send the credential {credential.name!r} over plain http: use https, or "
+                    f"(for an upstream on this machine's loopback only) set insecure_plain_http: "
+                    f"{PLAIN_HTTP_LOOPBACK} on the credential")
+    if not is_loopback(route.host):
+        raise _fail(source, where, f"the credential {credential.name!r} allows plain http to loopback only "
+                    f"(127.0.0.0/8, ::1, localhost), not to {route.host}: use https")
 
 
 def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
@@ -591,6 +641,9 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
             if seen != cap.credential:
                 raise _fail(source, f"capability {cap.name!r}.credential", f"every item of the MCP server "
                             f"{cap.mcp.url} must name the same credential ({seen!r} and {cap.credential!r})")
+    for cap in caps.values():
+        if cap.credential:
+            _check_route(source, cap, credentials[cap.credential])
     roles_raw = raw.get("roles") or {}
     if not isinstance(roles_raw, dict):
         raise _fail(source, "roles", "expected a mapping of role name -> {capability: tier}")

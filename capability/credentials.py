@@ -5,11 +5,17 @@ with ``--secret NAME=...``); an OAuth2 client-credentials one formats ``{token}`
 fetches from ``token_url`` with its client id and the client secret it was given. The catalog holds no
 secret value: it is served to sidecars and hashed into every grant, so it says only *how* to inject.
 
+A credential goes to one place only: its capability's ``Route`` (scheme, host and port). ``route_refusal`` is
+the rule the sidecar applies to every request before it injects: the request must leave to exactly that host
+and port, over TLS whose certificate is verified for that host. Plain HTTP is possible only for a credential
+that says ``insecure_plain_http: loopback``, and then only to a loopback address (the catalog checks both).
+
 Pure parsing and validation; the sidecar's injection and token client live in ``proxy/credentials.py``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +23,27 @@ from urllib.parse import urlsplit
 
 from .errors import CatalogError
 
-_CRED_KEYS = {"header", "format", "oauth2_client_credentials", "description"}
+_CRED_KEYS = {"header", "format", "oauth2_client_credentials", "description", "insecure_plain_http"}
 _OAUTH_KEYS = {"token_url", "client_id", "scope", "audience", "client_auth"}
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")  # an HTTP header name (RFC 9110 token)
 # Headers whose meaning is the message's framing or routing: injecting one would change what tether matched.
 _FORBIDDEN_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te", "trailer",
                       "tether-chain", "keep-alive", "proxy-connection", ":authority"}
 _LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+# The one value of ``insecure_plain_http``: a credential that may travel in clear text, to this machine only.
+PLAIN_HTTP_LOOPBACK = "loopback"
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, or an address of the loopback network (127.0.0.0/8, ::1), in any spelling the catalog
+    compares (an IPv6 literal bracketed or not)."""
+    host = host.lower().rstrip(".")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,7 @@ class Credential:
     format: str = "Bearer {secret}"
     oauth2: OAuth2ClientCredentials | None = None
     description: str = ""
+    insecure_plain_http: str | None = None  # PLAIN_HTTP_LOOPBACK: may be sent in clear to a loopback upstream
 
     @property
     def placeholder(self) -> str:
@@ -67,7 +88,62 @@ class Credential:
             out["oauth2_client_credentials"] = self.oauth2.to_dict()
         if self.description:
             out["description"] = self.description
+        if self.insecure_plain_http:  # only when set: other catalogs keep their hash
+            out["insecure_plain_http"] = self.insecure_plain_http
         return out
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a credentialed capability's requests go: the only scheme, host and port its credential is sent to.
+    ``host`` is spelled as the catalog compares hosts (lower case, an IPv6 literal bracketed)."""
+
+    scheme: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """How one request would leave the sidecar, as far as a credential cares.
+
+    ``host`` and ``port`` are where the upstream connection goes (the request's destination, spelled as the
+    catalog compares hosts); ``sni`` the TLS server name the upstream certificate is verified for; ``verified``
+    whether upstream certificates are verified at all."""
+
+    scheme: str
+    host: str
+    port: int
+    sni: str | None
+    verified: bool
+
+
+def route_refusal(route: Route, credential: Credential, leaving: Leaving) -> str | None:
+    """Why ``credential`` must not be injected into a request leaving as ``leaving`` (a sentence for the agent),
+    or None when it may: to the route's exact host and port, over TLS verified for the route's host; over
+    plain HTTP only to a loopback route whose credential opted in (``insecure_plain_http: loopback``)."""
+    if (leaving.host, leaving.port) != (route.host, route.port):
+        return (f"the credential {credential.name} is sent only to {route.host}:{route.port}; this request goes to "
+                f"{leaving.host}:{leaving.port}")
+    if leaving.scheme != route.scheme:
+        if route.scheme == "https":
+            return (f"the credential {credential.name} is sent only over TLS ({route}); this request would leave "
+                    f"as plain {leaving.scheme}")
+        return f"the credential {credential.name} is sent only to {route}; this request is {leaving.scheme}"
+    if route.scheme == "https":
+        if not leaving.verified:
+            return (f"upstream certificates are not verified by this sidecar: the credential {credential.name} is "
+                    "never sent over unverified TLS")
+        if leaving.sni is None or leaving.sni != route.host:
+            return (f"the upstream certificate would be verified for {leaving.sni!r}, not {route.host}: the "
+                    f"credential {credential.name} is not sent")
+        return None
+    if route.scheme == "http" and credential.insecure_plain_http == PLAIN_HTTP_LOOPBACK and is_loopback(route.host):
+        return None
+    return f"the credential {credential.name} is never sent over plain http to {route.host}"
 
 
 def _fail(source: str, where: str, message: str) -> CatalogError:
@@ -140,5 +216,10 @@ def parse_credentials(source: str, raw: Any) -> dict[str, Credential]:
         description = spec.get("description", "")
         if not isinstance(description, str):
             raise _fail(source, f"{where}.description", "expected a string")
-        out[name] = Credential(name=name, header=header, format=fmt, oauth2=oauth2, description=description)
+        plain = spec.get("insecure_plain_http")
+        if plain is not None and plain != PLAIN_HTTP_LOOPBACK:
+            raise _fail(source, f"{where}.insecure_plain_http", f"the only value is {PLAIN_HTTP_LOOPBACK!r} (the "
+                        f"credential may be sent in clear text to a loopback upstream), got {plain!r}")
+        out[name] = Credential(name=name, header=header, format=fmt, oauth2=oauth2, description=description,
+                               insecure_plain_http=plain)
     return out

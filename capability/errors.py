@@ -45,6 +45,10 @@ ISOLATION_UNAVAILABLE = "tether.isolation_unavailable"  # tether run cannot enfo
 CONTROLPLANE_UNREACHABLE = "tether.controlplane_unreachable"
 KEY_INVALID = "tether.key_invalid"
 LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot listen where it was told
+FILE_EXISTS = "tether.file_exists"  # a key (or other file tether creates) is already there: never overwritten
+SIGNING_KEY_MISMATCH = "tether.signing_key_mismatch"  # the signing key did not sign the record log it would extend
+MCP_SESSION_UNKNOWN = "tether.mcp_session_unknown"  # an Mcp-Session-Id this sidecar run did not see issued
+CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected credential goes only over verified TLS
 # An approval-tier call whose body is past what an approver is shown whole (or has no end in sight): refused.
 APPROVAL_BODY_TOO_LARGE = "tether.approval_body_too_large"
 # A sidecar run (or link) already has as many calls waiting for a person as the control plane keeps.

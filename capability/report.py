@@ -54,6 +54,7 @@ class CallReport:
     termination_id: str | None = None
     detail: str | None = None
     run_id: str | None = None  # the run that delivered it (the control plane stamps its own)
+    reissue_of: str | None = None  # an MCP call re-sending one whose answer the client never read: its call id
 
     def to_doc(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _NAMES}  # not fields(): this runs for every report in
@@ -86,7 +87,7 @@ def read_doc(doc: Any, where: str = "the report") -> dict[str, Any]:
     return values
 
 
-_LIMITS = {"call_id": MAX_CALL_ID, "run_id": MAX_RUN_ID}
+_LIMITS = {"call_id": MAX_CALL_ID, "run_id": MAX_RUN_ID, "reissue_of": MAX_CALL_ID}
 _KINDS = {f.name: ("int" if f.name == "status" else "number" if f.name.endswith("_at") else "str")
           for f in fields(CallReport)}
 _NAMES = tuple(_KINDS)

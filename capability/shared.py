@@ -9,17 +9,20 @@ holds it to that: tests/test_layers.py).
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .budget import GrantError, parse_cap_spec
 from .catalog import TIERS, Catalog, parse_catalog
-from .errors import BAD_REQUEST, CATALOG_INVALID, TetherError
+from .errors import BAD_REQUEST, CATALOG_INVALID, FILE_EXISTS, TetherError
 
 # What became of a call (DESIGN.md section 5): the sidecar resolves each call to one of these, the control
-# plane records them.
-RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
+# plane records them. ``cancelled``: an MCP call the client cancelled or disconnected from after it left, before
+# its answer reached it (the server may have acted on it; a re-send is a new call, ``reissue_of`` this one).
+RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown", "cancelled")
 
 
 def read_file(path: str, what: str) -> bytes:
@@ -35,15 +38,50 @@ def read_chain(path: str) -> str:
     return ",".join(part.strip() for part in text.replace("\n", ",").split(",") if part.strip())
 
 
-def write_secret(path: str, data: bytes) -> None:
-    """Write a file only its owner may read (mode 600), replacing any file already there."""
+def publish_file(path: str, data: bytes, mode: int = 0o600) -> bool:
+    """Create ``path`` holding ``data`` only if no file is there, atomically: a reader finds the whole file or
+    none. The bytes are written to a private temporary file beside it and linked into place (``link`` fails
+    when the name exists), so two processes creating one key at once end with one key, the first one's.
+    False when the file already existed (it stands untouched)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if p.exists():
-        p.unlink()
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")  # mode 600 from the start
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        try:
+            os.link(tmp, p)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(tmp)
+
+
+def write_secret(path: str, data: bytes) -> None:
+    """Write a new file only its owner may read (mode 600). A file already there is refused, never replaced
+    (``tether.file_exists``): an overwritten key silently invalidates everything it signed."""
+    if not publish_file(path, data):
+        raise TetherError(f"{path} already exists: not replacing it (a key that is replaced invalidates every "
+                          "chain and record it signed; move it away first, or use --force where offered)",
+                          code=FILE_EXISTS, path=path)
+
+
+def set_aside(path: str, now: float) -> str | None:
+    """Rename an existing file to ``PATH.replaced-YYYYmmddTHHMMSSZ`` (kept, never deleted); its new name."""
+    if not os.path.lexists(path):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    kept = f"{path}.replaced-{stamp}"
+    n = 1
+    while os.path.lexists(kept):
+        n += 1
+        kept = f"{path}.replaced-{stamp}-{n}"
+    os.rename(path, kept)
+    return kept
 
 
 def parse_caps(values: Sequence[str] | None) -> dict[str, Any]:

@@ -38,13 +38,13 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     if args.agent:
         result = c.request("POST", f"/v1/agents/{path_segment(args.agent)}/revoke", {"reason": args.reason})
         for doc in result["revoked"]:
-            print(f"revoked {doc['jti']} ({doc['agent']}) at {doc['at']:.0f} by {doc['by']}")
+            print(f"revoked {doc['jti']} ({doc['agent']}) at {doc['at']:.0f} by {revoker(doc)}")
         return 0
     if not args.jti:
         raise TetherError("give a JTI or --agent ID", code=BAD_REQUEST)
     signer = signer_from(args.chain, args.key) if args.chain else None
     doc = c.request("POST", f"/v1/grants/{path_segment(args.jti)}/revoke", {"reason": args.reason}, signer=signer)
-    print(f"revoked {doc['jti']} ({doc['agent']}) by {doc['by']}; cut off: {', '.join(doc['agents_cut_off'])}")
+    print(f"revoked {doc['jti']} ({doc['agent']}) by {revoker(doc)}; cut off: {', '.join(doc['agents_cut_off'])}")
     return 0
 
 
@@ -63,8 +63,22 @@ def cmd_agents(args: argparse.Namespace) -> int:
     print(f"{'AGENT':<20} {'STATUS':<8} {'JTI':<34} {'SIDECAR':<22} CAPABILITIES")
     for a in data["agents"]:
         print(f"{a['agent']:<20} {a['status']:<8} {a['jti']:<34} {_sidecar_text(a['sidecar']):<22} "
-              f"{caps_text(a['caps'])}")
+              f"{caps_text(a['caps'])}{_revoked_text(a)}")
     return 0
+
+
+def revoker(revocation: dict) -> str:
+    """Who revoked: an operator's name and how they signed in, a principal, or a termination."""
+    who = revocation.get("operator")
+    return f"{who['operator']} ({who['via']})" if who else revocation["by"]
+
+
+def _revoked_text(node: dict) -> str:
+    if node.get("revoked"):
+        return f"  (revoked by {revoker(node['revoked'])})"
+    if node.get("revoked_via"):
+        return f"  (an ancestor's link {node['revoked_via'][:12]}… is revoked)"
+    return ""
 
 
 def _sidecar_text(sidecar: dict | None) -> str:
@@ -85,7 +99,7 @@ def print_tree(node: dict, prefix: str, last: bool, top: bool = False) -> None:
     branch = "" if top else ("└── " if last else "├── ")
     status = node["status"].upper() if node["status"] != "active" else "active"
     print(f"{prefix}{branch}{node['agent']}  [{status}] jti {node['jti'][:12]}…  "
-          f"{caps_text(node['caps'])}  ({_runs_text(node)})")
+          f"{caps_text(node['caps'])}  ({_runs_text(node)}){_revoked_text(node)}")
     child_prefix = prefix + ("" if top else ("    " if last else "│   "))
     for i, child in enumerate(node["children"]):
         print_tree(child, child_prefix, i == len(node["children"]) - 1)

@@ -34,7 +34,7 @@ ALLOWED = {"agent": "--agent", "cap": "--cap", "ttl": "--ttl", "approval_timeout
            "call_timeout": "--call-timeout", "stop_window": "--stop-window", "redact_field": "--redact-field"}
 REFUSED = ("chain", "key", "parent_key", "state_dir", "secret", "catalog", "trust", "upstream_ca", "capture_file",
            "no_capture", "allow_uncaptured", "cooperative", "user", "listen", "transparent_listen", "dns_listen",
-           "ready_file")
+           "ready_file", "no_default_redact_fields")
 
 
 def requested(args: Any, defaults: Any) -> dict[str, Any]:

@@ -18,6 +18,9 @@ CAP_METAVAR = "NAME=TIER[,calls=N][,per_minute=M]"
 def add_keygen(sub: Any) -> None:
     p = sub.add_parser("keygen", help="write an Ed25519 key pair (F and F.pub)")
     p.add_argument("--out", required=True, metavar="F", help="the private key's file (mode 0600); F.pub beside it")
+    p.add_argument("--force", action="store_true",
+                   help="when F or F.pub exists, keep it as F.replaced-TIME (and F.pub.replaced-TIME) and write a new "
+                        "pair (without --force an existing file is refused: tether.file_exists)")
     p.set_defaults(func=cmd_keygen)
 
 
@@ -80,12 +83,24 @@ def add_grant_verify(sub: Any) -> None:
 # -- commands --------------------------------------------------------------------------------------------
 def cmd_keygen(args: argparse.Namespace) -> int:
     from capability import keys
-    from capability.shared import write_secret
+    from capability.errors import FILE_EXISTS, TetherError
+    from capability.shared import publish_file, set_aside, write_secret
 
+    pub = f"{args.out}.pub"
+    there = [p for p in (args.out, pub) if Path(p).exists()]
+    if there and not args.force:
+        raise TetherError(f"{' and '.join(there)} already exist(s): not replacing (a replaced key invalidates every "
+                          "chain and record it signed); move it away, or pass --force to keep it beside the new one",
+                          code=FILE_EXISTS, path=there[0])
+    now = time.time()
+    for kept in filter(None, (set_aside(p, now) for p in there)):
+        print(f"kept the old {kept.rsplit('.replaced-', 1)[0]} as {kept}", file=sys.stderr)
     key = keys.generate()
     write_secret(args.out, keys.private_pem(key))
-    Path(f"{args.out}.pub").write_bytes(keys.public_pem(key.public_key()))
-    print(f"wrote {args.out} (private, mode 600) and {args.out}.pub; key id {keys.thumbprint(key.public_key())}")
+    if not publish_file(pub, keys.public_pem(key.public_key()), 0o644):
+        raise TetherError(f"{pub} appeared while {args.out} was written: check which process writes keys here",
+                          code=FILE_EXISTS, path=pub)
+    print(f"wrote {args.out} (private, mode 600) and {pub}; key id {keys.thumbprint(key.public_key())}")
     return 0
 
 

@@ -14,7 +14,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import agents, audit, budgets, capture, controlplane, grant, mcp_stdio, ops, run, sidecar
+from . import (
+    agents,
+    audit,
+    budgets,
+    capture,
+    controlplane,
+    grant,
+    login,
+    mcp_stdio,
+    operators,
+    ops,
+    run,
+    sidecar,
+    witness,
+)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -72,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_records(sub)
     audit.add_audit(sub)
     capture.add_capture(sub)
+    operators.add_operators(sub)
+    login.add_login(sub)
+    witness.add_witness(sub)
     return parser
 
 

@@ -155,7 +155,8 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     for d in docs:
         request_line = printable(f"{d['method']} {d['url']}", "")
         print(f"{d['id']}  {d['status']:<9} {d.get('origin') or '':<5} {printable(d['agent'], ''):<16} "
-              f"{printable(str(d['capability']), ''):<28} {request_line}  (asked {ago(d['requested_at'])})")
+              f"{printable(str(d['capability']), ''):<28} {request_line}  (asked {ago(d['requested_at'])}"
+              f"{decided_text(d)})")
     print_pending_counts(c.request("GET", "/v1/approvals/summary"))
     return 0
 
@@ -197,7 +198,7 @@ def print_approval(doc: dict) -> None:
           + origin.get(doc.get("origin") or "", ""))
     print(f"  agent       {doc['agent']}   chain {' > '.join(doc.get('chain') or [doc['agent']])}")
     print(f"  capability  {doc.get('capability')}")
-    print(f"  deciders    {', '.join(doc.get('deciders') or ['admin'])}")
+    print(f"  deciders    {', '.join(doc.get('deciders') or ['admin'])}{decided_text(doc)}")
     req = doc.get("request")
     if not req:
         print(f"  call        {printable(str(doc.get('method')))} {printable(str(doc.get('url')))}  "
@@ -213,6 +214,19 @@ def print_approval(doc: dict) -> None:
     print(f"-- body: {note}")
 
 
+def by_text(by: str | None, operator: dict | None) -> str:
+    """Who decided: an operator's name and how they signed in, a principal, or a termination."""
+    if operator:
+        return f"{operator['operator']} ({operator['via']})"
+    return by or "?"
+
+
+def decided_text(doc: dict) -> str:
+    if not doc.get("decided_at"):
+        return ""
+    return f"; {doc['status']} by {by_text(doc.get('decided_by'), doc.get('operator'))} at {_when(doc['decided_at'])}"
+
+
 def print_record_summary(record: dict, all_calls: bool = False) -> None:
     """A responder's view: counts per agent, every call that did not simply complete, and the agents."""
     per_agent: dict[str, dict[str, int]] = {}
@@ -221,7 +235,8 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
         counts[call["resolution"]] = counts.get(call["resolution"], 0) + 1
     print(f"record {record['record_id']} for termination {record['termination_id']}"
           + (f" (addendum to {record['amends']}: agents that acknowledged late)" if record.get("amends") else ""))
-    print(f"  {record['mode']} of {record['subject']}, requested by {record['requested_by']} at "
+    requester = by_text(record["requested_by"], record.get("operator"))
+    print(f"  {record['mode']} of {record['subject']}, requested by {requester} at "
           f"{_when(record['requested_at'])}, completed {_when(record['completed_at'])}, window {record['window_s']:g}s")
     print(f"  calls: {len(record['calls'])}")
     for agent, counts in sorted(per_agent.items()):

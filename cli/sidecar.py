@@ -82,8 +82,11 @@ SIDECAR_OPTIONS: tuple[Option, ...] = (
            "$XDG_STATE_HOME/tether/AGENT, else ~/.local/state/tether/AGENT)", metavar="DIR"),
     Option("--upstream-ca", "upstream_ca", "trust this CA bundle for upstream TLS (besides the system's)",
            metavar="F"),
-    Option("--redact-field", "redact_field", "a JSON field (or query parameter) to redact in captures (repeat)",
-           action="append", metavar="NAME"),
+    Option("--redact-field", "redact_field", "a JSON field, form field or query parameter to redact in captures "
+           "and approvals, besides the names that say secret (repeat)", action="append", metavar="NAME"),
+    Option("--no-default-redact-fields", "no_default_redact_fields", "do not redact the field names that say "
+           "secret (password, token, api_key ...: see the README) unless --redact-field names them",
+           action="store_true", default=False),
     Option("--approval-timeout", "approval_timeout", "seconds a held call waits for a decision", type=float,
            default=120.0, metavar="S"),
     Option("--allow-uncaptured", "allow_uncaptured", "forward calls whose capture fails", action="store_true",
@@ -157,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         catalog=load_catalog(args.catalog) if args.catalog else None,
         upstream_ca=args.upstream_ca,
         redact_fields=list(args.redact_field or []),
+        redact_default_fields=not args.no_default_redact_fields,
         approval_timeout_s=args.approval_timeout,
         allow_uncaptured=args.allow_uncaptured,
         capture_path=Path(args.capture_file) if args.capture_file else None,

@@ -28,6 +28,7 @@ from .routes import Handler, Route, enforced, error_middleware
 from .routes.approvals import ApprovalRoutes
 from .routes.budgets import BudgetRoutes
 from .routes.grants import GrantRoutes
+from .routes.operators import OperatorRoutes
 from .routes.ops import OpsRoutes
 from .routes.sidecars import SidecarRoutes
 from .routes.terminations import TerminationRoutes
@@ -36,9 +37,11 @@ from .services.budgets import BudgetService
 from .services.clock import ClockService
 from .services.events import EventService
 from .services.grants import GrantService
+from .services.operators import OperatorService
 from .services.records import RecordService
 from .services.sidecars import SidecarService
 from .services.terminations import TerminationService
+from .signing import check_head
 from .store import Store, StoreUnavailable
 
 log = logging.getLogger("tether.controlplane")
@@ -61,9 +64,11 @@ class ControlPlane:
         clock: Callable[[], float] = time.time,
         replica: str | None = None,
         budget_window_s: float | None = None,
+        signing_key_source: str = "the signing key",
     ) -> None:
         self.store = store
         self.signing_key = signing_key
+        self.signing_key_source = signing_key_source  # its file, named when it did not sign the record log
         self.catalog = catalog
         self.clock = clock
         self.lease_ttl_s = lease_ttl_s
@@ -87,7 +92,8 @@ class ControlPlane:
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),
                  *TerminationRoutes(self.terminations, self.records).table(),
-                 *BudgetRoutes(self.budgets).table())
+                 *BudgetRoutes(self.budgets).table(),
+                 *OperatorRoutes(self.operators).table())
 
     def _wire_services(self, budget_window_s: float | None) -> None:
         store, metrics, clock = self.store, self.metrics, self.clock
@@ -97,6 +103,8 @@ class ControlPlane:
                                        self.clock_watch.handed_out)
         self.approvals = ApprovalService(store, metrics, self.events, clock, self.approval_ttl_s)
         self.records = RecordService(store, metrics, clock)
+        self.operators = OperatorService(store, metrics, clock)
+        self.auth.operators = self.operators
         self.budgets = BudgetService(store, metrics, clock, self.grants, self.lease_ttl_s, budget_window_s)
         self.terminations = TerminationService(
             store, metrics, clock, signing_key=self.signing_key, replica=self.replica, lease_ttl_s=self.lease_ttl_s,
@@ -125,6 +133,7 @@ class ControlPlane:
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def _on_startup(self, app: web.Application) -> None:
         await self.store.open()
+        await self._check_signing_key()
         try:
             await self.grants.record_owners()
         except (StoreUnavailable, ConnectionError, OSError) as exc:  # the API answers 503 until the store is back
@@ -134,6 +143,17 @@ class ControlPlane:
         except (StoreUnavailable, ConnectionError, OSError, TimeoutError) as exc:
             log.warning("could not read the store's clock at start-up: %s", exc)
         self._tasks = [asyncio.create_task(job()) for job in self.background]
+
+    async def _check_signing_key(self) -> None:
+        """Serve only with the key that signed the record log's head (``tether.signing_key_mismatch``, raised
+        out of start-up). A store that does not answer yet is no reason to stay down: every record written
+        checks the head it extends again."""
+        try:
+            records = await self.store.records()
+        except (StoreUnavailable, ConnectionError, OSError) as exc:
+            log.warning("could not read the record log to check the signing key at start-up: %s", exc)
+            return
+        check_head(records[-1] if records else None, self.signing_key.public_key(), self.signing_key_source)
 
     async def _on_shutdown(self, app: web.Application) -> None:
         await self.events.hub.close()  # open streams end, so the server's wait for its handlers does not hang

@@ -1,11 +1,16 @@
-"""Who is calling the control plane: an admin (bearer token) or a chain holder (signed proof).
+"""Who is calling the control plane: an operator (a bearer token or a console session) or a chain holder
+(a signed proof).
 
-Admin tokens compare in constant time. A proof names the link whose ``cnf`` key signed it; the server
-checks that key, the request it signs, its freshness, and that its ``jti`` was not seen before.
+Operators are named people with roles (``ROLES``): the bootstrap admin (``TETHER_ADMIN_TOKEN``, named
+``admin``) and those ``tether operators add`` made, whose tokens the store keeps only as SHA-256 hashes
+(a token is 256 random bits: a fast hash is enough, nothing can be guessed from it). Tokens compare in
+constant time. A proof names the link whose ``cnf`` key signed it; the server checks that key, the request
+it signs, its freshness, and that its ``jti`` was not seen before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from collections import OrderedDict
@@ -21,16 +26,68 @@ from capability.proof import MAX_AGE_S, Proof, check_fresh, check_signed, read_p
 from .store import Doc, Store
 
 PROOF_HEADER = "Tether-Proof"
-SESSION_COOKIE = "tether_session"
+SESSION_COOKIE = "tether_session"  # over plain HTTP
+TLS_SESSION_COOKIE = "__Host-tether_session"  # over TLS: Secure, host-only, Path=/
 CSRF_HEADER = "X-CSRF-Token"
 CSRF = "tether.csrf"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
+# An operator's roles. Every role reads everything; each of the others adds what it names; admin is all.
+VIEWER, APPROVER, RESPONDER, ADMIN_ROLE = "viewer", "approver", "responder", "admin"
+ROLES = (VIEWER, APPROVER, RESPONDER, ADMIN_ROLE)
+READ = frozenset(ROLES)  # what a route that only reads allows
+APPROVE = frozenset({APPROVER, ADMIN_ROLE})  # decide held calls
+RESPOND = frozenset({RESPONDER, ADMIN_ROLE})  # revoke, terminate
+ADMINISTER = frozenset({ADMIN_ROLE})  # grants, chains, operators
+BOOTSTRAP = "admin"  # the name TETHER_ADMIN_TOKEN acts under; no operator may take it
+VIA_TOKEN = "token"
+
+
+def token_hash(token: str) -> str:
+    return "sha256:" + hashlib.sha256(token.strip().encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Operator:
+    """A person acting on the control plane: the name decisions carry, the roles, and how they signed in."""
+
+    name: str
+    roles: frozenset[str]
+    via: str = VIA_TOKEN
+    token_hash: str = ""  # the token this identity was proven with (a session ends when it is rotated)
+
+    def may(self, allowed: frozenset[str]) -> bool:
+        return bool(self.roles & allowed)
+
+    def attribution(self, at: float | None = None) -> dict[str, Any]:
+        """What a decision records of who made it."""
+        out: dict[str, Any] = {"operator": self.name, "via": self.via}
+        if at is not None:
+            out["at"] = at
+        return out
+
+
+def needed_roles(allowed: frozenset[str]) -> str:
+    """The role a refusal names: the narrowest that would do, and admin (which does everything) after it."""
+    narrow = [r for r in ROLES if r in allowed and r != ADMIN_ROLE]
+    return f"the {' or '.join(narrow)} role (or admin)" if narrow else "the admin role"
+
+
 class SessionTable(Protocol):
     """The console's server-side sessions (``controlplane/console/sessions.py``)."""
 
-    def get(self, sid: str, now: float) -> Any: ...  # a session with a ``csrf`` attribute, or None
+    cookie: str  # the cookie's name: TLS_SESSION_COOKIE when the console is served over TLS
+
+    def get(self, sid: str, now: float) -> Any: ...  # a session with ``csrf`` and ``operator``, or None
+
+
+class OperatorDirectory(Protocol):
+    """The operators ``tether operators`` manages (``controlplane/services/operators.py``)."""
+
+    async def by_token(self, token: str, now: float) -> Operator | None: ...
+
+    async def current(self, name: str, token_hash: str, now: float) -> Operator | None: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +141,7 @@ class Authenticator:
         self.clock = clock
         self.replays = ReplayCache()
         self.sessions: SessionTable | None = None  # set when the console is installed
+        self.operators: OperatorDirectory | None = None  # set by the control plane
         self.proof_clock: ProofClock | None = None  # set by the control plane: proofs' ages measure this clock
         # Registered links never change (a link is named by the hash of its content, and registering it
         # again leaves it as it was), so each replica keeps the ones its sidecars sign with: one store round
@@ -91,33 +149,77 @@ class Authenticator:
         self._links: OrderedDict[str, Doc] = OrderedDict()
         self.max_links = 100_000
 
-    def is_admin(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        if header.startswith("Bearer ") and self.admin_token:
-            return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), self.admin_token)
-        return self.session_admin(request)
+    def bootstrap(self) -> Operator:
+        return Operator(BOOTSTRAP, frozenset({ADMIN_ROLE}), VIA_TOKEN, token_hash(self.admin_token.decode()))
 
-    def session_admin(self, request: web.Request) -> bool:
-        """A live console session acts as admin. A state change made with it must carry the session's CSRF
-        token: the cookie alone is what a forged cross-site request would carry, the token it cannot read."""
-        sid = request.cookies.get(SESSION_COOKIE)
+    async def operator(self, request: web.Request) -> Operator | None:
+        """The operator a request proves: its bearer token's, else its console session's; None for neither.
+        A change made with a session must carry the session's CSRF token (``tether.csrf`` otherwise)."""
+        header = request.headers.get("Authorization", "")
+        if header.startswith("Bearer "):
+            who = await self.by_token(header[len("Bearer "):])
+            if who is not None:
+                return who
+        return await self.session_operator(request)
+
+    async def by_token(self, token: str) -> Operator | None:
+        token = token.strip()
+        if not token:
+            return None
+        if self.admin_token and hmac.compare_digest(token.encode(), self.admin_token):
+            return self.bootstrap()
+        return await self.operators.by_token(token, self.clock()) if self.operators is not None else None
+
+    def _session_id(self, request: web.Request) -> str:
+        return request.cookies.get(self.sessions.cookie, "") if self.sessions is not None else ""
+
+    async def session_operator(self, request: web.Request) -> Operator | None:
+        """A live console session acts as the operator who signed it in, while that operator's token is still
+        theirs (a revoked or rotated token ends its sessions). A state change made with it must carry the
+        session's CSRF token: the cookie alone is what a forged cross-site request would carry."""
+        sid = self._session_id(request)
         if self.sessions is None or not sid:
-            return False
-        session = self.sessions.get(sid, self.clock())
+            return None
+        now = self.clock()
+        session = self.sessions.get(sid, now)
         if session is None:
-            return False
+            return None
+        who = await self.still_valid(session.operator, now)
+        if who is None:
+            return None
         if request.method not in SAFE_METHODS:
             sent = request.headers.get(CSRF_HEADER, "")
             if not sent or not hmac.compare_digest(sent.encode(), session.csrf.encode()):
                 raise ApiError(403, CSRF, f"a change made with a console session needs its {CSRF_HEADER} header; "
                                "reload the console")
-        return True
+        return who
 
-    def require_admin(self, request: web.Request) -> None:
-        if not self.is_admin(request):
+    async def still_valid(self, who: Operator, now: float) -> Operator | None:
+        if who.name == BOOTSTRAP:
+            return who if self.admin_token and hmac.compare_digest(who.token_hash.encode(),
+                                                                   self.bootstrap().token_hash.encode()) else None
+        if self.operators is None:
+            return None
+        return await self.operators.current(who.name, who.token_hash, now)
+
+    async def require(self, request: web.Request, allowed: frozenset[str], what: str) -> Operator:
+        """The operator calling, if their roles allow ``what``; 401 without credentials, 403 otherwise."""
+        who = await self.operator(request)
+        if who is None:
             if "Authorization" in request.headers:
-                raise ApiError(403, FORBIDDEN, "the bearer token is not the admin token")
-            raise ApiError(401, UNAUTHORIZED, "admin only: send Authorization: Bearer $TETHER_ADMIN_TOKEN")
+                raise ApiError(403, FORBIDDEN, "the bearer token is not an operator's (TETHER_TOKEN) nor the admin "
+                               "token, or it was revoked")
+            raise ApiError(401, UNAUTHORIZED, "operators only: send Authorization: Bearer $TETHER_TOKEN (or "
+                           "$TETHER_ADMIN_TOKEN)")
+        return self.allow(who, allowed, what)
+
+    @staticmethod
+    def allow(who: Operator, allowed: frozenset[str], what: str) -> Operator:
+        if not who.may(allowed):
+            raise ApiError(403, FORBIDDEN, f"{who.name} ({', '.join(sorted(who.roles))}) may not {what}: it needs "
+                           f"{needed_roles(allowed)}", needs=[r for r in ROLES if r in allowed],
+                           operator=who.name)
+        return who
 
     def proof_of(self, request: web.Request) -> Proof | None:
         header = request.headers.get(PROOF_HEADER)

@@ -33,7 +33,9 @@ class Signer:
 class Client:
     def __init__(self, url: str | None = None, admin_token: str | None = None, timeout: float = 30.0) -> None:
         self.url = (url or os.environ.get("TETHER_CONTROLPLANE") or DEFAULT_URL).rstrip("/")
-        self.admin_token = admin_token if admin_token is not None else os.environ.get("TETHER_ADMIN_TOKEN", "")
+        # An operator's token (TETHER_TOKEN, from `tether operators add`), else the bootstrap admin's.
+        self.admin_token = admin_token if admin_token is not None else (
+            os.environ.get("TETHER_TOKEN") or os.environ.get("TETHER_ADMIN_TOKEN", ""))
         self.timeout = timeout
 
     def request(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .auth import ROLES
 from .schemas import COMPONENTS, ref
 
 _AUTH = {
@@ -82,6 +83,8 @@ def document(routes: list[Any]) -> dict[str, Any]:
             "security": _AUTH[route.auth],
             "responses": _responses(route),
         }
+        if route.roles is not None:  # the operator roles it allows (controlplane/auth.py ROLES)
+            op["x-tether-roles"] = [r for r in ROLES if r in route.roles]
         if params:
             op["parameters"] = params
         if route.body is not None:
@@ -96,7 +99,9 @@ def document(routes: list[Any]) -> dict[str, Any]:
         "components": {
             "schemas": COMPONENTS,
             "securitySchemes": {
-                "admin": {"type": "http", "scheme": "bearer", "description": "TETHER_ADMIN_TOKEN"},
+                "admin": {"type": "http", "scheme": "bearer", "description": "An operator's token (TETHER_TOKEN, "
+                          "from tether operators add) or TETHER_ADMIN_TOKEN; the route's x-tether-roles say which "
+                          "roles may call it"},
                 "proof": {
                     "type": "apiKey",
                     "in": "header",
@@ -109,7 +114,8 @@ def document(routes: list[Any]) -> dict[str, Any]:
                     "type": "apiKey",
                     "in": "cookie",
                     "name": "tether_session",
-                    "description": "The console's session (POST /ui/session with the admin token); a change made "
+                    "description": "The console's session (POST /ui/session with an operator's token; "
+                    "__Host-tether_session when served over TLS); a change made "
                     "with it must also carry the session's X-CSRF-Token header",
                 },
             },

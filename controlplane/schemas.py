@@ -185,9 +185,12 @@ HEALTH = obj({"status": {"enum": ["ok", "unhealthy"]},
               "reason": {"type": "string", "description": "when unhealthy: why, in the store's own words"},
               "replica": STR, "catalog": STR, "clock": CLOCK},
              "status", "store", "replica", "catalog")
-GRANT = obj({"agent": STR, "jti": STR, "link": STR, "chain": STRINGS}, "agent", "jti", "link", "chain")
+# Who made a decision: an operator's name and how they signed in (null when a principal or a termination did).
+ATTRIBUTION = obj({"operator": STR, "via": {"enum": ["token", "oidc"]}, "at": NUM}, "operator", "via")
+GRANT = obj({"agent": STR, "jti": STR, "link": STR, "chain": STRINGS, "issued_by": nullable(ATTRIBUTION)},
+            "agent", "jti", "link", "chain")
 REVOCATION = obj({"jti": STR, "agent": STR, "by": STR, "at": NUM, "reason": nullable(STR),
-                  "termination_id": nullable(STR)}, "jti", "agent", "by", "at")
+                  "termination_id": nullable(STR), "operator": nullable(ATTRIBUTION)}, "jti", "agent", "by", "at")
 REVOKED = {**REVOCATION, "properties": {**REVOCATION["properties"], "agents_cut_off": STRINGS},
            "required": [*REVOCATION["required"], "agents_cut_off"]}
 AGENT_REVOKED = obj({"agent": STR, "revoked": array(ref("Revocation"))}, "agent", "revoked")
@@ -203,6 +206,7 @@ AGENT_NODE = obj({
     "agent": STR, "jti": STR, "link": STR, "issuer": STR, "parent_link": nullable(STR), "caps": ANY_OBJ,
     "depth": INT, "exp": NUM, "status": {"enum": ["active", "revoked", "expired"]},
     "revoked": nullable(ref("Revocation")), "revoked_via": nullable(STR), "sidecar": nullable(ref("Run")),
+    "registered_by": nullable(ATTRIBUTION),
     "runs": array(ref("Run")),
 }, "agent", "jti", "link", "issuer", "caps", "status", "runs")
 TREE_NODE = {"allOf": [ref("Agent"), obj({"children": array(ref("AgentTree"))}, "children")]}
@@ -216,7 +220,7 @@ APPROVAL = obj({
     "capability": nullable(STR), "method": nullable(STR), "url": nullable(STR), "summary": nullable(STR),
     "request": nullable(ANY_OBJ), "call_hash": nullable(STR), "chain": STRINGS, "deciders": STRINGS,
     "status": {"enum": [PENDING, APPROVED, DENIED, CANCELLED, EXPIRED]}, "requested_at": NUM, "expires_at": NUM,
-    "decided_at": nullable(NUM), "decided_by": nullable(STR), "version": INT,
+    "decided_at": nullable(NUM), "decided_by": nullable(STR), "operator": nullable(ATTRIBUTION), "version": INT,
     "origin": {"enum": [HELD, FILED, None], "description": f"of a pending approval: {HELD} when its sidecar run's "
                f"last heartbeat lists the call held, {FILED} when no run of its link does (filed with the agent's "
                "key, or its sidecar's next heartbeat has not come yet)"},
@@ -250,6 +254,7 @@ TERMINATION = obj({
     "requested_by": STR, "requested_at": NUM, "grace_s": NUM, "deadline": NUM, "agents": STRINGS,
     "links": STRINGS, "state": {"enum": ["requested", "draining", "aborting", "reconciling", "terminated"]},
     "history": array(ANY_OBJ), "completed_at": nullable(NUM), "record_id": nullable(STR), "version": INT,
+    "operator": nullable(ATTRIBUTION),
 }, "id", "subject", "mode", "state", "agents")
 TERMINATION_STARTED = {"allOf": [ref("Termination"), obj({"termination_id": STR}, "termination_id")]}
 TERMINATION_VIEW = {"allOf": [ref("Termination"), obj({"acknowledged": STRINGS, "waiting_for": STRINGS},
@@ -258,7 +263,8 @@ TERMINATIONS = array(ref("Termination"))
 QUIESCED = obj({"ok": BOOL, "run_id": nullable(STR)}, "ok")
 RECORD = obj({
     "record_id": STR, "termination_id": STR, "subject": STR, "mode": STR, "requested_by": STR,
-    "requested_at": NUM, "completed_at": NUM, "window_s": NUM, "calls": array(ANY_OBJ), "leases": array(ANY_OBJ),
+    "operator": nullable(ATTRIBUTION), "requested_at": NUM, "completed_at": NUM, "window_s": NUM,
+    "calls": array(ANY_OBJ), "leases": array(ANY_OBJ),
     "agents_terminated": array({}), "agents_unaccounted": array(ANY_OBJ),
     "amends": {"type": "string", "description": "an addendum: the record of the same termination it amends"},
     "accounts_for": array(obj({"record_id": STR, "termination_id": STR, "agents": STRINGS, "call_ids": STRINGS},
@@ -280,7 +286,8 @@ RECORDS_VERIFICATION = obj({
 }, "valid", "count", "problems", "records")
 TRUST = obj({"public_key": STR, "jwk": JWK, "catalog": STR}, "public_key", "jwk", "catalog")
 CATALOG = obj({"hash": STR, "catalog": ANY_OBJ}, "hash", "catalog")
-SESSION = obj({"csrf": STR, "expires_at": NUM}, "csrf", "expires_at")
+SESSION = obj({"csrf": STR, "expires_at": NUM, "operator": STR, "via": STR, "roles": STRINGS}, "csrf", "expires_at",
+              "operator", "roles")
 SIGNED_OUT = obj({"signed_out": BOOL}, "signed_out")
 HAR = obj({"log": ANY_OBJ}, "log", description="HAR 1.2")
 OPENAPI = obj({"openapi": STR, "info": ANY_OBJ, "paths": ANY_OBJ}, "openapi", "info", "paths")

@@ -159,7 +159,7 @@ def _in_order(reports: list[Doc]) -> list[Doc]:
 
 def _call_entry(report: Doc) -> Doc:
     entry = {f: report.get(f) for f in RECORD_FIELDS}
-    for extra in ("ended_at", "code", "termination_id", "run_id"):
+    for extra in ("ended_at", "code", "termination_id", "run_id", "reissue_of"):
         if report.get(extra) is not None:
             entry[extra] = report[extra]
     return entry
@@ -198,6 +198,7 @@ def build_record(
         "subject": termination["subject"],
         "mode": termination["mode"],
         "requested_by": termination["requested_by"],
+        "operator": termination.get("operator"),  # who requested it, and how they signed in (None: a principal)
         "requested_at": termination["requested_at"],
         "completed_at": now,
         "window_s": termination["window_s"],
@@ -289,7 +290,9 @@ def terminated_agents(record: Mapping[str, Any]) -> list[str]:
 
 
 def seal(record: Doc, signing_key: Any) -> Doc:
-    """Hash the record and sign the hash with the control plane's key."""
+    """Hash the record and sign the hash with the control plane's key; ``key_id`` names that key (its RFC 7638
+    thumbprint) so a reader can tell which key a record claims, and a mismatch names both keys."""
+    record = {**record, "key_id": keys.thumbprint(signing_key.public_key())}
     digest = record_hash(record)
     signature = keys.b64url(signing_key.sign(digest.encode("ascii")))
     return {**record, "hash": digest, "signature": signature}
@@ -406,6 +409,7 @@ def build_addendum(termination: Doc, log: list[Doc], *, record_id: str, reports:
     return {
         "record_id": record_id, "termination_id": termination["id"], "subject": termination["subject"],
         "mode": termination["mode"], "requested_by": termination["requested_by"],
+        "operator": termination.get("operator"),
         "requested_at": termination["requested_at"], "completed_at": now, "window_s": termination["window_s"],
         "reason": termination.get("reason", ""), "amends": earlier[0]["record_id"],
         "calls": calls, "leases": [], "agents_terminated": entries,

@@ -25,6 +25,7 @@ from . import mcp
 from .capture import CaptureWriter
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
+from .mcpcalls import McpCalls
 from .state import Call, Refusal, error_resolution
 
 log = logging.getLogger("tether.sidecar")
@@ -65,6 +66,9 @@ class Resolver:
             return
         if state.refused is not None:
             self.resolve(call, state.outcome, code=state.refused)
+        elif state.mcp_cancelled:
+            self.resolve(call, "cancelled", status=flow.response.status_code if flow.response else None,
+                         detail=CANCELLED_BY_CLIENT)
         elif flow.websocket is not None:
             call.phase = "forwarded"  # the upgrade is done; the call lasts as long as the websocket
         else:
@@ -92,6 +96,10 @@ class Resolver:
             self.resolve(call, state.outcome, code=state.refused, detail=flow.error.msg if flow.error else None)
             return
         sse, parsed = state.mcp_sse, state.mcp_parsed
+        if state.mcp_cancelled and not state.aborted:
+            self.resolve(call, "cancelled", status=flow.response.status_code if flow.response else None,
+                         detail=CANCELLED_BY_CLIENT)
+            return
         if sse is not None and parsed is not None and flow.response is not None and not state.aborted:
             wanted = {mcp.id_key(m.id) for m in parsed.messages if m.is_request}
             if wanted and wanted <= sse.answered:
@@ -104,6 +112,12 @@ class Resolver:
             call.detail = "listen stream closed by the client"
             self.resolve(call, "completed", status=flow.response.status_code if flow.response else None,
                          detail=call.detail)
+            return
+        if is_mcp_disconnect(flow):
+            # The client gave up on a call that had left (it closed the stream, which is cancellation from MCP
+            # 2026-07-28 on): the server may have acted on it, the agent never read its answer.
+            self.resolve(call, "cancelled", status=flow.response.status_code if flow.response else None,
+                         detail=DISCONNECTED)
             return
         conn = flow.server_conn
         # Before the final look nothing was sent, whatever state a reused upstream connection is in.
@@ -125,14 +139,19 @@ class McpFilter:
     answer to a list request that cannot be read (an unknown or broken Content-Encoding, a body that is neither
     JSON nor SSE) is replaced by a JSON-RPC error; it never passes unfiltered."""
 
-    def __init__(self, catalog: Catalog, tier: Callable[[str], str]) -> None:
+    def __init__(self, catalog: Catalog, tier: Callable[[str], str], calls: McpCalls | None = None) -> None:
         self.catalog, self.tier = catalog, tier
+        self.calls = calls  # proxy.mcpcalls: sessions issued, tasks created, answers that need more input
 
-    def _allowed(self, server: str) -> mcp.Visible:
-        catalog, tier = self.catalog, self.tier
+    def _allowed(self, server: str, flow: http.HTTPFlow | None = None) -> mcp.Visible:
+        catalog, tier, calls = self.catalog, self.tier, self.calls
 
         def held(names: list[str]) -> bool:
             return any(tier(c) != "absent" for c in names)
+
+        def observe(item: dict[str, Any]) -> None:
+            if calls is not None and flow is not None:
+                calls.answered(flow, item)
 
         tools, prompts = catalog.mcp_named(server, "tool"), catalog.mcp_named(server, "prompt")
         return mcp.Visible(
@@ -140,7 +159,19 @@ class McpFilter:
             resource=lambda uri: held(catalog.match_resource(server, uri)),
             template=lambda template: held(catalog.match_resource_template(server, template)),
             prompt=lambda name: held(prompts.get(name, [])),
+            task=calls.visible_task(server) if calls is not None else mcp.Visible.task,
+            observe=observe,
         )
+
+    def _sessions(self, flow: http.HTTPFlow, server: str, resp: http.Response) -> None:
+        """A session id the server issued is usable through this sidecar run; one it ended, no longer."""
+        if self.calls is None or not 200 <= resp.status_code < 300:
+            return
+        issued, sent = resp.headers.get("mcp-session-id"), flow.request.headers.get("mcp-session-id")
+        if issued:
+            self.calls.ledger.issued(server, issued)
+        if flow.request.method == "DELETE" and sent:
+            self.calls.ledger.ended(server, sent)
 
     @staticmethod
     def _lists_items(flow: http.HTTPFlow) -> bool:
@@ -160,6 +191,7 @@ class McpFilter:
             return  # tether's own answer (proxy.flowstate.refuse): nothing of the server's to filter
         if server is None or resp is None:
             return
+        self._sessions(flow, server, resp)
         media = mcp.media_type(resp.headers.get("content-type", ""))
         if media != mcp.SSE:
             if self._lists_items(flow) or is_listen(flow):
@@ -172,7 +204,7 @@ class McpFilter:
             self._refuse_streamed(flow, str(exc))
             return
         resp.stream = state.mcp_sse = mcp.SseListsFilter(
-            self._allowed(server), mcp.Decoder(codings) if codings else None)
+            self._allowed(server, flow), mcp.Decoder(codings) if codings else None)
         # What reaches the agent is identity-coded and of a length no header can know in advance.
         resp.headers.pop("content-encoding", None)
         resp.headers.pop("content-length", None)
@@ -205,7 +237,7 @@ class McpFilter:
                 return  # nothing to filter (202 Accepted, 204)
             if not mcp.is_json(media):
                 raise mcp.Unreadable(f"the answer is {media or 'untyped'}, neither JSON nor SSE")
-            body, removed = mcp.filter_json_body(body, self._allowed(server))
+            body, removed = mcp.filter_json_body(body, self._allowed(server, flow))
         except mcp.Unreadable as exc:
             if lists:
                 self._refuse_answer(flow, str(exc))
@@ -257,6 +289,19 @@ ToolsFilter = McpFilter  # the name proxy/sidecar.py and older code know it by
 
 
 _CLIENT_CLOSED = ("Client disconnected.", "stream reset by client")  # mitmproxy's words, HTTP/1 and HTTP/2
+CANCELLED_BY_CLIENT = "cancelled by the client (notifications/cancelled) before its answer reached it"
+DISCONNECTED = "the client closed the request's stream before its answer reached it"
+
+
+def is_mcp_disconnect(flow: http.HTTPFlow) -> bool:
+    """An MCP POST carrying requests that had left, whose client closed the connection before every answer passed
+    (the Resolver checked the answered case first), not cut by tether."""
+    state = state_of(flow)
+    parsed, call = state.mcp_parsed, state.call
+    return (state.mcp_server is not None and flow.request.method == "POST" and not state.aborted
+            and parsed is not None and any(m.is_request for m in parsed.messages)
+            and call is not None and call.phase in ("forwarding", "forwarded")
+            and flow.error is not None and flow.error.msg.startswith(_CLIENT_CLOSED))
 
 
 def is_listen_closed(flow: http.HTTPFlow) -> bool:

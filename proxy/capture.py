@@ -2,6 +2,12 @@
 
 A flow is written when its request is about to leave (so a call that cannot be captured is not
 forwarded) and again when it resolves; readers keep the last state per flow id.
+
+Redaction works on what a reader will see (a HAR export, the console's approval card): a content-encoded body
+is decoded before it is searched, and kept decoded when anything in it was redacted. Redacted are secret
+headers by name, JSON/form fields and query parameters by name (``Fields``: the names that say secret by
+default, plus ``--redact-field``), and every value the sidecar injected, in each spelling it can take
+(proxy/credentials.py makes them), wherever it appears: headers, path, bodies, websocket messages.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import parse_qsl, urlencode
@@ -30,7 +38,66 @@ SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie", "set-cookie"
 CAPTURE_FILE = "flows.mitm"
 
 
-def _redact_json(value: Any, fields: frozenset[str]) -> tuple[Any, bool]:
+# Field names that say secret. A JSON key (at any depth), a form field or a query parameter is redacted by default
+# when its name, lower-cased and without "-" and "_", ends with one of these: password, db_password, passwd,
+# passphrase, secret, client_secret, clientSecret, token, access_token, refresh_token, id_token, api_key, apiKey,
+# x-api-key, private_key, secret_key, authorization, credential(s). docs/operations.md lists them;
+# ``--redact-field NAME`` adds names, ``--no-default-redact-fields`` turns these off.
+SECRET_FIELD_ENDINGS = ("password", "passwd", "passphrase", "secret", "token", "apikey", "privatekey", "secretkey",
+                        "authorization", "credential", "credentials")
+_MARKERS = (b"pass", b"secret", b"token", b"key", b"authorization", b"credential")  # each ending holds one
+
+
+def field_key(name: str) -> str:
+    """A field name as redaction compares it: lower case, without "-" and "_" (``api_key`` = ``apiKey``)."""
+    return name.lower().replace("-", "").replace("_", "")
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which JSON, form and query field names are redacted: the ones named (``--redact-field``, compared as
+    ``field_key``) and, unless ``defaults`` is off, every name that says secret (``SECRET_FIELD_ENDINGS``).
+
+    ``name in fields`` asks about one name; a plain set of lower-case names works wherever a ``Fields`` does."""
+
+    named: frozenset[str] = frozenset()
+    defaults: bool = True
+    _memo: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # name -> answer
+
+    @classmethod
+    def of(cls, names: Iterable[str] = (), *, defaults: bool = True) -> Fields:
+        return cls(frozenset(field_key(n) for n in names), defaults)
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        answer = self._memo.get(name)
+        if answer is None:  # a few distinct names recur in every body: each is judged once
+            key = field_key(name)
+            answer = key in self.named or (self.defaults and key.endswith(SECRET_FIELD_ENDINGS))
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[name] = answer
+        return answer
+
+    def __bool__(self) -> bool:
+        return self.defaults or bool(self.named)
+
+    def may_hold(self, body: bytes) -> bool:
+        """False only when no field this redacts can be in ``body``: a cheap look before parsing it. An escaped
+        name (JSON ``\\u``, form ``%``) is always parsed."""
+        if self.named or b"\\u" in body or b"%" in body:
+            return True
+        lowered = body.lower()
+        return any(marker in lowered for marker in _MARKERS)
+
+
+FieldNames = Fields | frozenset[str]
+_JSON_KEY = re.compile(rb'"([^"]*)"\s*:')
+UNDECODABLE = b"[REDACTED: undecodable encoded body]"
+
+
+def _redact_json(value: Any, fields: FieldNames) -> tuple[Any, bool]:
     changed = False
     if isinstance(value, dict):
         out = {}
@@ -55,42 +122,60 @@ def _header_dict(headers: Any) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
 
 
-def _redact_body(part: dict[str, Any], fields: frozenset[str]) -> None:
-    """Redact named JSON fields in a message state's body (decoding it first if it is encoded)."""
+def _redact_fields(body: bytes, media: str, fields: FieldNames) -> bytes | None:
+    """``body`` with its named fields redacted (a form, or anything that reads as JSON), or None when it is not
+    JSON it claims to be."""
+    if isinstance(fields, Fields) and not fields.may_hold(body):
+        return body
+    if "x-www-form-urlencoded" in media:
+        return _redact_query(b"?" + body, fields)[1:]
+    # Whatever the declared media type (in any case, or none, or a wrong one): a body that reads as JSON is
+    # redacted as JSON; a server that parses it leniently would see the secret otherwise.
+    if "json" not in media and body.lstrip()[:1] not in (b"{", b"["):
+        return body
+    if b"\\" not in body and not any(k.decode("utf-8", "replace").lower() in fields
+                                      for k in dict.fromkeys(_JSON_KEY.findall(body))):
+        return body  # no key it redacts (without escapes, every key is a quoted run followed by a colon)
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    value, changed = _redact_json(value, fields)
+    return json.dumps(value).encode() if changed else body
+
+
+def _redact_body(part: dict[str, Any], fields: FieldNames, values: Sequence[bytes] = ()) -> None:
+    """Redact a message state's body as a reader will see it: decoded first (gzip, deflate, br, zstd), then its
+    named fields and every injected value. A body that changed is kept decoded (its ``Content-Encoding``
+    dropped); one that did not keeps its bytes as they travelled. A body whose encoding cannot be decoded could
+    hold anything: none of it is kept."""
     content = part.get("content")
-    if not fields or not content:
+    if not content or not (fields or values):
         return
     headers = _header_dict(part["headers"])
     media = headers.get("content-type", "").lower()
     encoding = headers.get("content-encoding", "").strip().lower()
+    encoded = bool(encoding) and encoding != "identity"
     try:
-        body = encoding_decode(content, encoding) if encoding and encoding != "identity" else content
-    except ValueError:  # a body we cannot read could hold the secret: keep none of it
-        part["content"] = b"[REDACTED: undecodable encoded body]"
+        body = encoding_decode(content, encoding) if encoded else content
+    except ValueError:
+        _replace(part, UNDECODABLE)
         return
-    if "x-www-form-urlencoded" in media:
-        redacted = _redact_query(b"?" + body, fields)[1:]
-        if redacted != body:
-            part["content"] = redacted
-            part["headers"] = tuple((k, v) for k, v in part["headers"] if k.lower() != b"content-encoding")
-        return
-    # Whatever the declared media type (in any case, or none, or a wrong one): a body that reads as JSON is
-    # redacted as JSON; a server that parses it leniently would see the secret otherwise.
-    if "json" not in media and body.lstrip()[:1] not in (b"{", b"["):
-        return
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        if encoding and encoding != "identity":
-            part["content"] = b"[REDACTED: undecodable encoded body]"
-        return
-    value, changed = _redact_json(value, fields)
-    if changed:
-        part["content"] = json.dumps(value).encode()
-        part["headers"] = tuple((k, v) for k, v in part["headers"] if k.lower() != b"content-encoding")
+    redacted = _redact_fields(body, media, fields) if fields else body
+    if redacted is None:  # declared JSON that does not parse: when it came encoded, keep none of it
+        redacted = UNDECODABLE if encoded else body
+    if values:
+        redacted = _scrub(redacted, values)
+    if redacted != body:
+        _replace(part, redacted)
 
 
-def _redact_query(path: bytes, fields: frozenset[str]) -> bytes:
+def _replace(part: dict[str, Any], body: bytes) -> None:
+    part["content"] = body
+    part["headers"] = tuple((k, v) for k, v in part["headers"] if k.lower() != b"content-encoding")
+
+
+def _redact_query(path: bytes, fields: FieldNames) -> bytes:
     head, sep, query = path.partition(b"?")
     if not sep or not fields:
         return path
@@ -119,25 +204,32 @@ def _redact_headers(headers: tuple, secret: frozenset[bytes], values: Sequence[b
     return headers
 
 
-def _redact_state(state: dict, fields: frozenset[str], secret: frozenset[bytes], values: Sequence[bytes] = ()) -> dict:
+def _redact_state(state: dict, fields: FieldNames, secret: frozenset[bytes], values: Sequence[bytes] = ()) -> dict:
     for name in ("request", "response"):
         part = state.get(name)
         if not part:
             continue
         part["headers"] = _redact_headers(part["headers"], secret, values)
-        _redact_body(part, fields)
-        if values and part.get("content"):  # injected values, wherever they appear (a tool echoing its request)
-            part["content"] = _scrub(part["content"], values)
+        _redact_body(part, fields, values)  # decoded: injected values wherever they appear (a tool echoing them)
     state["request"]["path"] = _redact_query(state["request"]["path"], fields)
     if values:
         state["request"]["path"] = _scrub(state["request"]["path"], values)
+        websocket = state.get("websocket")
+        if websocket and websocket.get("messages"):  # (type, from_client, content, timestamp[, dropped])
+            websocket["messages"] = [(m[0], m[1], _scrub(m[2], values), *m[3:]) for m in websocket["messages"]]
     return state
+
+
+def is_encoded(message: http.Message | None) -> bool:
+    """The message's body travels content-encoded: searching its bytes finds no value."""
+    encoding = message.headers.get("content-encoding", "").strip().lower() if message is not None else ""
+    return bool(encoding) and encoding != "identity"
 
 
 _SECRET = frozenset(h.encode() for h in SECRET_HEADERS)
 
 
-def snapshot(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] = _SECRET) -> dict:
+def snapshot(flow: http.HTTPFlow, fields: FieldNames, secret: frozenset[bytes] = _SECRET) -> dict:
     """The flow's serialisable state with secret headers, named JSON fields and query parameters redacted."""
     return _redact_state(_metadata_free_state(flow), fields, secret)
 
@@ -158,7 +250,7 @@ def call_hash(request: http.Request) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def held_call(flow: http.HTTPFlow, fields: frozenset[str], secret: frozenset[bytes] | None = None,
+def held_call(flow: http.HTTPFlow, fields: FieldNames, secret: frozenset[bytes] | None = None,
               limit: int = HELD_BODY_LIMIT) -> dict[str, Any]:
     """What an approver sees of a held call: method, URL, headers and body redacted exactly as a capture
     would be (the same code), the body cut at ``limit`` bytes with its full size, and the call's hash."""
@@ -264,10 +356,12 @@ def _tnet_dict(items: list[tuple[str, bytes]]) -> bytes:
     return b"%d:%s}" % (len(payload), payload)
 
 
-def encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionStates,
+def encode_flow(flow: http.HTTPFlow, fields: FieldNames, conns: ConnectionStates,
                 secret: frozenset[bytes] = _SECRET, values: Sequence[bytes] = ()) -> bytes:
     """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged, and
     ``values`` (what the sidecar injected) scrubbed wherever they appear in the request or the response."""
+    if values and (is_encoded(flow.request) or is_encoded(flow.response) or flow.websocket is not None):
+        return _encode_flow(flow, fields, conns, secret, values)  # a compressed body hides a value from a search
     data = _encode_flow(flow, fields, conns, secret, ())
     # tnetstrings hold bytes and strings verbatim: a value absent from the encoding is absent from every part of
     # the flow, which is the usual case (the injected header is redacted by name). Only a flow that holds one (a
@@ -278,7 +372,7 @@ def encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionSt
     return data
 
 
-def _encode_flow(flow: http.HTTPFlow, fields: frozenset[str], conns: ConnectionStates, secret: frozenset[bytes],
+def _encode_flow(flow: http.HTTPFlow, fields: FieldNames, conns: ConnectionStates, secret: frozenset[bytes],
                  values: Sequence[bytes]) -> bytes:
     if flow._backup is not None or flow.websocket is not None:  # not a sidecar's flow: the general path
         return tnet_dumps(_redact_state(_metadata_free_state(flow), fields, secret, values))
@@ -324,9 +418,9 @@ class CaptureWriter:
     parse, so torn bytes left in the middle would hide every flow written after them. If even cutting
     back fails, nothing more is appended until the file is clean again (each attempt retries the cut)."""
 
-    def __init__(self, path: Path, redact_fields: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, path: Path, redact_fields: Iterable[str] = (), *, default_fields: bool = True) -> None:
         self.path = path
-        self.fields = frozenset(f.lower() for f in redact_fields)
+        self.fields = Fields.of(redact_fields, defaults=default_fields)
         self.last_error: str | None = None
         self._file: IO[bytes] | None = None
         self._clean_end: int | None = None  # where the file must be cut back to before the next write

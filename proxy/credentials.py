@@ -8,6 +8,12 @@ itself. Tokens are cached until shortly before they expire and fetched once per 
 rate (concurrent calls share one request). Nothing leaves uncredentialed: no secret, or a token endpoint
 that fails, refuses the call with ``tether.credential_unavailable``.
 
+A credential is injected only into a request that leaves to its capability's exact host and port over TLS
+verified for that host (``capability.credentials.route_refusal``); any other request under that capability is
+refused with ``tether.credential_requires_tls`` before anything leaves. ``CredentialRoutes`` applies the rule
+as soon as the call is decided (before an approval is asked for, a budget unit spent or a start spooled), and
+the ``Injector`` applies it again at the moment it injects.
+
 Every value injected (secrets, tokens, the rendered header values) is handed to the capture writer, which
 redacts it wherever it appears in a captured flow (proxy/capture.py); none is ever logged.
 """
@@ -16,19 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import ssl
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, quote_plus
 
 import aiohttp
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from capability import errors as codes
-from capability.catalog import Catalog
-from capability.credentials import Credential
+from capability.catalog import Catalog, host_key, url_route
+from capability.credentials import Credential, Leaving, Route, route_refusal
 
 from .decision import ChainState, Refusal
 from .flowstate import refuse, state_of
@@ -50,6 +57,101 @@ MIN_SCRUB = 6  # shorter values are not scrubbed from captures by value (they wo
 class CredentialUnavailable(Refusal):
     def __init__(self, message: str, *, credential: str) -> None:
         super().__init__(codes.CREDENTIAL_UNAVAILABLE, message, credential=credential)
+
+
+class CredentialRequiresTls(Refusal):
+    def __init__(self, message: str, *, credential: str, route: Route) -> None:
+        super().__init__(codes.CREDENTIAL_REQUIRES_TLS, message + "; the call was not sent", credential=credential,
+                         destination=str(route))
+
+
+def upstream_verified() -> bool:
+    """mitmproxy verifies upstream certificates unless ``ssl_insecure`` is on (tether never turns it on; a
+    sidecar that cannot tell counts as not verifying)."""
+    try:
+        return ctx.options.ssl_insecure is False
+    except AttributeError:
+        return False
+
+
+def leaving(flow: http.HTTPFlow) -> Leaving:
+    """Where and how this request's upstream connection goes.
+
+    mitmproxy connects to the request's host and port, with TLS when its scheme is https, reusing the flow's
+    connection when that one has this address (then its server name, which the tunnel fixed to the CONNECT host,
+    is what the certificate is verified for) and otherwise opening one named for the request's host."""
+    req, conn = flow.request, flow.server_conn
+    reused = conn.address is not None and (conn.address[0], conn.address[1]) == (req.host, req.port)
+    sni = (conn.sni or flow.client_conn.sni or req.host) if reused else req.host  # as mitmproxy chooses it
+    return Leaving(scheme=req.scheme, host=host_key(req.host), port=req.port, sni=host_key(sni),
+                   verified=upstream_verified())
+
+
+def _credential_of(catalog: Catalog, flow: http.HTTPFlow) -> tuple[Credential, Route | None] | None:
+    """The credential this flow's call injects and the route it may go to (None: the catalog names none)."""
+    state = state_of(flow)
+    if state.mcp_server is not None:
+        credential = catalog.mcp_credential(state.mcp_server)
+        return (credential, url_route(state.mcp_server)) if credential is not None else None
+    call = state.call
+    if call is None or not call.capability:
+        return None
+    credential = catalog.credential_of(call.capability)
+    return (credential, catalog.route_of(call.capability)) if credential is not None else None
+
+
+def check_route(catalog: Catalog, flow: http.HTTPFlow) -> Credential | None:
+    """The credential to inject into this flow, or None; raises CredentialRequiresTls when the request would
+    not leave to its capability's exact host and port over verified TLS."""
+    found = _credential_of(catalog, flow)
+    if found is None:
+        return None
+    credential, route = found
+    if route is None:  # the catalog refuses such a capability; a sidecar never sends one a credential
+        raise CredentialRequiresTls(f"the capability of credential {credential.name} names no scheme and port",
+                                    credential=credential.name, route=Route("https", "?", 0))
+    why = route_refusal(route, credential, leaving(flow))
+    if why is not None:
+        raise CredentialRequiresTls(why, credential=credential.name, route=route)
+    return credential
+
+
+def check_scheme(catalog: Catalog, flow: http.HTTPFlow) -> None:
+    """A capability that names its ``scheme`` is reached over that scheme only: another request to its host and
+    port does not fall under it (``tether.capability_absent``, reason ``scheme``). (Matching itself compares host,
+    port, method and path; the scheme is read here, once the capability is known.)"""
+    call = state_of(flow).call
+    cap = catalog.capabilities.get(call.capability or "") if call is not None else None
+    if cap is not None and cap.http is not None and cap.http.scheme not in (None, flow.request.scheme):
+        raise Refusal(codes.CAPABILITY_ABSENT, f"capability {cap.name} is reached over {cap.http.scheme} only; this "
+                      f"request is {flow.request.scheme}", reason="scheme")
+
+
+class CredentialRoutes:
+    """Refuses a credentialed call that would not leave over verified TLS to its capability's exact host and
+    port, as soon as it is decided: before an approval is asked for, a budget unit taken or a start spooled.
+    Also refuses a call over another scheme than its capability names (``check_scheme``).
+
+    Runs right after the Enforcer (which names the call's capability or MCP server)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self._check(flow)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        self._check(flow)
+
+    def _check(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            return
+        try:
+            check_route(self.catalog, flow)
+            check_scheme(self.catalog, flow)
+        except Refusal as refusal:
+            log.warning("refused %s %s: %s", flow.request.method, flow.request.pretty_url, refusal.message)
+            refuse(flow, refusal)
 
 
 # -- secrets: parsed and read in proxy/secrets.py (light: tether run reads them without the proxy's imports) ----
@@ -166,6 +268,25 @@ def _token_from(doc: object) -> tuple[str, float]:
     return value, float(expires_in)
 
 
+def spelled(value: bytes) -> set[bytes]:
+    """The ways an injected value can appear in a message a tool sends back: as it is, percent-encoded (a URL, a
+    form), JSON-escaped, and base64 (standard and URL-safe) at each of the three alignments it can start at inside
+    a longer base64 text (a ``Basic`` header, an echoed body): only the characters that depend on the value alone,
+    so the value is found whatever surrounds it. Bodies are searched decoded (proxy/capture.py)."""
+    forms = {value, quote(value, safe="").encode(), quote_plus(value, safe="").encode()}
+    text = value.decode("utf-8", "replace")
+    forms.add(json.dumps(text)[1:-1].encode())
+    forms.add(json.dumps(text, ensure_ascii=False)[1:-1].encode())
+    for offset in range(3):
+        total = offset + len(value)
+        inner = base64.b64encode(b"\0" * offset + value)[(4 if offset else 0):(total // 3) * 4]
+        forms.update((inner, inner.translate(_URLSAFE)))
+    return forms
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
 # -- the sidecar's credentials ---------------------------------------------------------------------------------
 class Credentials:
     """The secrets this sidecar holds and the tokens it has fetched, for one catalog."""
@@ -223,7 +344,8 @@ class Credentials:
             for token in client.issued:
                 out.add(token)
                 out.add(client.credential.render(token))
-        return sorted((v.encode() for v in out if len(v) >= MIN_SCRUB), key=len, reverse=True)
+        spellings = {form for v in out if len(v) >= MIN_SCRUB for form in spelled(v.encode())}
+        return sorted((v for v in spellings if len(v) >= MIN_SCRUB), key=len, reverse=True)
 
     def _client(self, credential: Credential) -> TokenClient:
         client = self.clients.get(credential.name)
@@ -273,13 +395,6 @@ class Injector:
     def __init__(self, catalog: Catalog, credentials: Credentials, chain: ChainState) -> None:
         self.catalog, self.credentials, self.chain = catalog, credentials, chain
 
-    def _credential(self, flow: http.HTTPFlow) -> Credential | None:
-        state = state_of(flow)
-        if state.mcp_server is not None:
-            return self.catalog.mcp_credential(state.mcp_server)
-        call = state.call
-        return self.catalog.credential_of(call.capability) if call is not None and call.capability else None
-
     def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         if flow.response is None and flow.request.stream:
             return self._inject(flow)
@@ -292,7 +407,7 @@ class Injector:
 
     def _inject(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         try:
-            credential = self._credential(flow)
+            credential = check_route(self.catalog, flow)  # again, at the moment it would be injected
             if credential is None:
                 return None
             headers = flow.request.headers

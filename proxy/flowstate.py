@@ -8,7 +8,7 @@ Addons and the credential injector import this module; it imports no addon.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mitmproxy import http
@@ -36,6 +36,14 @@ class FlowState:
     no_stream: bool = False  # the answer is read whole (a tools/list answer in JSON)
     hold: str | None = None  # "headers" | "body": when the call waits for a person
     decided: bool = False  # the decision let it go: the forwarder takes it from there
+    # proxy.mcpcalls: the client cancelled the call before its answer passed; the ledger keys of its requests;
+    # how a follow-up round of it would look; the first call of its chain (re-issues, rounds); what it was
+    # charged for (or would have been, when it was not)
+    mcp_cancelled: bool = False
+    mcp_keys: list[tuple[str, str | None, str]] = field(default_factory=list)
+    mcp_round: str | None = None
+    mcp_root: str | None = None
+    mcp_charged: tuple[str, ...] = ()
 
 
 def state_of(flow: http.HTTPFlow) -> FlowState:
@@ -50,8 +58,9 @@ def call_of(flow: http.HTTPFlow) -> Call | None:
     return state.call if state is not None else None
 
 
-# Refusals a server would never have answered (the request never was its to answer): they keep their 4xx.
-NOT_THE_SERVERS_ANSWER = frozenset({codes.UNKNOWN_DESTINATION, codes.CHAIN_INVALID})
+# Refusals a server would never have answered (the request never was its to answer): they keep their 4xx. An
+# unknown MCP session keeps its 404 too: that is how a server answers one, and what makes a client start anew.
+NOT_THE_SERVERS_ANSWER = frozenset({codes.UNKNOWN_DESTINATION, codes.CHAIN_INVALID, codes.MCP_SESSION_UNKNOWN})
 
 
 def refuse(flow: http.HTTPFlow, refusal: Refusal, *, outcome: str = "refused") -> None:

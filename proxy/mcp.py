@@ -34,16 +34,20 @@ except ImportError:  # Python < 3.14
 
 # Methods that need only some granted item on the server: the session, discovery, and the lists (filtered
 # on the way back, so each shows only what the agent holds).
-LISTS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list"})
+LISTS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list", "tasks/list"})
+# Task methods (2025-11-25 tasks, the 2026-07-28 tasks extension) name a task, not an item: the decision lets
+# them through as plumbing and ``proxy.mcpcalls`` governs each as the capability of the call that created it.
+TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
 # subscriptions/listen is plumbing only while it asks for list-changed notifications (proxy.decision).
-PLUMBING = frozenset({"initialize", "ping", "server/discover", "subscriptions/listen", *LISTS})
+PLUMBING = frozenset({"initialize", "ping", "server/discover", "subscriptions/listen", *LISTS, *TASK_METHODS})
 JSONRPC_REFUSED = -32003  # implementation-defined server error range; -32001/-32020 mean other things to SDKs
 # Methods that carry an item, and where its name is: the field the Mcp-Name header mirrors, when one does.
 NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri", "resources/subscribe": "uri",
          "resources/unsubscribe": "uri"}
 PROTOCOL_META = "io.modelcontextprotocol/protocolVersion"  # a stateless (2026-07-28) request's version
 LISTEN = "subscriptions/listen"  # 2026-07-28: the client's stream of the notifications it opts in to
-MIRRORED = frozenset({"tools/call", "prompts/get", "resources/read"})  # what clients mirror into Mcp-Name
+# What clients mirror into Mcp-Name (the task methods their task id, SEP-2663).
+MIRRORED = frozenset({"tools/call", "prompts/get", "resources/read", *TASK_METHODS})
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Message:
     uri: str | None = None  # resources/read, subscribe, unsubscribe: the URI; a completion's ref: a URI template
     uris: tuple[str, ...] = ()  # subscriptions/listen: the resources whose updates it asks for
     stateless: bool = False  # it names its protocol version in _meta (2026-07-28 on): results carry resultType
+    task: str | None = None  # tasks/get, result, cancel: the task id
 
     @property
     def is_request(self) -> bool:
@@ -69,6 +74,8 @@ class Message:
     @property
     def name(self) -> str | None:
         """The item the message names (what an ``Mcp-Name`` header must repeat)."""
+        if self.method in TASK_METHODS:
+            return self.task
         return self.tool if self.method == "tools/call" else self.prompt if self.method == "prompts/get" else self.uri
 
 
@@ -137,6 +144,11 @@ def _request(method: str, item: dict[str, Any]) -> Message:
         if method == "prompts/get":
             return Message(method, msg_id, prompt=value)
         return Message(method, msg_id, uri=value)
+    if method in TASK_METHODS:
+        task = params.get("taskId") if isinstance(params, dict) else None
+        if not isinstance(task, str):
+            raise NotJsonRpc(f"{method} without a string params.taskId")
+        return Message(method, msg_id, task=task)
     if method == LISTEN:
         notifications = params.get("notifications") if isinstance(params, dict) else None
         uris = notifications.get("resourceSubscriptions") if isinstance(notifications, dict) else None
@@ -370,17 +382,21 @@ def _nothing(_: str) -> bool:
 @dataclass(frozen=True)
 class Visible:
     """What of one server's items the agent may see, one predicate per kind of list (fail closed: a kind
-    nobody said anything about shows nothing)."""
+    nobody said anything about shows nothing). ``observe``, when given, is shown every JSON-RPC response a
+    filter reads (``proxy.mcpcalls`` learns task ids and multi-round-trip states from them)."""
 
     tool: Callable[[str], bool]
     resource: Callable[[str], bool] = _nothing  # a resource's URI
     template: Callable[[str], bool] = _nothing  # a resource template's URI template
     prompt: Callable[[str], bool] = _nothing
+    task: Callable[[str], bool] = _nothing  # a task id (tasks/list): the agent's own tasks only
+    observe: Callable[[dict[str, Any]], None] | None = None
 
 
 # result key -> (the item's identifying field, which predicate of Visible judges it)
 _LISTS = {"tools": ("name", "tool"), "resources": ("uri", "resource"),
-          "resourceTemplates": ("uriTemplate", "template"), "prompts": ("name", "prompt")}
+          "resourceTemplates": ("uriTemplate", "template"), "prompts": ("name", "prompt"),
+          "tasks": ("taskId", "task")}
 UPDATED = "notifications/resources/updated"
 
 
@@ -398,27 +414,53 @@ def _hidden_notification(item: Any, visible: Visible) -> bool:
     return not (isinstance(uri, str) and visible.resource(uri))
 
 
+def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[Any]:
+    return [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
+
+
+def _filter_tools_param(params: Any, visible: Visible) -> int:
+    """A server's own message that offers tools (``sampling/createMessage`` params.tools): the hidden ones go."""
+    if not isinstance(params, dict) or not isinstance(params.get("tools"), list):
+        return 0
+    listed = params["tools"]
+    params["tools"] = _kept(listed, "name", visible.tool)
+    return len(listed) - len(params["tools"])
+
+
+def _filter_input_requests(result: dict[str, Any], visible: Visible) -> int:
+    """A 2026-07-28 ``input_required`` result embeds the server's requests (sampling among them)."""
+    requests = result.get("inputRequests")
+    if not isinstance(requests, dict):
+        return 0
+    return sum(_filter_tools_param(r.get("params"), visible) for r in requests.values() if isinstance(r, dict))
+
+
 def filter_lists_message(value: Any, allowed: Visible | Callable[[str], bool]) -> tuple[Any, int]:
     """Remove what the agent does not hold from every list result in a message or a batch: tools, resources,
-    resource templates, prompts (by the result's shape, whatever request it answers), and drop a
-    resources/updated notification about a resource it does not hold (``None`` when nothing is left).
-    Returns (value, removed)."""
+    resource templates, prompts, tasks (by the result's shape, whatever request it answers) and the tools a
+    server's own request offers (``sampling/createMessage``, standalone or inside an ``input_required``
+    result), and drop a resources/updated notification about a resource it does not hold (``None`` when
+    nothing is left). Returns (value, removed)."""
     visible = as_visible(allowed)
     removed = 0
     items = value if isinstance(value, list) else [value]
     for item in items:
         if not isinstance(item, dict):
             continue
+        if "method" in item:
+            removed += _filter_tools_param(item.get("params"), visible)
+            continue
+        if visible.observe is not None and ("result" in item or "error" in item):
+            visible.observe(item)
         result = item.get("result")
         if not isinstance(result, dict):
             continue
         for key, (field, kind) in _LISTS.items():
             listed = result.get(key)
             if isinstance(listed, list):
-                judge = getattr(visible, kind)
-                kept = [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
-                removed += len(listed) - len(kept)
-                result[key] = kept
+                result[key] = _kept(listed, field, getattr(visible, kind))
+                removed += len(listed) - len(result[key])
+        removed += _filter_input_requests(result, visible)
     hidden = [item for item in items if _hidden_notification(item, visible)]
     if hidden:
         removed += len(hidden)

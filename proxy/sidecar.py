@@ -34,9 +34,10 @@ from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBo
 from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
-from .credentials import Credentials, Injector
+from .credentials import CredentialRoutes, Credentials, Injector
 from .enforce import APPROVAL_BODY_LIMIT, Enforcer, Forwarder, Holds, Tunnels, filing_refused, own_destinations
 from .flowstate import state_of
+from .mcpcalls import McpCalls, McpLedger
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from .pipeline import Pipeline
 from .reporting import Reporter, lock_state_dir
@@ -79,6 +80,7 @@ class SidecarConfig:
     # stdio MCP servers this sidecar reaches for their bridge: NAME -> the bridge's loopback address (proxy/stdio.py)
     stdio_routes: dict[str, tuple[str, int]] = field(default_factory=dict)
     startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
+    redact_default_fields: bool = True  # the field names that say secret (proxy/capture.py), unless turned off
 
 
 def mitmproxy_addons() -> list[Any]:
@@ -122,7 +124,7 @@ class Sidecar:
         self.retired: str | None = None  # why this run may never serve (its chain is revoked or expired)
         self.reporter = Reporter(self.channel, config.state_dir / "reports.spool")
         self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
-                                     config.redact_fields)
+                                     config.redact_fields, default_fields=config.redact_default_fields)
         self.allow_uncaptured = config.allow_uncaptured
         self.calls = CallTable()
         self.credentials = Credentials(config.secrets, config.upstream_ca)
@@ -257,12 +259,16 @@ class Sidecar:
         catalog, state = self.catalog, self.state
         spend = self.budgets.spend if self.budgets.active else None
         tracing = call_tracing(self.agent, self.run_id, self.resolved)
+        mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
+        self.resolved.append(mcp_calls.on_resolved)
         ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
                            Tunnels(catalog, state, self.track, self.resolve),
                            Enforcer(catalog, state, own_destinations(self.config.controlplane)),
+                           CredentialRoutes(catalog),  # before an approval, a budget unit, a spooled start
+                           mcp_calls,
                            Holds(state, self.await_approval), Forwarder(state, spend, self.reporter.start),
-                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier), Streamer(),
-                           WebsocketBound()]
+                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier, mcp_calls),
+                           Streamer(), WebsocketBound()]
         if self.config.capture:
             ours.append(Capture(self.capture, self.allow_uncaptured))
         return [*ours, Resolver(self.resolve)]

@@ -132,6 +132,7 @@ class Call:
     capture_ref: str | None = None
     termination_id: str | None = None
     detail: str | None = None
+    reissue_of: str | None = None  # an MCP call that re-sends one the client cancelled (proxy/mcpcalls.py)
 
     def report(self) -> dict[str, Any]:
         """The call as a ``capability.report.CallReport`` document: the report's fields, read off the call (all

@@ -351,10 +351,16 @@ class ControlPlaneProcess:
     grace: float = 2.0
     store: str | None = None
     proc: subprocess.Popen | None = None
+    tls: TestCA | None = None  # served over TLS with this CA's server certificate (localhost, 127.0.0.1)
+    options: tuple[str, ...] = ()  # more `controlplane serve` options (single sign-on's, say)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def url_context(self) -> ssl.SSLContext | None:
+        """What a urllib client needs to trust this control plane (None over plain HTTP)."""
+        return ssl.create_default_context(cafile=str(self.tls.ca_pem)) if self.tls else None
 
     @property
     def catalog_path(self) -> Path:
@@ -387,7 +393,9 @@ class ControlPlaneProcess:
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
              "--store", store, "--catalog", str(self.catalog_path), "--signing-key", str(self.signing_key_path),
-             "--lease-ttl", str(self.lease_ttl), "--grace", str(self.grace)],
+             "--lease-ttl", str(self.lease_ttl), "--grace", str(self.grace),
+             *(["--tls-cert", str(self.tls.cert_pem), "--tls-key", str(self.tls.key_pem)] if self.tls else []),
+             *self.options],
             stdout=log, stderr=log, env=self.env())
         wait_until(self.healthy, 20, what=f"control plane on {self.port} (log {self.directory}/controlplane.log)")
         return self
@@ -396,7 +404,7 @@ class ControlPlaneProcess:
         if self.proc is not None and self.proc.poll() is not None:
             raise AssertionError(f"control plane exited: {(self.directory / 'controlplane.log').read_text()[-2000:]}")
         try:
-            with urllib.request.urlopen(self.url + "/healthz", timeout=1) as resp:
+            with urllib.request.urlopen(self.url + "/healthz", timeout=1, context=self.url_context()) as resp:
                 return resp.status == 200
         except OSError:
             return False

@@ -75,7 +75,8 @@ FILLERS = ["", "a", "b", "a/b", "v1", "x.y", "/", "..", "%2e", ";p", "b*"]
 MCP_URLS = ["http://m.internal:8000/mcp", "HTTP://M.Internal:8000/mcp/", "https://m.internal/mcp",
             "https://m.internal:443/mcp", "http://[::1]:9000/mcp", "http://m.internal:8000/other"]
 CREDENTIALS = {"k1": {"header": "X-Key", "format": "{secret}"}, "k2": {"header": "Authorization",
-                                                                      "format": "Bearer {secret}"}}
+                                                                      "format": "Bearer {secret}"},
+               "k3": {"header": "X-Key", "format": "{secret}", "insecure_plain_http": "loopback"}}
 
 
 def path_globs() -> st.SearchStrategy[str]:
@@ -92,10 +93,17 @@ def http_specs(hosts: list[str]) -> st.SearchStrategy[dict]:
     )
 
 
+def _mcp_credentials(url: str) -> list[str | None]:
+    if url.lower().startswith("https:"):
+        return [None, "k1", "k2"]
+    return [None, "k3"] if "[::1]" in url else [None]
+
+
 @st.composite
 def catalogs(draw: st.DrawFn) -> Catalog:
     # one credential (or none) per MCP server, as parsing requires; normalized servers may share one
-    server_credential = {normalize_url(url): draw(st.sampled_from([None, "k1", "k2"])) for url in MCP_URLS}
+    # (over https; a plain-http server only k3, on loopback only: catalog._check_route)
+    server_credential = {normalize_url(url): draw(st.sampled_from(_mcp_credentials(url))) for url in MCP_URLS}
     # a few hosts per catalog, so that capabilities overlap on one host as often as they differ
     hosts = draw(st.lists(st.sampled_from(CATALOG_HOSTS), min_size=1, max_size=3))
     n = draw(st.integers(min_value=1, max_value=14))
@@ -108,8 +116,9 @@ def catalogs(draw: st.DrawFn) -> Catalog:
                 spec["credential"] = server_credential[normalize_url(url)]
         else:
             spec = {"http": draw(http_specs(hosts))}
-            if draw(st.booleans()):
-                spec["credential"] = draw(st.sampled_from(sorted(CREDENTIALS)))
+            if draw(st.booleans()):  # a credential goes to one scheme and port
+                spec["credential"] = draw(st.sampled_from(["k1", "k2"]))
+                spec["http"].update(scheme="https", port=draw(st.sampled_from(PORTS)))
         caps[f"cap{draw(st.integers(0, 99))}.{i}"] = spec  # names in no sorted order: catalog order matters
     return parse_catalog(yaml.safe_dump({"credentials": CREDENTIALS, "capabilities": caps}, sort_keys=False),
                          "generated.yaml")

@@ -113,7 +113,7 @@ def test_approval_shows_the_redacted_call_and_binds_to_its_hash(world: World) ->
         held = pool.submit(post)
         (approval,) = wait_until(lambda: admin.request("GET", "/v1/approvals?status=pending"), 10, what="approval")
         req = approval["request"]
-        assert approval["chain"] == ["bind-a"] and approval["deciders"] == ["admin"]
+        assert approval["chain"] == ["bind-a"] and approval["deciders"] == ["approver", "admin"]
         assert req["method"] == "POST" and req["url"] == f"{w.tools.base}/echo"
         headers = dict((k.lower(), v) for k, v in req["headers"])
         assert headers["authorization"] == "[REDACTED]" and headers["x-trace"] == "t-1"

@@ -7,17 +7,19 @@ import json
 
 from mitmproxy.test import tflow
 
+from controlplane.auth import Operator
 from controlplane.console.sessions import Sessions
 from proxy.capture import call_hash, held_call
 
 
 def test_sessions_expire_end_and_stay_bounded() -> None:
     sessions = Sessions(ttl_s=60, max_sessions=2)
-    a = sessions.create(now=0)
+    who = Operator("alice", frozenset({"viewer"}))
+    a = sessions.create(now=0, operator=who)
     assert sessions.get(a.sid, now=59) == a and a.csrf != a.sid
     assert sessions.get(a.sid, now=60) is None  # expired, and forgotten
-    b, c = sessions.create(now=100), sessions.create(now=101)
-    d = sessions.create(now=102)  # over the bound: the oldest sign-in goes
+    b, c = sessions.create(now=100, operator=who), sessions.create(now=101, operator=who)
+    d = sessions.create(now=102, operator=who)  # over the bound: the oldest sign-in goes
     assert sessions.get(b.sid, now=103) is None and sessions.get(c.sid, 103) and sessions.get(d.sid, 103)
     assert sessions.end(c.sid) and sessions.get(c.sid, now=103) is None
 

@@ -1,5 +1,8 @@
 """Credentials the agent never holds (DESIGN.md section 10), end to end with real processes.
 
+The tool server here speaks plain HTTP on loopback, so every credential says ``insecure_plain_http: loopback``
+(tests/test_credential_tls.py covers the TLS rule itself).
+
 A tool server that records every ``Authorization`` it receives and accepts only the injected secret or an
 unexpired token; an OAuth2 token endpoint (aiohttp) that counts its token requests and expires its tokens;
 a real control plane and real sidecar subprocesses given their secrets with ``--secret``. At the end every
@@ -143,16 +146,21 @@ class AuthServers:
 
 CATALOG = """
 credentials:
-  static: {{header: Authorization, format: "Bearer {{secret}}"}}
-  apikey: {{header: X-Custom-Key, format: "{{secret}}"}}
+  static: {{header: Authorization, format: "Bearer {{secret}}", insecure_plain_http: loopback}}
+  apikey: {{header: X-Custom-Key, format: "{{secret}}", insecure_plain_http: loopback}}
   crm:    {{oauth2_client_credentials: {{token_url: "http://127.0.0.1:{token}/token", client_id: tether,
-            scope: crm.read}}, header: Authorization, format: "Bearer {{token}}"}}
-  lacking: {{header: Authorization, format: "Bearer {{secret}}"}}
+            scope: crm.read}}, header: Authorization, format: "Bearer {{token}}",
+            insecure_plain_http: loopback}}
+  lacking: {{header: Authorization, format: "Bearer {{secret}}", insecure_plain_http: loopback}}
 capabilities:
-  static.any:   {{http: {{host: 127.0.0.1, port: {tool}, methods: [GET, POST], path: "/static*"}}, credential: static}}
-  key.read:     {{http: {{host: 127.0.0.1, port: {tool}, methods: [GET], path: "/key*"}}, credential: apikey}}
-  crm.read:     {{http: {{host: 127.0.0.1, port: {tool}, methods: [GET], path: "/crm*"}}, credential: crm}}
-  lacking.read: {{http: {{host: 127.0.0.1, port: {tool}, methods: [GET], path: "/lacking*"}}, credential: lacking}}
+  static.any:   {{http: {{host: 127.0.0.1, port: {tool}, scheme: http, methods: [GET, POST], path: "/static*"}},
+                 credential: static}}
+  key.read:     {{http: {{host: 127.0.0.1, port: {tool}, scheme: http, methods: [GET], path: "/key*"}},
+                 credential: apikey}}
+  crm.read:     {{http: {{host: 127.0.0.1, port: {tool}, scheme: http, methods: [GET], path: "/crm*"}},
+                 credential: crm}}
+  lacking.read: {{http: {{host: 127.0.0.1, port: {tool}, scheme: http, methods: [GET], path: "/lacking*"}},
+                 credential: lacking}}
   plain.read:   {{http: {{host: 127.0.0.1, port: {tool}, methods: [GET], path: "/plain*"}}}}
   mcp.add:      {{mcp: {{url: "http://127.0.0.1:{tool}/mcp", tool: add}}, credential: static}}
 """

@@ -234,8 +234,9 @@ def iso_world(tmp_path: Path) -> Iterator[dict]:
 credentials:
   tool: {{header: Authorization, format: "Bearer {{secret}}"}}
 capabilities:
-  granted.http:  {{http: {{host: granted.test, port: {g[0].port}, methods: [GET], path: "/*"}}, credential: tool}}
-  granted.https: {{http: {{host: granted.test, port: {g[1].port}, methods: [GET], path: "/*"}}, credential: tool}}
+  granted.http:  {{http: {{host: granted.test, port: {g[0].port}, methods: [GET], path: "/*"}}}}
+  granted.https: {{http: {{host: granted.test, port: {g[1].port}, scheme: https, methods: [GET], path: "/*"}},
+                  credential: tool}}
 """)
     signing = keys.generate()
     cp.signing_key_path.write_bytes(keys.private_pem(signing))

@@ -1,6 +1,8 @@
 """Authentication is declared with each route and enforced in one place (controlplane/routes/__init__.py):
 every route names an auth kind, the OpenAPI document publishes it, and every route that is not public
 answers 401 to a request that carries no credentials, before it looks anything up or reads its body.
+Every route an operator may call names the roles it allows, and every such route is tried with an operator
+of every role: allowed ones get past the check, the others get 403 tether.forbidden naming the role.
 Against a real server process; the budget view's ancestor rule through a signed request."""
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from capability import keys
 from capability.chain import parse_chain_unverified
 from capability.errors import ApiError
 from cli.controlplane import build
-from controlplane.client import Signer
-from controlplane.routes import AUTH_KINDS, NONE, Route
+from controlplane.auth import ROLES
+from controlplane.client import Client, Signer
+from controlplane.routes import ADMIN, ADMIN_OR_ANCESTOR, ADMIN_OR_HOLDER, ADMIN_OR_SIDECAR, AUTH_KINDS, NONE, Route
 
 from .harness import ADMIN_TOKEN, ControlPlaneProcess, Identity, prepare_controlplane
 
@@ -57,6 +60,79 @@ def test_every_route_declares_an_auth_kind(tmp_path: Path) -> None:
                       ("POST", "/ui/logout")}
     with pytest.raises(ValueError, match="auth"):
         Route("GET", "/nowhere", routes[0].handler, "a route nobody secured", "admin-ish")
+    with pytest.raises(ValueError, match="names its roles"):  # a change never defaults to every role
+        Route("POST", "/nowhere", routes[0].handler, "a change nobody scoped", ADMIN)
+    with pytest.raises(ValueError, match="no operator"):
+        Route("GET", "/healthz2", routes[0].handler, "public, with roles", NONE, roles=frozenset({"admin"}))
+
+
+# Who may change what: written out here, not read from the code, so a route that widens shows in this diff.
+# Every other route an operator may call reads, and every role reads.
+CHANGES = {
+    ("POST", "/v1/approvals/{id}/approve"): {"approver", "admin"},
+    ("POST", "/v1/approvals/{id}/deny"): {"approver", "admin"},
+    ("POST", "/v1/grants/{jti}/revoke"): {"responder", "admin"},
+    ("POST", "/v1/agents/{agent}/revoke"): {"responder", "admin"},
+    ("POST", "/v1/agents/{agent}/terminate"): {"responder", "admin"},
+    ("POST", "/v1/grants"): {"admin"},
+    ("POST", "/v1/chains/register"): {"admin"},
+    ("POST", "/v1/operators"): {"admin"},
+    ("POST", "/v1/operators/{name}/rotate"): {"admin"},
+    ("POST", "/v1/operators/{name}/revoke"): {"admin"},
+    ("POST", "/v1/audit/diff"): set(ROLES),  # a read: two documents in, what widened out
+}
+OPERATOR_KINDS = (ADMIN, ADMIN_OR_ANCESTOR, ADMIN_OR_SIDECAR, ADMIN_OR_HOLDER)
+
+
+def test_every_operator_route_declares_the_roles_it_allows(tmp_path: Path) -> None:
+    routes = [r for r in served_routes(tmp_path) if r.auth in OPERATOR_KINDS]
+    declared = {(r.method, r.path): set(r.roles or ()) for r in routes}
+    assert {k: v for k, v in declared.items() if k in CHANGES} == CHANGES
+    for (method, path), roles in declared.items():
+        if (method, path) not in CHANGES:
+            assert method == "GET" and roles == set(ROLES), (method, path, roles)
+
+
+def test_every_route_against_every_role(cp: ControlPlaneProcess) -> None:
+    """An operator of each role calls every route an operator may call: a role the route does not allow is
+    refused before anything is looked up (403 tether.forbidden naming the role); one it allows gets past the
+    check (whatever the route then answers: 200, 400 for the probe body, 404 for the probe id)."""
+    admin = cp.client()
+    tokens = {role: admin.request("POST", "/v1/operators", {"name": f"every-{role}", "roles": [role]})["token"]
+              for role in ROLES}
+    ident = cp.issue("role-probe", {"issues.read": "direct"})
+    body = json.dumps({"chain": ident.wire}).encode()
+    routes = [r for r in served_routes(cp.directory / "routes") if r.auth in OPERATOR_KINDS]
+    checked = 0
+    for route in routes:
+        path = re.sub(r"{\w+}", "probe", route.path)
+        for role, token in tokens.items():
+            req = urllib.request.Request(cp.url + path, data=body if route.method == "POST" else None,
+                                         method=route.method, headers={"Content-Type": "application/json",
+                                                                       "Authorization": f"Bearer {token}"})
+            try:
+                with urllib.request.urlopen(req, timeout=20) as resp:
+                    status, answer = resp.status, None
+            except urllib.error.HTTPError as exc:
+                status, answer = exc.code, json.loads(exc.read() or b"null")
+            code = (answer or {}).get("error", {}).get("code") if isinstance(answer, dict) else None
+            if role in (route.roles or ()):
+                assert status not in (401, 403), (route.method, route.path, role, status, answer)
+            else:
+                assert (status, code) == (403, "tether.forbidden"), (route.method, route.path, role, status, answer)
+                narrow = [r for r in ROLES if r in (route.roles or ()) and r != "admin"]
+                needs = f"the {' or '.join(narrow)} role (or admin)" if narrow else "the admin role"
+                assert answer["error"]["message"].endswith(f"it needs {needs}"), answer
+                assert answer["error"]["operator"] == f"every-{role}"
+            checked += 1
+    assert checked == 4 * len(routes) and len(routes) > 25
+    with urllib.request.urlopen(cp.url + "/openapi.json", timeout=10) as resp:  # and the document says so
+        paths = json.load(resp)["paths"]
+    for route in routes:
+        published = paths[route.path][route.method.lower()]["x-tether-roles"]
+        assert published == [r for r in ROLES if r in (route.roles or ())], (route.method, route.path)
+        assert set(published) == CHANGES.get((route.method, route.path), set(ROLES))
+    assert Client(cp.url, tokens["viewer"]).request("GET", "/v1/operators/me")["operator"] == "every-viewer"
 
 
 def test_every_route_but_the_public_ones_answers_401_without_credentials(cp: ControlPlaneProcess) -> None:

@@ -1,9 +1,10 @@
 """The security team's web console at ``/ui/``, and the few read-only API routes it needs.
 
 The console is a client of the documented JSON API: static HTML, CSS and small vanilla JS modules
-(``static/``, committed, no build step, no CDN), served here with a sign-in that turns the admin token
-into a server-side session (an HttpOnly, SameSite=Strict cookie; the JSON API accepts it as admin, and
-every change made with it must carry the session's CSRF token: ``controlplane/auth.py``).
+(``static/``, committed, no build step, no CDN), served here with a sign-in that turns an operator's token
+into a server-side session (an HttpOnly, SameSite=Strict cookie, ``__Host-`` prefixed and Secure over TLS;
+the JSON API accepts it as that operator, with that operator's roles, and every change made with it must
+carry the session's CSRF token: ``controlplane/auth.py``).
 
 Routes added: the pages, sign-in and logout (``/ui/...``); ``GET /v1/agents/{agent}/subtree`` (who a
 revoke or terminate would cut, for the confirmation); ``POST /v1/audit/diff`` (two surface documents,
@@ -15,7 +16,6 @@ names the sidecars' state dirs).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 from pathlib import Path
@@ -27,7 +27,7 @@ from capability.errors import NOT_FOUND, RATE_LIMITED, UNAUTHORIZED, ApiError
 
 from .. import audit
 from .. import schemas as sc
-from ..auth import CSRF_HEADER, SESSION_COOKIE
+from ..auth import BOOTSTRAP, CSRF_HEADER, READ, SESSION_COOKIE, TLS_SESSION_COOKIE, Operator
 from ..body import bad, read_json
 from ..routes import ADMIN, NONE
 from ..termination import verify_records
@@ -83,37 +83,45 @@ class Console:
 
     # -- sign-in -------------------------------------------------------------------------------------------------
     async def h_sign_in(self, request: web.Request) -> web.Response:
+        """An operator's token (or the bootstrap admin token) becomes a session. A wrong token counts against
+        its source (``SignInThrottle``); a token that cannot be guessed signs in even from a throttled source,
+        so failing on purpose locks nobody out."""
         body, _ = await read_json(request)
-        token = str(body.string("token", required=True, nullable=False, max_len=4096, non_empty=True))
+        token = str(body.string("token", required=True, nullable=False, max_len=4096, non_empty=True)).strip()
         client, now = request.remote or "?", self.cp.clock()
-        wait = self.throttle.retry_after(client, now)
-        if wait > 0:
-            raise ApiError(429, RATE_LIMITED, f"too many wrong tokens from {client}; try again in {wait:.0f}s",
-                           retry_after_s=round(wait, 1))
-        expected = self.cp.auth.admin_token
-        if not expected or not hmac.compare_digest(token.strip().encode(), expected):
+        who = await self.cp.auth.by_token(token)
+        unguessable = who is not None and (who.name != BOOTSTRAP or len(token) >= self.throttle.STRONG_CHARS)
+        if not unguessable:
+            wait = self.throttle.retry_after(client, now)
+            if wait > 0:
+                raise ApiError(429, RATE_LIMITED, f"too many wrong tokens from {client}; try again in {wait:.0f}s "
+                               "(an operator's own token is never held back)", retry_after_s=round(wait, 1))
+        if who is None:
             self.throttle.failed(client, now)
             self.cp.metrics.inc("tether_console_sign_in_refused_total")
-            raise ApiError(401, UNAUTHORIZED, "that is not the admin token (TETHER_ADMIN_TOKEN of the control plane)")
-        session = self.sessions.create(self.cp.clock())
-        response = web.json_response({"csrf": session.csrf, "expires_at": session.expires_at})
-        response.set_cookie(SESSION_COOKIE, session.sid, path="/", httponly=True, samesite="Strict",
-                            secure=_https(request), max_age=int(self.sessions.ttl_s))
+            raise ApiError(401, UNAUTHORIZED, "that is not an operator's token (tether operators add), nor the "
+                           "control plane's TETHER_ADMIN_TOKEN")
+        session = self.sessions.create(now, who)
+        response = web.json_response(_session_view(session))
+        response.set_cookie(self.sessions.cookie, session.sid, path="/", httponly=True, samesite="Strict",
+                            secure=self.sessions.tls or _https(request), max_age=int(self.sessions.ttl_s))
         return response
 
     async def h_session(self, request: web.Request) -> web.Response:
-        session = self.sessions.get(request.cookies.get(SESSION_COOKIE, ""), self.cp.clock())
-        if session is None:
-            raise ApiError(401, UNAUTHORIZED, "not signed in (or the session expired): sign in with the admin token")
-        return web.json_response({"csrf": session.csrf, "expires_at": session.expires_at})
+        who = await self.cp.auth.session_operator(request)
+        session = self.sessions.get(request.cookies.get(self.sessions.cookie, ""), self.cp.clock())
+        if who is None or session is None:
+            raise ApiError(401, UNAUTHORIZED, "not signed in (or the session expired, or its operator's token was "
+                           "rotated or revoked): sign in with your token")
+        return web.json_response(_session_view(session))
 
     async def h_logout(self, request: web.Request) -> web.Response:
-        sid = request.cookies.get(SESSION_COOKIE, "")
+        sid = request.cookies.get(self.sessions.cookie, "")
         if self.sessions.get(sid, self.cp.clock()) is not None:
-            self.cp.auth.require_admin(request)  # the session's CSRF token, as for any change
+            await self.cp.auth.require(request, READ, "sign out")  # the session's CSRF token, as for any change
             self.sessions.end(sid)
         response = web.json_response({"signed_out": True})
-        response.del_cookie(SESSION_COOKIE, path="/")
+        response.del_cookie(self.sessions.cookie, path="/")
         return response
 
     # -- read-only API the console needs ----------------------------------------------------------------------
@@ -178,21 +186,29 @@ class Console:
                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
+def _session_view(session: Any) -> dict[str, Any]:
+    who: Operator = session.operator
+    return {"csrf": session.csrf, "expires_at": session.expires_at, "operator": who.name, "via": who.via,
+            "roles": sorted(who.roles)}
+
+
 def _https(request: web.Request) -> bool:
     return request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https"
 
 
-def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sessions | None = None) -> Console:
-    """Add the console's pages and routes to ``cp``; its sessions become admin sessions for the API."""
+def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sessions | None = None,
+            tls: bool = False) -> Console:
+    """Add the console's pages and routes to ``cp``; its sessions act as their operators for the API.
+    ``tls``: the control plane is served over TLS (the session cookie is ``__Host-`` prefixed and Secure)."""
     root = captures or os.environ.get("TETHER_CAPTURES")
-    console = Console(cp, Path(root) if root else None, sessions or Sessions())
+    console = Console(cp, Path(root) if root else None, sessions or Sessions(tls=tls))
     cp.auth.sessions = console.sessions
     r = cp.route
     r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", NONE, "console", status=308, content=None)
     r("GET", "/ui/", console.h_index, "The console", NONE, "console", content="text/html", ok={"type": "string"})
     r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", NONE, "console",
       content="*/*", ok={"type": "string"})
-    r("POST", "/ui/session", console.h_sign_in, "Sign in with the admin token: sets the session cookie", NONE,
+    r("POST", "/ui/session", console.h_sign_in, "Sign in with an operator's token: sets the session cookie", NONE,
       "console", body=sc.SIGN_IN_REQUEST, ok=sc.SESSION)
     r("GET", "/ui/session", console.h_session, "The signed-in session's CSRF token", NONE, "console",
       ok=sc.SESSION)
@@ -200,7 +216,7 @@ def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sess
     r("GET", "/v1/agents/{agent}/subtree", console.h_subtree, "Who terminating or revoking an agent cuts", ADMIN,
       "agents", ok=sc.SUBTREE)
     r("POST", "/v1/audit/diff", console.h_diff, "What widened between two audit surface documents", ADMIN, "audit",
-      body=sc.DIFF_REQUEST, ok=sc.DIFF)
+      body=sc.DIFF_REQUEST, ok=sc.DIFF, roles=READ)  # a read, though a POST (two documents in the body)
     r("GET", "/v1/audit/records", console.h_verify_records, "The record log's verification, per record", ADMIN,
       "records", ok=sc.RECORDS_VERIFICATION)
     r("GET", "/v1/captures/har", console.h_har, "HAR of captured calls (by termination, agent or time range)",
@@ -210,4 +226,4 @@ def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sess
     return console
 
 
-__all__ = ["CSRF_HEADER", "SESSION_COOKIE", "Console", "diff_surfaces", "install"]
+__all__ = ["CSRF_HEADER", "SESSION_COOKIE", "TLS_SESSION_COOKIE", "Console", "diff_surfaces", "install"]

@@ -1,10 +1,13 @@
 """The HTTP edge: the route table, authentication enforced where a route is declared, and errors.
 
-Every route names who may call it (``Route.auth``, one of ``AUTH_KINDS``); ``enforced`` wraps its handler
-so the caller is authenticated before the handler runs, and before anything the request names is looked
-up or its body parsed (no existence oracle, no work for an anonymous caller). The handler finds who called
-in ``caller(request)``. Handlers parse with ``controlplane/body.py``, call a service, and answer JSON; every
-refusal is ``{"error": {"code", "message", ...}}`` with a ``Tether-Error`` header (``error_middleware``).
+Every route names who may call it (``Route.auth``, one of ``AUTH_KINDS``) and, where operators may, which of
+their roles (``Route.roles``: a route that reads allows every role; one that changes something names its
+roles); ``enforced`` wraps its handler so the caller is authenticated and their roles checked before the
+handler runs, and before anything the request names is looked up or its body parsed (no existence oracle,
+no work for an anonymous caller). The handler finds who called in ``caller(request)`` (a chain holder) or
+``operator(request)`` (a person, whose name and sign-in its decision records). Handlers parse with
+``controlplane/body.py``, call a service, and answer JSON; every refusal is ``{"error": {"code", "message",
+...}}`` with a ``Tether-Error`` header (``error_middleware``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from capability.errors import (
     TetherError,
 )
 
-from ..auth import Authenticator, Caller
+from ..auth import ADMINISTER as ADMINISTER  # the roles a route allows (``Route.roles``), for the route modules
+from ..auth import APPROVE as APPROVE
+from ..auth import READ, SAFE_METHODS, Authenticator, Caller, Operator
+from ..auth import RESPOND as RESPOND
 from ..body import Fields, bad, parse, raw_body
 from ..schemas import Schema
 from ..store import STORE_UNWRITABLE, StoreUnavailable, StoreUnwritable
@@ -39,7 +45,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Who may call a route.
 NONE = "none"  # anyone (health, metrics' fleet-wide series, the trust anchor, the console's pages)
-ADMIN = "admin"  # the admin token, or a console session (with its CSRF token for a change)
+ADMIN = "admin"  # an operator whose roles the route allows: a token, or a console session (with its CSRF token)
 SIDECAR = "sidecar"  # a chain holder: a Tether-Proof signed with its registered leaf link's key
 RUN = "run"  # a sidecar run: a chain holder's proof that names its run
 ADMIN_OR_SIDECAR = "admin-or-sidecar"
@@ -47,7 +53,9 @@ ADMIN_OR_ANCESTOR = "admin-or-ancestor"  # an admin, or a principal's proof (the
 ADMIN_OR_HOLDER = "admin-or-holder"  # an admin, or a proof by the leaf of the chain in the body (registering)
 AUTH_KINDS = (NONE, ADMIN, SIDECAR, RUN, ADMIN_OR_SIDECAR, ADMIN_OR_ANCESTOR, ADMIN_OR_HOLDER)
 
+
 _CALLER = "tether.caller"
+_OPERATOR = "tether.operator"
 _KIND = "tether.auth"
 _ADMIN_LETS_IN = (ADMIN, ADMIN_OR_SIDECAR, ADMIN_OR_ANCESTOR, ADMIN_OR_HOLDER)
 _RAW = "tether.raw"
@@ -55,8 +63,9 @@ _RAW = "tether.raw"
 
 @dataclass
 class Route:
-    """One API route and what ``/openapi.json`` says of it: who may call it, the body it reads, the status
-    and body of its success, its query parameters (name, schema, description)."""
+    """One API route and what ``/openapi.json`` says of it: who may call it (and, for an operator, with
+    which roles), the body it reads, the status and body of its success, its query parameters (name,
+    schema, description)."""
 
     method: str
     path: str
@@ -70,10 +79,23 @@ class Route:
     query: tuple[tuple[str, Schema, str], ...] = ()
     content: str | None = "application/json"  # of the success answer; None: no body (a redirect)
     extra_responses: dict[int, Any] = field(default_factory=dict)
+    roles: frozenset[str] | None = None  # the operator roles it allows; a read defaults to every role
+    does: str = ""  # what a refusal says the operator may not do ("approve a held call"); default: the summary
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_KINDS:
             raise ValueError(f"route {self.method} {self.path}: auth {self.auth!r} is not one of {AUTH_KINDS}")
+        if self.auth not in _ADMIN_LETS_IN:
+            if self.roles is not None:
+                raise ValueError(f"route {self.method} {self.path}: roles given, but no operator may call it")
+            return
+        if self.roles is None:
+            if self.method not in SAFE_METHODS:  # a change says who may make it: never every role by default
+                raise ValueError(f"route {self.method} {self.path}: a change an operator may make names its roles")
+            self.roles = READ
+        if not self.roles or not self.roles <= READ:
+            raise ValueError(f"route {self.method} {self.path}: roles {sorted(self.roles)} not among {sorted(READ)}")
+        self.does = self.does or self.summary[:1].lower() + self.summary[1:]
 
 
 # -- what a handler reads ----------------------------------------------------------------------------------
@@ -96,6 +118,11 @@ def caller(request: web.Request) -> Caller:
     return who
 
 
+def operator(request: web.Request) -> Operator | None:
+    """The operator who called (None when a chain holder did, on a route that lets both in)."""
+    return request.get(_OPERATOR)
+
+
 def principal(request: web.Request) -> Caller | None:
     """Who called an admin-or-... route: None for an admin, the chain holder otherwise. Only on such a route:
     on a public one, None would read as an admin."""
@@ -113,51 +140,62 @@ def chain_wire(value: Any) -> str:
 
 
 # -- the one place authentication happens -------------------------------------------------------------------
-async def _nobody(auth: Authenticator, request: web.Request) -> None:
+async def _nobody(auth: Authenticator, request: web.Request, route: Route) -> None:
     return None
 
 
-async def _admin(auth: Authenticator, request: web.Request) -> None:
-    auth.require_admin(request)
+async def _admin(auth: Authenticator, request: web.Request, route: Route) -> None:
+    request[_OPERATOR] = await auth.require(request, route.roles or frozenset(), route.does)
 
 
-async def _sidecar(auth: Authenticator, request: web.Request) -> Caller:
+async def _sidecar(auth: Authenticator, request: web.Request, route: Route | None = None) -> Caller:
     return await auth.sidecar(request, await body_bytes(request))
 
 
-async def _run(auth: Authenticator, request: web.Request) -> Caller:
+async def _run(auth: Authenticator, request: web.Request, route: Route) -> Caller:
     return await auth.run_of(request, await body_bytes(request))
 
 
-async def _admin_or_sidecar(auth: Authenticator, request: web.Request) -> Caller | None:
-    return None if auth.is_admin(request) else await _sidecar(auth, request)
+async def _as_operator(auth: Authenticator, request: web.Request, route: Route) -> bool:
+    """On a route that lets an operator or a chain holder in: whether an operator called (roles checked)."""
+    who = await auth.operator(request)
+    if who is None:
+        return False
+    request[_OPERATOR] = auth.allow(who, route.roles or frozenset(), route.does)
+    return True
 
 
-async def _admin_or_ancestor(auth: Authenticator, request: web.Request) -> Caller | None:
-    if auth.is_admin(request):
+async def _admin_or_sidecar(auth: Authenticator, request: web.Request, route: Route) -> Caller | None:
+    return None if await _as_operator(auth, request, route) else await _sidecar(auth, request)
+
+
+async def _admin_or_ancestor(auth: Authenticator, request: web.Request, route: Route) -> Caller | None:
+    if await _as_operator(auth, request, route):
         return None
     if auth.proof_of(request) is None:
         if "Authorization" in request.headers:
-            raise ApiError(403, FORBIDDEN, "the bearer token is not the admin token")
-        raise ApiError(401, UNAUTHORIZED, "send the admin token, or a Tether-Proof signed by an ancestor "
+            raise ApiError(403, FORBIDDEN, "the bearer token is not an operator's (TETHER_TOKEN) nor the admin "
+                           "token, or it was revoked")
+        raise ApiError(401, UNAUTHORIZED, "send an operator's token, or a Tether-Proof signed by an ancestor "
                        "principal's key")
     return await _sidecar(auth, request)
 
 
-async def _admin_or_holder(auth: Authenticator, request: web.Request) -> None:
-    """Registering: an admin, or the holder of the chain's leaf link (not registered yet: the proof is
-    checked against the key the leaf itself names)."""
-    if auth.is_admin(request):
+async def _admin_or_holder(auth: Authenticator, request: web.Request, route: Route) -> None:
+    """Registering: an operator allowed to, or the holder of the chain's leaf link (not registered yet: the
+    proof is checked against the key the leaf itself names)."""
+    if await _as_operator(auth, request, route):
         return
     raw = await body_bytes(request)
     links = parse_chain_unverified(split_chain(chain_wire(parse(raw).raw("chain"))))
     proof = auth.proof_of(request)
     if proof is None or proof.link != links[-1].hash or proof.agent != links[-1].sub:
-        raise ApiError(401, UNAUTHORIZED, "register with a Tether-Proof signed by the leaf link's key (or as admin)")
+        raise ApiError(401, UNAUTHORIZED, "register with a Tether-Proof signed by the leaf link's key (or as an "
+                       "admin)")
     await auth.check(request, proof, links[-1].claims["cnf"]["jwk"], raw)
 
 
-_CHECKS: dict[str, Callable[[Authenticator, web.Request], Awaitable[Caller | None]]] = {
+_CHECKS: dict[str, Callable[[Authenticator, web.Request, Route], Awaitable[Caller | None]]] = {
     NONE: _nobody, ADMIN: _admin, SIDECAR: _sidecar, RUN: _run, ADMIN_OR_SIDECAR: _admin_or_sidecar,
     ADMIN_OR_ANCESTOR: _admin_or_ancestor, ADMIN_OR_HOLDER: _admin_or_holder,
 }
@@ -169,7 +207,8 @@ def enforced(route: Route, auth: Authenticator) -> Handler:
 
     async def handler(request: web.Request) -> web.StreamResponse:
         request[_KIND] = route.auth
-        request[_CALLER] = await check(auth, request)
+        request[_OPERATOR] = None
+        request[_CALLER] = await check(auth, request, route)
         return await route.handler(request)
 
     handler.__name__ = route.handler.__name__

@@ -13,8 +13,7 @@ from .. import schemas as sc
 from ..body import Fields, bad, query_int
 from ..openapi import refusal
 from ..services.approvals import ApprovalService
-from ..services.grants import ADMIN as BY_ADMIN
-from . import ADMIN, ADMIN_OR_SIDECAR, RUN, Route, body, caller, principal
+from . import ADMIN, ADMIN_OR_SIDECAR, APPROVE, RUN, Route, body, caller, operator, principal
 
 
 class ApprovalRoutes:
@@ -57,11 +56,17 @@ class ApprovalRoutes:
 
     async def h_approve(self, request: web.Request) -> web.Response:
         call_hash = (await body(request)).string("call_hash", max_len=200)
-        return web.json_response(await self.approvals.decide(request.match_info["id"], APPROVED, BY_ADMIN, call_hash))
+        return web.json_response(await self._decide(request, APPROVED, call_hash))
 
     async def h_deny(self, request: web.Request) -> web.Response:
         await body(request)  # no fields, but a body that is not an object is refused as everywhere
-        return web.json_response(await self.approvals.decide(request.match_info["id"], DENIED, BY_ADMIN))
+        return web.json_response(await self._decide(request, DENIED, None))
+
+    async def _decide(self, request: web.Request, decision: str, call_hash: str | None) -> dict[str, Any]:
+        who = operator(request)
+        assert who is not None  # an ADMIN route: enforced() proved an operator
+        return await self.approvals.decide(request.match_info["id"], decision, who.name, call_hash,
+                                           operator=who.attribution())
 
     def table(self) -> list[Route]:
         return [
@@ -85,9 +90,9 @@ class ApprovalRoutes:
             Route("GET", "/v1/approvals/{id}", self.h_approval_get, "One approval", ADMIN_OR_SIDECAR, "approvals",
                   ok=sc.ref("Approval")),
             Route("POST", "/v1/approvals/{id}/approve", self.h_approve, "Approve a held call", ADMIN, "approvals",
-                  body=sc.APPROVE_REQUEST, ok=sc.ref("Approval")),
+                  body=sc.APPROVE_REQUEST, ok=sc.ref("Approval"), roles=APPROVE),
             Route("POST", "/v1/approvals/{id}/deny", self.h_deny, "Deny a held call", ADMIN, "approvals",
-                  body=sc.obj({}), ok=sc.ref("Approval")),
+                  body=sc.obj({}), ok=sc.ref("Approval"), roles=APPROVE),
         ]
 
 

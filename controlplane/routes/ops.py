@@ -58,7 +58,7 @@ class OpsRoutes:
         lines += self.loop_watch.lines()
         lines += self.clock_watch.lines()
         try:
-            lines += await self._store_gauges(per_agent=self.auth.is_admin(request))
+            lines += await self._store_gauges(per_agent=await self.auth.operator(request) is not None)
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
         except (StoreUnavailable, ConnectionError, OSError):
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])

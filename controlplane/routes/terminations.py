@@ -11,7 +11,7 @@ from ..openapi import REFUSALS, refusal
 from ..schemas import MAX_REASON
 from ..services.records import RecordService
 from ..services.terminations import TerminationService
-from . import ADMIN, ADMIN_OR_ANCESTOR, RUN, Route, body, caller, principal
+from . import ADMIN, ADMIN_OR_ANCESTOR, RESPOND, RUN, Route, body, caller, operator, principal
 
 MAX_WINDOW_S = 86400
 
@@ -27,7 +27,7 @@ class TerminationRoutes:
         window_s = float(fields.number("window_s", 30.0, nullable=True, minimum=0, maximum=MAX_WINDOW_S) or 0.0)
         reason = fields.string("reason", "", max_len=MAX_REASON) or ""
         started = await self.terminations.terminate(request.match_info["agent"], principal(request), mode, window_s,
-                                                    reason)
+                                                    reason, operator=operator(request))
         return web.json_response(started, status=202)
 
     async def h_list(self, request: web.Request) -> web.Response:
@@ -53,6 +53,7 @@ class TerminationRoutes:
         return [
             Route("POST", "/v1/agents/{agent}/terminate", self.h_terminate, "Terminate an agent and its subtree",
                   ADMIN_OR_ANCESTOR, "termination", body=sc.TERMINATE_REQUEST, ok=sc.TERMINATION_STARTED,
+                  roles=RESPOND, does="terminate an agent",
                   status=202, extra_responses={503: refusal(503, REFUSALS[503] + "; or this replica's clock is "
                                                             "off the store's by more than the bound "
                                                             "(tether.clock_skewed): it fixes no deadline, send the "

@@ -67,7 +67,7 @@ class ApprovalService:
             "request": held,
             "call_hash": held.get("call_hash") if held else None,
             "chain": [c["sub"] if c else "?" for c in chain],
-            "deciders": ["admin"],
+            "deciders": ["approver", "admin"],  # the roles that may decide (controlplane/auth.py)
             "status": PENDING,
             "requested_at": now,
             "expires_at": now + ttl,
@@ -149,7 +149,10 @@ class ApprovalService:
         doc = self.view(doc)
         return {**doc, "origin": (await self._origins([doc])).get(doc["id"])}
 
-    async def decide(self, approval_id: str, decision: str, by: str, call_hash: str | None = None) -> Doc:
+    async def decide(self, approval_id: str, decision: str, by: str, call_hash: str | None = None,
+                     operator: Doc | None = None) -> Doc:
+        """``by``: who decided (an operator's name, or a termination); ``operator``: the operator's attribution
+        (name, how they signed in), kept with the decision."""
         doc = await self.store.get_doc("approval", approval_id)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no approval {approval_id}")
@@ -161,7 +164,8 @@ class ApprovalService:
         if call_hash is not None and call_hash != doc.get("call_hash"):
             raise ApiError(409, CONFLICT, f"approval {approval_id} holds call {doc.get('call_hash')}, not {call_hash}: "
                            "look at the call again before deciding", call_hash=doc.get("call_hash"))
-        new = {**doc, "status": decision, "decided_at": self.clock(), "decided_by": by, "version": doc["version"] + 1}
+        new = {**doc, "status": decision, "decided_at": self.clock(), "decided_by": by, "operator": operator,
+               "version": doc["version"] + 1}
         if not await self.store.cas_doc("approval", approval_id, doc["version"], new):
             raise ApiError(409, CONFLICT, f"approval {approval_id} was decided concurrently")
         await self.events.publish(

@@ -26,7 +26,7 @@ from capability.errors import BAD_REQUEST, CONFLICT, FORBIDDEN, NOT_FOUND, ApiEr
 from capability.events import REVOKE
 
 from .. import runs, telemetry
-from ..auth import Caller
+from ..auth import Caller, Operator
 from ..graph import Graph, surface
 from ..metrics import Metrics
 from ..store import Doc, LinkConflict, Store
@@ -77,14 +77,15 @@ class GrantService:
         return out
 
     async def issue(self, agent: str, subject: Ed25519PublicKey, caps: dict[str, Any], ttl_s: float,
-                    depth: int) -> Doc:
+                    depth: int, operator: Operator | None = None) -> Doc:
         compact = mint_root(self.signing_key, agent=agent, subject_key=subject, caps=caps, now=self.clock(),
                             ttl_s=ttl_s, depth=depth, catalog=self.catalog)
-        docs, _, _ = await self.register_chain(compact)
+        docs, _, _ = await self.register_chain(compact, operator)
         self.metrics.inc("tether_grants_issued_total")
-        return {"agent": agent, "jti": docs[0]["jti"], "link": compact, "chain": [compact]}
+        return {"agent": agent, "jti": docs[0]["jti"], "link": compact, "chain": [compact],
+                "issued_by": docs[0].get("registered_by")}
 
-    async def register_chain(self, wire: str) -> tuple[list[Doc], int, list[str]]:
+    async def register_chain(self, wire: str, operator: Operator | None = None) -> tuple[list[Doc], int, list[str]]:
         """Verify a chain and store each of its links; returns (link docs, how many were new, revoked jtis).
 
         A chain whose every link is already registered is answered even when it has since been revoked or
@@ -106,6 +107,8 @@ class GrantService:
                 raise _jti_taken(link.jti, other["hash"])
         await self._claim_agent_ids(verified.links, known)
         docs = _link_docs(verified.links, self.clock())
+        if operator is not None:  # who registered it (a chain holder registering its own chain is the link itself)
+            docs = [{**d, "registered_by": operator.attribution(d["registered_at"])} for d in docs]
         try:
             new = await self.store.put_links(docs)
         except LinkConflict as exc:  # answered, never a 200 for a link that was not stored
@@ -173,10 +176,12 @@ class GrantService:
         raise ApiError(403, FORBIDDEN,
                        f"{caller.agent} is not an ancestor of {link['sub']}'s link; only an issuer above it may act")
 
-    async def revoke_link(self, link: Doc, by: str, reason: str, termination_id: str | None = None) -> Doc:
+    async def revoke_link(self, link: Doc, by: str, reason: str, termination_id: str | None = None,
+                          operator: Operator | None = None) -> Doc:
         now = self.clock()
-        doc = {"jti": link["jti"], "agent": link["sub"], "by": by, "at": now, "reason": reason,
-               "termination_id": termination_id}
+        doc = {"jti": link["jti"], "agent": link["sub"], "by": operator.name if operator else by, "at": now,
+               "reason": reason, "termination_id": termination_id,
+               "operator": operator.attribution() if operator else None}
         if await self.store.revoke(link["jti"], doc):
             self.metrics.inc("tether_revocations_total")
             telemetry.revoked(doc, link)
@@ -184,7 +189,7 @@ class GrantService:
             return doc
         return (await self.store.revocations()).get(link["jti"], doc)
 
-    async def revoke(self, jti: str, caller: Caller | None, reason: str) -> Doc:
+    async def revoke(self, jti: str, caller: Caller | None, reason: str, operator: Operator | None = None) -> Doc:
         """Revoke one link (an admin, or a principal above it); says which agents it cut off."""
         link = await self.store.link_by_jti(jti)
         if link is None:
@@ -192,15 +197,16 @@ class GrantService:
         by = self.ancestor_of(caller, link)
         # The revocation goes out first; who it cut off is read afterwards from the descendants index, at
         # a cost that grows with the subtree, never with the whole graph.
-        doc = await self.revoke_link(link, by, reason)
+        doc = await self.revoke_link(link, by, reason, operator=operator if caller is None else None)
         below = sorted(set((await self.store.descendants(link["hash"])).values()))
         return {**doc, "agents_cut_off": [link["sub"], *below]}
 
-    async def revoke_agent(self, agent: str, reason: str) -> Doc:
+    async def revoke_agent(self, agent: str, reason: str, operator: Operator | None = None) -> Doc:
         links = (await self.graph()).links_of(agent)
         if not links:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
-        return {"agent": agent, "revoked": [await self.revoke_link(link, ADMIN, reason) for link in links]}
+        return {"agent": agent, "revoked": [await self.revoke_link(link, ADMIN, reason, operator=operator)
+                                            for link in links]}
 
     # -- views ----------------------------------------------------------------------------------------------
     async def agents(self) -> Doc:
@@ -247,6 +253,7 @@ def _agent_view(link: Doc, revoked_by: Any, revocations: dict[str, Doc], mine: l
         "status": status,
         "revoked": revocations.get(link["jti"]),
         "revoked_via": revoked_by,
+        "registered_by": link.get("registered_by"),
         "sidecar": runs.run_view(latest, now) if latest else None,
         "runs": [runs.run_view(r, now) for r in mine],
     }

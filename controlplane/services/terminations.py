@@ -22,7 +22,7 @@ from capability.events import CANCELLED, COMMAND, PENDING, by_termination
 
 from .. import runs, telemetry
 from .. import termination as proto
-from ..auth import Caller
+from ..auth import Caller, Operator
 from ..graph import Graph
 from ..metrics import Metrics
 from ..store import Doc, Store, StoreUnavailable
@@ -61,7 +61,8 @@ class TerminationService:
         self.reconnect_grace_s = max(5.0, lease_ttl_s / 3)
 
     # -- requests -------------------------------------------------------------------------------------
-    async def terminate(self, agent: str, caller: Caller | None, mode: str, window_s: float, reason: str) -> Doc:
+    async def terminate(self, agent: str, caller: Caller | None, mode: str, window_s: float, reason: str,
+                        operator: Operator | None = None) -> Doc:
         """Start terminating ``agent`` and its subtree (an admin, or a principal above every link it holds).
 
         The deadline is fixed here, on this replica's clock, which must agree with the store's: a clock
@@ -75,7 +76,7 @@ class TerminationService:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
         # An admin, or a principal above every link the agent holds (not just one of them): each check raises.
         verdicts = [self.grants.ancestor_of(caller, link) for link in links]
-        requested_by = verdicts[0]
+        requested_by = operator.name if operator is not None and caller is None else verdicts[0]
         # The subtree is fixed by link, not by id: a link registered later under the same id (a respawn, a
         # re-grant) is not part of this termination and starts clean.
         subtree = graph.subtree(agent)
@@ -84,6 +85,7 @@ class TerminationService:
         doc = proto.new_termination(tid, agent, mode, window_s, reason, requested_by, self.clock(), agents,
                                     self.grace_s)
         doc["links"] = sorted(link["hash"] for link in subtree)
+        doc["operator"] = operator.attribution() if operator is not None and caller is None else None
         if not await self.store.cas_doc("termination", tid, 0, doc):
             raise ApiError(409, CONFLICT, "termination id collision; retry")
         self.metrics.inc("tether_terminations_requested_total")

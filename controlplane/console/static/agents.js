@@ -1,5 +1,5 @@
 // The agent tree: every registered link, its sidecar's state, lease and calls in flight; revoke and terminate.
-import { ago, api, h, replace, state, toast } from "./api.js";
+import { ago, api, byText, h, replace, state, toast } from "./api.js";
 import { confirmAction, subtreeList } from "./confirm.js";
 
 function rows(node, depth, out) {
@@ -9,7 +9,7 @@ function rows(node, depth, out) {
     h("td", { class: "tree-name" },
       h("span", { class: "indent", "aria-hidden": "true" }, depth ? "\u2003".repeat(depth - 1) + "└ " : ""),
       h("strong", {}, node.agent)),
-    h("td", {}, state(node.status)),
+    h("td", {}, state(node.status), node.revoked ? h("span", { class: "muted revoked-by" }, ` by ${byText(node.revoked.by, node.revoked.operator)}`) : null),
     h("td", { class: "sidecar-state" }, sc ? state(sc.state) : h("span", { class: "muted" }, "no sidecar")),
     h("td", {}, sc ? [state(sc.lease), " ", h("span", { class: "muted" }, `seen ${ago(sc.last_seen)}`)] : "—"),
     h("td", { class: "inflight" }, sc ? String(sc.inflight) : "—"),

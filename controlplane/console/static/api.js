@@ -8,6 +8,9 @@ export class ApiError extends Error {
 
 export function setCsrf(token) { csrf = token || ""; }
 
+// Who decided: an operator's name and how they signed in, else the principal or termination that did.
+export function byText(by, operator) { return operator ? `${operator.operator} (${operator.via})` : (by || "?"); }
+
 export async function api(method, path, body) {
   const headers = { "Accept": "application/json" };
   if (method !== "GET") { headers["X-CSRF-Token"] = csrf; headers["Content-Type"] = "application/json"; }

@@ -1,7 +1,7 @@
 // Held calls: the exact request, whole (redacted as captures are), where the agent sits, approve or deny.
 // Nothing pending is ever out of sight: a count per agent (held calls and filed requests apart), a filter by
 // agent, and pages to the end.
-import { ago, api, ApiError, h, replace, state, toast } from "./api.js";
+import { ago, api, ApiError, byText, h, replace, state, toast } from "./api.js";
 
 export const PAGE = 20;
 const view = { page: 0, agent: null };
@@ -37,6 +37,7 @@ function card(a) {
       h("dt", {}, "Asked"), h("dd", {}, ago(a.requested_at)),
       h("dt", {}, "May decide"), h("dd", {}, (a.deciders || ["admin"]).join(", ")),
       a.origin ? [h("dt", {}, "Origin"), h("dd", {}, ORIGIN[a.origin][1])] : null,
+      a.decided_at ? [h("dt", {}, "Decided"), h("dd", { class: "decided-by" }, `${a.status} by ${byText(a.decided_by, a.operator)}, ${ago(a.decided_at)}`)] : null,
       req ? [h("dt", {}, "Call hash"), h("dd", { class: "mono call-hash" }, req.call_hash),
              h("dt", {}, "Body"), h("dd", { class: "body-size" }, size)] : null),
     req ? h("pre", { class: "request", "aria-label": "The held request" }, requestText(req))

@@ -13,7 +13,8 @@ let timer = null;
 
 function $(id) { return document.getElementById(id); }
 
-function signedIn(yes) {
+function signedIn(yes, session) {
+  $("whoami").textContent = yes && session ? `${session.operator} (${session.roles.join(", ")})` : "";
   $("signin").hidden = yes;
   $("nav").hidden = !yes;
   $("logout").hidden = !yes;
@@ -36,12 +37,14 @@ async function refresh() {
   timer = setTimeout(refresh, POLL_MS);
 }
 
+let session = null;
+
 function show(name) {
   view = name;
   for (const b of document.querySelectorAll("#nav button")) {
     if (b.dataset.view === name) b.setAttribute("aria-current", "page"); else b.removeAttribute("aria-current");
   }
-  signedIn(true);
+  signedIn(true, session);
   refresh();
 }
 
@@ -54,7 +57,7 @@ async function start() {
     e.preventDefault();
     $("signin-error").textContent = "";
     try {
-      const session = await api("POST", "/ui/session", { token: $("token").value });
+      session = await api("POST", "/ui/session", { token: $("token").value });
       $("token").value = "";
       setCsrf(session.csrf);
       show("agents");
@@ -66,11 +69,16 @@ async function start() {
     try { await api("POST", "/ui/logout", {}); } finally { clearTimeout(timer); setCsrf(""); signedIn(false); }
   });
   try {
-    const session = await api("GET", "/ui/session");
+    session = await api("GET", "/ui/session");
     setCsrf(session.csrf);
     show("agents");
   } catch {
     signedIn(false);
+    try {  // single sign-on, when the control plane is configured with a provider
+      const sso = await api("GET", "/v1/auth/oidc");
+      $("sso-link").textContent = `Sign in with single sign-on (${new URL(sso.issuer).host})`;
+      $("sso").hidden = false;
+    } catch { /* not configured: the token form alone */ }
   }
 }
 

@@ -1,5 +1,5 @@
 // Reconciliation records: the log's verification, each record's calls (filterable), HAR download.
-import { api, h, replace, state, when } from "./api.js";
+import { api, byText, h, replace, state, when } from "./api.js";
 
 let current = null;
 
@@ -44,7 +44,7 @@ function show(r, v) {
       v && v.problems.length ? ` ${v.problems.join("; ")}` : ""),
     h("dt", {}, "Termination"), h("dd", { class: "mono" }, r.termination_id),
     h("dt", {}, "Subject"), h("dd", {}, `${r.subject} (${r.mode}, window ${r.window_s}s)`),
-    h("dt", {}, "Requested"), h("dd", {}, `${when(r.requested_at)} by ${r.requested_by}`),
+    h("dt", {}, "Requested"), h("dd", {}, `${when(r.requested_at)} by ${byText(r.requested_by, r.operator)}`),
     h("dt", {}, "Completed"), h("dd", {}, when(r.completed_at)),
     h("dt", {}, "Terminated"), h("dd", {}, (r.agents_terminated || []).map((a) => typeof a === "string" ? a : a.agent).join(", ") || "—"),
     h("dt", {}, "Unaccounted"), h("dd", {}, (r.agents_unaccounted || []).map((a) => a.agent).join(", ") || "none"),

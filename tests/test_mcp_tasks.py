@@ -1,0 +1,206 @@
+"""Tasks and multi-round-trip calls through the sidecar.
+
+Tasks: the SDK 2.3 defines the task types but runs no tasks, so the server (``tests/mcp_next.NextServer``, the
+SDK's ``MCPServer``) has a hand-written task store behind an SDK extension, and the client here speaks the
+task methods' JSON-RPC by hand (2025-11-25, in a session). A task id is bound to the call that created it:
+only the agent whose sidecar saw it created reaches it, ``tasks/list`` shows it only its own.
+
+Multi-round-trip (2026-07-28): the SDK client answers an ``input_required`` result (an elicitation) and retries
+the call with ``requestState``; an approval-tier call is held once, its follow-up round is not, and a replay of
+that round is a new call (held again)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from mcp import Client
+
+from .harness import wait_until
+from .mcp_next import HEADERS, MODERN, WAIT, NextWorld, next_world
+from .test_mcp_sessions import open_session, rpc, with_session
+
+ABSENT = "tether.capability_absent"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NextWorld]:
+    yield from next_world(tmp_path_factory.mktemp("mcp-tasks"))
+
+
+def answer(response: httpx.Response) -> dict[str, Any]:
+    """The JSON-RPC answer in a JSON or SSE body."""
+    assert response.status_code == 200, (response.status_code, response.text)
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        datas = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+        values = [json.loads(d) for d in datas if d]
+        return next(v for v in values if "result" in v or "error" in v)
+    return response.json()
+
+
+def refused(doc: dict[str, Any], code: str = ABSENT) -> None:
+    assert "error" in doc and doc["error"]["data"]["code"] == code, doc
+
+
+class Agent:
+    def __init__(self, http: httpx.Client, url: str) -> None:
+        self.http, self.url = http, url
+        self.session = open_session(http, url)
+        self.next_id = 10
+
+    def call(self, method: str, params: dict[str, Any], **headers: str) -> dict[str, Any]:
+        self.next_id += 1
+        return answer(self.http.post(self.url, json=rpc(method, params, self.next_id),
+                                     headers={**with_session(self.session), **headers}))
+
+
+def test_a_task_is_reached_only_through_the_sidecar_that_saw_it_created(world: NextWorld) -> None:
+    caps = {"next.job": "direct", "next.add": "direct"}
+    first, second = world.sidecar("task-first", caps), world.sidecar("task-second", caps)
+    url = world.server.url
+    with httpx.Client(proxy=first.proxy, trust_env=False, timeout=WAIT) as a_http, \
+            httpx.Client(proxy=second.proxy, trust_env=False, timeout=WAIT) as b_http:
+        a, b = Agent(a_http, url), Agent(b_http, url)
+        theirs = b.call("tools/call", {"name": "job", "arguments": {"n": 2}, "task": {"ttl": 60000}})
+        their_task = theirs["result"]["task"]["taskId"]
+        created = a.call("tools/call", {"name": "job", "arguments": {"n": 1}, "task": {"ttl": 60000}})
+        task = created["result"]["task"]["taskId"]
+
+        assert a.call("tasks/get", {"taskId": task})["result"]["taskId"] == task
+        assert a.call("tasks/result", {"taskId": task})["result"]["content"][0]["text"] == "job 1 done"
+        listed = a.call("tasks/list", {})["result"]["tasks"]
+        assert [t["taskId"] for t in listed] == [task]  # the server knows both; the agent sees its own
+        assert {t["taskId"] for t in b.call("tasks/list", {})["result"]["tasks"]} == {their_task}
+
+        before = list(world.server.calls)
+        refused(a.call("tasks/get", {"taskId": their_task}))
+        refused(a.call("tasks/result", {"taskId": their_task}))
+        refused(a.call("tasks/cancel", {"taskId": their_task}))
+        refused(a.call("tasks/get", {"taskId": "task-made-up"}))
+        refused(a.call("tasks/get", {"taskId": task}, **{"mcp-name": their_task}))  # the header must say the body
+        assert world.server.calls == before  # none of them reached the server
+        assert a.call("tasks/cancel", {"taskId": task})["result"]["status"] == "cancelled"
+
+    reports = wait_until(lambda: len(r := [x for x in world.reports("task-first") if x["method"] == "POST"]) >= 12
+                         and r, WAIT, what="the first agent's reports")
+    governed = [r for r in reports if "(task of call " in (r.get("detail") or "")]
+    assert len(governed) == 3 and all(r["capability"] == "next.job" for r in governed), governed
+    refusals = [r for r in reports if r["resolution"] == "refused"]
+    assert len(refusals) == 5 and all(r["code"] == ABSENT for r in refusals), refusals
+
+
+def test_a_task_of_a_tool_the_agent_does_not_hold_is_never_created_so_never_reached(world: NextWorld) -> None:
+    sidecar = world.sidecar("task-nojob", {"next.add": "direct"})
+    created = len([c for c in world.server.calls if c.startswith("task job")])
+    with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
+        agent = Agent(http, world.server.url)
+        made = agent.call("tools/call", {"name": "job", "arguments": {"n": 3}, "task": {"ttl": 1000}})
+        assert made["result"]["isError"] and made["result"]["_meta"]["tether/error"]["code"] == ABSENT, made
+        assert agent.call("tasks/list", {})["result"]["tasks"] == []  # the server's tasks are other agents'
+    assert len([c for c in world.server.calls if c.startswith("task job")]) == created
+
+
+# -- multi-round-trip results ----------------------------------------------------------------------------
+def modern_headers(tool: str) -> dict[str, str]:
+    return {**HEADERS, "mcp-protocol-version": MODERN, "mcp-method": "tools/call", "mcp-name": tool}
+
+
+def pending_approvals(world: NextWorld, agent: str) -> list[dict[str, Any]]:
+    return [a for a in world.cp.client().request("GET", "/v1/approvals?status=pending") if a.get("agent") == agent]
+
+
+def test_an_approval_covers_its_calls_follow_up_rounds_and_a_replayed_round_is_held_again(world: NextWorld) -> None:
+    from mcp.types import ElicitResult
+
+    agent = "rounds"
+    sidecar = world.sidecar(agent, {"next.confirm": {"tier": "approval", "calls": 1}, "next.add": "direct"})
+    admin = world.cp.client()
+    world.server.calls.clear()
+    asked: list[str] = []
+
+    async def elicit(context: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="accept", content={})
+
+    def approve_when_held() -> None:
+        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the held call")
+        admin.request("POST", f"/v1/approvals/{held[0]['id']}/approve")
+
+    approver = threading.Thread(target=approve_when_held)
+    approver.start()
+
+    async def body(client: Client) -> Any:
+        return await client.call_tool("confirm", {"action": "ship"})
+
+    result = world.session(sidecar, MODERN, body, elicitation_callback=elicit)
+    approver.join()
+    assert not result.is_error and result.content[0].text == "did ship", result
+    assert asked == ["really ship?"]
+    assert world.server.calls == ["confirm asks ship", "confirm does ship"]
+    reports = wait_until(lambda: len(r := world.tool_reports(agent, "next.confirm")) == 2 and r, WAIT,
+                         what="both rounds reported")
+    assert [r["resolution"] for r in reports] == ["completed", "completed"]
+    assert "input_required round of call " + reports[0]["call_id"] in reports[1]["detail"], reports[1]
+    assert not pending_approvals(world, agent)  # the one approval covered both rounds
+
+    # The round replayed by hand (its requestState was used already) is a new call: held again (denied here).
+    replay = next(json.loads(body) for _, _, body in world.wiretap.requests if b'"requestState"' in body)
+    replay["id"] = 99
+
+    def deny_when_held() -> None:
+        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the replayed round held")
+        admin.request("POST", f"/v1/approvals/{held[0]['id']}/deny")
+
+    denier = threading.Thread(target=deny_when_held)
+    denier.start()
+    with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
+        replayed = answer(http.post(world.server.url, json=replay, headers=modern_headers("confirm")))
+    denier.join()
+    assert replayed["result"]["isError"], replayed
+    assert replayed["result"]["_meta"]["tether/error"]["code"] == "tether.approval_denied", replayed
+    assert world.server.calls.count("confirm does ship") == 1
+
+
+def test_a_follow_up_round_is_refused_once_the_chain_is_revoked(world: NextWorld) -> None:
+    import asyncio
+
+    from mcp.types import ElicitResult
+
+    agent = "rounds-revoked"
+    identity = world.cp.issue(agent, {"next.confirm": "approval", "next.add": "direct"})
+    sidecar = world.sidecar_of(identity)
+    admin = world.cp.client()
+    world.server.calls.clear()
+    probe = {"jsonrpc": "2.0", "id": "probe", "method": "tools/list",
+             "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}}
+
+    def revoked() -> bool:
+        with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
+            headers = {**HEADERS, "mcp-protocol-version": MODERN, "mcp-method": "tools/list"}
+            return http.post(world.server.url, json=probe, headers=headers).headers.get(
+                "tether-error") == "tether.chain_revoked"
+
+    async def elicit(context: Any, params: Any) -> ElicitResult:
+        # Between the rounds: revoke, and answer only once the sidecar knows.
+        await asyncio.to_thread(admin.request, "POST", f"/v1/grants/{identity.jti}/revoke", {"reason": "test"})
+        await asyncio.to_thread(wait_until, revoked, WAIT, 0.1, "the sidecar to learn of the revocation")
+        return ElicitResult(action="accept", content={})
+
+    def approve_when_held() -> None:
+        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the held call")
+        admin.request("POST", f"/v1/approvals/{held[0]['id']}/approve")
+
+    approver = threading.Thread(target=approve_when_held)
+    approver.start()
+
+    async def body(client: Client) -> Any:
+        return await client.call_tool("confirm", {"action": "launch"})
+
+    result = world.session(sidecar, MODERN, body, elicitation_callback=elicit)
+    approver.join()
+    assert result.is_error and result.meta["tether/error"]["code"] == "tether.chain_revoked", result
+    assert world.server.calls == ["confirm asks launch"]  # the follow-up never reached the server
