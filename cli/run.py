@@ -105,6 +105,7 @@ def _delegate(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     chain_path, key_path = directory / "chain", directory / "key"
     chain_path.write_text(f"{parent_wire},{child}\n")
+    key_path.unlink(missing_ok=True)  # this run's own key: the last run's, with its chain, is replaced whole
     write_secret(str(key_path), keys.private_pem(child_key))
     return str(chain_path), str(key_path), agent
 

@@ -13,8 +13,10 @@ The facts come from the edge (proxy/enforce.py reads them off a mitmproxy flow);
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import unquote, unquote_to_bytes
 
 from capability import errors as codes
 from capability.catalog import Catalog
@@ -40,13 +42,37 @@ HTTP_STATUS = {
     codes.CREDENTIAL_UNAVAILABLE: 503,
     codes.BUDGET_EXHAUSTED: 429,
     codes.RATE_LIMITED: 429,
+    codes.BAD_REQUEST: 400,
 }
 
-# Headers that frameworks (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override, Rails ...) honour
-# to serve another path, method or host than the request line names. Refused rather than stripped: stripping
-# would silently change what the agent asked for, and a request that needs one is not the one tether matched.
+# Headers that frameworks and front proxies (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override,
+# Rails, Envoy, nginx setups ...) honour to serve another path, method, host or scheme than the request line
+# names. Refused rather than stripped: stripping would silently change what the agent asked for, and a request
+# that needs one is not the one tether matched. docs/threat-model.md lists them.
 REWRITE_HEADERS = ("x-original-url", "x-rewrite-url", "x-http-method-override", "x-http-method",
-                   "x-method-override", "x-forwarded-host", "x-forwarded-prefix", "forwarded")
+                   "x-method-override", "x-forwarded-host", "x-forwarded-prefix", "forwarded",
+                   "x-forwarded-uri", "x-forwarded-path", "x-original-uri", "x-original-path", "x-envoy-original-path",
+                   "x-original-method", "x-forwarded-method", "x-original-host", "x-host", "x-forwarded-server",
+                   "x-forwarded-proto", "x-forwarded-scheme", "x-forwarded-port", "x-forwarded-ssl",
+                   "x-url-scheme", "front-end-https")
+# CGI, WSGI, PHP and Rack read a header's name with "-" and "_" alike (X_Original_URL is HTTP_X_ORIGINAL_URL,
+# as X-Original-URL is): an underscore spelling of a header tether reads, refuses or that frames the request is
+# refused too. Only names with a dash have another spelling.
+SPELLED_HEADERS = frozenset({*(n for n in REWRITE_HEADERS if "-" in n), "tether-chain", "mcp-method", "mcp-name",
+                             "mcp-session-id", "mcp-protocol-version", "content-length", "transfer-encoding",
+                             "content-encoding", "content-type", "proxy-connection", "proxy-authorization",
+                             "keep-alive", "last-event-id"})
+# Query parameters that the same frameworks read as the method (Laravel and Symfony ``_method``, Rails and
+# Rack::MethodOverride ``_method``, Salesforce-style ``_HttpMethod``, some ``X-HTTP-Method-Override`` as a
+# parameter). Names compared case-insensitively, after percent-decoding.
+METHOD_PARAMS = frozenset({"_method", "__method", "_httpmethod", "x-http-method-override", "x-http-method",
+                           "x-method-override", "http-method-override"})
+# Characters in a path (after percent-decoding) that a server may fold into "/" or "." but Unicode's NFKC does
+# not (so the catalog's own check does not see them), and characters nobody can see: format characters
+# (Unicode category Cf: zero-width spaces and joiners, bidi controls, the soft hyphen, the BOM) are refused
+# whatever their code point.
+FOLDING_CHARS = frozenset("\u2215\u2044\u29f8\u29f9\u29f5\u2216\ufe68\u3002\uff61\ufe52\u2024\u0338\u2afd"
+                          "\u2571\u2572\u27cb\u27cd\u1735")
 _METHOD = re.compile(r"[A-Z]{1,16}")
 _RANK = {"direct": 0, "approval": 1}
 
@@ -90,6 +116,8 @@ class Facts:
     now: float
     now_mono: float
     rewrite_headers: tuple[str, ...] = ()  # those of REWRITE_HEADERS the request carries, in that order
+    malformed_field: str | None = None  # the first header field RFC 9112 does not allow (obs-fold, CR, LF ...)
+    spelled_headers: tuple[str, ...] = ()  # underscore spellings of SPELLED_HEADERS, as sent
     upgrade: bool = False
     websocket: bool = False  # the upgrade asked for is a websocket (Upgrade: websocket on a GET)
     chain_header: str | None = None  # Tether-Chain
@@ -204,9 +232,53 @@ def _request_line(facts: Facts) -> Refusal | None:
         # the catalog matched the upper-cased name.
         return Refusal(codes.CAPABILITY_ABSENT, f"the method {facts.sent_method[:32]!r} is not an upper-case HTTP "
                        "method; send it as the catalog names it", reason="method")
+    if facts.malformed_field is not None:
+        return Refusal(codes.BAD_REQUEST, f"the header field {facts.malformed_field} is not allowed by RFC 9112 "
+                       "(obs-fold continuation lines, CR, LF or NUL in a value, a name that is not a token); "
+                       "servers read such fields differently, so the request is not forwarded",
+                       reason="malformed_field")
     if facts.rewrite_headers:
         return Refusal(codes.CAPABILITY_ABSENT, f"the header {facts.rewrite_headers[0]} asks the server to use "
                        "another path, method or host than the one tether matched; remove it", reason="rewrite_header")
+    if facts.spelled_headers:
+        return Refusal(codes.CAPABILITY_ABSENT, f"the header {facts.spelled_headers[0]} is another spelling of "
+                       f"{facts.spelled_headers[0].lower().replace('_', '-')} to CGI, WSGI and PHP servers; send the "
+                       "dashed name, or none", reason="underscore_header")
+    param = _method_param(facts.path)
+    if param is not None:
+        return Refusal(codes.CAPABILITY_ABSENT, f"the query parameter {param!r} asks the server to use another "
+                       f"method than {facts.sent_method}; remove it", reason="method_override_param")
+    char = _folding_char(facts.path)
+    if char is not None:
+        return Refusal(codes.CAPABILITY_ABSENT, f"the path holds U+{ord(char):04X} "
+                       f"({unicodedata.name(char, 'unnamed')}), which servers may read as '/' or '.' or not at all; "
+                       "it is not forwarded", reason="path_character")
+    return None
+
+
+def _method_param(path: str) -> str | None:
+    """The first query parameter that overrides the method (``METHOD_PARAMS``), as sent; None when none does."""
+    _, sep, query = path.partition("?")
+    if not sep:
+        return None
+    for pair in re.split(r"[&;]", query):
+        name = pair.split("=", 1)[0]
+        if unquote(unquote(name.replace("+", " "))).strip().lower() in METHOD_PARAMS:
+            return name
+    return None
+
+
+def _folding_char(path: str) -> str | None:
+    """A character of ``FOLDING_CHARS`` or of category Cf in the path, at any depth of percent-encoding."""
+    text = path.split("?", 1)[0]
+    for _ in range(4):
+        for ch in text:
+            if ord(ch) > 0x7F and (ch in FOLDING_CHARS or unicodedata.category(ch) == "Cf"):
+                return ch
+        deeper = unquote_to_bytes(text).decode("utf-8", "replace")
+        if deeper == text:
+            return None
+        text = deeper
     return None
 
 

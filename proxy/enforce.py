@@ -13,6 +13,7 @@ call (fail closed: an exception escaping a mitmproxy hook would let the call thr
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from capability.events import APPROVAL_BODY_LIMIT
 
 from .decision import (
     REWRITE_HEADERS,
+    SPELLED_HEADERS,
     ChainState,
     Decision,
     Facts,
@@ -71,18 +73,50 @@ def body_too_large(size: int | None) -> Refusal:
 
 _READ = frozenset({*(n.encode() for n in REWRITE_HEADERS), b"upgrade", b"tether-chain", b"mcp-method", b"mcp-name",
                    b"content-encoding"})
+_SPELLED = frozenset(n.replace("-", "_").encode() for n in SPELLED_HEADERS)
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a field name (RFC 9110 token)
+_BAD_VALUE = re.compile(rb"[\x00\r\n]")  # obs-fold reaches here as CRLF + space inside the value (mitmproxy joins it)
 
 
-def header_facts(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
+class HeaderFacts(dict[str, str]):
+    """The headers the decision reads, by lower-case name, with what is wrong with the field set (if anything)."""
+
+    malformed: str | None = None  # the first field RFC 9112 does not allow, named for the refusal
+    spelled: tuple[str, ...] = ()  # underscore spellings of SPELLED_HEADERS, as sent
+
+
+def header_facts(fields: tuple[tuple[bytes, bytes], ...]) -> HeaderFacts:
     """The headers the decision reads, by lower-case name, in one pass over the request's fields (a lookup in
-    mitmproxy's ``Headers`` scans them all, per name). Repeated fields join with ", " as ``Headers`` joins them."""
-    found: dict[str, str] = {}
+    mitmproxy's ``Headers`` scans them all, per name). Repeated fields join with ", " as ``Headers`` joins them.
+    The same pass notes a malformed field and underscore spellings (``proxy.decision`` refuses either)."""
+    found = HeaderFacts()
+    spelled: list[str] = []
     for raw_name, raw_value in fields:
         key = raw_name.lower()
+        if found.malformed is None and (_BAD_VALUE.search(raw_value) or not _TOKEN.fullmatch(raw_name)):
+            found.malformed = repr(raw_name.decode("utf-8", "replace"))[:80]
         if key in _READ:
             name, value = key.decode(), raw_value.decode("utf-8", "surrogateescape")
             found[name] = f"{found[name]}, {value}" if name in found else value
+        elif b"_" in key and key in _SPELLED:
+            spelled.append(raw_name.decode("ascii", "replace"))
+    found.spelled = tuple(spelled)
     return found
+
+
+# Hop-by-hop fields (RFC 9110 7.6.1) the agent's connection to the sidecar may carry: never the tool's business.
+# Connection itself stays (mitmproxy reads it for the agent's connection); what it names goes, but an Upgrade
+# of a granted websocket. Proxy-Authorization would be the agent's credential for its proxy: it stops here.
+# Trailer announces trailer fields, which the sidecar discards (proxy/framing.py): it goes with them.
+HOP_BY_HOP = ("proxy-connection", "keep-alive", "te", "trailer", "proxy-authorization", "proxy-authenticate")
+
+
+def drop_hop_by_hop(headers: http.Headers, websocket: bool) -> None:
+    named = {t.strip().lower() for t in ",".join(headers.get_all("connection")).split(",") if t.strip()}
+    for name in (*HOP_BY_HOP, *named):
+        if name in ("close", "connection", "host") or (websocket and name == "upgrade"):
+            continue
+        headers.pop(name, None)
 
 
 def undecided(flow: http.HTTPFlow, exc: Exception) -> None:
@@ -173,6 +207,9 @@ class Enforcer:
             self._decide(flow, at_headers=True)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        # Trailer fields stop here (proxy/framing.py drops them from HTTP/1 bodies; an HTTP/2 agent's would be
+        # sent on after this hook): nothing was decided on them.
+        flow.request.trailers = None
         if flow.response is not None or flow.request.stream:
             return  # answered by tether already, or decided at the headers and streaming
         state = state_of(flow)
@@ -201,6 +238,7 @@ class Enforcer:
         return Facts(method=req.method, sent_method=req.data.method.decode("utf-8", "replace"), host=req.host,
                      port=req.port, path=req.path, url=call.url, now=time.time(), now_mono=time.monotonic(),
                      rewrite_headers=tuple(n for n in REWRITE_HEADERS if n in found), upgrade="upgrade" in found,
+                     malformed_field=found.malformed, spelled_headers=found.spelled,
                      websocket="websocket" in found.get("upgrade", "").lower(),
                      chain_header=found.get("tether-chain"), host_header=req.host_header,
                      mcp_method=found.get("mcp-method"), mcp_name=found.get("mcp-name"),
@@ -214,8 +252,14 @@ class Enforcer:
         if facts.chain_header is not None and facts.chain_header.strip() == self.chain.wire:
             del flow.request.headers["Tether-Chain"]  # the sidecar's own chain is not the tool's business
         if isinstance(answer, Refused):
+            if facts.body is None and "expect" in flow.request.headers:
+                # Refused at its headers: no 100 Continue (mitmproxy sends one after this hook while the header
+                # is there), so a client that waits for it sends no body; the refusal follows once it gives up
+                # waiting and sends it, or it closes.
+                del flow.request.headers["expect"]
             refuse(flow, answer.refusal)
             return
+        drop_hop_by_hop(flow.request.headers, facts.websocket)
         if answer.parsed is not None:
             # Every message's method, a batch with tools/call in it included: ToolsFilter reads the answer of any
             # request that lists tools, whatever else shares its batch.

@@ -21,7 +21,7 @@ import binascii
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -489,7 +489,34 @@ def filter_json_body(body: bytes, allowed: Visible | Callable[[str], bool]) -> t
     return (b"" if value is None else json.dumps(value).encode()), removed
 
 
-_EOL = re.compile(rb"\r\n|\r|\n")  # SSE lines end in CRLF, LF or a lone CR, all three equally
+def _line_ends(buf: bytes | bytearray, pos: int = 0) -> Iterator[tuple[int, int]]:
+    """Where each line of ``buf`` from ``pos`` on ends, as (first byte of the line end, first byte after it).
+    SSE lines end in CRLF, LF or a lone CR, all three equally; a CR last in ``buf`` ends its line (whatever
+    follows later). Each byte is looked at once, by ``bytes.find`` (a regular expression's alternation reads
+    about 70 MB/s here, ``find`` several GB/s)."""
+    cr, lf = buf.find(b"\r", pos), buf.find(b"\n", pos)
+    while cr >= 0 or lf >= 0:
+        if lf < 0 or 0 <= cr < lf:
+            at, end = cr, (cr + 2 if lf == cr + 1 else cr + 1)
+        else:
+            at, end = lf, lf + 1
+        yield at, end
+        if 0 <= cr < end:
+            cr = buf.find(b"\r", end)
+        if 0 <= lf < end:
+            lf = buf.find(b"\n", end)
+
+
+def _lines(event: bytes) -> list[bytes]:
+    """An event's lines without their line ends (the last one empty when the event ends in a line end)."""
+    lines, start = [], 0
+    for at, end in _line_ends(event):
+        lines.append(event[start:at])
+        start = end
+    lines.append(event[start:])
+    return lines
+
+
 _BOM = b"\xef\xbb\xbf"
 DROPPED = b": tether dropped an event it could not read\n\n"
 
@@ -502,15 +529,19 @@ class SseListsFilter:
     Used as mitmproxy's ``flow.response.stream`` callable: it never yields an empty chunk (on a chunked
     answer that would end the body early) and flushes what is left on the final call. An event whose data
     is not JSON cannot be filtered and is dropped; a stream that stops decoding is cut from there on.
+
+    Linear in the stream: each byte is appended once, scanned for line ends once (an unfinished line holds
+    no line end, so the scan goes on from where the last one stopped), copied once into its event, and read
+    once more by the event's rewrite. A 10 MB ``tools/list`` is one event of one ``data:`` line that arrives
+    in hundreds of chunks; rescanning or recopying the unfinished part per chunk made that quadratic.
     """
 
     def __init__(self, allowed: Visible | Callable[[str], bool], decoder: Decoder | None = None) -> None:
         self.allowed = as_visible(allowed)
         self.decoder = decoder
-        self.buffer = b""
-        self.scanned = 0  # where the line scan of the event in ``buffer`` stopped
+        self.pending = bytearray()  # the unfinished event: its complete lines, then the unfinished line
+        self.line_start = 0  # where the unfinished line begins in ``pending``
         self.after_cr = False  # the last byte scanned was a CR: an LF right after it belongs to it
-        self.event_start = True
         self.started = False
         self.broken: str | None = None
         self.removed = 0
@@ -527,44 +558,55 @@ class SseListsFilter:
         except Unreadable as exc:
             self.broken = str(exc)
             return []
+        if not chunk and not final:
+            return []  # a coding's header, say: nothing to read yet (and a CR just read still waits for its LF)
+        scan_from = len(self.pending)
         if self.after_cr and chunk.startswith(b"\n"):
             # The CR ended its line when it arrived (as a client does, so an idle stream is not held back);
-            # this LF completes that CRLF. Dropping it keeps the client reading exactly the lines read here.
-            chunk = chunk[1:]
+            # this LF completes that CRLF. Still beside its CR (in the unfinished event) it stays, read already;
+            # after a CR that has left (it ended an event), it is dropped. Either way the client reads exactly
+            # the lines read here (an LF sent apart from its CR would be a blank line to it, and one sent
+            # back beside it would swallow the blank line that follows).
+            if self.pending:
+                scan_from += 1
+                self.line_start += 1
+            else:
+                chunk = chunk[1:]
         self.after_cr = False
-        self.buffer += chunk
+        self.pending += chunk
         if not self.started:
-            if len(self.buffer) < len(_BOM) and not final:
+            if len(self.pending) < len(_BOM) and not final:
                 return []
             self.started = True
-            if self.buffer.startswith(_BOM):  # the client skips one at the start; so does the parse here
-                self.buffer = self.buffer[len(_BOM):]
-        return [out for out in (self._rewrite(event) for event in self._events(final)) if out]
+            scan_from = 0
+            if self.pending.startswith(_BOM):  # the client skips one at the start; so does the parse here
+                del self.pending[:len(_BOM)]
+        return [out for out in (self._rewrite(event) for event in self._events(scan_from, final)) if out]
 
-    def _events(self, final: bool) -> list[bytes]:
+    def _events(self, scan_from: int, final: bool) -> list[bytes]:
+        """The events completed by the bytes from ``scan_from`` on (and on the final call, what is left)."""
         events = []
-        buf = self.buffer
-        line_start = self.scanned
-        begin = 0
-        while True:
-            m = _EOL.search(buf, line_start)
-            if m is None:
-                break
-            blank = m.start() == line_start
-            line_start = m.end()
-            if blank:
-                events.append(buf[begin:line_start])
-                begin = line_start
+        buf = self.pending
+        line_start = self.line_start
+        begin = 0  # where the first event not yet cut out begins
+        for at, end in _line_ends(buf, scan_from):
+            if at == line_start:  # a blank line ends the event
+                events.append(bytes(buf[begin:end]))
+                begin = end
+            line_start = end
         self.after_cr = line_start == len(buf) and buf.endswith(b"\r")
-        self.buffer = buf[begin:]
-        self.scanned = line_start - begin
-        if final and self.buffer:
-            events.append(self.buffer)
-            self.buffer, self.scanned = b"", 0
+        # Everything before ``begin`` is cut out; what stays arrived in this chunk (it follows a line end
+        # found in it), so the deletion copies no more than the chunk.
+        del buf[:begin]
+        self.line_start = line_start - begin
+        if final and buf:
+            events.append(bytes(buf))
+            buf.clear()
+            self.line_start = 0
         return events
 
     def _rewrite(self, event: bytes) -> bytes:
-        lines = _EOL.split(event)
+        lines = _lines(event)
         data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
         if not data_idx:
             return event
@@ -586,7 +628,8 @@ class SseListsFilter:
         self.removed += removed
         if value is None:
             return b""  # a notification about an item the agent does not hold: no event at all
-        kept = [line for i, line in enumerate(lines) if line and i not in data_idx]
+        data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
+        kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
         kept.append(b"data: " + json.dumps(value).encode())
         return b"\n".join(kept) + b"\n\n"
 

@@ -44,6 +44,8 @@ def demo_once(tmp_path: Path) -> None:
     resolutions = {c["resolution"] for c in record["calls"]}
     assert {"completed", "refused"} <= resolutions
     assert all(lease.get("revoked_at") for lease in record["leases"])
+    assert record["requested_by"] == "rita" and record["operator"] == {"operator": "rita", "via": "token"}
+    assert "requested by rita" in out and "tether operators add alice --role approver" in out
     har = json.loads((tmp_path / "captures.har").read_text())
     assert har["log"]["entries"]
     assert "demo-tool-secret" not in (tmp_path / "captures.har").read_text()  # Authorization redacted

@@ -558,11 +558,13 @@ def test_cli_terminate_wait_then_records_verify_until_tampered(world: World) -> 
     world.cp.stop()
     db = sqlite3.connect(world.cp.directory / "tether.db")
     try:
-        pos, raw = db.execute("SELECT pos, doc FROM records ORDER BY pos LIMIT 1").fetchone()
-        doc = json.loads(raw)
-        assert doc["termination_id"] == first["termination_id"]
-        doc["calls"][0]["resolution"] = "refused"  # rewrite history: the call never happened
-        db.execute("UPDATE records SET doc = ? WHERE pos = ?", (json.dumps(doc), pos))
+        rid, raw = db.execute("SELECT record_id, doc FROM records ORDER BY pos LIMIT 1").fetchone()
+        assert json.loads(raw)["termination_id"] == first["termination_id"]
+        # A record's calls are stored apart from its other fields, one row each (docs/termination.md).
+        entry = json.loads(db.execute("SELECT entry FROM record_calls WHERE record_id = ? AND seq = 0",
+                                      (rid,)).fetchone()[0])
+        entry["resolution"] = "refused"  # rewrite history: the call never happened
+        db.execute("UPDATE record_calls SET entry = ? WHERE record_id = ? AND seq = 0", (json.dumps(entry), rid))
         db.commit()
     finally:
         db.close()

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from capability import keys
 from capability.chain import parse_chain_unverified
+from capability.errors import ApiError
 from controlplane.client import Client, Signer
 from controlplane.termination import verify_records
 
@@ -163,6 +164,21 @@ class Demo:
         self.note(f"control plane {self.cp_url}   ticket API :{self.ports['http']}   MCP server "
                   f":{self.ports['mcp']}   files in {self.dir}")
         self.note(f"console {self.cp_url}/ui/   admin token {self.token}")
+        self.people = self._add_operators()
+
+    def _add_operators(self) -> dict[str, Client]:
+        """The people who decide: alice approves held calls, rita terminates; what they do carries their name."""
+        people = {}
+        for name, role in (("alice", "approver"), ("rita", "responder")):
+            try:
+                added = self.client.request("POST", "/v1/operators", {"name": name, "roles": [role]})
+            except ApiError as exc:  # a second demo run in one directory: the operator is there, give a new token
+                if exc.http_status != 409:
+                    raise
+                added = self.client.request("POST", f"/v1/operators/{name}/rotate", {})
+            people[name] = Client(self.cp_url, added["token"])
+            self.note(f"$ tether operators add {name} --role {role}   (token {added['token']})")
+        return people
 
     def _issue_root_grant(self) -> Ed25519PrivateKey:
         self.step("Issue the root agent's grant",
@@ -199,12 +215,13 @@ class Demo:
                   f"({approval['capability']} is granted with tier 'approval'). The call is held at the "
                   "sidecar; nothing has left. A person approves it:")
         if self.console:  # the person decides in the browser, seeing the exact call
-            self.note(f"Approve or deny it in the console: {self.cp_url}/ui/ (token {self.token}), within 2 minutes")
+            self.note(f"Approve or deny it in the console: {self.cp_url}/ui/ (sign in as alice with her token "
+                      "above, or with the admin token), within 2 minutes")
             self.wait("a decision in the console", lambda: self.client.request(
                 "GET", f"/v1/approvals/{approval['id']}")["status"] != "pending", timeout=120)
         else:
-            self.note(f"$ tether approvals approve {approval['id']}")
-            self.client.request("POST", f"/v1/approvals/{approval['id']}/approve", {})
+            self.note(f"$ tether approvals approve {approval['id']}      (as alice: TETHER_TOKEN=her token)")
+            self.people["alice"].request("POST", f"/v1/approvals/{approval['id']}/approve", {})
 
     def _show_tree(self) -> None:
         tree = self.wait("all four agents behind live sidecars", self._four_live, timeout=45)
@@ -253,8 +270,8 @@ class Demo:
                  if t["subject"] == "root" and t["id"] not in earlier), None), timeout=180)
             term = {**term, "termination_id": term["id"]}
         else:
-            self.note("$ tether terminate root --mode drain --window 4")
-            term = self.client.request("POST", "/v1/agents/root/terminate",
+            self.note("$ tether terminate root --mode drain --window 4      (as rita, a responder)")
+            term = self.people["rita"].request("POST", "/v1/agents/root/terminate",
                                        {"mode": "drain", "window_s": 4, "reason": "demo: stop the fleet"})
         seen = {"requested"}
         doc = term

@@ -3,6 +3,8 @@ acknowledgement, the record log."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from aiohttp import web
 
 from .. import schemas as sc
@@ -43,11 +45,12 @@ class TerminationRoutes:
                                                   fields.objects("starts"), fields.obj("calls"))
         return web.json_response(answer)
 
-    async def h_records(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.records.records())
+    async def h_records(self, request: web.Request) -> web.StreamResponse:
+        return await _streamed(request, self.records.log_text())
 
-    async def h_record(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.terminations.record(request.match_info["id"], principal(request)))
+    async def h_record(self, request: web.Request) -> web.StreamResponse:
+        head = await self.terminations.record(request.match_info["id"], principal(request))
+        return await _streamed(request, self.records.text(head))
 
     def table(self) -> list[Route]:
         return [
@@ -69,3 +72,16 @@ class TerminationRoutes:
             Route("GET", "/v1/records/{id}", self.h_record, "One record (by record or termination id)",
                   ADMIN_OR_ANCESTOR, "records", ok=sc.ref("Record")),
         ]
+
+
+async def _streamed(request: web.Request, chunks: AsyncIterator[bytes]) -> web.StreamResponse:
+    """A JSON answer written as it is read from the store (a record of any size, a page of calls at a time).
+    The first chunk is read before the status is sent, so a store that cannot answer still gets its 503."""
+    first = await anext(chunks)
+    response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+    await response.prepare(request)
+    await response.write(first)
+    async for chunk in chunks:
+        await response.write(chunk)
+    await response.write_eof()
+    return response

@@ -9,7 +9,10 @@ idempotently on ``call_id``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from capability.errors import FORBIDDEN, NOT_FOUND, ApiError
@@ -18,6 +21,7 @@ from capability.report import read_final, read_start
 from ..auth import Caller
 from ..metrics import Metrics
 from ..store import Doc, Store
+from ..termination import VerifyResult, record_frame, verify_digests
 
 
 class RecordService:
@@ -62,9 +66,53 @@ class RecordService:
     async def records(self) -> list[Doc]:
         return await self.store.records()
 
-    async def record(self, record_id: str) -> Doc:
-        """A record by its record id or its termination's id."""
-        for record in await self.store.records():
+    async def head(self, record_id: str) -> Doc:
+        """A record's header (all but its calls) by its record id or its termination's id."""
+        for record in await self.store.record_heads():
             if record_id in (record["record_id"], record["termination_id"]):
                 return record
         raise ApiError(404, NOT_FOUND, f"no record {record_id}")
+
+    async def record(self, record_id: str) -> Doc:
+        """A record, whole (its calls decoded)."""
+        head = await self.head(record_id)
+        calls: list[Doc] = []
+        async for page in self.store.record_calls(head["record_id"]):
+            calls += await asyncio.to_thread(lambda texts=page: [json.loads(t) for t in texts])
+        return {**head, "calls": calls}
+
+    async def text(self, head: Doc) -> AsyncIterator[bytes]:
+        """A record as JSON (its canonical spelling), a page of calls at a time: a record of any size is
+        served without being held whole."""
+        opening, closing = record_frame(head)
+        yield opening.encode()
+        first = True
+        async for page in self.store.record_calls(head["record_id"], 2000):
+            yield (("" if first else ",") + ",".join(page)).encode()
+            first = False
+        yield closing.encode()
+
+    async def digest(self, head: Doc) -> str:
+        """The hash of a record's content (``termination.record_hash``), over its stored entries a page at a
+        time: what its ``hash`` must be."""
+        body = {k: v for k, v in head.items() if k not in ("hash", "signature")}
+        digest = hashlib.sha256()
+        async for chunk in self.text(body):
+            await asyncio.to_thread(digest.update, chunk)
+        return "sha256:" + digest.hexdigest()
+
+    async def verify(self, public_key: Any) -> VerifyResult:
+        """``tether records verify`` in the control plane, without holding a record whole."""
+        heads = await self.store.record_heads()
+        return verify_digests([(head, await self.digest(head)) for head in heads], public_key)
+
+    async def log_text(self) -> AsyncIterator[bytes]:
+        """Every record, oldest first, as one JSON list (``GET /v1/records``), streamed like ``text``."""
+        heads = await self.store.record_heads()  # before the first byte: a store that cannot answer gets a 503
+        yield b"["
+        for n, head in enumerate(heads):
+            if n:
+                yield b","
+            async for chunk in self.text(head):
+                yield chunk
+        yield b"]"

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -37,6 +38,7 @@ from .sidecars import SidecarService
 log = logging.getLogger("tether.termination")
 DRIVE_INTERVAL_S = 0.25
 LEASE_S = 5.0
+RECORD_PAGE = 5000  # call entries per page: what a record's writer holds at once
 ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are watched for a late acknowledgement
 
 
@@ -113,9 +115,10 @@ class TerminationService:
         return await self.store.list_docs("termination")
 
     async def record(self, record_id: str, caller: Caller | None) -> Doc:
-        """A record, to an admin or to the principal that requested its termination."""
+        """A record's header (every field but its calls: ``records.text`` streams it whole), to an admin or to
+        the principal that requested its termination."""
         try:
-            record = await self.records.record(record_id)
+            record = await self.records.head(record_id)
         except ApiError:
             self.may_follow(caller, None)  # an unknown id is nobody's business but an admin's
             raise
@@ -188,18 +191,20 @@ class TerminationService:
         store = self.store
         links = _links_of(doc, await self.grants.graph())
         while True:
-            records = await store.records()
-            earlier = [r for r in records if r["termination_id"] == doc["id"]]
-            addendum = proto.build_addendum(  # the whole log: calls another termination's record holds stay out
-                doc, records, record_id="rec-" + os.urandom(8).hex(),
-                reports=[r for r in await store.reports(doc["agents"]) if _reported_under(r, links)],
-                runs=mine, acks=acks, prev_hash=records[-1]["hash"] if records else "", now=self.clock())
-            if addendum is None:
+            heads = await store.record_heads()  # the whole log: calls another termination's record holds stay out
+            earlier = [r for r in heads if r["termination_id"] == doc["id"]]
+            late = proto.late_agents(doc, heads, mine, acks)
+            if not late:
+                addendum = None
                 break
-            sealed = proto.seal(addendum, self.signing_key)
-            if await store.append_record(sealed):
-                log.info("termination %s: addendum %s (late: %s)", doc["id"], sealed["record_id"],
-                         ", ".join(proto.terminated_agents(sealed)))
+            record_id = "rec-" + os.urandom(8).hex()
+            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads, agents=late, late=True)
+            staged = await self._stage_reports(builder, record_id, late, links)
+            addendum = proto.addendum_header(builder, record_id=record_id,
+                                             prev_hash=heads[-1]["hash"] if heads else "", now=self.clock())
+            if await self._append(addendum, record_id, staged):
+                log.info("termination %s: addendum %s (late: %s)", doc["id"], record_id,
+                         ", ".join(proto.terminated_agents(addendum)))
                 break
         still = [u["agent"] for u in (addendum or earlier[-1])["agents_unaccounted"]]
         await self._save(doc, {**doc, "open_agents": still, "version": doc["version"] + 1})
@@ -303,44 +308,107 @@ class TerminationService:
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
 
-        The store is read on the event loop; assembling, hashing and signing the record (tens of thousands
-        of calls in a big termination) run in a worker thread so the API keeps answering meanwhile."""
+        A page of reports at a time (``RecordBuilder``): each page's call entries are encoded in a worker
+        thread and staged in the store, so neither the control plane's memory nor its event loop ever holds
+        more than a page; the record is then hashed over its staged entries, signed, and its header appended
+        on the head of the chain (a compare-and-set: a writer that lost the race drops what it staged and
+        builds again on the new head, which may hold some of its calls)."""
         store = self.store
         while True:
-            records = await store.records()
-            for record in records:
-                if record["termination_id"] == doc["id"]:  # written before a restart: never a second record
-                    return record["record_id"], [u["agent"] for u in record["agents_unaccounted"]]
+            heads = await store.record_heads()
+            for head in heads:
+                if head["termination_id"] == doc["id"]:  # written before a restart: never a second record
+                    return head["record_id"], [u["agent"] for u in head["agents_unaccounted"]]
             graph = await self.grants.graph()
             hashes = _links_of(doc, graph)
             links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
             mine, acks = await self.facts(doc)
-            # A call belongs to the first record that holds it as reported (proto.ownership): an overlapping
-            # termination's record, or an earlier one of the same agents (re-granted), is passed as the log.
-            everything = [r for r in await store.reports(doc["agents"]) if _reported_under(r, hashes)]
-            ended = {r["call_id"] for r in everything}
-            starts = [s for s in await store.starts(doc["agents"])
-                      if s["call_id"] not in ended and _reported_under(s, hashes)]
-            inputs = dict(
-                record_id="rec-" + os.urandom(8).hex(),
-                reports=everything,
-                log=records,
-                starts=starts,
-                links=links,
-                revocations=await store.revocations(),
-                runs=mine,
-                acks=acks,
-                prev_hash=records[-1]["hash"] if records else "",
-                now=self.clock(),
-                budgets=await budget_use(store, links, self.clock()),
-            )
-            sealed = await asyncio.to_thread(_sealed_record, doc, inputs, self.signing_key)
-            if await store.append_record(sealed):
-                return sealed["record_id"], [u["agent"] for u in sealed["agents_unaccounted"]]
+            record_id = "rec-" + os.urandom(8).hex()
+            # A call belongs to the first record that holds it as reported (an overlapping termination's
+            # record, or an earlier one of the same agents, re-granted): the store's index of the log says.
+            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads)
+            ours = partial(_ours, set(doc["agents"]), hashes)
+            # Everything but the pages first: calls written ahead or last listed in flight and never heard of
+            # again (they end the record as unknown), and what it says of other records' unknown calls.
+            starts = [s for s in await store.starts(doc["agents"]) if _reported_under(s, hashes)]
+            candidates = sorted({s["call_id"] for s in starts} | proto.inflight_ids(doc["agents"], mine, acks))
+            ended = {r["call_id"] for r in await store.reports_among(candidates) if ours(r)}
+            held = {cid for cid, (owner, _) in (await store.call_holders(candidates)).items() if owner}
+            elsewhere = [r for r in await store.reports_among(sorted(await store.unknown_calls())) if ours(r)]
+            builder.foresee(elsewhere, await store.call_holders([r["call_id"] for r in elsewhere]))
+            inputs = dict(record_id=record_id, seen=ended | held,
+                          starts=[s for s in starts if s["call_id"] not in ended], links=links,
+                          revocations=await store.revocations(), budgets=await budget_use(store, links, self.clock()),
+                          prev_hash=heads[-1]["hash"] if heads else "")
+            draft, unknown = builder.finish(**inputs, now=self.clock())
+            opening = proto.record_frame(draft)[0]  # every field sorting before "calls" is known by now
+            digest = hashlib.sha256(opening.encode())
+            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes, digest)
+            staged = await self._stage(record_id, staged, unknown, digest)
+            header, _ = builder.finish(**inputs, now=self.clock())
+            header = {**header, "key_id": proto.key_id_of(self.signing_key)}  # sorts after "calls": closing
+            again, closing = proto.record_frame(header)
+            if again != opening:  # cannot happen: the fields before the calls depend on nothing the pages said
+                raise RuntimeError(f"termination {doc['id']}: the record's opening changed while it was written")
+            digest.update(closing.encode())
+            sealed = proto.sign_hash(header, "sha256:" + digest.hexdigest(), self.signing_key)
+            if await store.append_record(sealed, staged=staged):
+                return record_id, [u["agent"] for u in header["agents_unaccounted"]]
+            await store.drop_staged(record_id)
+
+    async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
+                             links: set[str], digest: Any = None) -> int:
+        """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many.
+        ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
+        staged = 0
+        async for page in _ahead(self.store.report_pages(sorted(agents), RECORD_PAGE)):
+            page = [r for r in page if _reported_under(r, links)]
+            holders = await self.store.call_holders([r["call_id"] for r in page])
+            staged = await self._stage(record_id, staged, builder.take(page, holders), digest)
+        return staged
+
+    async def _stage(self, record_id: str, start: int, entries: list[Doc], digest: Any = None) -> int:
+        if entries:
+            encoded = await asyncio.to_thread(_encoded, entries, digest, start == 0)
+            await self.store.stage_calls(record_id, start, encoded)
+        return start + len(entries)
+
+    async def _append(self, header: Doc, record_id: str, staged: int) -> bool:
+        """Hash the record over its staged entries, sign it and append its header; False (what was staged
+        dropped) when another record was appended first."""
+        header = {**header, "key_id": proto.key_id_of(self.signing_key)}
+        sealed = proto.sign_hash(header, await self.records.digest(header), self.signing_key)
+        if await self.store.append_record(sealed, staged=staged):
+            return True
+        await self.store.drop_staged(record_id)
+        return False
 
 
-def _sealed_record(doc: Doc, inputs: Doc, signing_key: object) -> Doc:
-    return proto.seal(proto.build_record(doc, **inputs), signing_key)
+async def _ahead[T](pages: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``pages``, the next one read while the caller works on the current one (one page ahead, no more)."""
+    nxt: asyncio.Task[T] = asyncio.ensure_future(anext(pages))
+    try:
+        while True:
+            try:
+                page = await nxt
+            except StopAsyncIteration:
+                return
+            nxt = asyncio.ensure_future(anext(pages))
+            yield page
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+        await pages.aclose()  # type: ignore[attr-defined]
+
+
+def _encoded(entries: list[Doc], digest: Any = None, first: bool = True) -> list[tuple[str, bool, str]]:
+    """Each entry's (call id, reported, canonical JSON); added to ``digest`` (after a comma unless ``first``)."""
+    out = [(e["call_id"], e.get("reported", True) is not False, proto.encode_entry(e)) for e in entries]
+    if digest is not None:
+        digest.update((("" if first else ",") + ",".join(text for _, _, text in out)).encode())
+    return out
 
 
 def _links_of(doc: Doc, graph: Graph) -> set[str]:
@@ -353,6 +421,11 @@ def _links_of(doc: Doc, graph: Graph) -> set[str]:
     for h in roots:
         out.update(d["hash"] for d in graph.descendants(h))
     return out
+
+
+def _ours(agents: set[str], links: set[str], report: Doc) -> bool:
+    """A report of one of the termination's agents, from a run of one of its links."""
+    return report.get("agent") in agents and _reported_under(report, links)
 
 
 def _reported_under(report: Doc, links: set[str]) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,13 +243,63 @@ class Store(abc.ABC):
         """Replace doc only if its ``version`` field still equals expect_version (0: must not exist)."""
 
     # -- reconciliation records: one hash chain -------------------------------------------------------
+    # A record is stored as its header (every field but ``calls``) and its call entries apart, each entry as
+    # its canonical JSON text (``controlplane.termination.encode_entry``), so a record of any size is written a
+    # page at a time and read a page at a time; ``records()`` still gives whole records.
     @abc.abstractmethod
-    async def append_record(self, record: Doc) -> bool:
+    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
         """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
-        False when another writer got there first: the caller rebuilds on the new head."""
+        False when another writer got there first: the caller rebuilds on the new head. ``staged``: the record
+        is a header whose ``staged`` call entries were stored with ``stage_calls`` under its record id;
+        otherwise ``record`` holds its ``calls``."""
 
     @abc.abstractmethod
-    async def records(self) -> list[Doc]: ...
+    async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
+        """Store call entries (call id, reported, canonical JSON text) of a record not appended yet, from
+        position ``start``; nothing reads them until ``append_record(header, staged=n)`` appends it."""
+
+    @abc.abstractmethod
+    async def drop_staged(self, record_id: str) -> None:
+        """Forget the staged entries of a record that was not appended (its append lost the race)."""
+
+    @abc.abstractmethod
+    async def record_heads(self) -> list[Doc]:
+        """Every record without its ``calls`` (its header), oldest first."""
+
+    @abc.abstractmethod
+    def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+        """A record's call entries (appended or staged), as their canonical JSON text, in order, a page at
+        a time."""
+
+    @abc.abstractmethod
+    async def call_holders(self, call_ids: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
+        """For each of these calls that an appended record lists: the first record (oldest) that holds it as
+        reported, or None, and every record that lists it ``unknown`` (``reported: false``), oldest first."""
+
+    @abc.abstractmethod
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        """Every call an appended record lists ``unknown`` -> those records, oldest first (few: the calls of
+        agents that went silent, never heard of again)."""
+
+    async def records(self) -> list[Doc]:
+        """Every record, whole (its calls decoded), oldest first: for small logs and tests; the API and the
+        termination driver read headers and pages instead."""
+        out: list[Doc] = []
+        for head in await self.record_heads():
+            calls: list[Doc] = []
+            async for page in self.record_calls(head["record_id"]):
+                calls += await asyncio.to_thread(lambda texts=page: [json.loads(t) for t in texts])
+            out.append({**head, "calls": calls})
+        return out
+
+    @abc.abstractmethod
+    def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
+        """These agents' final reports in a record's order (``controlplane.termination.in_order_key``: by
+        ``started_at``, missing as 0, then ``call_id``), a page at a time, as of when the first page is read."""
+
+    @abc.abstractmethod
+    async def reports_among(self, call_ids: list[str]) -> list[Doc]:
+        """The final reports of these calls (those that have one)."""
 
     # -- leases on work that exactly one replica may drive ----------------------------------------------
     @abc.abstractmethod

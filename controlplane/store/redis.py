@@ -11,6 +11,10 @@ long polls on every replica (pub/sub is not durable); what a sidecar receives is
 sorted set by sequence, and because sequence and entry are written in one script, no reader ever sees
 seq N+1 without N.
 
+A record is a header in the chain's list and a list of its call entries of its own, staged before the
+header is appended; an index of the log (who holds each call) is filled oldest record first (see
+"records" below). No command's cost grows with a record: every read and write of one is a page.
+
 Leases are decided on the ``now`` the caller passes, exactly like SQLite, so both stores agree under a
 test clock; the Redis key also carries a real-time expiry one minute past the lease, only so that leases
 of dead replicas do not pile up. Replicas must therefore have synchronised clocks (NTP): each compares its
@@ -39,7 +43,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -52,6 +56,7 @@ from capability import jsonpieces
 from capability.budget import MAX_SLICE
 from capability.errors import BAD_REQUEST, TetherError
 
+from ..termination import encode_entry
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable, StoreUnwritable
 
 log = logging.getLogger("tether.store.redis")
@@ -80,6 +85,52 @@ def _start_field(doc: Doc) -> str:
 
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+def _id_args(ids: list[str]) -> list[str]:
+    """('1 ID' | '0 ID') -> (ID, '1' | '0'), as _INDEX_CALLS takes them."""
+    out: list[str] = []
+    for item in ids:
+        flag, _, call_id = item.partition(" ")
+        out += [call_id, flag]
+    return out
+
+
+class _Cursor:
+    """Where a read of one agent's index by start stands: the last (score, member) taken, how many members
+    at that score were read, and what was read and not yet taken."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.score: float | None = None
+        self.at_score = 0
+        self.last: tuple[float, str] | None = None
+        self.buffer: list[tuple[float, str]] = []
+        self.done = False
+
+    def refill(self, rows: list[tuple[float, str]], asked: int) -> None:
+        self.done = len(rows) < asked
+        fresh = [row for row in rows if self.last is None or row > self.last]  # never a member twice
+        for score, _ in rows:
+            if score == self.score:
+                self.at_score += 1
+            else:
+                self.score, self.at_score = score, 1
+        self.buffer = fresh  # empty when a tie group shifted under us: only members taken before were read
+
+    def take(self, n: int) -> list[str]:
+        rows, self.buffer = self.buffer[:n], self.buffer[n:]
+        self.last = rows[-1]
+        return [member for _, member in rows]
+
+
+def _holder_args(texts: list[str]) -> list[str]:
+    """(call_id, '1' | '0') for each call entry: reported, or listed unknown."""
+    out: list[str] = []
+    for text in texts:
+        entry = json.loads(text)
+        out += [entry["call_id"], "0" if entry.get("reported", True) is False else "1"]
+    return out
 
 
 def _guarded[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -160,14 +211,17 @@ redis.call('PUBLISH', ARGV[3], seq)
 return seq
 """
 
-# KEYS: reports, order, counter, then one per-agent index per report. ARGV: (call_id, doc) per report.
+# KEYS: reports, order, counter, then per report its agent's two indexes (by arrival; by start, for a
+# record's order: equal scores sort by member, i.e. by call id). ARGV: (call_id, doc, start) per report.
 _PUT_REPORTS = """
 local new = {}
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV, 3 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     local n = redis.call('INCR', KEYS[3])
+    local k = (i + 2) / 3
     redis.call('ZADD', KEYS[2], n, ARGV[i])
-    redis.call('ZADD', KEYS[3 + (i + 1) / 2], n, ARGV[i])
+    redis.call('ZADD', KEYS[2 + 2 * k], n, ARGV[i])
+    redis.call('ZADD', KEYS[3 + 2 * k], ARGV[i + 2], ARGV[i])
     new[#new + 1] = ARGV[i]
   end
 end
@@ -187,14 +241,60 @@ redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ARGV[1])
 return 1
 """
 
-# KEYS: records, head. ARGV: prev_hash, hash, record. One chain: append only on the current head.
+# KEYS: records, head, the record's staged calls and their ids. ARGV: prev_hash, hash, header, how many calls
+# are staged. One chain: append only on the current head; the staged calls stay (no longer expiring). -1: a count
+# mismatch (a staging write that ran twice): nothing appended, the caller builds the record anew.
 _APPEND_RECORD = """
 local head = redis.call('GET', KEYS[2]) or ''
 if head ~= ARGV[1] then return 0 end
+if redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return -1 end
 redis.call('RPUSH', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[2])
+redis.call('PERSIST', KEYS[3])
+redis.call('PERSIST', KEYS[4])
 return 1
 """
+
+# KEYS: owner index, unknown index. ARGV: record id, then (call_id, '1' reported | '0' unknown) per call.
+# The first record to hold a call as reported keeps it (records are indexed oldest first); a call listed
+# unknown gathers every record that listed it, space-separated.
+_INDEX_CALLS = """
+local rid = ARGV[1]
+for i = 2, #ARGV, 2 do
+  if ARGV[i + 1] == '1' then
+    redis.call('HSETNX', KEYS[1], ARGV[i], rid)
+  else
+    local have = redis.call('HGET', KEYS[2], ARGV[i])
+    if not have then
+      redis.call('HSET', KEYS[2], ARGV[i], rid)
+    elseif not string.find(' ' .. have .. ' ', ' ' .. rid .. ' ', 1, true) then
+      redis.call('HSET', KEYS[2], ARGV[i], have .. ' ' .. rid)
+    end
+  end
+end
+return 1
+"""
+
+# KEYS: indexed count. ARGV: expected, next. How many records (oldest first) are in the call index.
+_ADVANCE = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: records, the record's calls. ARGV: position, the stored whole record, its header, then its entries.
+# A record stored whole (before records were stored apart from their calls) becomes a header and its calls,
+# once: another replica that converted it first leaves the element changed, and this does nothing.
+_SPLIT_RECORD = """
+if redis.call('LINDEX', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[2])
+for i = 4, #ARGV, 500 do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 499, #ARGV)))
+end
+redis.call('LSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+STAGED_TTL_MS = 24 * 3600 * 1000  # staged calls of a record whose writer died before appending it
 
 # KEYS: lease. ARGV: owner, now, expires, gc_ms. Decided on the caller's clock, like SQLite.
 _TRY_LEASE = """
@@ -307,6 +407,9 @@ class RedisStore(Store):
             ("put_reports", _PUT_REPORTS),
             ("put_doc", _PUT_DOC),
             ("append_record", _APPEND_RECORD),
+            ("index_calls", _INDEX_CALLS),
+            ("advance", _ADVANCE),
+            ("split_record", _SPLIT_RECORD),
             ("try_lease", _TRY_LEASE),
             ("take_slice", _TAKE_SLICE),
             ("settle_slice", _SETTLE_SLICE),
@@ -552,8 +655,8 @@ class RedisStore(Store):
         keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n")]
         args: list[str] = []
         for report in reports:
-            keys.append(self._key("reports", "agent", report["agent"]))
-            args += [report["call_id"], _dump(report)]
+            keys += [self._key("reports", "agent", report["agent"]), self._key("reports", "started", report["agent"])]
+            args += [report["call_id"], _dump(report), repr(float(report.get("started_at") or 0))]
         new = {str(i) for i in await self._scripts["put_reports"](keys=keys, args=args)}  # decoded: str
         by_agent: dict[str, list[str]] = {}
         for report in reports:
@@ -641,17 +744,201 @@ class RedisStore(Store):
         return bool(await self._run("put_doc", self._doc_keys(kind), args))
 
     # -- records ---------------------------------------------------------------------------------------
-    @_guarded
-    @_writes
-    async def append_record(self, record: Doc) -> bool:
-        # Encoding a record of tens of thousands of calls takes longer than the loop may stall: a thread does it.
-        args = [record["prev_hash"], record["hash"], await asyncio.to_thread(jsonpieces.dumps, record)]
-        return bool(await self._run("append_record", [self._key("records"), self._key("records", "head")], args))
+    # The chain is a list of headers (every field but ``calls``); a record's calls are a list of their own,
+    # ``records:calls:<record id>``, staged (expiring) before the header is appended. Who holds a call is an
+    # index of the log, ``records:owner`` (call id -> the first record holding it as reported) and
+    # ``records:unknown`` (call id -> the records listing it unknown), filled oldest record first; the count
+    # of records indexed is ``records:indexed``, so a record appended by a replica that died before indexing
+    # it is indexed by the next reader.
+    def _calls_key(self, record_id: str) -> str:
+        return self._key("records", "calls", record_id)
+
+    def _ids_key(self, record_id: str) -> str:
+        """Beside a record's calls, each call's id and whether it is reported ('1 ID' or '0 ID'): what the
+        index of the log reads, without decoding the entries."""
+        return self._key("records", "ids", record_id)
 
     @_guarded
-    async def records(self) -> list[Doc]:
+    @_writes
+    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
+        header = {k: v for k, v in record.items() if k != "calls"}
+        rid = header["record_id"]
+        if staged is None:
+            await self.r.delete(self._calls_key(rid), self._ids_key(rid))
+            entries = await asyncio.to_thread(lambda: [
+                (c["call_id"], c.get("reported", True) is not False, encode_entry(c)) for c in record["calls"]])
+            for start in range(0, len(entries), 1000):
+                await self.stage_calls(rid, start, entries[start:start + 1000])
+            staged = len(entries)
+        encoded = await asyncio.to_thread(jsonpieces.dumps, header)
+        args = [record["prev_hash"], record["hash"], encoded, staged]
+        done = await self._run("append_record", [self._key("records"), self._key("records", "head"),
+                                                 self._calls_key(rid), self._ids_key(rid)], args)
+        if done < 0:
+            raise ValueError(f"record {rid}: the staged call entries are not the {staged} expected")
+        if not done:
+            return False
+        await self._index_records()
+        return True
+
+    @_guarded
+    @_writes
+    async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
+        if not entries:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:  # a part written is caught by append's count
+            pipe.rpush(self._calls_key(record_id), *[text for _, _, text in entries])
+            pipe.rpush(self._ids_key(record_id), *[("1 " if reported else "0 ") + cid for cid, reported, _ in entries])
+            pipe.pexpire(self._calls_key(record_id), STAGED_TTL_MS)
+            pipe.pexpire(self._ids_key(record_id), STAGED_TTL_MS)
+            await pipe.execute()
+
+    @_guarded
+    @_writes
+    async def drop_staged(self, record_id: str) -> None:
+        await self.r.delete(self._calls_key(record_id), self._ids_key(record_id))
+
+    @_guarded
+    async def record_heads(self) -> list[Doc]:
+        try:
+            await self._index_records()
+        except StoreUnwritable:
+            refused = True  # reads still answer while Redis refuses writes (the index waits for the next reader)
+        else:
+            refused = False
         raws = await self.r.lrange(self._key("records"), 0, -1)
-        return await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
+        heads = await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
+        if refused and any("calls" in head for head in heads):
+            raise StoreUnwritable(f"Redis at {self.url} refuses writes: a record stored whole cannot be split yet")
+        return heads
+
+    def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+        return self._pages(self._calls_key(record_id), page)
+
+    async def _pages(self, key: str, page: int) -> AsyncIterator[list[str]]:
+        start = 0
+        while True:
+            texts = await self._lrange(key, start, start + page - 1)
+            if texts:
+                yield texts
+            if len(texts) < page:
+                return
+            start += page
+
+    @_guarded
+    async def _lrange(self, key: str, start: int, stop: int) -> list[str]:
+        return await self.r.lrange(key, start, stop)
+
+    @_guarded
+    async def call_holders(self, call_ids: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
+        await self._index_records()
+        out: dict[str, tuple[str | None, tuple[str, ...]]] = {}
+        for start in range(0, len(call_ids), 1000):
+            ids = call_ids[start:start + 1000]
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.hmget(self._key("records", "owner"), ids)
+                pipe.hmget(self._key("records", "unknown"), ids)
+                owners, unknowns = await pipe.execute()
+            for cid, owner, unknown in zip(ids, owners, unknowns, strict=True):
+                if owner or unknown:
+                    out[cid] = (owner or None, tuple((unknown or "").split()))
+        return out
+
+    @_guarded
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        await self._index_records()
+        listed = await self.r.hgetall(self._key("records", "unknown"))
+        return {cid: tuple(rids.split()) for cid, rids in listed.items()}
+
+    @_guarded
+    async def _index_records(self) -> None:
+        """Index every record appended and not yet indexed, oldest first (usually none: two small reads)."""
+        counter = self._key("records", "indexed")
+        while True:
+            async with self.r.pipeline(transaction=False) as pipe:  # not MULTI: Redis refuses it when out of memory
+                pipe.get(counter)
+                pipe.llen(self._key("records"))
+                done_raw, total = await pipe.execute()
+            done = int(done_raw or 0)
+            if done >= int(total):
+                return
+            raw = await self.r.lindex(self._key("records"), done)
+            head = await asyncio.to_thread(json.loads, raw)
+            if "calls" in head:  # stored whole, by a control plane from before: split it once
+                calls = head.pop("calls")
+                texts = await asyncio.to_thread(lambda c=calls: [encode_entry(e) for e in c])
+                await self._run("split_record", [self._key("records"), self._calls_key(head["record_id"])],
+                                [done, raw, jsonpieces.dumps(head), *texts])
+            rid = head["record_id"]
+            legacy = not await self.r.exists(self._ids_key(rid))  # split from a whole record: decode its entries
+            pages = self.record_calls(rid, 1000) if legacy else self._pages(self._ids_key(rid), 5000)
+            async for page in pages:
+                pairs = await asyncio.to_thread(_holder_args, page) if legacy else _id_args(page)
+                await self._run("index_calls", [self._key("records", "owner"), self._key("records", "unknown")],
+                                [rid, *pairs])
+            await self._run("advance", [counter], [done, done + 1])
+
+    async def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
+        """The agents' indexes by start, merged: each read a slice at a time from where it stopped (by score,
+        then by member), so no command's cost grows with the termination (a ZUNIONSTORE of 200,000 members
+        holds Redis, and every replica's requests, for most of a second). A report stored meanwhile is
+        included when it sorts after the point reached, and never twice."""
+        if not agents:
+            return
+        for agent in agents:
+            await self._index_starts(agent)
+        slice_n = max(100, page // len(agents))
+        cursors = [_Cursor(self._key("reports", "started", a)) for a in agents]
+        while True:
+            ids: list[str] = []
+            while len(ids) < page:
+                for cursor in cursors:
+                    while not cursor.buffer and not cursor.done:
+                        await self._fill(cursor, slice_n)
+                heads = [c for c in cursors if c.buffer]
+                if not heads:
+                    break
+                if len(heads) == 1:  # one agent left: its slice as it is
+                    ids += heads[0].take(page - len(ids))
+                    continue
+                # Several: take from the lowest while it stays at most every other's first (its slice is sorted).
+                heads.sort(key=lambda c: c.buffer[0])
+                bound = heads[1].buffer[0]
+                lowest = heads[0]
+                n = 0
+                while n < len(lowest.buffer) and lowest.buffer[n] <= bound and len(ids) + n < page:
+                    n += 1
+                ids += lowest.take(max(1, n))
+            if ids:
+                yield await self._hmget(self._key("reports"), ids)
+            if len(ids) < page:
+                return
+
+    @_guarded
+    async def _fill(self, cursor: _Cursor, n: int) -> None:
+        low = "-inf" if cursor.score is None else repr(cursor.score)
+        rows = await self.r.zrangebyscore(cursor.key, low, "+inf", start=cursor.at_score, num=n, withscores=True)
+        cursor.refill([(float(score), member) for member, score in rows], n)
+
+    @_guarded
+    async def _index_starts(self, agent: str) -> None:
+        """Reports stored before the index by start existed get into it (once: then both indexes agree)."""
+        by_arrival, by_start = self._key("reports", "agent", agent), self._key("reports", "started", agent)
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.zcard(by_arrival)
+            pipe.zcard(by_start)
+            arrived, started = await pipe.execute()
+        if int(arrived) == int(started):
+            return
+        for start in range(0, int(arrived), 1000):
+            ids = await self.r.zrange(by_arrival, start, start + 999)
+            docs = await self._hmget(self._key("reports"), ids)
+            if docs:
+                await self.r.zadd(by_start, {d["call_id"]: float(d.get("started_at") or 0) for d in docs})
+
+    @_guarded
+    async def reports_among(self, call_ids: list[str]) -> list[Doc]:
+        return await self._hmget(self._key("reports"), list(call_ids))
 
     # -- leases ---------------------------------------------------------------------------------------
     @_guarded

@@ -2,9 +2,10 @@
 
 Most statements are short and local, so they run on the event loop thread; every write is its own
 transaction, committed before the API answers. The few whose size grows with a termination (its
-reports, the records, appending a record of tens of thousands of calls) run in worker threads, each with
-a connection of its own: WAL lets them read while the loop writes, and a record is encoded before its
-write transaction begins, so the loop's writers wait on the lock only for the insert itself.
+reports, the records) run in worker threads, each with a connection of its own: WAL lets them read while
+the loop writes. A record is stored as a header row and one row per call entry, staged a page at a time
+(1,000 rows per transaction) before the header is appended, so the loop's writers never wait on the lock
+for more than one such insert, whatever the record's size.
 
 A file that cannot take a write (a full disk, a read-only file system) raises ``StoreUnwritable`` with the
 reason, never an internal error, and ``/healthz`` says so until a write succeeds again
@@ -21,12 +22,13 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from capability import jsonpieces
 from capability.budget import slice_size
 
+from ..termination import encode_entry
 from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable, StoreUnwritable
 
 EVENT_RETENTION = 10_000
@@ -47,7 +49,11 @@ CREATE INDEX IF NOT EXISTS starts_agent ON starts(agent);
 CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, id TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
     PRIMARY KEY (kind, id));
 CREATE TABLE IF NOT EXISTS records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT UNIQUE NOT NULL,
-    prev_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL);
+    prev_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL, record_id TEXT, calls INTEGER);
+CREATE TABLE IF NOT EXISTS record_calls (record_id TEXT NOT NULL, seq INTEGER NOT NULL, call_id TEXT NOT NULL,
+    reported INTEGER NOT NULL, entry TEXT NOT NULL, PRIMARY KEY (record_id, seq));
+CREATE INDEX IF NOT EXISTS record_calls_call ON record_calls(call_id);
+CREATE INDEX IF NOT EXISTS record_calls_unknown ON record_calls(reported) WHERE reported = 0;
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
@@ -78,6 +84,44 @@ def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+_INSERT_ENTRY = "INSERT OR REPLACE INTO record_calls (record_id, seq, call_id, reported, entry) VALUES (?, ?, ?, ?, ?)"
+
+
+def _entry_rows(record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> list[tuple[Any, ...]]:
+    return [(record_id, start + i, cid, int(reported), text) for i, (cid, reported, text) in enumerate(entries)]
+
+
+def _records_apart(db: sqlite3.Connection) -> None:
+    """A file from before records were stored apart from their calls: each whole record becomes a header and
+    its entries (the same bytes once reassembled: same hash, same signature); staged entries of records never
+    appended (a control plane stopped mid-write) are dropped."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(records)")}
+    whole = "record_id" not in columns or db.execute(
+        "SELECT 1 FROM records WHERE record_id IS NULL LIMIT 1").fetchone() is not None
+    orphans = not whole and db.execute("SELECT 1 FROM record_calls WHERE NOT EXISTS (SELECT 1 FROM records "
+                         "WHERE records.record_id = record_calls.record_id) LIMIT 1").fetchone() is not None
+    if not (whole or orphans or not _has_index(db, "records_id")):
+        return  # nothing to write: a file on a full disk or a read-only file system still opens
+    with _transaction(db):
+        if "record_id" not in columns:
+            db.execute("ALTER TABLE records ADD COLUMN record_id TEXT")
+            db.execute("ALTER TABLE records ADD COLUMN calls INTEGER")
+        for pos, raw in db.execute("SELECT pos, doc FROM records WHERE record_id IS NULL ORDER BY pos").fetchall():
+            record = json.loads(raw)
+            calls = record.pop("calls", [])
+            db.executemany(_INSERT_ENTRY, _entry_rows(record["record_id"], 0, [
+                (c["call_id"], c.get("reported", True) is not False, encode_entry(c)) for c in calls]))
+            db.execute("UPDATE records SET doc = ?, record_id = ?, calls = ? WHERE pos = ?",
+                       (jsonpieces.dumps(record), record["record_id"], len(calls), pos))
+        db.execute("CREATE INDEX IF NOT EXISTS records_id ON records(record_id)")
+        db.execute("DELETE FROM record_calls WHERE NOT EXISTS "
+                   "(SELECT 1 FROM records WHERE records.record_id = record_calls.record_id)")
+
+
+def _has_index(db: sqlite3.Connection, name: str) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (name,)).fetchone() is not None
 
 
 def _writes[**P, R](method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -119,6 +163,7 @@ class SqliteStore(Store):
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=5000")
         db.executescript(_SCHEMA)
+        _records_apart(db)
         self._db = db
 
     async def close(self) -> None:
@@ -367,24 +412,130 @@ class SqliteStore(Store):
             return True
 
     # -- records ---------------------------------------------------------------------------------------
+    # A record is a row of ``records`` (its header: every field but ``calls``) and one row of ``record_calls``
+    # per call entry, keyed by record id and position and indexed by call id (who holds a call). Entries are
+    # staged before the header is appended; until then no query sees them (every read joins on ``records``).
     @_writes
-    async def append_record(self, record: Doc) -> bool:
+    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
+        header = {k: v for k, v in record.items() if k != "calls"}
+        rid = header["record_id"]
+
         def append(db: sqlite3.Connection) -> bool:
-            encoded = jsonpieces.dumps(record)  # before the transaction: the lock is held for the insert only
+            encoded = jsonpieces.dumps(header)  # before the transaction: the lock is held for the insert only
+            rows = [] if staged is not None else _entry_rows(rid, 0, [
+                (c["call_id"], c.get("reported", True) is not False, encode_entry(c)) for c in record["calls"]])
             with _transaction(db):
                 row = db.execute("SELECT hash FROM records ORDER BY pos DESC LIMIT 1").fetchone()
                 head = row[0] if row else ""
                 if record["prev_hash"] != head:
                     return False
-                db.execute("INSERT INTO records (hash, prev_hash, doc) VALUES (?, ?, ?)",
-                           (record["hash"], record["prev_hash"], encoded))
+                if staged is None:
+                    db.executemany(_INSERT_ENTRY, rows)
+                else:
+                    have = db.execute("SELECT COUNT(*) FROM record_calls WHERE record_id = ?", (rid,)).fetchone()[0]
+                    if have != staged:
+                        raise ValueError(f"record {rid}: {have} call entries staged, not {staged}")
+                db.execute("INSERT INTO records (hash, prev_hash, doc, record_id, calls) VALUES (?, ?, ?, ?, ?)",
+                           (record["hash"], record["prev_hash"], encoded, rid, len(rows) if staged is None else staged))
                 return True
 
         return await self._off_loop(append)
 
-    async def records(self) -> list[Doc]:
+    @_writes
+    async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
+        def stage(db: sqlite3.Connection) -> None:
+            rows = _entry_rows(record_id, start, entries)
+            for part in range(0, len(rows), 1000):  # the loop's writers wait for 1,000 rows' insert at most
+                with _transaction(db):
+                    db.executemany(_INSERT_ENTRY, rows[part:part + 1000])
+
+        await self._off_loop(stage)
+
+    @_writes
+    async def drop_staged(self, record_id: str) -> None:
+        def drop(db: sqlite3.Connection) -> None:
+            with _transaction(db):
+                db.execute("DELETE FROM record_calls WHERE record_id = ? AND NOT EXISTS "
+                           "(SELECT 1 FROM records WHERE records.record_id = ?)", (record_id, record_id))
+
+        await self._off_loop(drop)
+
+    async def record_heads(self) -> list[Doc]:
         return await self._off_loop(
             lambda db: [json.loads(r[0]) for r in db.execute("SELECT doc FROM records ORDER BY pos")])
+
+    async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+        after = -1
+        while True:
+            rows = await self._off_loop(lambda db, after=after: db.execute(
+                "SELECT seq, entry FROM record_calls WHERE record_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (record_id, after, page)).fetchall())
+            if not rows:
+                return
+            after = rows[-1][0]
+            yield [r[1] for r in rows]
+
+    async def call_holders(self, call_ids: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
+        def read(db: sqlite3.Connection) -> dict[str, tuple[str | None, tuple[str, ...]]]:
+            owner: dict[str, str] = {}
+            unknown: dict[str, list[str]] = {}
+            for part in range(0, len(call_ids), 500):
+                ids = call_ids[part:part + 500]
+                marks = ",".join("?" * len(ids))
+                for cid, rid, reported in db.execute(
+                        "SELECT record_calls.call_id, record_calls.record_id, record_calls.reported FROM record_calls "
+                        f"JOIN records USING (record_id) WHERE record_calls.call_id IN ({marks}) "
+                        "ORDER BY records.pos, record_calls.seq", ids):
+                    if reported:
+                        owner.setdefault(cid, rid)
+                    elif rid not in unknown.setdefault(cid, []):
+                        unknown[cid].append(rid)
+            return {cid: (owner.get(cid), tuple(unknown.get(cid, ()))) for cid in {*owner, *unknown}}
+
+        return await self._off_loop(read) if call_ids else {}
+
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        def read(db: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+            out: dict[str, list[str]] = {}
+            for cid, rid in db.execute(
+                    "SELECT record_calls.call_id, record_calls.record_id FROM record_calls JOIN records "
+                    "USING (record_id) WHERE record_calls.reported = 0 ORDER BY records.pos, record_calls.seq"):
+                if rid not in out.setdefault(cid, []):
+                    out[cid].append(rid)
+            return {cid: tuple(rids) for cid, rids in out.items()}
+
+        return await self._off_loop(read)
+
+    async def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
+        """One query in a connection of its own (a read transaction: a snapshot), sorted by SQLite and
+        fetched a page at a time in a worker thread."""
+        if not agents:
+            return
+        marks = ",".join("?" * len(agents))
+        db = await asyncio.to_thread(sqlite3.connect, self.path, check_same_thread=False)
+        try:
+            cursor = await asyncio.to_thread(
+                db.execute, f"SELECT doc FROM reports WHERE agent IN ({marks}) "
+                "ORDER BY COALESCE(json_extract(doc, '$.started_at'), 0), call_id", agents)
+            while True:
+                docs = await asyncio.to_thread(lambda: [json.loads(r[0]) for r in cursor.fetchmany(page)])
+                if not docs:
+                    return
+                yield docs
+        finally:
+            await asyncio.to_thread(db.close)
+
+    async def reports_among(self, call_ids: list[str]) -> list[Doc]:
+        def read(db: sqlite3.Connection) -> list[Doc]:
+            out: list[Doc] = []
+            for part in range(0, len(call_ids), 500):
+                ids = call_ids[part:part + 500]
+                marks = ",".join("?" * len(ids))
+                rows = db.execute(f"SELECT doc FROM reports WHERE call_id IN ({marks})", ids)
+                out += [json.loads(r[0]) for r in rows]
+            return out
+
+        return await self._off_loop(read) if call_ids else []
 
     # -- leases ---------------------------------------------------------------------------------------
     @_writes

@@ -1,0 +1,203 @@
+"""Big records: the time to write the termination record of an agent with N calls, and what it costs the
+control plane meanwhile (its RSS, and how late ``/healthz`` answers), on SQLite and on Redis.
+
+Run: python bench/bench_records.py                 (N = 200,000; several minutes)
+     python bench/bench_records.py --calls 20000   (a quick run; --store sqlite|redis|both)
+
+Real processes: ``tether controlplane serve`` (the harness's ``ControlPlaneProcess``) over a SQLite file and
+over a ``redis-server`` started here. Two agents are granted through the API (``POST /v1/chains/register``):
+``big`` gets N final call reports, ``small`` one (the baseline, measured in the same control plane just
+before). The reports go straight into the store (the same ``Store`` class, a connection of the bench's own:
+delivering 200,000 reports through signed sidecar requests would measure ingest, not the record). Each
+agent is then terminated (``abort``, window 0) through the API, and until its termination is ``terminated``
+a thread reads the control plane's RSS (``/proc/PID/status``) every 20 ms and another asks ``/healthz``
+back to back. Reported: request -> terminated, reconciling -> terminated (the record itself, from the
+termination's history), the record's size, the peak RSS during it over the RSS before, and the worst and
+median ``/healthz`` latency during it; and the ratio of each to the 1-call baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from capability.chain import parse_chain_unverified  # noqa: E402
+from controlplane.store import open_store_url  # noqa: E402
+from tests.harness import ControlPlaneProcess, RedisServer, prepare_controlplane  # noqa: E402
+
+BATCH = 5000
+
+
+def report_doc(agent: str, link: str, i: int, now: float) -> dict[str, Any]:
+    """A stored report as ``RecordService.ingest`` leaves it (the shape of ``proxy.state.Call.report()``)."""
+    resolution = ("completed", "completed", "completed", "refused", "unknown")[i % 5]
+    return {"call_id": f"{agent}-{i:07d}", "agent": agent, "method": "GET",
+            "url": f"http://127.0.0.1:9000/repos/tether/bench/issues/{i}", "started_at": now + i * 1e-3,
+            "capability": "issues.read", "tier": "direct", "resolution": resolution,
+            "status": 200 if resolution == "completed" else None, "code": None,
+            "ended_at": now + i * 1e-3 + 0.004, "capture_ref": f"captures/flows.mitm#{i * 2048}",
+            "termination_id": None, "detail": None, "link": link, "run_id": f"run-bench-{agent}",
+            "received_at": now + i * 1e-3 + 0.5}
+
+
+async def fill(store_url: str, agent: str, link: str, calls: int) -> None:
+    store = open_store_url(store_url)
+    await store.open()
+    try:
+        now = time.time() - calls * 1e-3 - 60
+        for start in range(0, calls, BATCH):
+            await store.put_reports([report_doc(agent, link, i, now) for i in range(start, min(calls, start + BATCH))])
+    finally:
+        await store.close()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Watch:
+    """RSS and /healthz latency of the control plane, sampled from threads until stopped."""
+
+    def __init__(self, cp: ControlPlaneProcess) -> None:
+        self.cp = cp
+        self.rss: list[int] = []
+        self.health: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._sample_rss), threading.Thread(target=self._ask_health)]
+
+    def __enter__(self) -> Watch:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def _sample_rss(self) -> None:
+        assert self.cp.proc is not None
+        while not self._stop.is_set():
+            self.rss.append(rss_kib(self.cp.proc.pid))
+            time.sleep(0.02)
+
+    def _ask_health(self) -> None:
+        while not self._stop.is_set():
+            began = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.cp.url + "/healthz", timeout=30) as resp:
+                    resp.read()
+            except OSError:
+                self.failures += 1
+            self.health.append(time.perf_counter() - began)
+            time.sleep(0.01)
+
+
+def terminate(cp: ControlPlaneProcess, agent: str) -> dict[str, Any]:
+    client = cp.client()
+    client.timeout = 120
+    assert cp.proc is not None
+    before = rss_kib(cp.proc.pid)
+    with Watch(cp) as watch:
+        sent = time.time()
+        tid = client.request("POST", f"/v1/agents/{agent}/terminate",
+                             {"mode": "abort", "window_s": 0, "reason": "bench"})["termination_id"]
+        while True:
+            doc = client.request("GET", f"/v1/terminations/{tid}")
+            if doc["state"] == "terminated":
+                break
+            time.sleep(0.05)
+        done = time.time()
+    reconciling = next(step["at"] for step in doc["history"] if step["state"] == "reconciling")
+    summary = client.request("GET", "/v1/records")
+    record = next(r for r in summary if r["termination_id"] == tid)
+    return {"calls": len(record["calls"]), "elapsed_s": done - sent, "record_s": doc["completed_at"] - reconciling,
+            "rss_before_mib": before / 1024, "rss_peak_mib": max(watch.rss, default=before) / 1024,
+            "rss_growth_mib": (max(watch.rss, default=before) - before) / 1024,
+            "health_max_ms": max(watch.health) * 1000, "health_p50_ms": statistics.median(watch.health) * 1000,
+            "health_asked": len(watch.health), "health_failed": watch.failures}
+
+
+def measure(directory: Path, store: str, calls: int, redis: RedisServer | None) -> dict[str, Any]:
+    cp = prepare_controlplane(directory, 1, 2, 3, grace=0.2, lease_ttl=3.0,
+                              store=redis.url(0) if redis else None)
+    cp.start()
+    try:
+        client = cp.client()
+        links = {}
+        for agent in ("small", "big"):
+            ident = cp.issue(agent, {"issues.read": "direct"})
+            client.request("POST", "/v1/chains/register", {"chain": ident.wire})
+            links[agent] = parse_chain_unverified(ident.wire)[-1].hash
+        store_url = redis.url(0) if redis else f"sqlite:///{directory / 'tether.db'}"
+        asyncio.run(fill(store_url, "small", links["small"], 1))
+        filled = time.perf_counter()
+        asyncio.run(fill(store_url, "big", links["big"], calls))
+        print(f"  {store}: {calls:,} reports stored in {time.perf_counter() - filled:.1f} s", flush=True)
+        time.sleep(5.5)  # past the termination driver's reconnection grace after its start
+        base = terminate(cp, "small")
+        big = terminate(cp, "big")
+        return {"store": store, "base": base, "big": big}
+    finally:
+        cp.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200_000)
+    parser.add_argument("--store", choices=["sqlite", "redis", "both"], default="both")
+    args = parser.parse_args()
+    print(f"bench_records: Python {platform.python_version()}, nproc {os.cpu_count()}, load average "
+          f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    directory = Path(tempfile.mkdtemp(prefix="tether-bench-records-"))
+    rows = []
+    redis = None
+    try:
+        if args.store in ("sqlite", "both"):
+            rows.append(measure(directory / "sqlite", "sqlite", args.calls, None))
+        if args.store in ("redis", "both"):
+            redis = RedisServer(directory / "redis-server").start()
+            rows.append(measure(directory / "redis", "redis", args.calls, redis))
+    finally:
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    print("\n| store | calls | request -> terminated | record written (reconciling -> terminated) | "
+          "control-plane RSS before -> peak | /healthz worst (median) meanwhile | /healthz failed |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        for name in ("base", "big"):
+            r = row[name]
+            print(f"| {row['store']} | {r['calls']:,} | {r['elapsed_s']:.2f} s | {r['record_s']:.2f} s | "
+                  f"{r['rss_before_mib']:.0f} -> {r['rss_peak_mib']:.0f} MiB | {r['health_max_ms']:.0f} ms "
+                  f"({r['health_p50_ms']:.1f} ms) | {r['health_failed']} of {r['health_asked']} |")
+    print("\nRatios, big against the 1-call baseline of the same control plane:")
+    for row in rows:
+        b, g = row["base"], row["big"]
+        print(f"  {row['store']}: request -> terminated {g['elapsed_s'] / b['elapsed_s']:.1f}x, "
+              f"RSS growth {g['rss_growth_mib']:.0f} MiB (baseline {b['rss_growth_mib']:.0f} MiB), "
+              f"/healthz worst {g['health_max_ms'] / max(b['health_max_ms'], 0.1):.1f}x, "
+              f"median {g['health_p50_ms'] / max(b['health_p50_ms'], 0.01):.1f}x")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

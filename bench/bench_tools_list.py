@@ -1,0 +1,277 @@
+"""A large MCP ``tools/list`` answer through the sidecar: the list filter's cost, and what it does to other calls.
+
+Run: .venv/bin/python bench/bench_tools_list.py            (~1-3 minutes on 2 cores; --quick for a smoke run)
+     .venv/bin/python bench/bench_tools_list.py --mb 10 --rounds 5 --piece 16384
+
+An MCP-ish upstream in a process of its own (aiohttp, POST /mcp) answers ``tools/list`` with about ``--mb`` MB of
+tools (``--tools`` of them, descriptions padded to fit), as one SSE event (``text/event-stream``, a single
+``data:`` line of that size, the shape that made the filter quadratic) or as one JSON body, written in
+``--piece``-byte writes, each awaited (so the proxy reads the answer in many pieces). ``tools/call`` of ``add``
+answers a few bytes at once.
+
+Three setups, all with the same aiohttp client and rounds alternating: *direct* (no proxy), *mitmdump* (bare
+mitmproxy, no addons: the cost of the proxy alone) and *tether* (a real ``tether sidecar`` process under a real
+control plane, the agent granted ``add`` and ``--granted`` of the listed tools, so the sidecar reads and
+filters every byte and passes the granted part). Printed per answer kind and setup, medians over the rounds:
+the time to read the whole answer (its ratio to direct and to mitmdump), and the time to read it and parse it
+as an MCP client does before it can use the list (``json.loads`` of the body, or of each event's data). Target:
+tether's read + parse within 1.5x of direct's (what an agent waits for before it has the tools). Read alone
+cannot get there for any proxy that filters: the sidecar must parse the whole answer before it knows what to
+pass, which costs about what the direct client's own parse costs.
+
+Meanwhile a second client, in a process of its own and on its own connection through the same proxy, calls
+``add`` every 20 ms: its latency while the big answer is in flight (from the request until the big client has
+it) against the same call's latency with nothing else going on (printed as p50 and max per setup). A proxy
+that is busy filtering delays it; so does the upstream while it writes the big answer, and the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import aiohttp  # noqa: E402
+import bench_sidecar as bs  # noqa: E402
+
+from tests.harness import SidecarProcess, free_port, make_test_ca, prepare_controlplane  # noqa: E402
+
+TARGET = 1.5  # tether's tools/list time against direct
+SETUPS = ("direct", "mitmdump", "tether")
+KINDS = ("sse", "json")
+
+# The upstream in a process of its own. argv: port, tools, MB, piece. Prints "ready" once listening.
+UPSTREAM_CODE = r"""
+import asyncio, json, sys
+from aiohttp import web
+port, count, mb, piece = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+pad = max(0, int(mb * 1024 * 1024 / count) - 120)
+tools = [{"name": "add", "description": "adds", "inputSchema": {"type": "object"}}]
+tools += [{"name": f"tool_{i:06d}", "description": f"tool {i} " + "x" * pad,
+           "inputSchema": {"type": "object", "properties": {"q": {"type": "string"}}}} for i in range(count)]
+
+def answer(msg_id):
+    return json.dumps({"jsonrpc": "2.0", "id": msg_id, "result": {"tools": tools}}).encode()
+
+async def mcp(request):
+    sent = json.loads(await request.read())
+    if sent.get("method") != "tools/list":
+        return web.json_response({"jsonrpc": "2.0", "id": sent.get("id"),
+                                  "result": {"content": [{"type": "text", "text": "2"}]}})
+    body = answer(sent["id"])
+    sse = request.headers.get("x-kind") == "sse"
+    if sse:
+        body = b"event: message\ndata: " + body + b"\n\n"
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else "application/json"})
+    resp.content_length = len(body)
+    await resp.prepare(request)
+    view = memoryview(body)
+    for i in range(0, len(body), piece):
+        await resp.write(view[i:i + piece])
+    await resp.write_eof()
+    return resp
+
+app = web.Application(client_max_size=64 * 1024 * 1024)
+app.router.add_post("/mcp", mcp)
+print("size", len(answer(1)), flush=True)
+web.run_app(app, host="127.0.0.1", port=port, print=lambda *_: print("ready", flush=True), handle_signals=True)
+"""
+
+
+class Upstream:
+    def __init__(self, tools: int, mb: float, piece: int) -> None:
+        self.port = free_port()
+        self.args = [str(self.port), str(tools), str(mb), str(piece)]
+        self.proc: subprocess.Popen[str] | None = None
+        self.size = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def start(self) -> Upstream:
+        self.proc = subprocess.Popen([sys.executable, "-c", UPSTREAM_CODE, *self.args], stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None
+        self.size = int(self.proc.stdout.readline().split()[1])
+        assert self.proc.stdout.readline().strip() == "ready", "upstream failed"
+        return self
+
+    def stop(self) -> None:
+        bs.stop_process(self.proc)
+
+
+HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+
+
+def listed(data: bytes, kind: str) -> list[str]:
+    """The tool names in an answer, parsed as an MCP client parses it (each SSE event's data as JSON)."""
+    if kind == "json":
+        values = [json.loads(data)]
+    else:
+        values = [json.loads(line[5:]) for line in data.split(b"\n") if line.startswith(b"data:") and line[5:].strip()]
+    return [t["name"] for v in values for t in v["result"]["tools"]]
+
+
+async def big_list(session: aiohttp.ClientSession, url: str, proxy: str | None,
+                   kind: str) -> tuple[float, float, int, int]:
+    """(seconds to read the answer, seconds to read and parse it, its bytes, the tools in it)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    start = time.perf_counter()
+    async with session.post(url, data=body, proxy=proxy, headers={**HEADERS, "x-kind": kind}) as resp:
+        data = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"tools/list: {resp.status} {data[:300]!r}")
+    read = time.perf_counter() - start
+    names = listed(data, kind)
+    return read, time.perf_counter() - start, len(data), len(names)
+
+
+ADD = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "add", "arguments": {"a": 1}}})
+
+
+def add_caller(url: str, proxy: str | None, idle_calls: int, go: Any, stop: Any, out: Any) -> None:
+    """The other call, in a process of its own (so the client's own work on the big answer does not delay it):
+    ``idle_calls`` calls of ``add`` alone, then, from ``go`` until ``stop``, one every 20 ms."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    target = urlsplit(url)
+    where = urlsplit(proxy) if proxy else target
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+
+    def one() -> float:
+        start = time.perf_counter()
+        conn.request("POST", url if proxy else target.path, ADD, HEADERS)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200 or b'"2"' not in data:
+            raise RuntimeError(f"tools/call add: {resp.status} {data[:300]!r}")
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        one()  # warm the connection
+    out.put([one() for _ in range(idle_calls)])
+    go.wait()
+    during = []
+    while not stop.is_set():
+        during.append(one())
+        stop.wait(0.02)
+    out.put(during)
+
+
+async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int) -> dict[str, Any]:
+    """The small call alone, then the big list with the small call repeating beside it (another process)."""
+    mp = multiprocessing.get_context("spawn")
+    go, stop, out = mp.Event(), mp.Event(), mp.Queue()
+    caller = mp.Process(target=add_caller, args=(url, proxy, idle_calls, go, stop, out))
+    caller.start()
+    try:
+        idle = await asyncio.to_thread(out.get, True, 120)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as big:
+            go.set()
+            try:
+                elapsed, used, size, tools = await big_list(big, url, proxy, kind)
+            finally:
+                stop.set()
+        during = await asyncio.to_thread(out.get, True, 120)
+    finally:
+        caller.join(30)
+        if caller.is_alive():
+            caller.kill()
+    return {"elapsed": elapsed, "used": used, "size": size, "tools": tools, "idle": idle, "during": during}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=10.0, help="size of the tools/list answer")
+    parser.add_argument("--tools", type=int, default=20000, help="tools in the list (besides add)")
+    parser.add_argument("--granted", type=int, default=200, help="listed tools the agent holds (besides add)")
+    parser.add_argument("--piece", type=int, default=16384, help="bytes per write of the upstream")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 rounds of a 2 MB answer")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.mb, args.tools = 2, 2.0, 4000
+    print(f"tools/list benchmark  {time.strftime('%Y-%m-%d %H:%M')} UTC  nproc {os.cpu_count()}  "
+          f"python {platform.python_version()}  load average {os.getloadavg()[0]:.2f}")
+    work = Path(tempfile.mkdtemp(prefix="tether-bench-list-"))
+    with ExitStack() as stack:
+        upstream = Upstream(args.tools, args.mb, args.piece).start()
+        stack.callback(upstream.stop)
+        ca = make_test_ca(work / "ca")
+        cp = prepare_controlplane(work / "cp", free_port(), free_port(), upstream.port, lease_ttl=15.0)
+        step = max(1, args.tools // max(1, args.granted))
+        granted = [f"tool_{i:06d}" for i in range(0, args.tools, step)][:args.granted]
+        caps = "".join(f'  list.{n}: {{mcp: {{url: "{upstream.url}", tool: {n}}}}}\n' for n in granted)
+        cp.catalog_path.write_text(cp.catalog_path.read_text().replace("roles:", caps + "roles:"))
+        cp.start()
+        stack.callback(cp.stop)
+        sidecar = SidecarProcess(cp, cp.issue("bench-list", {"mcp.add": "direct", **{f"list.{n}": "direct"
+                                                                                       for n in granted}}))
+        stack.callback(sidecar.stop)
+        sidecar.start(upstream_ca=ca.ca_pem)
+        mitm = bs.MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()
+        stack.callback(mitm.stop)
+        proxies = {"direct": None, "mitmdump": mitm.proxy, "tether": sidecar.proxy}
+        print(f"  answer {upstream.size / 1e6:.1f} MB, {args.tools + 1} tools, {len(granted) + 1} granted, "
+              f"upstream writes of {args.piece} bytes, {args.rounds} rounds")
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in KINDS for s in SETUPS}
+        for r in range(args.rounds):
+            for kind in KINDS:
+                order = SETUPS[r % 3:] + SETUPS[:r % 3]  # the order rotates: load hits every setup alike
+                for setup in order:
+                    results[kind, setup].append(asyncio.run(one_round(upstream.url, proxies[setup], kind, 20)))
+            print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+        verdicts = report(results, upstream.size)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}; sidecar log {sidecar.state_dir / 'sidecar.log'}")
+    return 0 if all(verdicts) else 1
+
+
+def report(results: dict[tuple[str, str], list[dict[str, Any]]], size: int) -> list[bool]:
+    verdicts = []
+    print()
+    print("| answer | setup | read s | x direct | x mitmdump | read + parse s | x direct | tools / bytes to the client "
+          "| add p50 idle ms | add p50 during ms | add max during ms | add calls during |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in KINDS:
+        med = {s: statistics.median(r["elapsed"] for r in results[kind, s]) for s in SETUPS}
+        used = {s: statistics.median(r["used"] for r in results[kind, s]) for s in SETUPS}
+        for setup in SETUPS:
+            rows = results[kind, setup]
+            idle = [x for r in rows for x in r["idle"]]
+            during = [x for r in rows for x in r["during"]]
+            print(f"| {kind} | {setup} | {med[setup]:.3f} | {med[setup] / med['direct']:.2f} | "
+                  f"{med[setup] / med['mitmdump']:.2f} | {used[setup]:.3f} | {used[setup] / used['direct']:.2f} | "
+                  f"{rows[-1]['tools']} / {rows[-1]['size']} | {ms(statistics.median(idle))} | "
+                  f"{ms(statistics.median(during)) if during else '-'} | {ms(max(during)) if during else '-'} | "
+                  f"{len(during)} |")
+        ok = used["tether"] / used["direct"] <= TARGET
+        verdicts.append(ok)
+        print(f"|   | {kind}: tether read + parse {used['tether'] / used['direct']:.2f}x direct, target <= {TARGET}x: "
+              f"{'met' if ok else 'MISSED'}; read alone {med['tether'] / med['direct']:.2f}x direct, "
+              f"{med['tether'] / med['mitmdump']:.2f}x mitmdump |")
+    return verdicts
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,258 @@
+"""Big records (issue 29, item 6): the record of an agent with tens of thousands of calls, written a page at a
+time by a real control-plane process on SQLite and on Redis.
+
+Each call is in the record exactly once with the resolution it was reported with, calls written ahead and
+never ended are ``unknown``, ``tether records verify`` holds online and offline (``--file``), ``records show``
+reads it, and ``/healthz`` answers while the record is written (requests sent after the termination entered
+``reconciling`` and answered before it was ``terminated``, on the control plane's own timestamps). Records
+stored whole, by a control plane from before records were stored apart from their calls, still read and
+verify the same. Speed and memory are in ``bench/bench_records.py`` (bench/RESULTS.md), never asserted here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capability import keys
+from capability.chain import parse_chain_unverified
+from capability.jsonpieces import canonical_json
+from controlplane import termination as proto
+from controlplane.metrics import Metrics
+from controlplane.services.records import RecordService
+from controlplane.store import open_store_url
+
+from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, RedisServer, prepare_controlplane, wait_until
+
+CALLS = 20_000
+STARTS = 7  # written ahead, never ended: the record lists them unknown
+RESOLUTIONS = ("completed", "completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown")
+
+
+def report(agent: str, link: str, i: int, now: float) -> dict[str, Any]:
+    resolution = RESOLUTIONS[i % len(RESOLUTIONS)]
+    # Starts out of call-id order (i * 7919 mod CALLS), so the record's order (by start) is not the store's.
+    started = now + ((i * 7919) % CALLS) * 1e-3
+    return {"call_id": f"{agent}-{i:06d}", "agent": agent, "method": "GET",
+            "url": f"http://127.0.0.1:9/issues/{i}", "started_at": started, "capability": "issues.read",
+            "tier": "direct", "resolution": resolution, "status": 200 if resolution == "completed" else None,
+            "code": None, "ended_at": started + 0.002, "capture_ref": None, "termination_id": None, "detail": None,
+            "link": link, "run_id": "run-big", "received_at": started + 0.5}
+
+
+async def fill(store_url: str, agent: str, link: str) -> None:
+    store = open_store_url(store_url)
+    await store.open()
+    try:
+        now = time.time() - 3600
+        for start in range(0, CALLS, 5000):
+            await store.put_reports([report(agent, link, i, now) for i in range(start, min(CALLS, start + 5000))])
+        await store.put_starts([{**report(agent, link, CALLS + i, now), "resolution": None}
+                                for i in range(STARTS)])
+    finally:
+        await store.close()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ControlPlaneProcess]:
+    redis = RedisServer(tmp_path / "redis").start() if request.param == "redis" else None
+    proc = prepare_controlplane(tmp_path / "cp", 1, 2, 3, grace=0.2, store=redis.url(0) if redis else None)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        if redis is not None:
+            redis.stop()
+
+
+def cli(cp: ControlPlaneProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "cli", *args, "--controlplane", cp.url], capture_output=True, text=True,
+                          env={**cp.env(), "TETHER_ADMIN_TOKEN": ADMIN_TOKEN}, timeout=180)
+
+
+class HealthProbe:
+    """Asks /healthz back to back from a thread: (sent, answered, status) of each answer, wall clock."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[tuple[float, float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.time()
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=60) as resp:
+                    self.answers.append((sent, time.time(), resp.status))
+            except OSError:
+                self.answers.append((sent, time.time(), 0))
+            time.sleep(0.005)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(70)
+
+
+def test_a_big_record_holds_every_call_once_verifies_and_healthz_answers(cp: ControlPlaneProcess,
+                                                                           tmp_path: Path) -> None:
+    admin = cp.client()
+    admin.timeout = 120
+    ident = cp.issue("big", {"issues.read": "direct"})
+    admin.request("POST", "/v1/chains/register", {"chain": ident.wire})
+    link = parse_chain_unverified(ident.wire)[-1].hash
+    asyncio.run(fill(cp.store or f"sqlite:///{cp.directory / 'tether.db'}", "big", link))
+
+    with HealthProbe(cp.url) as probe:
+        tid = admin.request("POST", "/v1/agents/big/terminate", {"mode": "abort", "window_s": 0,
+                                                                 "reason": "big"})["termination_id"]
+        doc = wait_until(lambda: (d := admin.request("GET", f"/v1/terminations/{tid}"))["state"] == "terminated"
+                         and d, 120, 0.1, "the termination to end in a record")
+    reconciling = next(step["at"] for step in doc["history"] if step["state"] == "reconciling")
+    during = [a for a in probe.answers if a[0] >= reconciling and a[1] <= doc["completed_at"]]
+    assert during and all(status == 200 for _, _, status in during), (reconciling, doc["completed_at"], during[:5])
+
+    record = admin.request("GET", f"/v1/records/{tid}")
+    reported = [c for c in record["calls"] if c.get("reported", True)]
+    ids = [c["call_id"] for c in reported]
+    assert len(ids) == len(set(ids)) == CALLS
+    now = 0.0  # only the order matters
+    want = {f"big-{i:06d}": RESOLUTIONS[i % len(RESOLUTIONS)] for i in range(CALLS)}
+    assert {c["call_id"]: c["resolution"] for c in reported} == want
+    assert [proto.in_order_key(c) for c in reported] == sorted(proto.in_order_key(c) for c in reported)
+    unknown = [c for c in record["calls"] if c.get("reported", True) is False]
+    assert sorted(c["call_id"] for c in unknown) == [f"big-{CALLS + i:06d}" for i in range(STARTS)]
+    assert all(c["resolution"] == "unknown" for c in unknown) and now == 0.0
+    assert [u["agent"] for u in record["agents_unaccounted"]] == ["big"]  # no sidecar ever answered for it
+
+    # The hash is over the whole record, its canonical JSON, as for any record: verify online, and offline.
+    assert record["hash"] == proto.record_hash(record)
+    online = cli(cp, "records", "verify")
+    assert online.returncode == 0 and "ok: 1 record(s)" in online.stdout, online.stdout + online.stderr
+    saved = tmp_path / "records.json"
+    with urllib.request.urlopen(urllib.request.Request(cp.url + "/v1/records",
+                                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}), timeout=120) as resp:
+        saved.write_bytes(resp.read())
+    assert json.loads(saved.read_bytes())[0] == record
+    offline = cli(cp, "records", "verify", "--file", str(saved), "--trust", f"{cp.signing_key_path}.pub")
+    assert offline.returncode == 0, offline.stdout + offline.stderr
+    shown = cli(cp, "records", "show", record["record_id"])
+    assert shown.returncode == 0 and f"calls: {CALLS + STARTS}" in shown.stdout, shown.stderr
+
+
+# -- records stored whole, by a control plane from before ----------------------------------------------------
+def old_record(signing: Any) -> dict[str, Any]:
+    term = proto.new_termination("term-old", "old", "abort", 0, "", "admin", 100.0, ["old"], 1.0)
+    calls = [{"call_id": f"old-{i}", "agent": "old", "method": "GET", "url": "http://x/é", "started_at": 100.0 + i,
+              "capability": "issues.read", "resolution": "completed", "status": 200, "capture_ref": None}
+             for i in range(70)]
+    starts = [{"call_id": "old-lost", "agent": "old", "started_at": 99.0, "method": "GET", "url": "http://x/"}]
+    record = proto.build_record(term, record_id="rec-old", reports=calls, links=[], revocations={}, runs=[],
+                                acks={}, prev_hash="", now=101.0, starts=starts)
+    return proto.seal(record, signing)
+
+
+async def read_back(url: str, public: Any) -> tuple[list[dict[str, Any]], dict[str, Any], bool]:
+    store = open_store_url(url)
+    await store.open()
+    try:
+        in_place = (await RecordService(store, Metrics(), time.time).verify(public)).ok  # a page at a time
+        return await store.records(), await store.call_holders(["old-3", "old-lost", "nobody"]), in_place
+    finally:
+        await store.close()
+
+
+def check_read_back(url: str, whole: dict[str, Any], public: Any) -> None:
+    for _ in range(2):  # split once on the first open; the same on the next
+        records, holders, in_place = asyncio.run(read_back(url, public))
+        assert records == [whole]
+        assert proto.verify_records(records, public).ok and in_place
+        assert holders == {"old-3": ("rec-old", ()), "old-lost": (None, ("rec-old",))}
+
+
+def test_a_record_stored_whole_by_an_older_sqlite_store_reads_and_verifies(tmp_path: Path) -> None:
+    signing = keys.generate()
+    whole = old_record(signing)
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE records (pos INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT UNIQUE NOT NULL, "
+               "prev_hash TEXT UNIQUE NOT NULL, doc TEXT NOT NULL)")
+    db.execute("INSERT INTO records (hash, prev_hash, doc) VALUES (?, ?, ?)",
+               (whole["hash"], "", json.dumps(whole)))
+    db.commit()
+    db.close()
+    check_read_back(f"sqlite:///{path}", whole, signing.public_key())
+
+
+def test_a_record_stored_whole_by_an_older_redis_store_reads_and_verifies(tmp_path: Path) -> None:
+    signing = keys.generate()
+    whole = old_record(signing)
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        assert redis.command("RPUSH", "tether:0:records", json.dumps(whole)).startswith(b":1")
+        assert redis.command("SET", "tether:0:records:head", whole["hash"]).startswith(b"+OK")
+        check_read_back(redis.url(0), whole, signing.public_key())
+    finally:
+        redis.stop()
+
+
+def test_record_pieces_are_the_canonical_json_of_the_whole_record() -> None:
+    record = old_record(keys.generate())
+    header = {k: v for k, v in record.items() if k != "calls"}
+    entries = [proto.encode_entry(c) for c in record["calls"]]
+    assert "".join(proto.record_pieces(header, entries)).encode() == canonical_json(record)
+    assert "".join(proto.record_pieces(header, [])).encode() == canonical_json({**header, "calls": []})
+
+
+# -- the order a record's calls come in, from both stores ------------------------------------------------------
+async def paged(url: str, reports: list[dict[str, Any]], agents: list[str], page: int) -> list[str]:
+    store = open_store_url(url)
+    await store.open()
+    try:
+        await store.put_reports(reports)
+        out: list[str] = []
+        async for batch in store.report_pages(agents, page):
+            assert 0 < len(batch) <= page
+            out += [r["call_id"] for r in batch]
+            if len(out) == 5:  # a report arriving mid-read, sorting after the point reached: read once
+                await store.put_reports([{**reports[0], "call_id": "z-late", "agent": "a", "started_at": 1e12}])
+        return out
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_report_pages_come_in_the_record_order_across_agents(kind: str, tmp_path: Path) -> None:
+    now = 1000.0
+    reports = []
+    for i in range(60):  # three agents, starts interleaved, ties on the start (call id decides), one without
+        agent = "abc"[i % 3]
+        started = None if i == 17 else now + (i // 4)
+        reports.append({**report(agent, "link", i, now), "call_id": f"{agent}-{(i * 37) % 101:03d}",
+                        "started_at": started})
+    want = [r["call_id"] for r in sorted(reports, key=proto.in_order_key)] + ["z-late"]
+    assert len(set(want)) == len(want)
+    redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    try:
+        url = redis.url(0) if redis else f"sqlite:///{tmp_path / 'order.db'}"
+        got = asyncio.run(paged(url, reports, ["a", "b", "c"], 7))
+    finally:
+        if redis is not None:
+            redis.stop()
+    assert [c for c in got if c != "z-late"] == want[:-1]
+    assert got.count("z-late") <= 1 and (got[-1] == "z-late" or "z-late" not in got)
