@@ -49,6 +49,10 @@ FILE_EXISTS = "tether.file_exists"  # a key (or other file tether creates) is al
 SIGNING_KEY_MISMATCH = "tether.signing_key_mismatch"  # the signing key did not sign the record log it would extend
 MCP_SESSION_UNKNOWN = "tether.mcp_session_unknown"  # an Mcp-Session-Id this sidecar run did not see issued
 CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected credential goes only over verified TLS
+# An approval-tier call whose body is past what an approver is shown whole (or has no end in sight): refused.
+APPROVAL_BODY_TOO_LARGE = "tether.approval_body_too_large"
+# A sidecar run (or link) already has as many calls waiting for a person as the control plane keeps.
+APPROVAL_QUEUE_FULL = "tether.approval_queue_full"
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

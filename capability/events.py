@@ -19,6 +19,15 @@ KINDS = (REVOKE, COMMAND, APPROVAL)
 PENDING, APPROVED, DENIED, CANCELLED, EXPIRED = "pending", "approved", "denied", "cancelled", "expired"
 DECISIONS = (APPROVED, DENIED, CANCELLED)
 
+# Where a pending approval comes from, as the control plane can tell: ``held`` when the sidecar run that filed it
+# lists the call held in its last heartbeat, ``filed`` when no run of the link does (a request made with the
+# agent's key outside a held call, or one whose sidecar has not sent its next heartbeat yet).
+HELD, FILED = "held", "filed"
+
+# The most of a held call's body an approver is shown, whole (bytes): the sidecar refuses an approval-tier call
+# with a longer body and the control plane files none (``tether.approval_body_too_large``).
+APPROVAL_BODY_LIMIT = 1024 * 1024
+
 
 def by_termination(termination_id: str) -> str:
     """Who acted, when a termination did (a revocation's ``by``, a cancelled approval's ``decided_by``)."""

@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .budget import TIERS
 from .errors import BAD_REQUEST, TetherError
-from .shared import RESOLUTIONS  # noqa: F401  (what a report's resolution may be, re-exported)
+from .shared import RESOLUTIONS  # the documented list, imported where it is named (never copied)
 
 MAX_CALL_ID = 200
 MAX_RUN_ID = 64
@@ -114,3 +115,36 @@ def _kind(value: Any) -> str:
     if isinstance(value, int | float):
         return "a number"
     return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")
+
+
+_STATUS_RANGE = (100, 599)
+
+
+def read_final(doc: Any, where: str = "the report") -> dict[str, Any]:
+    """A final report (``read_doc``) that also says what the call became: a ``resolution`` from the documented
+    list (``capability.shared.RESOLUTIONS``), a ``tier`` a grant can name, an HTTP ``status``. The control plane
+    stores the first report of a call and drops later ones as duplicates, so a report it cannot read as the
+    sidecar writes it must be refused, never kept in place of the true one."""
+    values = read_doc(doc, where)
+    resolution = values["resolution"]
+    if resolution is None:
+        raise ReportInvalid(f"{where} needs 'resolution' (one of {', '.join(RESOLUTIONS)})", field="resolution")
+    if resolution not in RESOLUTIONS:
+        raise ReportInvalid(f"{where}: 'resolution' must be one of {', '.join(RESOLUTIONS)}, not {resolution[:64]!r}",
+                            field="resolution")
+    if values["tier"] is not None and values["tier"] not in TIERS:
+        raise ReportInvalid(f"{where}: 'tier' must be one of {', '.join(TIERS)}, not {values['tier'][:64]!r}",
+                            field="tier")
+    status = values["status"]
+    if status is not None and not _STATUS_RANGE[0] <= status <= _STATUS_RANGE[1]:
+        raise ReportInvalid(f"{where}: 'status' must be an HTTP status (100-599), not {status}", field="status")
+    return values
+
+
+def read_start(doc: Any, where: str = "the start") -> dict[str, Any]:
+    """A write-ahead start (``read_doc``): a call that has not ended names no resolution."""
+    values = read_doc(doc, where)
+    if values["resolution"] is not None:
+        raise ReportInvalid(f"{where}: a start has no 'resolution' (send the call's end as a report)",
+                            field="resolution")
+    return values

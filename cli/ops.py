@@ -48,6 +48,9 @@ def add_approvals(sub: Any) -> None:
     p.add_argument("id", nargs="?", help="the approval (show, approve, deny)")
     p.add_argument("--call-hash", help="approve only if the held call is still this one (from approvals show)")
     p.add_argument("--all", action="store_true", help="list decided ones too")
+    p.add_argument("--agent", help="list only this agent's approvals")
+    p.add_argument("--origin", choices=["held", "filed"],
+                   help="list only calls a sidecar run reports held, or only requests filed without one")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_approvals)
 
@@ -150,7 +153,8 @@ def cmd_approvals(args: argparse.Namespace) -> int:
         request_line = printable(f"{doc['method']} {doc['url']}", "")
         print(f"{doc['id']}: {doc['status']} ({doc['agent']} {request_line})")
         return 0
-    docs = c.request("GET", "/v1/approvals" + ("" if args.all else "?status=pending"))
+    query = {"status": None if args.all else "pending", "agent": args.agent, "origin": args.origin}
+    docs = c.request("GET", "/v1/approvals" + _query(query))  # every match: no page is left out
     if args.json:
         _print_json(docs)
         return 0
@@ -158,9 +162,29 @@ def cmd_approvals(args: argparse.Namespace) -> int:
         print("no pending approvals" if not args.all else "no approvals")
     for d in docs:
         request_line = printable(f"{d['method']} {d['url']}", "")
-        print(f"{d['id']}  {d['status']:<9} {d['agent']:<16} {d['capability']:<28} {request_line}  "
-              f"(asked {ago(d['requested_at'])}{decided_text(d)})")
+        print(f"{d['id']}  {d['status']:<9} {d.get('origin') or '':<5} {printable(d['agent'], ''):<16} "
+              f"{printable(str(d['capability']), ''):<28} {request_line}  (asked {ago(d['requested_at'])}"
+              f"{decided_text(d)})")
+    print_pending_counts(c.request("GET", "/v1/approvals/summary"))
     return 0
+
+
+def _query(params: dict[str, str | None]) -> str:
+    from urllib.parse import urlencode
+
+    given = {k: v for k, v in params.items() if v is not None}
+    return "?" + urlencode(given) if given else ""
+
+
+def print_pending_counts(summary: dict) -> None:
+    """How many calls wait, per agent, held calls and filed requests apart: a flood of one agent's requests
+    never hides another's held call."""
+    if not summary["pending"]:
+        return
+    print(f"\n{summary['pending']} pending ({summary['held']} held by a sidecar, {summary['filed']} filed "
+          "without a held call):")
+    for agent, counts in summary["agents"].items():
+        print(f"  {printable(agent, ''):<24} {counts['pending']:>5}  ({counts['held']} held, {counts['filed']} filed)")
 
 
 def _confirmed_text(entry: dict | str, acks: dict) -> str:
@@ -177,7 +201,9 @@ def print_approval(doc: dict) -> None:
     Everything the agent wrote (URL, headers, body) is printed with control characters escaped: a body that
     carries terminal escapes (a carriage return, "erase line", "hidden text") must not show the approver
     another request than the one that would leave."""
-    print(f"approval {doc['id']}: {doc['status']}  (asked {ago(doc['requested_at'])})")
+    origin = {"held": "  a call its sidecar holds", "filed": "  filed: no sidecar run reports holding this call"}
+    print(f"approval {doc['id']}: {doc['status']}  (asked {ago(doc['requested_at'])})"
+          + origin.get(doc.get("origin") or "", ""))
     print(f"  agent       {doc['agent']}   chain {' > '.join(doc.get('chain') or [doc['agent']])}")
     print(f"  capability  {doc.get('capability')}")
     print(f"  deciders    {', '.join(doc.get('deciders') or ['admin'])}{decided_text(doc)}")
@@ -191,7 +217,7 @@ def print_approval(doc: dict) -> None:
     for name, value in req.get("headers", []):
         print(f"{printable(name, '')}: {printable(value, '')}")
     size = req.get("body_size", 0)
-    note = f"{size} bytes" + (f", first {len(req.get('body', ''))} shown" if req.get("body_truncated") else "")
+    note = f"{size} bytes" + (f", first {len(req.get('body', ''))} shown" if req.get("body_truncated") else ", whole")
     print(f"\n{printable(req.get('body', ''))}" + ("" if req.get("body_encoding") == "text" else "  (base64)"))
     print(f"-- body: {note}")
 

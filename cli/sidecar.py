@@ -228,12 +228,14 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     sidecar = Sidecar(config)
     try:
         await prepare(sidecar, config.controlplane)
-        if sidecar.retired:
-            status(await sidecar.retire())
-            return RETIRED
+        retired = await sidecar.retire() if sidecar.retired else None
     except BaseException:
-        await sidecar.channel.close()
+        await sidecar.close_sessions()
         raise
+    if retired is not None:
+        await sidecar.close_sessions()  # before the one line: nothing may follow it on stderr
+        status(retired)
+        return RETIRED
     try:
         host, port = await sidecar.start_proxy()
         await keep_trying(sidecar.begin, config.controlplane)

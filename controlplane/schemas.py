@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from capability.chain import MAX_LINKS
-from capability.events import APPROVED, CANCELLED, DENIED, EXPIRED, PENDING
+from capability.events import APPROVAL_BODY_LIMIT, APPROVED, CANCELLED, DENIED, EXPIRED, FILED, HELD, PENDING
+from capability.shared import RESOLUTIONS
 
 Schema = dict[str, Any]
 
@@ -103,6 +104,16 @@ CALL: Schema = obj({
     "detail": nullable(STR),
 }, "call_id", description="A call report or start (capability.report.CallReport); fields beyond these are not "
    "kept")
+# A final report (capability.report.read_final): what the call became, from the documented list. A batch with
+# one report that is not so is refused whole (400 tether.bad_request naming the field); nothing is stored.
+FINAL_CALL: Schema = {**CALL, "required": ["call_id", "resolution"], "properties": {
+    **CALL["properties"], "resolution": {"type": "string", "enum": list(RESOLUTIONS)},
+    "tier": {"anyOf": [TIER, {"type": "null"}]},
+    "status": nullable({"type": "integer", "minimum": 100, "maximum": 599})},
+    "description": "A call's final report (capability.report.read_final): its resolution is one of the list"}
+# A write-ahead start names no resolution.
+START: Schema = {**CALL, "properties": {**CALL["properties"], "resolution": {"type": "null"}},
+                 "description": "A call's write-ahead start (capability.report.read_start): no resolution yet"}
 HEARTBEAT_REQUEST = obj({
     "state": {"type": ["string", "null"], "maxLength": 32},
     "inflight": nullable(array(ANY_OBJ)),
@@ -115,18 +126,22 @@ HEARTBEAT_REQUEST = obj({
     "revocations_held": nullable({"type": "object", "additionalProperties": NUM,
                                   "description": "jti -> seconds since the sidecar learned of its revocation"}),
 })
-REPORTS_REQUEST = obj({"reports": nullable(array(CALL)), "starts": nullable(array(CALL))})
+REPORTS_REQUEST = obj({"reports": nullable(array(FINAL_CALL)), "starts": nullable(array(START))})
 HELD_REQUEST: Schema = obj({
-    "method": {"type": "string", "maxLength": 1024},
+    "method": {"type": "string", "maxLength": 32},
     "url": {"type": "string", "maxLength": 65536},
-    "headers": array(array(STR, minItems=2, maxItems=2)),
-    "body": STR,
+    "headers": array(array({"type": "string", "maxLength": 65536}, minItems=2, maxItems=2), maxItems=500),
+    "body": {"type": "string", "maxLength": 4 * ((APPROVAL_BODY_LIMIT + 2) // 3),
+             "description": "the whole body (base64 when body_encoding says so)"},
     "body_encoding": {"type": "string", "enum": ["text", "base64"]},
-    "body_size": {"type": ["integer", "null"], "minimum": -1},
-    "body_truncated": nullable(BOOL),
-    "body_streamed": nullable(BOOL),
+    "body_size": {"type": "integer", "minimum": 0, "maximum": APPROVAL_BODY_LIMIT},
+    "body_truncated": {"type": ["boolean", "null"], "enum": [False, None],
+                       "description": "never true: a cut body is refused (413 tether.approval_body_too_large)"},
+    "body_streamed": {"type": ["boolean", "null"], "enum": [False, None],
+                      "description": "never true: a body streamed past the approver is refused"},
     "call_hash": nullable({"type": "string", "maxLength": 80}),
-}, description="The held call as the approver sees it (redacted by the sidecar as captures are)")
+}, description="The held call as the approver sees it, whole (redacted by the sidecar as captures are); a body "
+   f"past {APPROVAL_BODY_LIMIT} bytes is refused, never cut")
 APPROVAL_REQUEST = obj({
     "call_id": {"type": "string", "minLength": 1, "maxLength": 200},
     "capability": nullable({"type": "string", "maxLength": 200}),
@@ -139,8 +154,8 @@ APPROVAL_REQUEST = obj({
 }, "call_id")
 QUIESCED_REQUEST = obj({
     "termination_id": {"type": "string", "maxLength": 200},
-    "reports": nullable(array(CALL)),
-    "starts": nullable(array(CALL)),
+    "reports": nullable(array(FINAL_CALL)),
+    "starts": nullable(array(START)),
     "calls": nullable(ANY_OBJ),
     "state": STR,
 }, "termination_id")
@@ -206,7 +221,17 @@ APPROVAL = obj({
     "request": nullable(ANY_OBJ), "call_hash": nullable(STR), "chain": STRINGS, "deciders": STRINGS,
     "status": {"enum": [PENDING, APPROVED, DENIED, CANCELLED, EXPIRED]}, "requested_at": NUM, "expires_at": NUM,
     "decided_at": nullable(NUM), "decided_by": nullable(STR), "operator": nullable(ATTRIBUTION), "version": INT,
+    "origin": {"enum": [HELD, FILED, None], "description": f"of a pending approval: {HELD} when its sidecar run's "
+               f"last heartbeat lists the call held, {FILED} when no run of its link does (filed with the agent's "
+               "key, or its sidecar's next heartbeat has not come yet)"},
 }, "id", "agent", "call_id", "status", "requested_at", "expires_at")
+APPROVAL_SUMMARY = obj({
+    "pending": INT, "held": INT, "filed": INT,
+    "agents": {"type": "object", "additionalProperties": obj({"pending": INT, HELD: INT, FILED: INT}),
+               "description": "per agent with a pending approval"},
+    "limits": obj({"per_run": INT, "per_link": INT}, description="pending approvals a sidecar run, and a link, "
+                  "may have at once (tether.approval_queue_full past either)"),
+}, "pending", "held", "filed", "agents", "limits")
 EVENTS = obj({"events": array(ref("Event")), "next": INT, "resync": BOOL, "revoked": STRINGS,
               "command": nullable(ANY_OBJ), "approvals": array(ref("Approval"))}, "events", "next")
 LEASE = obj({"lease_ttl_s": NUM, "lease_expires_at": NUM, "now": NUM, "run_id": STR, "command": nullable(ANY_OBJ),

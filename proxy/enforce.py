@@ -23,6 +23,7 @@ from mitmproxy import http
 
 from capability import errors as codes
 from capability.catalog import Catalog
+from capability.events import APPROVAL_BODY_LIMIT
 
 from .decision import (
     REWRITE_HEADERS,
@@ -47,11 +48,27 @@ STREAM_THRESHOLD = 1024 * 1024
 Spend = Callable[[list[str], str], Awaitable[None] | None]
 
 
+def announced_length(req: http.Request) -> int | None:
+    """The body length the request's Content-Length announces; None when it announces none (chunked, HTTP/2
+    without one) or one that is not a number."""
+    length = req.headers.get("content-length", "")
+    return int(length) if length.isdigit() else None
+
+
 def large_upload(req: http.Request) -> bool:
-    """A body too large (or of unknown length) to hold in memory: it streams through once decided."""
-    length = req.headers.get("content-length")
-    return bool(length and length.isdigit() and int(length) > STREAM_THRESHOLD) or "chunked" in req.headers.get(
-        "transfer-encoding", "")
+    """A body too large (or of unknown length) to hold in memory: it streams through once decided, unless its
+    call is held for approval (``Holds`` reads such a body whole, or refuses it)."""
+    length = announced_length(req)
+    return (length is not None and length > STREAM_THRESHOLD) or "chunked" in req.headers.get("transfer-encoding", "")
+
+
+def body_too_large(size: int | None) -> Refusal:
+    told = f"{size} bytes" if size is not None else "a body that was still growing"
+    refusal = Refusal(codes.APPROVAL_BODY_TOO_LARGE, f"an approval-tier call's body is shown whole to the approver, "
+                      f"up to {APPROVAL_BODY_LIMIT} bytes; this one has {told}: refused (send a smaller body, or "
+                      "ask for a direct grant)", limit=APPROVAL_BODY_LIMIT)
+    refusal.http_status = 413
+    return refusal
 
 
 _READ = frozenset({*(n.encode() for n in REWRITE_HEADERS), b"upgrade", b"tether-chain", b"mcp-method", b"mcp-name",
@@ -255,23 +272,54 @@ class Enforcer:
             state.hold = "headers" if facts.body is None and large_upload(flow.request) else "body"
 
 
+# What the control plane answers when it will not file a held call: the call is refused with the same code.
+_FILING_REFUSED = {codes.APPROVAL_QUEUE_FULL: 429, codes.APPROVAL_BODY_TOO_LARGE: 413}
+
+
+def filing_refused(code: str, message: str) -> Refusal | None:
+    """The refusal of a held call the control plane would not file (its run's queue is full, its body too large
+    to keep whole), or None when the answer is not one of those."""
+    status = _FILING_REFUSED.get(code)
+    if status is None:
+        return None
+    refusal = Refusal(code, f"the control plane did not file this call for approval: {message}")
+    refusal.http_status = status
+    return refusal
+
+
 class Holds:
-    """Wait for a person's decision on an ``approval``-tier call; other calls go on meanwhile."""
+    """Wait for a person's decision on an ``approval``-tier call; other calls go on meanwhile.
+
+    The approver sees everything that would leave, or the call does not go: a held call's body is read whole
+    before it is shown, never streamed past the approver. An upload the Enforcer would have held at its headers
+    (one that announces more than ``APPROVAL_BODY_LIMIT`` bytes, or a chunked one) is refused at once when its
+    announced length is past the limit, and otherwise read whole here like any other body (mitmproxy does not
+    stream a request whose hold moved to its body); a body that proves past the limit once read is refused too.
+    """
 
     def __init__(self, chain: ChainState, await_approval: Callable[[Call], Awaitable[str]]) -> None:
         self.chain, self.await_approval = chain, await_approval
 
-    def requestheaders(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        return self._held(flow, "headers")
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        state = state_of(flow)
+        if flow.response is not None or state.hold != "headers" or state.call is None:
+            return
+        length = announced_length(flow.request)
+        if length is not None and length > APPROVAL_BODY_LIMIT:
+            state.hold = None
+            refuse(flow, body_too_large(length))
+            return
+        state.hold = "body"  # read it whole first (the Forwarder streams nothing that is held)
 
     def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        return None if flow.request.stream else self._held(flow, "body")
-
-    def _held(self, flow: http.HTTPFlow, when: str) -> Awaitable[None] | None:
         state = state_of(flow)
-        if flow.response is not None or state.hold != when or state.call is None:
+        if flow.response is not None or flow.request.stream or state.hold != "body" or state.call is None:
             return None
         state.hold = None
+        size = len(flow.request.raw_content or b"")
+        if size > APPROVAL_BODY_LIMIT:
+            refuse(flow, body_too_large(size))
+            return None
         return self._hold(flow, state.call)
 
     async def _hold(self, flow: http.HTTPFlow, call: Call) -> None:
@@ -280,6 +328,10 @@ class Holds:
             decision = await self.await_approval(call)
             call.phase = "arrived"
             refusal, outcome = after_approval(decision, self.chain, call.capability, time.time(), time.monotonic())
+        except Refusal as refused:  # the control plane would not file it (a full queue, a body it cannot keep)
+            call.phase = "arrived"
+            refuse(flow, refused)
+            return
         except Exception as exc:
             undecided(flow, exc)
             return

@@ -35,7 +35,7 @@ from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter, call_hash, held_call
 from .channel import ControlChannel, sleep_backoff
 from .credentials import CredentialRoutes, Credentials, Injector
-from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
+from .enforce import APPROVAL_BODY_LIMIT, Enforcer, Forwarder, Holds, Tunnels, filing_refused, own_destinations
 from .flowstate import state_of
 from .framing import discard_trailers
 from .mcpcalls import McpCalls, McpLedger
@@ -315,8 +315,7 @@ class Sidecar:
             await asyncio.wait_for(self.budgets.release(), 3.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.goodbye(), 3.0)
-        await self.channel.close()
-        await self.credentials.close()
+        await self.close_sessions()
         if self._dns is not None:
             self._dns.close()
         if self._enclosure is not None:
@@ -324,6 +323,12 @@ class Sidecar:
         self.capture.close()
         self._lock.close()
         self.stopped.set()
+
+    async def close_sessions(self) -> None:
+        """Close the HTTP client sessions (the control plane's, the OAuth2 token endpoints'): on every way out,
+        or asyncio prints "Unclosed client session" dumps after the sidecar's last line."""
+        await self.channel.close()
+        await self.credentials.close()
 
     def _close_connections(self) -> int:
         """Close every agent connection still open once the proxy stopped listening: a request on one would be
@@ -473,12 +478,16 @@ class Sidecar:
     # -- approvals ---------------------------------------------------------------------------------------
     async def await_approval(self, call: Call) -> str:
         flow = self.flows.get(call.call_id)
-        shown = held_call(flow, self.capture.fields) if flow is not None else {}
+        # The body whole (Holds refused any past the limit): the approver sees everything that would leave.
+        shown = held_call(flow, self.capture.fields, limit=APPROVAL_BODY_LIMIT) if flow is not None else {}
         try:
             doc = await self.channel.ask_approval({
                 "call_id": call.call_id, "capability": call.capability, "method": call.method, "url": call.url,
                 "timeout_s": self.config.approval_timeout_s, "request": shown, "call_hash": shown.get("call_hash")})
         except ApiError as exc:
+            refused = filing_refused(exc.code, exc.message)
+            if refused is not None:
+                raise refused from None
             return f"approval could not be requested: {exc.message}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         future.call_hash = shown.get("call_hash")  # type: ignore[attr-defined]

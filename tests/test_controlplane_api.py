@@ -173,7 +173,7 @@ def test_heartbeat_lease_and_reports_idempotent(cp: ControlPlaneProcess) -> None
         "accepted": 0, "duplicates": 2}
     stored = cp.client().request("GET", "/v1/reports?agent=hb")
     assert sorted(r["call_id"] for r in stored) == ["c0", "c1", "c2"]
-    forged = [{"call_id": "x", "agent": "someone-else"}]
+    forged = [{"call_id": "x", "agent": "someone-else", "resolution": "completed"}]
     err = refused(lambda: client.request("POST", "/v1/reports", {"reports": forged}, signer=signer(ident)))
     assert err.code == "tether.forbidden"
     view = next(a for a in cp.client().request("GET", "/v1/agents")["agents"] if a["agent"] == "hb")

@@ -178,7 +178,8 @@ def test_an_acknowledgement_reads_its_reports_as_a_batch_does(cp: ControlPlanePr
     tid = cp.client().request("POST", "/v1/agents/ack-one-way/terminate", {"mode": "abort", "window_s": 30})[
         "termination_id"]
     for reports, status, code in (([{"call_id": "k-1", "status": "200"}], 400, "tether.bad_request"),
-                                  ([{"call_id": "k-1", "agent": "someone-else"}], 403, "tether.forbidden")):
+                                  ([{"call_id": "k-1", "agent": "someone-else", "resolution": "completed"}], 403,
+                                   "tether.forbidden")):
         for path, doc in (("/v1/reports", {"reports": reports}),
                           ("/v1/sidecars/quiesced", {"termination_id": tid, "reports": reports})):
             with pytest.raises(ApiError) as info:

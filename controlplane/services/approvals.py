@@ -3,15 +3,29 @@ published as an ``approval`` event to the link that holds the call.
 
 A pending approval past its expiry is shown ``expired`` (never stored so: the sidecar resolves the call
 itself when its wait ends). ``cancelled`` is a termination's decision, never a person's.
+
+Nobody can push a held call out of an approver's sight: pending approvals are capped per sidecar run and per
+link (``tether.approval_queue_full`` past either), every listing can be paged to its end and says how many are
+pending per agent, and each pending approval says whether its sidecar run reports the call ``held`` or
+whether it was only ``filed`` (with the agent's key, no run holding such a call).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from capability.errors import CHAIN_EXPIRED, CHAIN_REVOKED, CONFLICT, NOT_FOUND, TERMINATED, ApiError
-from capability.events import APPROVAL, APPROVED, EXPIRED, PENDING
+from capability.errors import (
+    APPROVAL_QUEUE_FULL,
+    CHAIN_EXPIRED,
+    CHAIN_REVOKED,
+    CONFLICT,
+    NOT_FOUND,
+    TERMINATED,
+    ApiError,
+)
+from capability.events import APPROVAL, APPROVED, EXPIRED, FILED, HELD, PENDING
 
 from ..auth import Caller
 from ..metrics import Metrics
@@ -20,6 +34,8 @@ from .events import EventService
 from .grants import chain_jtis
 
 MAX_WAIT_S = 24 * 3600
+MAX_PENDING_PER_RUN = 32  # calls one sidecar run may have waiting for a person at once
+MAX_PENDING_PER_LINK = 128  # and all runs of one link together (a key can name a new run per request)
 
 
 class ApprovalService:
@@ -37,6 +53,7 @@ class ApprovalService:
         link = caller.link
         ttl = min(self.ttl_s if timeout_s is None else timeout_s, MAX_WAIT_S)
         now = self.clock()
+        await self._room_for(caller, now)
         approval_id = "apr-" + os.urandom(6).hex()
         chain = [await self.store.get_link(h) for h in link.get("chain_hashes", [link["hash"]])]
         doc = {
@@ -62,14 +79,65 @@ class ApprovalService:
         self.metrics.inc("tether_approvals_requested_total")
         return doc
 
+    async def _room_for(self, caller: Caller, now: float) -> None:
+        """Refuse a new approval when the caller's run, or its link, already has its fill waiting."""
+        pending = [d for d in await self.store.list_docs("approval")
+                   if d["status"] == PENDING and d["expires_at"] > now and d.get("link") == caller.link_hash]
+        of_run = sum(1 for d in pending if d.get("run_id") == caller.run)
+        if of_run >= MAX_PENDING_PER_RUN or len(pending) >= MAX_PENDING_PER_LINK:
+            which = (f"sidecar run {caller.run} has {of_run}" if of_run >= MAX_PENDING_PER_RUN
+                     else f"{caller.agent}'s link has {len(pending)}")
+            raise ApiError(429, APPROVAL_QUEUE_FULL, f"{which} calls waiting for approval, the most it may have "
+                           f"(per run {MAX_PENDING_PER_RUN}, per link {MAX_PENDING_PER_LINK}); a decision or an "
+                           "expiry makes room", pending=of_run, limit=MAX_PENDING_PER_RUN)
+
     def view(self, doc: Doc) -> Doc:
         if doc["status"] == PENDING and doc["expires_at"] <= self.clock():
             return {**doc, "status": EXPIRED}
         return doc
 
-    async def find(self, status: str | None) -> list[Doc]:
+    async def _origins(self, docs: Iterable[Doc]) -> dict[str, str]:
+        """Pending approval id -> ``held`` when its run's last heartbeat lists the call held, else ``filed``."""
+        held: dict[str, set[str]] = {}
+        out: dict[str, str] = {}
+        for doc in docs:
+            if doc["status"] != PENDING:
+                continue
+            run = doc.get("run_id")
+            if run and run not in held:
+                sidecar = await self.store.get_sidecar(run) or {}
+                held[run] = {c.get("call_id") for c in sidecar.get("inflight") or []
+                             if isinstance(c, dict) and c.get("phase") == "held"}
+                if sidecar.get("link") != doc.get("link") or sidecar.get("final"):
+                    held[run] = set()  # another link's run, or one that has stopped: it holds nothing of this
+            out[doc["id"]] = HELD if run and doc["call_id"] in held[run] else FILED
+        return out
+
+    async def find(self, status: str | None, agent: str | None = None, origin: str | None = None,
+                   offset: int = 0, limit: int | None = None) -> tuple[list[Doc], int]:
+        """One page of approvals in the order an approver works through them (pending first; held calls before
+        filed requests; newest first), and how many match in all. Without ``limit``, all of them."""
         docs = [self.view(d) for d in await self.store.list_docs("approval")]
-        return [d for d in docs if status in (None, d["status"])]
+        docs = [d for d in docs if status in (None, d["status"]) and agent in (None, d["agent"])]
+        origins = await self._origins(docs)
+        docs = [{**d, "origin": origins.get(d["id"])} for d in docs]
+        if origin is not None:
+            docs = [d for d in docs if d["origin"] == origin]
+        docs.sort(key=lambda d: (d["status"] != PENDING, d["origin"] != HELD, -d["requested_at"]))
+        return docs[offset:None if limit is None else offset + limit], len(docs)
+
+    async def summary(self) -> dict[str, Any]:
+        """How many approvals are pending, in all and per agent (held calls and filed requests apart): what a
+        listing that shows one page at a time must never hide."""
+        pending, _ = await self.find(PENDING)
+        agents: dict[str, dict[str, int]] = {}
+        for doc in pending:
+            counts = agents.setdefault(doc["agent"], {"pending": 0, HELD: 0, FILED: 0})
+            counts["pending"] += 1
+            counts[doc["origin"]] += 1
+        return {"pending": len(pending), "held": sum(a[HELD] for a in agents.values()),
+                "filed": sum(a[FILED] for a in agents.values()), "agents": dict(sorted(agents.items())),
+                "limits": {"per_run": MAX_PENDING_PER_RUN, "per_link": MAX_PENDING_PER_LINK}}
 
     async def get(self, approval_id: str, caller: Caller | None) -> Doc:
         """One approval: an admin's (``caller`` None), or a sidecar's own link's."""
@@ -78,7 +146,8 @@ class ApprovalService:
             doc = None
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no approval {approval_id}")
-        return self.view(doc)
+        doc = self.view(doc)
+        return {**doc, "origin": (await self._origins([doc])).get(doc["id"])}
 
     async def decide(self, approval_id: str, decision: str, by: str, call_hash: str | None = None,
                      operator: Doc | None = None) -> Doc:

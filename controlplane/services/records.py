@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from capability.errors import FORBIDDEN, NOT_FOUND, ApiError
-from capability.report import read_doc
+from capability.report import read_final, read_start
 
 from ..auth import Caller
 from ..metrics import Metrics
@@ -30,13 +30,15 @@ class RecordService:
         self.metrics = metrics
         self.clock = clock
 
-    def read(self, caller: Caller, items: list[Any], what: str) -> list[Doc]:
+    def read(self, caller: Caller, items: list[Any], what: str,
+             reader: Callable[[Any, str], Doc] = read_final) -> list[Doc]:
         """Every report of a batch checked (the whole batch is refused for one bad report, before anything
-        is stored) and stamped with who delivered it."""
+        is stored) and stamped with who delivered it. A final report names a resolution from the documented
+        list; a start names none."""
         now = self.clock()
         out: list[Doc] = []
         for index, item in enumerate(items):
-            report = read_doc(item, f"{what}[{index}]")
+            report = reader(item, f"{what}[{index}]")
             if report["agent"] not in (None, caller.agent):
                 raise ApiError(403, FORBIDDEN, f"{caller.agent} cannot report calls of {report['agent']}")
             # The run that delivers it is the one recorded.
@@ -47,7 +49,7 @@ class RecordService:
     async def ingest(self, caller: Caller, reports: list[Any], starts: list[Any]) -> tuple[int, int]:
         """Store final reports and write-ahead starts (calls that began and may not have ended); a final
         report always supersedes its start. Returns (new, duplicates)."""
-        clean, early = self.read(caller, reports, "reports"), self.read(caller, starts, "starts")
+        clean, early = self.read(caller, reports, "reports"), self.read(caller, starts, "starts", read_start)
         if early:
             await self.store.put_starts(early)
         new, dup = stored = await self.store.put_reports(clean)
