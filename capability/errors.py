@@ -47,6 +47,7 @@ KEY_INVALID = "tether.key_invalid"
 LISTEN_FAILED = "tether.listen_failed"  # a sidecar or control plane that cannot listen where it was told
 FILE_EXISTS = "tether.file_exists"  # a key (or other file tether creates) is already there: never overwritten
 SIGNING_KEY_MISMATCH = "tether.signing_key_mismatch"  # the signing key did not sign the record log it would extend
+CLIENT_CANCELLED = "tether.client_cancelled"  # the agent cancelled a held call before its decision: it never left
 MCP_SESSION_UNKNOWN = "tether.mcp_session_unknown"  # an Mcp-Session-Id this sidecar run did not see issued
 CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected credential goes only over verified TLS
 # An approval-tier call whose body is past what an approver is shown whole (or has no end in sight): refused.

@@ -102,6 +102,7 @@ CALL: Schema = obj({
     "capture_ref": nullable(STR),
     "termination_id": nullable(STR),
     "detail": nullable(STR),
+    "reissue_of": nullable(STR),  # an MCP call re-sending one that was cancelled (docs/mcp.md)
 }, "call_id", description="A call report or start (capability.report.CallReport); fields beyond these are not "
    "kept")
 # A final report (capability.report.read_final): what the call became, from the documented list. A batch with

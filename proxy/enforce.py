@@ -335,6 +335,9 @@ class Holds:
         except Exception as exc:
             undecided(flow, exc)
             return
+        if refusal is None and state_of(flow).mcp_cancelled:  # the agent gave up on it while it was held
+            refusal, outcome = Refusal(codes.CLIENT_CANCELLED, "the agent cancelled this call while it waited for "
+                                       "its approval: it does not leave"), "cancelled_not_sent"
         if refusal is not None:
             refuse(flow, refusal, outcome=outcome)
 

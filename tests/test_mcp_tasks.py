@@ -204,3 +204,27 @@ def test_a_follow_up_round_is_refused_once_the_chain_is_revoked(world: NextWorld
     approver.join()
     assert result.is_error and result.meta["tether/error"]["code"] == "tether.chain_revoked", result
     assert world.server.calls == ["confirm asks launch"]  # the follow-up never reached the server
+
+
+def test_a_held_call_the_agent_cancels_does_not_leave_when_approved(world: NextWorld) -> None:
+    agent = "held-cancelled"
+    sidecar = world.sidecar(agent, {"next.add": "approval"})
+    admin = world.cp.client()
+    before = world.server.calls.count("add")
+    answers: list[dict[str, Any]] = []
+    with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http, \
+            httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as other:
+        a = Agent(http, world.server.url)
+        caller = threading.Thread(target=lambda: answers.append(
+            a.call("tools/call", {"name": "add", "arguments": {"a": 1, "b": 2}})))
+        caller.start()
+        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the held call")
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": a.next_id, "reason": "the user gave up"}}
+        assert other.post(world.server.url, json=cancel, headers=with_session(a.session)).status_code in (200, 202)
+        admin.request("POST", f"/v1/approvals/{held[0]['id']}/approve")
+        caller.join(WAIT)
+    assert answers and answers[0]["result"]["_meta"]["tether/error"]["code"] == "tether.client_cancelled", answers
+    assert world.server.calls.count("add") == before  # approved, but the agent had cancelled it: never sent
+    report = wait_until(lambda: world.tool_reports(agent, "next.add"), WAIT, what="the call's report")[0]
+    assert (report["resolution"], report["code"]) == ("cancelled_not_sent", "tether.client_cancelled"), report
