@@ -50,6 +50,9 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--rate-window", type=float, default=None, metavar="S",
                    help="length of the window a per_minute budget counts in (default 60, or TETHER_RATE_WINDOW_S; "
                         "shorter only for tests)")
+    p.add_argument("--allow-self-approval", action="store_true",
+                   help="let an operator approve calls of an agent whose chain they registered (default: refused, "
+                        "separation of duties)")
     logs = p.add_argument_group("signed checkpoints of the record log (docs/termination.md)")
     logs.add_argument("--log-origin", default="tether/records", metavar="NAME",
                       help="the log's name in its checkpoints (give each deployment its own, e.g. tether.example.com/"
@@ -88,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None, sso=sso,
                oidc_redirect_uri=args.oidc_redirect_uri)
     configure_checkpoints(cp, args)
+    cp.approvals.separation_of_duties = not args.allow_self_approval
     stopped_by = asyncio.run(serve(cp, host, port, tls=tls))
     return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: the shell's convention; SIGTERM: a clean stop
 

@@ -30,7 +30,7 @@ from controlplane.services.operators import OperatorService
 from controlplane.store import open_store_url
 
 from .conftest import World
-from .harness import ADMIN_TOKEN, PYTHON, RedisServer, wait_until
+from .harness import ADMIN_TOKEN, PYTHON, Identity, RedisServer, wait_until
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -306,3 +306,22 @@ def test_wrong_tokens_from_one_source_do_not_lock_the_operator_out(world: World)
     status, _, body = http(f"{w.cp.url}/ui/session", "POST", {"token": ADMIN_TOKEN})
     assert status == 429, body
     assert "shorter than 20 characters" in (w.cp.directory / "controlplane.log").read_text()
+
+
+def test_an_operator_may_not_approve_calls_of_an_agent_whose_chain_they_registered(world: World,
+                                                                                    tmp_path: Path) -> None:
+    carol, ann = add_operator(world, "carol", "admin"), add_operator(world, "ann", "approver")
+    key = tmp_path / "sod.key"
+    ok(tether(world, "keygen", "--out", str(key)))
+    ok(tether(world, "grant", "issue", "--agent", "sod-agent", "--subject-key", f"{key}.pub", "--cap",
+              "echo.any=approval", "--out", str(tmp_path / "sod.chain"), token=carol))  # carol registers it
+    sidecar = world.sidecar(Identity("sod-agent", tmp_path / "sod.chain", key))
+    with ThreadPoolExecutor(2) as pool:
+        first, held = hold_a_call(world, sidecar, pool, "separation")
+        own = tether(world, "approvals", "approve", held["id"], token=carol)
+        assert own.returncode == 2 and own.stderr.startswith("error: tether.forbidden:"), own.stderr
+        assert "separation of duties" in own.stderr and "carol registered a link" in own.stderr
+        ok(tether(world, "approvals", "approve", held["id"], token=ann))  # another person decides
+        assert first.result().status_code == 200
+    decided = world.cp.client().request("GET", f"/v1/approvals/{held['id']}")
+    assert decided["decided_by"] == "ann"

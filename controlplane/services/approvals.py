@@ -21,13 +21,14 @@ from capability.errors import (
     CHAIN_EXPIRED,
     CHAIN_REVOKED,
     CONFLICT,
+    FORBIDDEN,
     NOT_FOUND,
     TERMINATED,
     ApiError,
 )
 from capability.events import APPROVAL, APPROVED, EXPIRED, FILED, HELD, PENDING
 
-from ..auth import Caller
+from ..auth import BOOTSTRAP, Caller
 from ..metrics import Metrics
 from ..store import Doc, Store
 from .events import EventService
@@ -46,6 +47,10 @@ class ApprovalService:
         self.events = events
         self.clock = clock
         self.ttl_s = ttl_s
+        # Separation of duties: a person may not approve a call of an agent whose chain they registered (issued
+        # it, or registered a link of it): the hand that granted is not the hand that approves. The bootstrap
+        # admin token is no one person, so it is not held to it. ``controlplane serve --allow-self-approval``.
+        self.separation_of_duties = True
 
     async def request(self, caller: Caller, call: Doc, held: Doc | None, timeout_s: float | None) -> Doc:
         """File a held call (``call``: call_id, capability, method, url, summary) for a decision. A longer wait
@@ -161,6 +166,8 @@ class ApprovalService:
             raise ApiError(409, CONFLICT, f"approval {approval_id} is already {view['status']}")
         if decision == APPROVED:
             await self._still_possible(doc)
+            if self.separation_of_duties and by != BOOTSTRAP:
+                await self._not_their_own(doc, by)
         if call_hash is not None and call_hash != doc.get("call_hash"):
             raise ApiError(409, CONFLICT, f"approval {approval_id} holds call {doc.get('call_hash')}, not {call_hash}: "
                            "look at the call again before deciding", call_hash=doc.get("call_hash"))
@@ -175,6 +182,15 @@ class ApprovalService:
              "call_hash": doc.get("call_hash")},
         )
         return new
+
+    async def _not_their_own(self, approval: Doc, name: str) -> None:
+        link = await self.store.get_link(approval["link"]) if approval.get("link") else None
+        for link_hash in (link or {}).get("chain_hashes", []):
+            registered = await self.store.get_link(link_hash)
+            if ((registered or {}).get("registered_by") or {}).get("operator") == name:
+                raise ApiError(403, FORBIDDEN, f"{name} registered a link of {approval['agent']}'s chain "
+                               f"(jti {registered['jti']}), so may not approve its calls (separation of duties): "
+                               "another approver decides", reason="separation_of_duties")
 
     async def _still_possible(self, approval: Doc) -> None:
         """Approving a call that can no longer go would say "approved" while the sidecar refuses it: say so."""
