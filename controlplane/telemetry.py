@@ -29,6 +29,11 @@ def _ns(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1e9)
 
 
+def _via(doc: dict[str, Any]) -> str:
+    """How the person who decided signed in (``token``, ``oidc``), or ``principal`` for a chain holder."""
+    return str((doc.get("operator") or {}).get("via") or "principal")
+
+
 def revoked(doc: dict[str, Any], link: dict[str, Any]) -> None:
     """A link revoked by a person or principal; revocations made by a termination go in its trace instead."""
     t = tracer("tether-controlplane")
@@ -36,6 +41,7 @@ def revoked(doc: dict[str, Any], link: dict[str, Any]) -> None:
         return
     span = t.start_span(f"revoke {doc['agent']}", start_time=_ns(doc["at"]), attributes={
         "tether.agent": doc["agent"], "tether.jti": doc["jti"], "tether.revoked_by": doc["by"],
+        "tether.operator.via": _via(doc),
         "tether.reason": doc.get("reason") or "", "tether.link": link.get("hash", "")})
     span.end()
 
@@ -72,6 +78,7 @@ async def termination_finished(doc: dict[str, Any], facts: Facts, now: float) ->
     root = t.start_span(f"terminate {doc['subject']}", start_time=_ns(doc["requested_at"]), attributes={
         "tether.termination_id": doc["id"], "tether.agent": doc["subject"], "tether.mode": doc["mode"],
         "tether.window_s": doc["window_s"], "tether.requested_by": doc["requested_by"],
+        "tether.operator.via": _via(doc),
         "tether.record_id": doc.get("record_id") or "", "tether.agents": list(doc["agents"]),
         "tether.agents_unaccounted": list(doc.get("open_agents") or [])})
     parent = trace.set_span_in_context(root)

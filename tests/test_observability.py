@@ -212,11 +212,15 @@ def test_calls_are_execute_tool_spans_in_the_agents_trace_and_metrics_count_them
     assert metric(body, 'tether_revocation_propagation_seconds_bucket{le="+Inf"}') == 1
     revoke = wait_until(lambda: receiver.named("revoke otel-b"), 15, what="the revocation's span")[0]
     assert revoke["service"] == "tether-controlplane" and revoke["attributes"]["tether.jti"] == other.jti
+    by = revoke["attributes"]
+    assert (by["tether.revoked_by"], by["tether.operator.via"]) == ("admin", "token")
 
     # A termination is one trace: a root span, the subtree's revocations, one span per sidecar run's drain.
     tid = admin.request("POST", "/v1/agents/otel-a/terminate", {"mode": "drain", "window_s": 2})["termination_id"]
     root = wait_until(lambda: receiver.named("terminate otel-a"), 20, what="the termination's trace")[0]
     assert root["parent"] == "" and root["attributes"]["tether.termination_id"] == tid
+    by = root["attributes"]
+    assert (by["tether.requested_by"], by["tether.operator.via"]) == ("admin", "token")
     family = [s for s in list(receiver.spans) if s["trace_id"] == root["trace_id"] and s is not root]
     drains = [s for s in family if s["name"] == "drain otel-a"]
     assert len(drains) == 1 and drains[0]["parent"] == root["span_id"]
