@@ -48,8 +48,13 @@ class Tree:
     """Leaf hashes and the roots of their subtrees (each range computed once)."""
 
     def __init__(self, leaves: Sequence[bytes]) -> None:
-        self.leaves = tuple(leaves)
+        self.leaves = list(leaves)
         self._root = lru_cache(maxsize=None)(self._root_uncached)
+
+    def extend(self, leaves: Sequence[bytes]) -> None:
+        """Append leaves. Subtree roots already computed stay valid (a range of old leaves never changes), so
+        the next root costs the new leaves and a logarithm of hashes, not the whole tree again."""
+        self.leaves.extend(leaves)
 
     @property
     def size(self) -> int:

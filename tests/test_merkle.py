@@ -113,3 +113,15 @@ def test_proofs_of_what_the_tree_does_not_hold_are_refused() -> None:
     assert verify_consistency(0, 5, EMPTY_ROOT, tree.root(), [])
     assert not verify_consistency(3, 2, tree.root(3), tree.root(2), [])
     assert not verify_inclusion(tree.leaves[0], 0, 0, [], EMPTY_ROOT)
+
+
+def test_a_tree_extended_leaf_by_leaf_has_the_roots_and_proofs_of_one_built_at_once() -> None:
+    hashes = leaves(70)
+    grown = Tree(hashes[:1])
+    for n in range(2, 71):
+        grown.root()  # fills the cache at every size on the way
+        grown.extend(hashes[n - 1:n])
+        whole = Tree(hashes[:n])
+        assert grown.root() == whole.root() == brute_root(hashes[:n])
+        assert grown.consistency_proof(n // 2 or 1) == whole.consistency_proof(n // 2 or 1)
+        assert grown.inclusion_proof(n - 1) == whole.inclusion_proof(n - 1)

@@ -63,9 +63,12 @@ class CheckpointService:
     async def tree(self) -> Tree:
         heads = await self.store.record_heads()
         leaves = [record_leaf(h["hash"]) for h in heads]
-        if self._tree is None or self._tree.leaves != tuple(leaves):
-            self._tree = Tree(leaves)
-        return self._tree
+        tree = self._tree
+        if tree is not None and tree.leaves == leaves[:tree.size]:  # the log grew (or did not): extend
+            tree.extend(leaves[tree.size:])
+        else:  # a first look, or a log that is not what it was (a restore): build again
+            self._tree = tree = Tree(leaves)
+        return tree
 
     async def checkpoint(self) -> str:
         tree = await self.tree()
