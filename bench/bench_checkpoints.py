@@ -41,26 +41,30 @@ def best(fn: Callable[[], object], rounds: int = 7, per: int = 20) -> float:
     return min(out)
 
 
+def measure(n: int, base: float) -> None:
+    leaves = [record_leaf(f"sha256:{i:064x}") for i in range(n + 200)]
+    tree = Tree(leaves[:n])
+    tree.root()
+    grown = iter(range(n, n + 200))
+
+    def extend_and_sign() -> None:
+        tree.extend([leaves[next(grown)]])
+        signed_checkpoint(Checkpoint("tether/records", tree.size, tree.root()), "tether/records", KEY)
+
+    step = best(extend_and_sign, rounds=5, per=20)
+    rebuild = best(lambda: Tree(leaves[:n]).root(), rounds=3, per=1)
+    index = n // 2
+    proof, root = tree.inclusion_proof(index), tree.root()
+    check = best(lambda: verify_inclusion(leaves[index], index, tree.size, proof, root), per=200)
+    print(f"{n:>9} {step * 1e6:>15.0f} us {step / base:>6.2f}x {rebuild * 1e3:>7.1f} ms {check * 1e6:>14.1f} us")
+
+
 def main() -> None:
     base = best(lambda: seal(RECORD, KEY))
     print(f"seal one record (baseline): {base * 1e6:.0f} us")
     print(f"{'records':>9} {'extend+checkpoint':>18} {'ratio':>7} {'rebuild':>10} {'verify inclusion':>17}")
     for n in (1, 1_000, 100_000):
-        leaves = [record_leaf(f"sha256:{i:064x}") for i in range(n + 200)]
-        tree = Tree(leaves[:n])
-        tree.root()
-        grown = iter(range(n, n + 200))
-
-        def extend_and_sign() -> None:
-            tree.extend([leaves[next(grown)]])
-            signed_checkpoint(Checkpoint("tether/records", tree.size, tree.root()), "tether/records", KEY)
-
-        step = best(extend_and_sign, rounds=5, per=20)
-        rebuild = best(lambda: Tree(leaves[:n]).root(), rounds=3, per=1)
-        index = n // 2
-        proof, root = tree.inclusion_proof(index), tree.root()
-        check = best(lambda: verify_inclusion(leaves[index], index, tree.size, proof, root), per=200)
-        print(f"{n:>9} {step * 1e6:>15.0f} us {step / base:>6.2f}x {rebuild * 1e3:>7.1f} ms {check * 1e6:>14.1f} us")
+        measure(n, base)
 
 
 if __name__ == "__main__":
