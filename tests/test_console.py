@@ -40,7 +40,7 @@ def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=20) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")

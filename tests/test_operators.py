@@ -13,8 +13,6 @@ import asyncio
 import json
 import re
 import subprocess
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from controlplane.store import open_store_url
 
 from .conftest import World
 from .harness import ADMIN_TOKEN, PYTHON, Identity, RedisServer, wait_until
+from .test_console import http
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -60,18 +59,6 @@ def add_operator(world: World, name: str, *roles: str, expires: str | None = Non
                     *(["--expires", expires] if expires else [])))
     (token,) = re.findall(r"export TETHER_TOKEN=(\S+)", out)
     return token
-
-
-def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None
-         ) -> tuple[int, dict[str, str], Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=20) as resp:
-            return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")
 
 
 class Console:
