@@ -5,34 +5,66 @@ hash chain alone cannot: a dropped tail, and a history rewritten by whoever hold
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from capability import keys
 from controlplane.notes import COSIGNATURE_V1, Verifier
 from controlplane.termination import seal
 
-from .harness import PYTHON, free_port, prepare_controlplane, stop_process, wait_until
+from .harness import PYTHON, RedisServer, free_port, prepare_controlplane, stop_process, wait_until
 from .test_keys import _terminate_one, tether
 
 ORIGIN = "tether.test/records"
 
 
-def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_log(tmp_path: Path) -> None:
-    cp = prepare_controlplane(tmp_path, 1, 2, 3)
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tether.db'}"
+        return
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        yield redis.url()
+    finally:
+        redis.stop()
+
+
+def start_witness(tmp_path: Path, log_vkey: str) -> tuple[subprocess.Popen, int, str]:
+    """`tether witness serve` for one log; its process, port and cosignature verifier key."""
+    if not (tmp_path / "witness.key").exists():
+        assert tether("keygen", "--out", "witness.key", cwd=tmp_path).returncode == 0
+    witness_key = keys.load_private((tmp_path / "witness.key").read_bytes())
+    port = free_port()
+    log = tmp_path / "witness.log"
+    log.write_text("")
+    proc = subprocess.Popen([PYTHON, "-m", "cli", "witness", "serve", "--name", "witness.test", "--key",
+                             "witness.key", "--log", log_vkey, "--state", "wstate", "--listen", f"127.0.0.1:{port}"],
+                            cwd=tmp_path, stderr=open(log, "ab"))
+    wait_until(lambda: "listening" in log.read_text(), 30, what="the witness")
+    return proc, port, Verifier("witness.test", witness_key.public_key(), COSIGNATURE_V1).vkey()
+
+
+def witnessed(tmp_path: Path) -> int:
+    """The log size the witness has cosigned last (its state file)."""
+    (state,) = (tmp_path / "wstate").glob("*.json")
+    return json.loads(state.read_text())["size"]
+
+
+def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_log(tmp_path: Path,
+                                                                                   store: str) -> None:
+    cp = prepare_controlplane(tmp_path, 1, 2, 3, store=store)
     signing = keys.load_private(cp.signing_key_path.read_bytes())
     log_vkey = Verifier(ORIGIN, signing.public_key()).vkey()
-    assert tether("keygen", "--out", "witness.key", cwd=tmp_path).returncode == 0
-    witness_key = keys.load_private((tmp_path / "witness.key").read_bytes())
-    witness_vkey = Verifier("witness.test", witness_key.public_key(), COSIGNATURE_V1).vkey()
-    port = free_port()
-    witness = subprocess.Popen([PYTHON, "-m", "cli", "witness", "serve", "--name", "witness.test", "--key",
-                                "witness.key", "--log", log_vkey, "--state", "wstate", "--listen",
-                                f"127.0.0.1:{port}"], cwd=tmp_path, stderr=open(tmp_path / "witness.log", "wb"))
+    witness, port, witness_vkey = start_witness(tmp_path, log_vkey)
     cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(tmp_path / "checkpoints"), "--witness",
                   f"http://127.0.0.1:{port}")
     try:
-        wait_until(lambda: "listening" in (tmp_path / "witness.log").read_text(), 30, what="the witness")
         cp.start()
         try:
             for agent in ("a", "b", "c"):
@@ -96,3 +128,51 @@ def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_lo
         assert unwitnessed.returncode == 1 and "no cosignature by other.witness" in unwitnessed.stdout
     finally:
         stop_process(witness)
+
+
+def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path) -> None:
+    """Killed between a record and its checkpoint: after the restart the checkpoint comes, and verifies. A store
+    restored from a backup older than what the witness cosigned: the witness refuses the shorter log, the control
+    plane says records were lost, and verify --checkpoint names the dropped tail."""
+    cp = prepare_controlplane(tmp_path, 1, 2, 3)
+    log_vkey = Verifier(ORIGIN, keys.load_private(cp.signing_key_path.read_bytes()).public_key()).vkey()
+    witness, port, _ = start_witness(tmp_path, log_vkey)
+    latest = tmp_path / "checkpoints" / "latest"
+    cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(tmp_path / "checkpoints"), "--witness",
+                  f"http://127.0.0.1:{port}")
+    try:
+        cp.start()
+        _terminate_one(cp, tmp_path, "a")
+        wait_until(lambda: latest.exists() and witnessed(tmp_path) == 1, 30, what="checkpoint 1 witnessed")
+        cp.stop()
+        for suffix in ("", "-wal", "-shm"):  # stopped: the files are the whole store
+            if (tmp_path / f"tether.db{suffix}").exists():
+                shutil.copy(tmp_path / f"tether.db{suffix}", tmp_path / f"backup.db{suffix}")
+
+        cp.start()
+        _terminate_one(cp, tmp_path, "b")
+        cp.stop(signal.SIGKILL)  # at once: its checkpoint may not have gone out
+        cp.start()
+        wait_until(lambda: latest.read_text().split("\n")[1] == "2" and witnessed(tmp_path) == 2, 30,
+                   what="checkpoint 2 after the restart")
+        ok = tether("records", "verify", "--checkpoint", str(latest), cwd=tmp_path, env=cp.env())
+        assert ok.returncode == 0, ok.stdout
+        (tmp_path / "witnessed.txt").write_text(latest.read_text())
+        cp.stop()
+
+        for suffix in ("", "-wal", "-shm"):  # the restore: the log is one record shorter than what was witnessed
+            (tmp_path / f"tether.db{suffix}").unlink(missing_ok=True)
+            if (tmp_path / f"backup.db{suffix}").exists():
+                shutil.copy(tmp_path / f"backup.db{suffix}", tmp_path / f"tether.db{suffix}")
+        cp.start()
+        try:
+            wait_until(lambda: "records were lost or rolled back" in (tmp_path / "controlplane.log").read_text(),
+                       30, what="the control plane saying the witness holds more than the log")
+            assert witnessed(tmp_path) == 2  # the witness cosigned nothing shorter
+            short = tether("records", "verify", "--checkpoint", "witnessed.txt", cwd=tmp_path, env=cp.env())
+            assert short.returncode == 1 and "dropped tail" in short.stdout, short.stdout
+        finally:
+            cp.stop()
+    finally:
+        stop_process(witness)
+        cp.stop()

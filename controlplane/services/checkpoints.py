@@ -147,6 +147,11 @@ class CheckpointService:
                 return resp.text
             if resp.status_code == 409 and resp.text.strip().isdigit() and int(resp.text) != old:
                 witness.size = int(resp.text)
+                if witness.size > tree.size:  # it cosigned more of this log than the log now holds
+                    log.error("witness %s cosigned %d records of %s but the log holds %d: records were lost or "
+                              "rolled back (a restored backup?); it will not cosign this log until that is "
+                              "resolved", witness.url, witness.size, self.origin, tree.size)
+                    return ""
                 continue
             log.error("witness %s refused checkpoint %d: %d %s", witness.url, tree.size, resp.status_code,
                       resp.text.strip()[:200])
