@@ -282,8 +282,11 @@ RECORD = obj({
 RECORDS = array(ref("Record"))
 RECORDS_VERIFICATION = obj({
     "valid": BOOL, "count": INT, "problems": STRINGS,
-    "records": {"type": "object", "additionalProperties": obj({"verified": BOOL, "problems": STRINGS},
-                                                               "verified", "problems")},
+    "records": {"type": "object", "additionalProperties": obj({"verified": BOOL, "problems": STRINGS,
+                                                               "proved": BOOL}, "verified", "problems")},
+    "checkpoint": obj({"origin": STR, "size": INT, "note": STR, "witnesses": array(obj({
+        "url": STR, "size": INT, "cosigned": BOOL, "name": nullable(STR)}, "url", "size", "cosigned"))},
+        "origin", "size", "note", "witnesses"),
 }, "valid", "count", "problems", "records")
 TRUST = obj({"public_key": STR, "jwk": JWK, "catalog": STR}, "public_key", "jwk", "catalog")
 CATALOG = obj({"hash": STR, "catalog": ANY_OBJ}, "hash", "catalog")

@@ -76,6 +76,11 @@ def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_lo
             assert (tmp_path / "checkpoints" / "checkpoint.3").read_text() == latest.read_text()
 
             env = cp.env()
+            console = cp.client().request("GET", "/v1/audit/records")  # what the console's Records page shows
+            assert console["checkpoint"]["size"] == 3 and console["checkpoint"]["origin"] == ORIGIN
+            assert [(w["name"], w["cosigned"], w["size"]) for w in console["checkpoint"]["witnesses"]] == [
+                ("witness.test", True, 3)]
+            assert all(entry["proved"] for entry in console["records"].values())
             assert tether("records", "checkpoint", "--vkey", cwd=tmp_path, env=env).stdout.strip() == log_vkey
             fetched = tether("records", "checkpoint", cwd=tmp_path, env=env).stdout
             assert fetched.startswith(f"{ORIGIN}\n3\n")

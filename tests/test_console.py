@@ -265,6 +265,8 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     expect(calls.locator("tbody tr")).to_have_count(sum(c["resolution"] == "unknown" for c in record["calls"]))
     expect(calls.locator("tbody tr").first).to_contain_text("/hang")
     shot(page, "record")
+    expect(page.locator("#records-checkpoint")).to_contain_text("Checkpoint: tether/records, 1 record(s)")
+    expect(page.locator(f'tr[data-record="{record["record_id"]}"] td.proved')).to_have_text("in the checkpoint")
     with page.expect_download() as info:
         page.get_by_role("link", name="Download the HAR of this record's calls").click()
     har = json.loads(Path(info.value.path()).read_text())

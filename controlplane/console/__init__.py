@@ -155,8 +155,28 @@ class Console:
             mark = f"record {index} ({record.get('record_id', f'#{index}')})"
             problems = [p for p in result.problems if p.startswith(mark + ":")]
             status[record.get("record_id", f"#{index}")] = {"verified": not problems, "problems": problems}
+        checkpoint = await self._checkpoint(records, status)
         return web.json_response({"valid": result.ok, "count": result.count, "problems": list(result.problems),
-                                  "records": status})
+                                  "records": status, "checkpoint": checkpoint})
+
+    async def _checkpoint(self, heads: list[dict[str, Any]], status: dict[str, Any]) -> dict[str, Any]:
+        """The latest checkpoint, the witnesses it goes to, and each record's ``proved``: its inclusion proof
+        checks out against the checkpoint's root (what an auditor's ``records verify-one`` would say)."""
+        from ..merkle import record_leaf, verify_inclusion
+
+        service = self.cp.checkpoints
+        tree = await service.tree()
+        root = tree.root()
+        for index, head in enumerate(heads[:tree.size]):
+            entry = status.get(head.get("record_id", f"#{index}"))
+            if entry is not None:
+                entry["proved"] = verify_inclusion(record_leaf(str(head.get("hash", ""))), index, tree.size,
+                                                   tree.inclusion_proof(index), root)
+        witnesses = [{"url": w.url, "size": w.size, "cosigned": bool(w.cosigned),
+                      "name": w.cosigned.split(" ")[1] if w.cosigned.count(" ") >= 2 else None}
+                     for w in service.witnesses]
+        return {"origin": service.origin, "size": tree.size, "note": await service.checkpoint(),
+                "witnesses": witnesses}
 
     async def h_har(self, request: web.Request) -> web.Response:
         from proxy.capture import export, parse_when, selection

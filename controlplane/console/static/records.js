@@ -5,14 +5,20 @@ let current = null;
 
 export async function render() {
   const [records, verification] = await Promise.all([api("GET", "/v1/records"), api("GET", "/v1/audit/records")]);
+  const cp = verification.checkpoint;
+  const witnesses = cp && cp.witnesses.length
+    ? cp.witnesses.map((w) => `${w.name || w.url}: ${w.cosigned ? `cosigned ${w.size}` : "not cosigned yet"}`).join("; ")
+    : "no witness configured";
   replace(document.getElementById("records-verify"),
     h("p", {}, "Record log: ", state(verification.valid ? "verified" : "failed"),
-      ` (${verification.count} record(s)${verification.problems.length ? `; ${verification.problems.join("; ")}` : ""})`));
+      ` (${verification.count} record(s)${verification.problems.length ? `; ${verification.problems.join("; ")}` : ""})`),
+    cp ? h("p", { id: "records-checkpoint" }, `Checkpoint: ${cp.origin}, ${cp.size} record(s); witnesses: ${witnesses}`) : null,
+    cp ? h("details", {}, h("summary", {}, "Signed checkpoint"), h("pre", { class: "mono" }, cp.note)) : null);
   const list = document.getElementById("records-list");
   if (!records.length) { replace(list, h("p", {}, "No record yet.")); return; }
   replace(list, h("table", { "aria-label": "Records" },
     h("thead", {}, h("tr", {}, ["Record", "Termination", "Subject", "Mode", "Completed", "Calls", "Unaccounted",
-      "Verification", ""].map((t) => h("th", { scope: "col" }, t)))),
+      "Verification", "Proved", ""].map((t) => h("th", { scope: "col" }, t)))),
     h("tbody", {}, records.slice().reverse().map((r) => {
       const v = verification.records[r.record_id] || { verified: false };
       return h("tr", { "data-record": r.record_id },
@@ -20,6 +26,7 @@ export async function render() {
         h("td", {}, r.mode), h("td", {}, when(r.completed_at)), h("td", {}, String(r.calls.length)),
         h("td", {}, String((r.agents_unaccounted || []).length)),
         h("td", { class: "verification" }, state(v.verified ? "verified" : "failed")),
+        h("td", { class: "proved" }, v.proved ? "in the checkpoint" : "not yet"),
         h("td", {}, h("button", { type: "button", onclick: () => show(r, v) }, "Open")));
     }))));
   if (current) {
