@@ -176,6 +176,13 @@ def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path) -> 
             assert witnessed(tmp_path) == 2  # the witness cosigned nothing shorter
             short = tether("records", "verify", "--checkpoint", "witnessed.txt", cwd=tmp_path, env=cp.env())
             assert short.returncode == 1 and "dropped tail" in short.stdout, short.stdout
+            # The restored log grows another way (a fork): another record 2, where the witness cosigned the first.
+            # Whoever holds that cosigned checkpoint sees the fork; the witness refuses the other history.
+            _terminate_one(cp, tmp_path, "c")
+            fork = tether("records", "verify", "--checkpoint", "witnessed.txt", cwd=tmp_path, env=cp.env())
+            assert fork.returncode == 1 and "a fork" in fork.stdout and "dropped tail" not in fork.stdout, fork.stdout
+            assert witnessed(tmp_path) == 2  # the first witness still refuses: its size-2 tree is not this one
+            assert "records were lost" in (tmp_path / "controlplane.log").read_text()
         finally:
             cp.stop()
     finally:

@@ -20,7 +20,8 @@ from controlplane.merkle import (
     verify_inclusion,
 )
 
-BOUND = 33  # every size and index up to here: powers of two, one past them, and the ragged sizes between
+BOUND = 33  # every size and index up to here, with tampered variants: powers of two, one past them, the sizes between
+PAIRS = 256  # every pair of sizes (and every index) up to here, proofs checked
 
 
 def leaves(n: int) -> list[bytes]:
@@ -125,3 +126,14 @@ def test_a_tree_extended_leaf_by_leaf_has_the_roots_and_proofs_of_one_built_at_o
         assert grown.root() == whole.root() == brute_root(hashes[:n])
         assert grown.consistency_proof(n // 2 or 1) == whole.consistency_proof(n // 2 or 1)
         assert grown.inclusion_proof(n - 1) == whole.inclusion_proof(n - 1)
+
+
+def test_every_pair_of_sizes_up_to_a_few_hundred() -> None:
+    hashes = leaves(PAIRS)
+    tree = Tree(hashes)
+    roots = [tree.root(n) for n in range(PAIRS + 1)]
+    for second in range(1, PAIRS + 1):
+        for index in range(second):
+            assert verify_inclusion(hashes[index], index, second, tree.inclusion_proof(index, second), roots[second])
+        for first in range(1, second + 1):
+            assert verify_consistency(first, second, roots[first], roots[second], tree.consistency_proof(first, second))
