@@ -6,6 +6,7 @@ Run: python bench/bench_checkpoints.py
 For each log size N it times, in CPU time of this thread (the work is CPU-bound and single-threaded; the best
 of several batches, the figure least disturbed on a shared machine):
   - seal: hashing and signing one record (canonical JSON, SHA-256, Ed25519), what a record write costs in CPU;
+  - write: sealing a record and appending it to an SQLite store, wall time (the record write, I/O included);
   - extend+checkpoint: one record's leaf added to a tree of N that has already been computed, its new root, and
     the checkpoint signed (what the control plane does after each record);
   - rebuild: the tree of N built from nothing (a control plane's first checkpoint after a start);
@@ -41,7 +42,7 @@ def best(fn: Callable[[], object], rounds: int = 7, per: int = 20) -> float:
     return min(out)
 
 
-def measure(n: int, base: float) -> None:
+def measure(n: int, base: float, write: float) -> None:
     leaves = [record_leaf(f"sha256:{i:064x}") for i in range(n + 200)]
     tree = Tree(leaves[:n])
     tree.root()
@@ -56,15 +57,47 @@ def measure(n: int, base: float) -> None:
     index = n // 2
     proof, root = tree.inclusion_proof(index), tree.root()
     check = best(lambda: verify_inclusion(leaves[index], index, tree.size, proof, root), per=200)
-    print(f"{n:>9} {step * 1e6:>15.0f} us {step / base:>6.2f}x {rebuild * 1e3:>7.1f} ms {check * 1e6:>14.1f} us")
+    print(f"{n:>9} {step * 1e6:>15.0f} us {step / base:>6.2f}x {step / write:>8.1%} {rebuild * 1e3:>7.1f} ms "
+          f"{check * 1e6:>14.1f} us")
+
+
+def record_write_s(rounds: int = 40) -> float:
+    """Wall seconds to seal a record and append it to an SQLite store (what a record write costs, I/O
+    included): the median of ``rounds``."""
+    import asyncio
+    import statistics
+    import tempfile
+
+    from controlplane.store.sqlite import SqliteStore
+
+    async def run(path: str) -> list[float]:
+        store = SqliteStore(path)
+        await store.open()
+        prev, out = "", []
+        try:
+            for i in range(rounds):
+                start = time.perf_counter()
+                sealed = seal({**RECORD, "record_id": f"rec-{i}", "prev_hash": prev}, KEY)
+                assert await store.append_record(sealed)
+                out.append(time.perf_counter() - start)
+                prev = sealed["hash"]
+        finally:
+            await store.close()
+        return out
+
+    with tempfile.TemporaryDirectory() as d:
+        return statistics.median(asyncio.run(run(f"{d}/bench.db")))
 
 
 def main() -> None:
     base = best(lambda: seal(RECORD, KEY))
-    print(f"seal one record (baseline): {base * 1e6:.0f} us")
-    print(f"{'records':>9} {'extend+checkpoint':>18} {'ratio':>7} {'rebuild':>10} {'verify inclusion':>17}")
+    write = record_write_s()
+    print(f"seal one record (CPU baseline): {base * 1e6:.0f} us; seal + append to SQLite (wall, median): "
+          f"{write * 1e3:.2f} ms")
+    print(f"{'records':>9} {'extend+checkpoint':>18} {'/ seal':>7} {'/ write':>8} {'rebuild':>10} "
+          f"{'verify inclusion':>17}")
     for n in (1, 1_000, 100_000):
-        measure(n, base)
+        measure(n, base, write)
 
 
 if __name__ == "__main__":
