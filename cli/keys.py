@@ -45,7 +45,11 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     if not publish_file(staged, keys.private_pem(new)):
         raise TetherError(f"{staged} exists: an earlier rotation stopped half way; check which key the log's last "
                           "record names (tether records list) and remove or use it", code=FILE_EXISTS, path=staged)
-    record = asyncio.run(_append_rotation(args.store, old, new, args.reason, args.signing_key))
+    try:
+        record = asyncio.run(_append_rotation(args.store, old, new, args.reason, args.signing_key))
+    except BaseException:  # nothing was announced: the staged key goes, the key in force stays in force
+        os.unlink(staged)
+        raise
     now = time.time()
     set_aside(args.signing_key, now)
     set_aside(f"{args.signing_key}.pub", now)
@@ -81,4 +85,7 @@ async def _append_rotation(store_url: str, old: Any, new: Any, reason: str, key_
                               "again", code=CONFLICT)
         return sealed
     finally:
-        await store.close()
+        try:
+            await store.close()
+        except (OSError, ConnectionError) as exc:  # after the append, a failing close must not lose the new key
+            print(f"tether: closing the store failed ({exc}); the rotation record was written", file=sys.stderr)
