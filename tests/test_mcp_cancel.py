@@ -50,6 +50,12 @@ def test_a_cancelled_call_is_cancelled_and_its_resend_is_a_new_call_not_charged_
     async def body(client: Client) -> tuple[Any, Any]:
         await client.list_tools()
         await cancel_once_started(world, client, SLOW)
+        # The cancellation and the re-send are separate requests: a re-send the sidecar sees before the
+        # cancellation is a call still in flight, charged like any other (the conservative side). Re-send once
+        # the sidecar has resolved the first call, as a client that waits for its cancellation to land does.
+        await asyncio.to_thread(wait_until, lambda: [r for r in world.tool_reports(agent, "next.slow")
+                                                     if r["resolution"] == "cancelled"], WAIT, 0.1,
+                                "the first call resolved as cancelled")
         resent = await client.call_tool("slow", {"seconds": SLOW})  # the same request: a re-issue
         other = await client.call_tool("slow", {"seconds": 0.1})  # a new call: the budget of one is spent
         return resent, other
