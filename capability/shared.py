@@ -38,6 +38,21 @@ def read_chain(path: str) -> str:
     return ",".join(part.strip() for part in text.replace("\n", ",").split(",") if part.strip())
 
 
+def _durable_temp(directory: Path, name: str, data: bytes, mode: int) -> str:
+    """``data`` in a new private file beside ``name`` in ``directory``, on disk (fsynced); its path."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")  # mode 600 from the start
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
 def publish_file(path: str, data: bytes, mode: int = 0o600) -> bool:
     """Create ``path`` holding ``data`` only if no file is there, atomically: a reader finds the whole file or
     none. The bytes are written to a private temporary file beside it and linked into place (``link`` fails
@@ -45,13 +60,8 @@ def publish_file(path: str, data: bytes, mode: int = 0o600) -> bool:
     False when the file already existed (it stands untouched)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")  # mode 600 from the start
+    tmp = _durable_temp(p.parent, p.name, data, mode)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
         try:
             os.link(tmp, p)
         except FileExistsError:
@@ -59,6 +69,12 @@ def publish_file(path: str, data: bytes, mode: int = 0o600) -> bool:
         return True
     finally:
         os.unlink(tmp)
+
+
+def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` atomically and durably: a reader, or a restart after a crash, finds the
+    old file or the new one whole, never a part."""
+    os.replace(_durable_temp(path.parent, path.name, data, mode), path)
 
 
 def write_secret(path: str, data: bytes) -> None:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from capability.shared import replace_file
 
 from .merkle import EMPTY_ROOT, verify_consistency
 from .notes import NoteError, Verifier, cosignature_line, open_checkpoint
@@ -123,13 +123,7 @@ class WitnessState:
         return out
 
     def keep(self, origin: str, seen: Seen) -> None:
-        path = self._path(origin)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".seen.")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"origin": origin, **seen.to_doc()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(self._path(origin), json.dumps({"origin": origin, **seen.to_doc()}).encode(), 0o600)
 
 
 class WitnessServer:

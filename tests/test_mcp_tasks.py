@@ -113,12 +113,22 @@ def pending_approvals(world: NextWorld, agent: str) -> list[dict[str, Any]]:
     return [a for a in world.cp.client().request("GET", "/v1/approvals?status=pending") if a.get("agent") == agent]
 
 
+def decide_when_held(world: NextWorld, agent: str, decision: str) -> threading.Thread:
+    """A person who approves (or denies) the agent's next held call as soon as it is held; started."""
+    def decide() -> None:
+        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what=f"a held call of {agent}")
+        world.cp.client().request("POST", f"/v1/approvals/{held[0]['id']}/{decision}")
+
+    person = threading.Thread(target=decide)
+    person.start()
+    return person
+
+
 def test_an_approval_covers_its_calls_follow_up_rounds_and_a_replayed_round_is_held_again(world: NextWorld) -> None:
     from mcp.types import ElicitResult
 
     agent = "rounds"
     sidecar = world.sidecar(agent, {"next.confirm": {"tier": "approval", "calls": 1}, "next.add": "direct"})
-    admin = world.cp.client()
     world.server.calls.clear()
     asked: list[str] = []
 
@@ -126,12 +136,7 @@ def test_an_approval_covers_its_calls_follow_up_rounds_and_a_replayed_round_is_h
         asked.append(params.message)
         return ElicitResult(action="accept", content={})
 
-    def approve_when_held() -> None:
-        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the held call")
-        admin.request("POST", f"/v1/approvals/{held[0]['id']}/approve")
-
-    approver = threading.Thread(target=approve_when_held)
-    approver.start()
+    approver = decide_when_held(world, agent, "approve")
 
     async def body(client: Client) -> Any:
         return await client.call_tool("confirm", {"action": "ship"})
@@ -151,12 +156,7 @@ def test_an_approval_covers_its_calls_follow_up_rounds_and_a_replayed_round_is_h
     replay = next(json.loads(body) for _, _, body in world.wiretap.requests if b'"requestState"' in body)
     replay["id"] = 99
 
-    def deny_when_held() -> None:
-        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the replayed round held")
-        admin.request("POST", f"/v1/approvals/{held[0]['id']}/deny")
-
-    denier = threading.Thread(target=deny_when_held)
-    denier.start()
+    denier = decide_when_held(world, agent, "deny")
     with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
         replayed = answer(http.post(world.server.url, json=replay, headers=modern_headers("confirm")))
     denier.join()
@@ -190,12 +190,7 @@ def test_a_follow_up_round_is_refused_once_the_chain_is_revoked(world: NextWorld
         await asyncio.to_thread(wait_until, revoked, WAIT, 0.1, "the sidecar to learn of the revocation")
         return ElicitResult(action="accept", content={})
 
-    def approve_when_held() -> None:
-        held = wait_until(lambda: pending_approvals(world, agent), WAIT, what="the held call")
-        admin.request("POST", f"/v1/approvals/{held[0]['id']}/approve")
-
-    approver = threading.Thread(target=approve_when_held)
-    approver.start()
+    approver = decide_when_held(world, agent, "approve")
 
     async def body(client: Client) -> Any:
         return await client.call_tool("confirm", {"action": "launch"})

@@ -149,7 +149,7 @@ class Console:
 
     async def h_verify_records(self, request: web.Request) -> web.Response:
         records = await self.cp.store.record_heads()  # headers: a record's calls are hashed a page at a time
-        result = await self.cp.records.verify(self.cp.signing_key.public_key())
+        result = await self.cp.records.verify(self.cp.signing_key.public_key(), records)
         status = {}
         for index, record in enumerate(records):
             mark = f"record {index} ({record.get('record_id', f'#{index}')})"
@@ -165,7 +165,7 @@ class Console:
         from ..merkle import record_leaf, verify_inclusion
 
         service = self.cp.checkpoints
-        tree = await service.tree()
+        tree = await service.tree(heads)
         root = tree.root()
         for index, head in enumerate(heads[:tree.size]):
             entry = status.get(head.get("record_id", f"#{index}"))
@@ -175,7 +175,7 @@ class Console:
         witnesses = [{"url": w.url, "size": w.size, "cosigned": bool(w.cosigned),
                       "name": w.cosigned.split(" ")[1] if w.cosigned.count(" ") >= 2 else None}
                      for w in service.witnesses]
-        return {"origin": service.origin, "size": tree.size, "note": await service.checkpoint(),
+        return {"origin": service.origin, "size": tree.size, "note": await service.checkpoint(tree),
                 "witnesses": witnesses}
 
     async def h_har(self, request: web.Request) -> web.Response:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from capability.shared import replace_file
 
 from ..merkle import ProofError, Tree, record_leaf
 from ..notes import Checkpoint, Verifier, signed_checkpoint, with_lines
@@ -60,8 +60,9 @@ class CheckpointService:
     def verifier(self) -> Verifier:
         return Verifier(self.origin, self.signing_key.public_key())
 
-    async def tree(self) -> Tree:
-        heads = await self.store.record_heads()
+    async def tree(self, heads: list[Any] | None = None) -> Tree:
+        """The log's tree; ``heads``: the record headers when the caller has read them already."""
+        heads = await self.store.record_heads() if heads is None else heads
         leaves = [record_leaf(h["hash"]) for h in heads]
         tree = self._tree
         if tree is not None and tree.leaves == leaves[:tree.size]:  # the log grew (or did not): extend
@@ -70,8 +71,8 @@ class CheckpointService:
             self._tree = tree = Tree(leaves)
         return tree
 
-    async def checkpoint(self) -> str:
-        tree = await self.tree()
+    async def checkpoint(self, tree: Tree | None = None) -> str:
+        tree = await self.tree() if tree is None else tree
         return signed_checkpoint(Checkpoint(self.origin, tree.size, tree.root()), self.origin, self.signing_key)
 
     async def inclusion(self, record_id: str, size: int | None) -> dict[str, Any]:
@@ -80,7 +81,7 @@ class CheckpointService:
                      None)
         if index is None:
             raise ProofError(f"no record {record_id}")
-        tree = await self.tree()
+        tree = await self.tree(heads)
         size = tree.size if size is None else size
         proof = tree.inclusion_proof(index, size)
         return {"record_id": heads[index]["record_id"], "record_hash": heads[index]["hash"], "index": index,
@@ -112,7 +113,7 @@ class CheckpointService:
         size, when = self._published
         if tree.size == size and self.clock() - when < self.idle_s:
             return False
-        note = await self.checkpoint()
+        note = await self.checkpoint(tree)
         lines = [line for w in self.witnesses if (line := await self._witness(w, tree, note))]
         if self.directory is not None:
             await asyncio.to_thread(self._keep, tree.size, with_lines(note, lines))
@@ -126,8 +127,8 @@ class CheckpointService:
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / f"checkpoint.{size}"
         if not target.exists():  # append-only: a size once written is never rewritten
-            _atomic_write(target, note)
-        _atomic_write(directory / "latest", note)
+            replace_file(target, note.encode())
+        replace_file(directory / "latest", note.encode())
 
     async def _witness(self, witness: Witness, tree: Tree, note: str) -> str:
         import httpx
@@ -161,12 +162,3 @@ class CheckpointService:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -101,9 +101,10 @@ class RecordService:
             await asyncio.to_thread(digest.update, chunk)
         return "sha256:" + digest.hexdigest()
 
-    async def verify(self, public_key: Any) -> VerifyResult:
-        """``tether records verify`` in the control plane, without holding a record whole."""
-        heads = await self.store.record_heads()
+    async def verify(self, public_key: Any, heads: list[Doc] | None = None) -> VerifyResult:
+        """``tether records verify`` in the control plane, without holding a record whole. ``heads``: the
+        record headers when the caller has read them already."""
+        heads = await self.store.record_heads() if heads is None else heads
         return verify_digests([(head, await self.digest(head)) for head in heads], public_key)
 
     async def log_text(self) -> AsyncIterator[bytes]:
