@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # One image for every tether role: `tether controlplane serve`, `tether sidecar`, and the agent pod's
-# egress lock (`python -m proxy.egress`, which needs the iptables package installed below).
+# egress lock (`python -m tether.proxy.egress`, which needs the iptables package installed below).
 #
 #   docker build -t tether:0.1.0 .
 #   docker run --rm -p 7000:7000 tether:0.1.0 controlplane serve --listen 0.0.0.0:7000 ...
@@ -18,10 +18,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/tether
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY capability ./capability
-COPY cli ./cli
-COPY controlplane ./controlplane
-COPY proxy ./proxy
+COPY tether ./tether
 RUN /opt/tether/bin/pip install --no-compile . \
     && /opt/tether/bin/python -m compileall -q /opt/tether/lib
 

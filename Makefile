@@ -18,7 +18,7 @@ venv: $(BIN)/tether
 # Byte-compiled once, so that every process tether starts (sidecars, control planes, tests' subprocesses) reads
 # .pyc files even where PYTHONDONTWRITEBYTECODE is set (an editable install writes none otherwise).
 compile: venv
-	@$(BIN)/python -m compileall -q capability cli controlplane proxy tests bench >/dev/null
+	@$(BIN)/python -m compileall -q tether tests bench >/dev/null
 
 demo: venv compile
 	$(BIN)/tether demo

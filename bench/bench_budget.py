@@ -9,7 +9,7 @@ Run: python bench/bench_budget.py            (about a minute on 2 cores)
    Also the slice traffic the sidecar made to the control plane per 1,000 budgeted calls (from the control
    plane's ``tether_budget_slices_total`` counter).
 2. Fifty budget clients sharing one subtree budget: a root with ``calls=B`` delegates 50 children (each
-   ``calls=B``), each child runs the sidecar's own slice logic (``proxy/budget.Budgets`` with a real
+   ``calls=B``), each child runs the sidecar's own slice logic (``tether/proxy/budget.Budgets`` with a real
    ``ControlChannel``, its own run and key) against a real control plane process on SQLite, all spending
    as fast as they can. Fifty mitmproxy processes do not fit next to other work on 2 cores; the slice
    protocol, sizing and store are the ones the sidecar runs. Reported: units spent (the calls that would
@@ -31,13 +31,13 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from capability import keys
-from capability.chain import Verifier
-from proxy.budget import Budgets
-from proxy.channel import ControlChannel
-from proxy.state import Refusal
 from tests.conftest import build_world, teardown_world
 from tests.harness import make_test_ca
+from tether.capability import keys
+from tether.capability.chain import Verifier
+from tether.proxy.budget import Budgets
+from tether.proxy.channel import ControlChannel
+from tether.proxy.state import Refusal
 
 
 def pct(values: list[float], q: float) -> float:

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-from capability.catalog import Catalog, parse_catalog
+from tether.capability.catalog import Catalog, parse_catalog
 
 TARGET = 1.10
 CALLS = 2_000  # per timed batch

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import cryptography
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import Verifier, mint_child, mint_root, parse_link
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import Verifier, mint_child, mint_root, parse_link
 
 DEPTHS = (1, 3, 5, 8)
 REVOKED = 10_000

@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from capability import keys
-from controlplane.merkle import Tree, record_leaf, verify_inclusion
-from controlplane.notes import Checkpoint, signed_checkpoint
-from controlplane.termination import seal
+from tether.capability import keys
+from tether.controlplane.merkle import Tree, record_leaf, verify_inclusion
+from tether.controlplane.notes import Checkpoint, signed_checkpoint
+from tether.controlplane.termination import seal
 
 KEY = keys.generate()
 RECORD = {"record_id": "rec-0", "termination_id": "term-0", "subject": "agent", "mode": "drain",
@@ -68,7 +68,7 @@ def record_write_s(rounds: int = 40) -> float:
     import statistics
     import tempfile
 
-    from controlplane.store.sqlite import SqliteStore
+    from tether.controlplane.store.sqlite import SqliteStore
 
     async def run(path: str) -> list[float]:
         store = SqliteStore(path)

@@ -92,7 +92,7 @@ def main() -> int:
                         sc = SidecarProcess(cp, cp.issue(f"cred-bench-{names.index(name)}-{rep}", caps),
                                             extra=secret_args if caps is cred else [])
                         running.enter_context(bs.stopping(sc))
-                        if name in (bs.BEFORE, bs.CRED_BEFORE):  # `python -m cli` imports from its cwd
+                        if name in (bs.BEFORE, bs.CRED_BEFORE):  # `python -m tether` imports from its cwd
                             os.chdir(args.before)
                         try:
                             sidecars[name] = sc.start(upstream_ca=ca.ca_pem)

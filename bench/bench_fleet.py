@@ -57,11 +57,6 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from capability import keys  # noqa: E402
-from capability.catalog import parse_catalog  # noqa: E402
-from capability.chain import mint_child, mint_root, parse_chain_unverified  # noqa: E402
-from capability.errors import ApiError  # noqa: E402
-from capability.proof import make_proof  # noqa: E402
 from tests.harness import (  # noqa: E402
     ControlPlaneProcess,
     RedisServer,
@@ -69,6 +64,11 @@ from tests.harness import (  # noqa: E402
     prepare_controlplane,
     wait_until,
 )
+from tether.capability import keys  # noqa: E402
+from tether.capability.catalog import parse_catalog  # noqa: E402
+from tether.capability.chain import mint_child, mint_root, parse_chain_unverified  # noqa: E402
+from tether.capability.errors import ApiError  # noqa: E402
+from tether.capability.proof import make_proof  # noqa: E402
 
 TARGET_P99_MS = 100.0
 TARGET_FLEET_P99_MS = 1000.0
@@ -135,7 +135,7 @@ def mint_tree(cp: ControlPlaneProcess, prefix: str, shared: int, leaves: int, tt
 async def register_all(holders: list[Holder], url: str | list[str], concurrency: int = 32) -> None:
     """Register every chain as its sidecar does: POST /v1/chains/register signed with the leaf's key (spread
     over the replicas when given several)."""
-    from proxy.channel import ControlChannel
+    from tether.proxy.channel import ControlChannel
 
     urls = [url] if isinstance(url, str) else url
     queue = list(holders)
@@ -157,10 +157,10 @@ def worker_main() -> None:
     """Runs in a child process. First stdin line: the subscribers; then one JSON command per line."""
     import logging
 
-    from capability.chain import Verifier
-    from proxy.channel import ControlChannel, sleep_backoff
-    from proxy.sidecar import Sidecar
-    from proxy.state import SidecarState
+    from tether.capability.chain import Verifier
+    from tether.proxy.channel import ControlChannel, sleep_backoff
+    from tether.proxy.sidecar import Sidecar
+    from tether.proxy.state import SidecarState
 
     logging.getLogger("tether").setLevel(logging.ERROR)  # every subscriber logs "revoked" otherwise
 
@@ -656,7 +656,7 @@ async def heartbeats_http(url: str, senders: list[Holder], per_sender: int) -> f
 
 
 async def ingest_direct(store_url: str, senders: int, batches: int, batch: int) -> tuple[float, int]:
-    from controlplane.store import open_store_url
+    from tether.controlplane.store import open_store_url
 
     store = open_store_url(store_url)
     await store.open()

@@ -36,11 +36,11 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from capability import keys  # noqa: E402
-from capability.chain import mint_root  # noqa: E402
-from cli.controlplane import build  # noqa: E402
-from controlplane.auth import Caller  # noqa: E402
 from tests.harness import RedisServer, free_port, prepare_controlplane  # noqa: E402
+from tether.capability import keys  # noqa: E402
+from tether.capability.chain import mint_root  # noqa: E402
+from tether.cli.controlplane import build  # noqa: E402
+from tether.controlplane.auth import Caller  # noqa: E402
 
 TOKEN = "bench-admin-token"
 TARGET_MS = 100.0

@@ -35,9 +35,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capability.chain import parse_chain_unverified  # noqa: E402
-from controlplane.store import open_store_url  # noqa: E402
 from tests.harness import ControlPlaneProcess, RedisServer, prepare_controlplane  # noqa: E402
+from tether.capability.chain import parse_chain_unverified  # noqa: E402
+from tether.controlplane.store import open_store_url  # noqa: E402
 
 BATCH = 5000
 

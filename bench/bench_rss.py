@@ -55,9 +55,12 @@ def mappings(pid: int, top: int = 8) -> list[tuple[str, float]]:
 
 
 def sidecar_modules(root: Path) -> list[str]:
-    # The command layer as it is in ``root``: cli/ since the architecture step, controlplane/cli.py before it.
-    code = ("import sys, json\ntry:\n    import cli.main as c, cli.sidecar, cli.run\nexcept ImportError:\n"
-            "    import controlplane.cli as c, proxy.runner\nc.build_parser()\nimport proxy.sidecar\n"
+    # The command layer as it is in ``root``: tether/cli/ since the namespace step, cli/ since the architecture step,
+    # tether/controlplane/cli.py before it.
+    code = ("import sys, json\ntry:\n    import tether.cli.main as c, tether.cli.sidecar, tether.cli.run\n"
+            "    import tether.proxy.sidecar\nexcept ImportError:\n  try:\n"
+            "    import cli.main as c, cli.sidecar, cli.run\n  except ImportError:\n"
+            "    import controlplane.cli as c, proxy.runner\n  import proxy.sidecar\nc.build_parser()\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     return json.loads(out.stdout.splitlines()[-1])
@@ -85,7 +88,7 @@ def main() -> int:
             here = os.getcwd()
             for name, sc in sidecars.items():
                 stack.enter_context(bs.stopping(sc))
-                if name.endswith("(before)"):  # `python -m controlplane.cli` imports from its working directory
+                if name.endswith("(before)"):  # the command imports from its working directory
                     os.chdir(args.before)
                 try:
                     sc.start(upstream_ca=ca.ca_pem)

@@ -475,7 +475,7 @@ def boundary_not_permitted() -> str | None:
         return f"cannot create network namespaces here: {probe.stderr.strip()}"
     if subprocess.run(["iptables", "-w", "-S", "INPUT"], capture_output=True, check=False).returncode != 0:
         return "iptables cannot be used here"
-    from proxy.isolate import User, readable_by
+    from tether.proxy.isolate import User, readable_by
 
     nobody = User.lookup(None)
     for path in (Path(CLIENT_PYTHON).resolve(),):
@@ -549,7 +549,7 @@ def run_boundary(stack: ExitStack, work: Path, cp: object, tools: ToolServerProc
     state = work / "iso-state"
     urls = {"http": f"http://{BOUNDARY_HOST}:{tools.http_port}{ISSUES}",
             "https": f"https://{BOUNDARY_HOST}:{tools.https_port}{ISSUES}"}
-    inner = (f"mount --bind {hosts} /etc/hosts && exec {shlex.quote(sys.executable)} -m cli run "
+    inner = (f"mount --bind {hosts} /etc/hosts && exec {shlex.quote(sys.executable)} -m tether run "
              f"--isolate --listen 127.0.0.1:0 --controlplane {cp.url} --chain {identity.chain_path} "  # type: ignore[attr-defined]
              f"--key {identity.key_path} --state-dir {state} --upstream-ca {tools.ca.ca_pem} -- "
              f"{CLIENT_PYTHON} -I {client} {shlex.quote(json.dumps({'urls': urls, 'warmup': 20}))}")
@@ -693,7 +693,7 @@ def main() -> int:
                 # Only the traced sidecar inherits the exporter's variables (the control plane runs already).
                 otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint} if n == TRACED else {}
                 os.environ.update(otel)
-                if n in (BEFORE, CRED_BEFORE):  # `python -m cli` imports from its working directory
+                if n in (BEFORE, CRED_BEFORE):  # `python -m tether` imports from its working directory
                     os.chdir(args.before)
                 try:
                     sc.start(upstream_ca=ca.ca_pem)

@@ -75,7 +75,7 @@ def main() -> int:
         ident = cp.issue("startup", {"issues.read": "direct"})
         env = {k: v for k, v in os.environ.items() if k not in ("TETHER_ADMIN_TOKEN", "TETHER_TOKEN")}
         env["TETHER_CONTROLPLANE"] = cp.url
-        run = [PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
+        run = [PYTHON, "-m", "tether", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
                "--state-dir", str(root / "state")]
         cases = {
             "python -c pass": lambda: timed([PYTHON, "-c", "pass"], env),

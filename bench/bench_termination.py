@@ -53,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 from bench_sidecar import ToolServerProcess, cpu_seconds, stopping  # noqa: E402
 
-from proxy.capture import CAPTURE_FILE, read_flows  # noqa: E402
 from tests.harness import (  # noqa: E402
     ControlPlaneProcess,
     Identity,
@@ -64,6 +63,7 @@ from tests.harness import (  # noqa: E402
     prepare_controlplane,
     wait_until,
 )
+from tether.proxy.capture import CAPTURE_FILE, read_flows  # noqa: E402
 
 RECORD_SLACK_S = 1.0
 STALL_TARGET_S = 0.100
@@ -286,13 +286,13 @@ async def scenario(cp: ControlPlaneProcess, tools: ToolServerProcess, sidecars: 
 
 
 # A zygote: imports the sidecar's code once, then forks one child per sidecar that runs exactly what
-# ``python -m cli sidecar ...`` runs. Each child is a full sidecar process of its own; only
+# ``python -m tether sidecar ...`` runs. Each child is a full sidecar process of its own; only
 # the ~2 s of imports per process is shared, which 50 processes on 2 cores would otherwise pay in turn.
 ZYGOTE_CODE = """
 import json, os, signal, sys
 sys.path.insert(0, {root!r})
-import cli.sidecar, proxy.sidecar  # proxy.sidecar loads the mitmproxy addons a sidecar runs, and only those
-from cli.main import main as tether
+import tether.cli.sidecar, proxy.sidecar  # proxy.sidecar loads the mitmproxy addons a sidecar runs, and only those
+from tether.cli.main import main as tether
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
 print("ready", flush=True)
 while line := sys.stdin.readline():

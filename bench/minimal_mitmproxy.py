@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mitmproxy import options
 
-from proxy.mitmaddons import Master
-from proxy.sidecar import mitmproxy_addons
+from tether.proxy.mitmaddons import Master
+from tether.proxy.sidecar import mitmproxy_addons
 
 
 async def main(port: int, confdir: str, upstream_ca: str) -> None:

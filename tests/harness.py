@@ -28,10 +28,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import mint_child, mint_root, parse_chain_unverified
-from controlplane.client import Client
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import mint_child, mint_root, parse_chain_unverified
+from tether.controlplane.client import Client
 
 ADMIN_TOKEN = "test-admin-token"
 PYTHON = sys.executable
@@ -391,7 +391,7 @@ class ControlPlaneProcess:
         log = open(self.directory / "controlplane.log", "ab")
         store = self.store or f"sqlite:///{self.directory / 'tether.db'}"
         self.proc = subprocess.Popen(
-            [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
+            [PYTHON, "-m", "tether", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
              "--store", store, "--catalog", str(self.catalog_path), "--signing-key", str(self.signing_key_path),
              "--lease-ttl", str(self.lease_ttl), "--grace", str(self.grace),
              *(["--tls-cert", str(self.tls.cert_pem), "--tls-key", str(self.tls.key_pem)] if self.tls else []),
@@ -456,6 +456,13 @@ def prepare_controlplane(directory: Path, http_port: int, https_port: int, mcp_p
 
 
 # -- sidecars as real processes ---------------------------------------------------------------------------
+def command_module() -> str:
+    """``tether``, or ``cli`` where the working directory is a checkout from before the one namespace (the
+    benchmarks' ``--before DIR`` run a sidecar of older code from its own directory)."""
+    old = Path("tether/cli/__main__.py").exists() and not Path("tether/__main__.py").exists()
+    return "cli" if old else "tether"
+
+
 @dataclass
 class SidecarProcess:
     cp: ControlPlaneProcess
@@ -485,7 +492,7 @@ class SidecarProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ready = self.state_dir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [PYTHON, "-m", "cli", "sidecar", "--controlplane", self.cp.url,
+        args = [PYTHON, "-m", command_module(), "sidecar", "--controlplane", self.cp.url,
                 "--chain", str(self.identity.chain_path), "--key", str(self.identity.key_path),
                 "--listen", "127.0.0.1:0", "--state-dir", str(self.state_dir), "--ready-file", str(ready),
                 *self.extra]

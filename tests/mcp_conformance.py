@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.errors import CatalogError
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.errors import CatalogError
 
 from .harness import PYTHON, ControlPlaneProcess, Identity, SidecarProcess, free_port, stop_process, wait_until
 
@@ -350,7 +350,7 @@ def under_tether_run(tethered: Tethered, agent: str, state_dir: Path,
     out is the sidecar, whatever it follows), or ``--cooperative`` (proxy variables only: tether run does not
     set ``NODE_USE_ENV_PROXY``, so this adds it to the environment tether run passes on)."""
     identity = tethered.cp.issue(agent, dict.fromkeys(tethered.grants.entries, "direct"))
-    prefix = [PYTHON, "-m", "cli", "run", "--controlplane", tethered.cp.url, "--chain", str(identity.chain_path),
+    prefix = [PYTHON, "-m", "tether", "run", "--controlplane", tethered.cp.url, "--chain", str(identity.chain_path),
               "--key", str(identity.key_path), "--state-dir", str(state_dir),
               *(["--cooperative"] if cooperative else []), "--"]
     env = runner_env(None, tethered.cp.env())

@@ -2,7 +2,7 @@
 nested and ill-typed bodies, existence oracles, per-agent metrics, proofs dated ahead, jti collisions.
 
 Every case here was a 500 with a traceback, a leak or a silent loss before the API read its bodies through
-``controlplane/body.py`` and authenticated before looking anything up (issue 11)."""
+``tether/controlplane/body.py`` and authenticated before looking anything up (issue 11)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import mint_root, parse_chain_unverified
-from capability.proof import make_proof
-from controlplane.client import Signer
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import mint_root, parse_chain_unverified
+from tether.capability.proof import make_proof
+from tether.controlplane.client import Signer
 
 from .harness import ADMIN_TOKEN, ControlPlaneProcess, Identity, prepare_controlplane
 

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import requests
 
-from capability.events import APPROVAL_BODY_LIMIT
-from controlplane.client import Signer
-from controlplane.services.approvals import MAX_PENDING_PER_LINK, MAX_PENDING_PER_RUN
+from tether.capability.events import APPROVAL_BODY_LIMIT
+from tether.controlplane.client import Signer
+from tether.controlplane.services.approvals import MAX_PENDING_PER_LINK, MAX_PENDING_PER_RUN
 
 from . import harness
 from .conftest import World, build_world, teardown_world
@@ -80,7 +80,7 @@ def test_a_chunked_upload_is_read_whole_shown_whole_and_forwarded_once_approved(
         assert req["body_encoding"] == "text" and req["body"].encode() == body
         assert world.tools.hits_for("/echo") == 0 and not held.done()
 
-        out = subprocess.run([sys.executable, "-m", "cli", "approvals", "show", approval["id"]], env=world.cp.env(),
+        out = subprocess.run([sys.executable, "-m", "tether", "approvals", "show", approval["id"]], env=world.cp.env(),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert f"-- body: {len(body)} bytes, whole" in out.stdout and "THEEND" in out.stdout
@@ -225,7 +225,7 @@ def test_the_held_call_stays_in_sight_with_paging_and_counts(world: World, flood
 def test_tether_approvals_list_shows_every_pending_one_and_the_counts(world: World, flooded: dict[str, Any]) -> None:
     wait_until(lambda: world.cp.client().request("GET", f"/v1/approvals/{flooded['real']['id']}")["origin"] == "held",
                WAIT, what="origin held")
-    out = subprocess.run([sys.executable, "-m", "cli", "approvals", "list"], env=world.cp.env(), capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tether", "approvals", "list"], env=world.cp.env(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     listed = [line for line in out.stdout.splitlines() if line.startswith("apr-")]
@@ -236,7 +236,7 @@ def test_tether_approvals_list_shows_every_pending_one_and_the_counts(world: Wor
     counts = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
     assert "60  (0 held, 60 filed)" in counts["sibling"] and "1  (1 held, 0 filed)" in counts["coder"]
 
-    only = subprocess.run([sys.executable, "-m", "cli", "approvals", "list", "--agent", "coder", "--origin", "held"],
+    only = subprocess.run([sys.executable, "-m", "tether", "approvals", "list", "--agent", "coder", "--origin", "held"],
                           env=world.cp.env(), capture_output=True, text=True, timeout=60)
     assert [line.split()[0] for line in only.stdout.splitlines() if line.startswith("apr-")] == [flooded["real"]["id"]]
 

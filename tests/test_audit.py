@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import keys
-from capability.catalog import HttpMatch, parse_catalog
-from capability.chain import mint_root
-from capability.errors import CatalogError
-from capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
-from cli.main import main
-from controlplane import audit
+from tether.capability import keys
+from tether.capability.catalog import HttpMatch, parse_catalog
+from tether.capability.chain import mint_root
+from tether.capability.errors import CatalogError
+from tether.capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
+from tether.cli.main import main
+from tether.controlplane import audit
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, prepare_controlplane
 
@@ -349,7 +349,7 @@ def cp(tmp_path: Path) -> Iterator[ControlPlaneProcess]:
 
 
 def tether(cp: ControlPlaneProcess, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "cli", *args], cwd=cwd, env=cp.env(), capture_output=True,
+    return subprocess.run([PYTHON, "-m", "tether", *args], cwd=cwd, env=cp.env(), capture_output=True,
                           text=True, timeout=60)
 
 

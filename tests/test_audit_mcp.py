@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from capability import mcpwire
-from capability.catalog import parse_catalog
-from capability.glob import admits
-from capability.jsonpieces import canonical_json
-from cli.main import main
-from controlplane import audit
+from tether.capability import mcpwire
+from tether.capability.catalog import parse_catalog
+from tether.capability.glob import admits
+from tether.capability.jsonpieces import canonical_json
+from tether.cli.main import main
+from tether.controlplane import audit
 
 URL = "http://tools:9000/mcp"
 
@@ -71,8 +71,8 @@ def test_surface_text_names_each_kind() -> None:
 
 # -- through the CLI, from catalogs --------------------------------------------------------------------------
 needs_gate = pytest.mark.skipif(not hasattr(audit, "mcpwire"), reason=(
-    "controlplane/audit.py does not read MCP items beyond tools yet (it must delegate its mcp wire to "
-    "capability.mcpwire)"))
+    "tether/controlplane/audit.py does not read MCP items beyond tools yet (it must delegate its mcp wire to "
+    "tether.capability.mcpwire)"))
 
 BASE = {
     "add": {"mcp": {"url": URL, "tool": "add"}},

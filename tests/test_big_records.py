@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.jsonpieces import canonical_json
-from controlplane import termination as proto
-from controlplane.metrics import Metrics
-from controlplane.services.records import RecordService
-from controlplane.store import open_store_url
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.jsonpieces import canonical_json
+from tether.controlplane import termination as proto
+from tether.controlplane.metrics import Metrics
+from tether.controlplane.services.records import RecordService
+from tether.controlplane.store import open_store_url
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, RedisServer, prepare_controlplane, wait_until
 
@@ -77,7 +77,7 @@ def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ControlPlaneP
 
 
 def cli(cp: ControlPlaneProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "cli", *args, "--controlplane", cp.url], capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "tether", *args, "--controlplane", cp.url], capture_output=True, text=True,
                           env={**cp.env(), "TETHER_ADMIN_TOKEN": ADMIN_TOKEN}, timeout=180)
 
 

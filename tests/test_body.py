@@ -1,4 +1,4 @@
-"""The API's one JSON reader and its typed fields (controlplane/body.py), as pure functions."""
+"""The API's one JSON reader and its typed fields (tether/controlplane/body.py), as pure functions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from capability.errors import ApiError
-from controlplane.body import MAX_DEPTH, Fields, parse
+from tether.capability.errors import ApiError
+from tether.controlplane.body import MAX_DEPTH, Fields, parse
 
 
 def refused(call: Any) -> str:

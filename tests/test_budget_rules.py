@@ -1,4 +1,4 @@
-"""The pure budget rules (capability/budget.py, chain narrowing): by table, then by hypothesis."""
+"""The pure budget rules (tether/capability/budget.py, chain narrowing): by table, then by hypothesis."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import keys
-from capability.budget import (
+from tether.capability import keys
+from tether.capability.budget import (
     Grant,
     GrantError,
     next_want,
@@ -19,9 +19,9 @@ from capability.budget import (
     slice_size,
     widening,
 )
-from capability.catalog import parse_catalog
-from capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
-from capability.errors import CatalogError, ChainInvalid
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
+from tether.capability.errors import CatalogError, ChainInvalid
 
 CATALOG = parse_catalog("""
 capabilities:
@@ -69,7 +69,7 @@ def test_cap_spec_refused(spec: str) -> None:
     with pytest.raises(GrantError):
         grant = parse_cap_spec(spec)[1]
         if isinstance(grant, Grant) and grant.tier == "absent":
-            from capability.budget import normalize
+            from tether.capability.budget import normalize
 
             normalize({"x": grant})
 

@@ -1,13 +1,13 @@
 """The budget part of the store contract, on both stores (SQLite file, real redis-server): slices are taken all
-or nothing from every counter, sized by ``capability/budget.slice_size``, settled exactly once, and two
+or nothing from every counter, sized by ``tether/capability/budget.slice_size``, settled exactly once, and two
 replicas racing for the last calls of a budget never take more than it holds."""
 
 from __future__ import annotations
 
 import asyncio
 
-from capability.budget import slice_size
-from controlplane.store import Store
+from tether.capability.budget import slice_size
+from tether.controlplane.store import Store
 
 from . import test_store_contract as contract
 from .test_store_contract import Backend

@@ -237,7 +237,7 @@ def test_three_level_tree_and_the_budgets_command(world: World) -> None:
                 for _ in range(6)]
     assert statuses == [200] * 4 + [429] * 2  # the leaf's own budget is the tightest
     car.stop()
-    out = subprocess.run([sys.executable, "-m", "cli", "budgets", "--agent", "planner"],
+    out = subprocess.run([sys.executable, "-m", "tether", "budgets", "--agent", "planner"],
                          env=world.cp.env(), capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     print(out.stdout)

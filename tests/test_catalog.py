@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from capability.catalog import normalize_url, parse_catalog, safe_path
-from capability.errors import CATALOG_INVALID, UNKNOWN_CAPABILITY, CatalogError, UnknownCapability
+from tether.capability.catalog import normalize_url, parse_catalog, safe_path
+from tether.capability.errors import CATALOG_INVALID, UNKNOWN_CAPABILITY, CatalogError, UnknownCapability
 
 DESIGN_CATALOG = """\
 capabilities:

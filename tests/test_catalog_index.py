@@ -12,8 +12,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capability.catalog import Catalog, host_key, normalize_url, parse_catalog, safe_path
-from capability.credentials import Credential
+from tether.capability.catalog import Catalog, host_key, normalize_url, parse_catalog, safe_path
+from tether.capability.credentials import Credential
 
 
 # -- the linear scan, as it was ----------------------------------------------------------------------

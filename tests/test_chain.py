@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import (
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import (
     CONTROLPLANE_PRINCIPAL,
     GRANT_TYP,
     LEEWAY_S,
@@ -35,7 +35,7 @@ from capability.chain import (
     parse_chain_unverified,
     parse_link,
 )
-from capability.errors import (
+from tether.capability.errors import (
     CHAIN_EXPIRED,
     CHAIN_INVALID,
     CHAIN_REVOKED,
@@ -47,7 +47,7 @@ from capability.errors import (
     ChainRevoked,
     UnknownCapability,
 )
-from capability.proof import check_proof, make_proof, read_proof
+from tether.capability.proof import check_proof, make_proof, read_proof
 
 CATALOG = parse_catalog(
     "capabilities:\n"

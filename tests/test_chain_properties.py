@@ -18,10 +18,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import GRANT_TYP, Verifier, link_hash, mint_child, mint_root, parse_link
-from capability.errors import CHAIN_INVALID, ChainInvalid
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import GRANT_TYP, Verifier, link_hash, mint_child, mint_root, parse_link
+from tether.capability.errors import CHAIN_INVALID, ChainInvalid
 
 CAPS = ["a.read", "a.write", "b.send", "c.call", "d.query"]
 CATALOG = parse_catalog(

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from capability import keys
-from controlplane.notes import COSIGNATURE_V1, Verifier
-from controlplane.termination import seal
+from tether.capability import keys
+from tether.controlplane.notes import COSIGNATURE_V1, Verifier
+from tether.controlplane.termination import seal
 
 from .harness import PYTHON, RedisServer, free_port, prepare_controlplane, stop_process, wait_until
 from .test_keys import _terminate_one, tether
@@ -43,7 +43,7 @@ def start_witness(tmp_path: Path, log_vkey: str) -> tuple[subprocess.Popen, int,
     port = free_port()
     log = tmp_path / "witness.log"
     log.write_text("")
-    proc = subprocess.Popen([PYTHON, "-m", "cli", "witness", "serve", "--name", "witness.test", "--key",
+    proc = subprocess.Popen([PYTHON, "-m", "tether", "witness", "serve", "--name", "witness.test", "--key",
                              "witness.key", "--log", log_vkey, "--state", "wstate", "--listen", f"127.0.0.1:{port}"],
                             cwd=tmp_path, stderr=open(log, "ab"))
     wait_until(lambda: "listening" in log.read_text(), 30, what="the witness")

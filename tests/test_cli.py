@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from capability.chain import parse_chain_unverified
+from tether.capability.chain import parse_chain_unverified
 
 from .harness import PYTHON, ControlPlaneProcess, prepare_controlplane
 
@@ -24,7 +24,7 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcess
 
 
 def tether(cp: ControlPlaneProcess, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "cli", *args], cwd=cwd, env=cp.env(), capture_output=True,
+    return subprocess.run([PYTHON, "-m", "tether", *args], cwd=cwd, env=cp.env(), capture_output=True,
                           text=True, timeout=60)
 
 
@@ -120,7 +120,7 @@ def test_bad_catalog_is_a_clear_error(cp: ControlPlaneProcess, tmp_path: Path) -
     assert result.returncode == 2
     assert "tether.catalog_invalid" in result.stderr and "typo.yaml" in result.stderr
     assert "x.read" in result.stderr and "methds" in result.stderr
-    serve = subprocess.run([PYTHON, "-m", "cli", "controlplane", "serve", "--catalog", "typo.yaml",
+    serve = subprocess.run([PYTHON, "-m", "tether", "controlplane", "serve", "--catalog", "typo.yaml",
                             "--listen", "127.0.0.1:1"], cwd=tmp_path, env=cp.env(), capture_output=True, text=True,
                            timeout=30)
     assert serve.returncode == 2 and "tether.catalog_invalid" in serve.stderr

@@ -18,7 +18,7 @@ from .harness import PYTHON, free_port, wait_until
 
 
 def tether(*args: str, cwd: Path, env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "tether", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=60, **kw)  # type: ignore[call-overload]
 
 
@@ -35,7 +35,7 @@ class Background:
             # Ctrl-C as a terminal delivers it: whatever the test runner's own SIGINT disposition is (a parallel
             # worker ignores it, and an ignored signal stays ignored across exec), the command starts with the
             # default one, as from a shell.
-            self.proc = subprocess.Popen([PYTHON, "-m", "cli", *args], cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"},
+            self.proc = subprocess.Popen([PYTHON, "-m", "tether", *args], cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"},
                                          stdout=out, stderr=out,
                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -132,7 +132,7 @@ def test_a_reader_that_leaves_is_no_error(world: World, tmp_path: Path) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        out = subprocess.run([PYTHON, "-m", "cli", "agents", "--json"], cwd=tmp_path, env=world.cp.env(),
+        out = subprocess.run([PYTHON, "-m", "tether", "agents", "--json"], cwd=tmp_path, env=world.cp.env(),
                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(write_end)
@@ -151,7 +151,7 @@ def test_sidecar_on_a_port_in_use(world: World, tmp_path: Path) -> None:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        out = subprocess.run([PYTHON, "-m", "cli", *sidecar_args(world, "port-taken", tmp_path, "--listen",
+        out = subprocess.run([PYTHON, "-m", "tether", *sidecar_args(world, "port-taken", tmp_path, "--listen",
                                                                   f"127.0.0.1:{port}")],
                              cwd=tmp_path, env=world.cp.env(), capture_output=True, text=True, timeout=90)
     assert out.returncode == 2 and "tether.listen_failed" in out.stderr and "in use" in out.stderr, out.stderr

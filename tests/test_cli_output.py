@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cli.ops import print_approval, print_record_summary
+from tether.cli.ops import print_approval, print_record_summary
 
 HOSTILE_BODY = '{"title":"delete all customer data"}\r\x1b[2K{"title":"fix typo in README"}\x1b[8m'
 
@@ -40,5 +40,5 @@ def test_version() -> None:
 
     from .harness import PYTHON
 
-    out = subprocess.run([PYTHON, "-m", "cli", "--version"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([PYTHON, "-m", "tether", "--version"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.startswith("tether ") and out.stdout.split()[1][0].isdigit(), out

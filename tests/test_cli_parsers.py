@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cli.main import build_parser
+from tether.cli.main import build_parser
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...],

@@ -29,11 +29,11 @@ from typing import Any
 import pytest
 import requests
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from capability.proof import MAX_AGE_S, make_proof
-from controlplane.termination import terminated_agents
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.capability.proof import MAX_AGE_S, make_proof
+from tether.controlplane.termination import terminated_agents
 
 from . import harness
 from .conftest import World, build_world, teardown_world
@@ -71,7 +71,7 @@ class SkewedControlPlane(ControlPlaneProcess):
 
     def start(self) -> SkewedControlPlane:
         log = open(self.directory / "controlplane.log", "ab")
-        serve = [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
+        serve = [PYTHON, "-m", "tether", "controlplane", "serve", "--listen", f"127.0.0.1:{self.port}",
                  "--store", str(self.store), "--catalog", str(self.catalog_path),
                  "--signing-key", str(self.signing_key_path), "--lease-ttl", str(self.lease_ttl),
                  "--grace", str(self.grace)]

@@ -1,4 +1,4 @@
-"""The clock rule without processes (``controlplane/clock.py``, the commands' ``remaining_s``), and the
+"""The clock rule without processes (``tether/controlplane/clock.py``, the commands' ``remaining_s``), and the
 embedded store's case as a real control plane answers it: one replica, its own clock the reference."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.clock import SIDECAR_QUORUM, SKEW_BOUND_S, STALE_AFTER_S, ClockWatch
-from controlplane.termination import delivered, remaining
+from tether.controlplane.clock import SIDECAR_QUORUM, SKEW_BOUND_S, STALE_AFTER_S, ClockWatch
+from tether.controlplane.termination import delivered, remaining
 
 from .conftest import World
 from .harness import SidecarProcess, wait_until

@@ -38,7 +38,7 @@ def test_a_sidecar_with_its_clock_ahead_keeps_the_whole_drain_window(world: Worl
     state.mkdir()
     ready = state / "ready.json"
     with open(state / "sidecar.log", "wb") as log:
-        proc = subprocess.Popen([PYTHON, "-m", "cli", "sidecar", "--controlplane",
+        proc = subprocess.Popen([PYTHON, "-m", "tether", "sidecar", "--controlplane",
                                  world.cp.url, "--chain", str(ident.chain_path), "--key", str(ident.key_path),
                                  "--listen", "127.0.0.1:0", "--state-dir", str(state), "--ready-file", str(ready)],
                                 stdout=log, stderr=log, env={**world.cp.env(), **faketime_env(AHEAD)})

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from controlplane.termination import terminated_agents
+from tether.controlplane.termination import terminated_agents
 
 from . import harness
 from .conftest import World, build_world, teardown_world

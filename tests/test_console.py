@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 import requests
 
-from capability.errors import ApiError
+from tether.capability.errors import ApiError
 
 from .conftest import World
 from .harness import ADMIN_TOKEN, wait_until
@@ -123,7 +123,7 @@ def test_approval_shows_the_redacted_call_and_binds_to_its_hash(world: World) ->
         assert json.loads(req["body"])["note"] == body["note"] and req["call_hash"].startswith("sha256:")
         assert approval["call_hash"] == req["call_hash"]
 
-        out = subprocess.run([sys.executable, "-m", "cli", "approvals", "show", approval["id"]],
+        out = subprocess.run([sys.executable, "-m", "tether", "approvals", "show", approval["id"]],
                              env=w.cp.env(), capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert f"POST {w.tools.base}/echo" in out.stdout and "authorization: [redacted]" in out.stdout.lower()

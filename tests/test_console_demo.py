@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from controlplane.termination import terminated_agents
+from tether.controlplane.termination import terminated_agents
 
 from .harness import PYTHON, wait_until
 from .test_console import browser  # noqa: F401  (the browser fixture: Debian's chromium)
@@ -43,7 +43,7 @@ def test_every_decision_of_the_demo_from_the_browser(tmp_path: Path, browser: An
     from playwright.sync_api import expect
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-    demo = subprocess.Popen([PYTHON, "-m", "cli", "demo", "--console", "--fast", "--dir", str(tmp_path)],
+    demo = subprocess.Popen([PYTHON, "-m", "tether", "demo", "--console", "--fast", "--dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out = Output(demo)
     try:

@@ -7,9 +7,9 @@ import json
 
 from mitmproxy.test import tflow
 
-from controlplane.auth import Operator
-from controlplane.console.sessions import Sessions
-from proxy.capture import call_hash, held_call
+from tether.controlplane.auth import Operator
+from tether.controlplane.console.sessions import Sessions
+from tether.proxy.capture import call_hash, held_call
 
 
 def test_sessions_expire_end_and_stay_bounded() -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from controlplane.client import Client, Signer
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.controlplane.client import Client, Signer
 
 from .harness import ControlPlaneProcess, Identity, prepare_controlplane
 
@@ -83,7 +83,7 @@ def test_register_needs_possession_of_the_leaf_key(cp: ControlPlaneProcess) -> N
 
 
 def test_a_proof_is_used_once(cp: ControlPlaneProcess) -> None:
-    from capability.proof import make_proof
+    from tether.capability.proof import make_proof
 
     ident = cp.issue("replay", {"issues.read": "direct"})
     register(cp, ident)

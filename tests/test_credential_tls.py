@@ -23,12 +23,12 @@ import pytest
 import requests
 from mitmproxy.test import taddons, tflow, tutils
 
-from capability.catalog import parse_catalog
-from capability.credentials import Credential, Leaving, Route, route_refusal
-from capability.errors import CatalogError
-from proxy.credentials import CredentialRoutes
-from proxy.flowstate import state_of
-from proxy.state import Call
+from tether.capability.catalog import parse_catalog
+from tether.capability.credentials import Credential, Leaving, Route, route_refusal
+from tether.capability.errors import CatalogError
+from tether.proxy.credentials import CredentialRoutes
+from tether.proxy.flowstate import state_of
+from tether.proxy.state import Call
 
 from .harness import ControlPlaneProcess, SidecarProcess, TestCA, make_test_ca, reports_for, wait_until
 
@@ -262,7 +262,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     cp.directory.mkdir(parents=True)
     cp.catalog_path.write_text(CATALOG.format(genuine=genuine.port, impostor=impostor.port, plain=plain.port,
                                               loop=loop.port))
-    from capability import keys
+    from tether.capability import keys
 
     cp.signing_key_path.write_bytes(keys.private_pem(keys.generate()))
     cp.start()

@@ -29,9 +29,9 @@ import pytest
 import requests
 from aiohttp import web
 
-from capability.catalog import parse_catalog
-from capability.errors import CatalogError
-from proxy.credentials import load_secrets, token_times
+from tether.capability.catalog import parse_catalog
+from tether.capability.errors import CatalogError
+from tether.proxy.credentials import load_secrets, token_times
 
 from .harness import (
     PYTHON,
@@ -203,7 +203,7 @@ def cworld(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CredWorld]:
     cp = ControlPlaneProcess(root / "cp")
     cp.directory.mkdir(parents=True)
     cp.catalog_path.write_text(CATALOG.format(token=servers.token_port, tool=servers.tool_port))
-    from capability import keys
+    from tether.capability import keys
 
     key = keys.generate()
     cp.signing_key_path.write_bytes(keys.private_pem(key))
@@ -362,7 +362,7 @@ def test_tether_run_removes_the_secret_variable_from_the_command(cworld: CredWor
         "print(json.dumps(out))\n")
     env = {**cworld.cp.env(), "TEST_STATIC_SECRET": STATIC}
     done = subprocess.run(
-        [PYTHON, "-m", "cli", "run", "--controlplane", cworld.cp.url, "--chain", str(identity.chain_path),
+        [PYTHON, "-m", "tether", "run", "--controlplane", cworld.cp.url, "--chain", str(identity.chain_path),
          "--key", str(identity.key_path), "--state-dir", str(cworld.root / "run-state"), *cworld.secret_args(),
          "--", PYTHON, str(script), f"http://127.0.0.1:{cworld.servers.tool_port}"],
         capture_output=True, text=True, timeout=90, env=env, check=False)
@@ -387,7 +387,7 @@ def test_zz_no_secret_value_in_any_capture_har_spool_report_log_or_record(cworld
         sidecar.stop()
     har = cworld.root / "all.har"
     for agent_dir in (cworld.cp.directory / "sidecars").iterdir():
-        subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", agent_dir.name,
+        subprocess.run([PYTHON, "-m", "tether", "capture", "export", "--agent", agent_dir.name,
                         "--captures", str(agent_dir.parent), "--har", str(har.with_suffix(f".{agent_dir.name}.har"))],
                        capture_output=True, timeout=60, env=cworld.cp.env(), check=False)
     assert list(cworld.root.glob("all.*.har")), "no HAR was exported"

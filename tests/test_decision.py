@@ -1,4 +1,4 @@
-"""The enforcement decision (proxy/decision.py) as tables and properties, in milliseconds, with no proxy.
+"""The enforcement decision (tether/proxy/decision.py) as tables and properties, in milliseconds, with no proxy.
 
 Real chains (minted and verified), a real catalog and a real ``SidecarState``; only the request is written
 out as facts. Every code ``decide``, ``decide_tunnel`` and ``after_approval`` return is in a table here; the
@@ -17,12 +17,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import errors as codes
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import Verifier, mint_root
-from proxy.decision import REWRITE_HEADERS, Allow, Facts, Hold, ReadBody, Refused, after_approval, decide, decide_tunnel
-from proxy.state import SidecarState
+from tether.capability import errors as codes
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import Verifier, mint_root
+from tether.proxy.decision import (
+    REWRITE_HEADERS,
+    Allow,
+    Facts,
+    Hold,
+    ReadBody,
+    Refused,
+    after_approval,
+    decide,
+    decide_tunnel,
+)
+from tether.proxy.state import SidecarState
 
 CATALOG = parse_catalog("""
 capabilities:

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import errors as codes
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import Verifier, mint_root
-from proxy import mcp
-from proxy.decision import Allow, Facts, Hold, Refused, decide
-from proxy.state import SidecarState
+from tether.capability import errors as codes
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import Verifier, mint_root
+from tether.proxy import mcp
+from tether.proxy.decision import Allow, Facts, Hold, Refused, decide
+from tether.proxy.state import SidecarState
 
 URL = "http://mcp.example/mcp"
 CATALOG = parse_catalog(f"""

@@ -1,13 +1,13 @@
-"""What a sub-agent's request can make of the delegating ``tether run`` (cli/delegation.py): only the allowed
+"""What a sub-agent's request can make of the delegating ``tether run`` (tether/cli/delegation.py): only the allowed
 options, each value one token that never reads as another option. The whole path runs in tests/test_enforced.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from capability.errors import TetherError
-from cli.delegation import child_argv
-from cli.main import build_parser
+from tether.capability.errors import TetherError
+from tether.cli.delegation import child_argv
+from tether.cli.main import build_parser
 
 SPEC = {"controlplane": "http://127.0.0.1:9", "parent_chain": "parent.chain", "parent_key": "parent.key",
         "state_root": "state"}
@@ -15,7 +15,7 @@ SPEC = {"controlplane": "http://127.0.0.1:9", "parent_chain": "parent.chain", "p
 
 def parsed(options: dict) -> object:
     argv = child_argv(options, **SPEC)
-    assert argv[1:4] == ["-I", "-m", "cli"]  # isolated: nothing of the requester's environment reaches it
+    assert argv[1:4] == ["-I", "-m", "tether"]  # isolated: nothing of the requester's environment reaches it
     return build_parser().parse_args([*argv[4:], "--", "true"])
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from controlplane.termination import terminated_agents
+from tether.controlplane.termination import terminated_agents
 
 from .harness import PYTHON
 
@@ -28,7 +28,7 @@ def test_demo_runs_end_to_end_twice_in_one_dir(tmp_path: Path) -> None:
 
 def demo_once(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-    result = subprocess.run([PYTHON, "-m", "cli", "demo", "--fast", "--dir", str(tmp_path)],
+    result = subprocess.run([PYTHON, "-m", "tether", "demo", "--fast", "--dir", str(tmp_path)],
                             capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from capability.catalog import parse_catalog
+from tether.capability.catalog import parse_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -164,7 +164,7 @@ def test_egress_lock_runs_first_for_the_sidecars_uid(agent_pod: dict[str, Any]) 
     inits = agent_pod["spec"]["initContainers"]
     lock, sidecar = inits[0], inits[1]
     args = argv(lock)
-    assert "proxy.egress" in args and "--apply" in args
+    assert "tether.proxy.egress" in args and "--apply" in args
     assert "restartPolicy" not in lock, "the lock is a plain init container: it completes before the sidecar starts"
     caps = lock["securityContext"]["capabilities"]
     assert "NET_ADMIN" in caps["add"] and caps["drop"] == ["ALL"]

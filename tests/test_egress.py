@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from proxy.egress import CHAIN, NAT_CHAIN, EgressError, EgressLock, main, restore_script, rule_args, tables
+from tether.proxy.egress import CHAIN, NAT_CHAIN, EgressError, EgressLock, main, restore_script, rule_args, tables
 
 SIDECAR_UID = 10001
 AGENT_UID = 12345
@@ -311,7 +311,7 @@ def test_apply_through_main_locks_a_namespace(namespaces: Namespaces) -> None:
     """The init container's own command line, run inside the pod namespace."""
     ns = namespaces
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _run("ip", "netns", "exec", ns.pod, "env", f"PYTHONPATH={repo}", sys.executable, "-m", "proxy.egress",
+    _run("ip", "netns", "exec", ns.pod, "env", f"PYTHONPATH={repo}", sys.executable, "-m", "tether.proxy.egress",
          "--sidecar-uid", str(SIDECAR_UID), "--proxy-port", str(PROXY_PORT), "--ipv6", "auto", "--apply")
     assert ns.connect(AGENT_UID, "tcp", ns.internet_ip, TOOL_PORT).startswith("error")
     assert ns.connect(SIDECAR_UID, "tcp", ns.internet_ip, TOOL_PORT).startswith("internet")

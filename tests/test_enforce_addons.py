@@ -1,4 +1,4 @@
-"""The enforcement addons (proxy/enforce.py) on mitmproxy's test flows, in tether's own pipeline.
+"""The enforcement addons (tether/proxy/enforce.py) on mitmproxy's test flows, in tether's own pipeline.
 
 Real parts: mitmproxy's ``tflow`` flows, tether's ``Pipeline``, a real catalog, chain state, in-flight table
 and spool (``Reporter``). The one stand-in is the person who answers an approval: ``Holds`` takes that answer
@@ -19,18 +19,18 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
-from capability import errors as codes
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import Verifier, mint_root
-from proxy.addons import Capture, Resolver, Tracker
-from proxy.capture import CaptureWriter
-from proxy.channel import ControlChannel
-from proxy.enforce import Enforcer, Forwarder, Holds, Tunnels
-from proxy.flowstate import state_of
-from proxy.pipeline import Pipeline
-from proxy.reporting import Reporter
-from proxy.state import Call, CallTable, SidecarState
+from tether.capability import errors as codes
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import Verifier, mint_root
+from tether.proxy.addons import Capture, Resolver, Tracker
+from tether.proxy.capture import CaptureWriter
+from tether.proxy.channel import ControlChannel
+from tether.proxy.enforce import Enforcer, Forwarder, Holds, Tunnels
+from tether.proxy.flowstate import state_of
+from tether.proxy.pipeline import Pipeline
+from tether.proxy.reporting import Reporter
+from tether.proxy.state import Call, CallTable, SidecarState
 
 CATALOG = parse_catalog("""
 capabilities:
@@ -219,14 +219,14 @@ def test_tunnels_only_to_the_catalog_and_no_raw_streams(tmp_path: Path) -> None:
 def test_no_addon_imports_the_sidecar(module: str) -> None:
     """The sidecar builds the addons; an addon (or what it imports) never imports the sidecar back, and the
     credential injector and the flow state do not need the other addons."""
-    code = f"import sys, json, proxy.{module}; print(json.dumps(sorted(sys.modules)))"
+    code = f"import sys, json, tether.proxy.{module}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     loaded = set(json.loads(out.stdout))
-    assert "proxy.sidecar" not in loaded
-    assert module == "addons" or "proxy.addons" not in loaded
+    assert "tether.proxy.sidecar" not in loaded
+    assert module == "addons" or "tether.proxy.addons" not in loaded
 
 
 def test_the_decision_imports_no_mitmproxy() -> None:
-    code = "import sys, proxy.decision; print([m for m in sys.modules if m.split('.')[0] == 'mitmproxy'])"
+    code = "import sys, tether.proxy.decision; print([m for m in sys.modules if m.split('.')[0] == 'mitmproxy'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

@@ -2,7 +2,7 @@
 sidecar.
 
 Run by an unprivileged user (the test creates one when it runs as root; otherwise it is the user running the
-tests), ``tether run`` encloses a script in user, network, mount and PID namespaces (proxy/rootless.py). The
+tests), ``tether run`` encloses a script in user, network, mount and PID namespaces (tether/proxy/rootless.py). The
 script first deletes every CA variable from its own environment, then tries each client to a granted and an
 ungranted server, by HTTP and HTTPS, on the host's loopback: Python's urllib, aiohttp's default session (which
 ignores proxy variables) and its websockets, the ``websockets`` library, ``curl --noproxy '*'``, a raw socket, Node's
@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from capability import keys
+from tether.capability import keys
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, McpServer, ToolServer, make_test_ca
 from .test_isolate import Counting
@@ -344,7 +344,7 @@ def test_every_client_is_enforced_without_root_and_the_command_holds_no_authorit
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8", "TETHER_ADMIN_TOKEN": ADMIN_TOKEN, "TETHER_TOKEN": "operator-token-77c2",
            "RUN_SECRET": "env-secret-0e5a"}
-    command = [PYTHON, "-m", "cli", "run", "--controlplane", w["cp"].url, "--chain", str(home / "chain"), "--key",
+    command = [PYTHON, "-m", "tether", "run", "--controlplane", w["cp"].url, "--chain", str(home / "chain"), "--key",
                str(home / "key"), "--state-dir", str(home / "state"), "--upstream-ca", str(home / "upstream-ca.pem"),
                "--secret", "one=env:RUN_SECRET", "--secret", f"two=file:{home / 'secret'}", "--",
                PYTHON, str(home / "agent.py"), json.dumps(cfg)]
@@ -406,7 +406,7 @@ child = ("import sys, urllib.request, urllib.error\n"
          "        return f'{e.code} {e.headers.get(\"Tether-Error\")}'\n"
          f"print('CHILD', get('http://127.0.0.1:{cfg['granted'][0]}/x'), '|', get('https://localhost:{cfg['granted'][1]}/x'))\n"
          "sys.exit(3)\n")
-run = [sys.executable, "-m", "cli", "run", "--parent-chain", os.environ["TETHER_CHAIN"]]
+run = [sys.executable, "-m", "tether", "run", "--parent-chain", os.environ["TETHER_CHAIN"]]
 out = {"key": "TETHER_KEY" in os.environ}
 done = subprocess.run([*run, "--agent", "enforced.child", "--cap", "granted.http=direct", "--", sys.executable, "-c",
                        child], capture_output=True, text=True, timeout=120)
@@ -443,7 +443,7 @@ def test_an_enforced_command_delegates_to_sub_agents_through_its_tether_run(enfo
     cfg = {"granted": [s.port for s in w["servers"]["granted"]], "key": str(home / "key"), "home": str(home)}
     env = {"PATH": f"{Path(PYTHON).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
            "LANG": "C.UTF-8"}
-    command = [PYTHON, "-m", "cli", "run", "--controlplane", w["cp"].url, "--chain", str(home / "chain"), "--key",
+    command = [PYTHON, "-m", "tether", "run", "--controlplane", w["cp"].url, "--chain", str(home / "chain"), "--key",
                str(home / "key"), "--state-dir", str(home / "state"), "--upstream-ca", str(home / "upstream-ca.pem"),
                "--", PYTHON, str(home / "delegating.py"), json.dumps(cfg)]
     if w["user"] is not None:

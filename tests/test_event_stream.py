@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import requests
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from proxy.channel import ControlChannel
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.proxy.channel import ControlChannel
 
 from . import harness
 from .conftest import World, build_world, teardown_world

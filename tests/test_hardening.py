@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from controlplane.client import Signer
-from proxy import mcp
-from proxy.channel import ControlChannel
-from proxy.reporting import Reporter
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.controlplane.client import Signer
+from tether.proxy import mcp
+from tether.proxy.channel import ControlChannel
+from tether.proxy.reporting import Reporter
 
 from .conftest import World
 from .harness import PYTHON, free_port, reports_for, wait_until
@@ -147,7 +147,7 @@ def test_concurrent_flushes_deliver_every_report_once(world: World, tmp_path: Pa
 
 def test_controlplane_serve_with_flags_only(tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([PYTHON, "-m", "cli", "controlplane", "serve", "--listen",
+    proc = subprocess.Popen([PYTHON, "-m", "tether", "controlplane", "serve", "--listen",
                              f"127.0.0.1:{port}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:

@@ -26,11 +26,11 @@ from typing import Any
 import pytest
 import requests
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from controlplane.client import Signer
-from controlplane.termination import terminated_agents
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.controlplane.client import Signer
+from tether.controlplane.termination import terminated_agents
 
 from .conftest import World
 from .harness import PYTHON, ControlPlaneProcess, Identity, SidecarProcess, wait_until
@@ -196,7 +196,7 @@ def test_a_sidecar_restarted_after_its_termination_delivers_acknowledges_and_exi
                 and c["resolution"] == "completed"]
 
     restarted = SidecarProcess(cp, ident)
-    args = [PYTHON, "-m", "cli", "sidecar", "--controlplane", cp.url, "--chain", str(ident.chain_path),
+    args = [PYTHON, "-m", "tether", "sidecar", "--controlplane", cp.url, "--chain", str(ident.chain_path),
             "--key", str(ident.key_path), "--listen", "127.0.0.1:0", "--state-dir", str(restarted.state_dir)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=60, env=cp.env())
     assert done.returncode == 3, done.stderr[-2000:]
@@ -261,7 +261,7 @@ def test_agents_shows_each_runs_real_state(world: World) -> None:
     wait_until(lambda: [r["state"] for r in runs_of(world, "root")] == ["terminated"], 3 + cp.grace,
                what="root's run terminated")
     wait_terminated(world, tid)
-    out = subprocess.run([PYTHON, "-m", "cli", "agents", "--tree"], capture_output=True, text=True,
+    out = subprocess.run([PYTHON, "-m", "tether", "agents", "--tree"], capture_output=True, text=True,
                          timeout=30, env=cp.env())
     assert out.returncode == 0, out.stderr
     assert "terminated" in out.stdout and "stopped" in out.stdout, out.stdout

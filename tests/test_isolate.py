@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from capability import keys
-from proxy.isolate import Plan, User, readable_by
+from tether.capability import keys
+from tether.proxy.isolate import Plan, User, readable_by
 
 from .harness import PYTHON, ControlPlaneProcess, free_port, make_test_ca
 
@@ -57,7 +57,7 @@ def test_plan_redirects_tcp_and_dns_from_the_veth_only_and_drops_the_rest() -> N
 
 
 def test_root_is_never_the_isolated_user() -> None:
-    from proxy.isolate import IsolateError
+    from tether.proxy.isolate import IsolateError
 
     with pytest.raises(IsolateError, match="root"):
         User.lookup("root")
@@ -267,7 +267,7 @@ def test_isolated_command_is_enforced_whatever_transport_it_uses(iso_world: dict
     cfg = {"granted": [s.port for s in servers["granted"]], "other": [s.port for s in servers["other"]],
            "secret_files": {"key": str(identity.key_path), "secret": str(iso_world["secret"]),
                             "ca key": str(state / "iso.agent" / "ca" / "mitmproxy-ca.pem")}}
-    inner = (f"mount --bind {iso_world['hosts']} /etc/hosts && exec {PYTHON} -m cli run --isolate --user nobody "
+    inner = (f"mount --bind {iso_world['hosts']} /etc/hosts && exec {PYTHON} -m tether run --isolate --user nobody "
              f"--controlplane {cp.url} --chain {identity.chain_path} --key {identity.key_path} "
              f"--state-dir {state} --upstream-ca {iso_world['ca']} --secret tool=file:{iso_world['secret']} "
              f"--secret env=env:ISO_SECRET -- /usr/bin/python3 -I {iso_world['public'] / 'agent.py'} "

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import jsonpieces
+from tether.capability import jsonpieces
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
 documents = st.recursive(scalars, lambda inner: st.lists(inner, max_size=80) | st.dictionaries(st.text(), inner),

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from capability import keys
+from tether.capability import keys
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, RedisServer, free_port, prepare_controlplane
 
 
 def tether(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "cli", *args], cwd=cwd, capture_output=True, text=True, timeout=60,
+    return subprocess.run([PYTHON, "-m", "tether", *args], cwd=cwd, capture_output=True, text=True, timeout=60,
                           env=env or {**os.environ, "TETHER_ADMIN_TOKEN": ADMIN_TOKEN})
 
 
@@ -124,7 +124,7 @@ def test_a_control_plane_refuses_a_signing_key_that_did_not_sign_its_log(tmp_pat
     assert replaced.returncode == 0, replaced.stderr
     new = keys.load_private(cp.signing_key_path.read_bytes())
     started = subprocess.run(
-        [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{free_port()}",
+        [PYTHON, "-m", "tether", "controlplane", "serve", "--listen", f"127.0.0.1:{free_port()}",
          "--store", f"sqlite:///{tmp_path / 'tether.db'}", "--catalog", str(cp.catalog_path),
          "--signing-key", str(cp.signing_key_path)],
         capture_output=True, text=True, timeout=60, env=cp.env())
@@ -181,7 +181,7 @@ def test_a_rotation_is_announced_in_the_log_and_verify_holds_across_it(tmp_path:
         assert new_pub != old_pub.read_bytes()
 
         stale = subprocess.run(  # a replica still holding the old key: refused, naming the rotation
-            [PYTHON, "-m", "cli", "controlplane", "serve", "--listen", f"127.0.0.1:{free_port()}", "--store",
+            [PYTHON, "-m", "tether", "controlplane", "serve", "--listen", f"127.0.0.1:{free_port()}", "--store",
              cp.store, "--catalog", str(cp.catalog_path), "--signing-key", str(old_key)],
             capture_output=True, text=True, timeout=60, env=cp.env())
         assert stale.returncode == 2 and "tether.signing_key_mismatch" in stale.stderr
@@ -213,8 +213,8 @@ def test_a_rotation_is_announced_in_the_log_and_verify_holds_across_it(tmp_path:
 
 
 def test_a_rotation_needs_the_new_keys_signature_and_the_key_in_force() -> None:
-    from controlplane.rotation import cross_sign, rotation_record
-    from controlplane.termination import seal, verify_records
+    from tether.controlplane.rotation import cross_sign, rotation_record
+    from tether.controlplane.termination import seal, verify_records
 
     k0, k1, thief = keys.generate(), keys.generate(), keys.generate()
     first = seal({"record_id": "r0", "calls": [], "prev_hash": ""}, k0)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from proxy import mcp
+from tether.proxy import mcp
 
 from .conftest import World, teardown_world
 from .harness import McpServer, TestCA, ToolServer, prepare_controlplane

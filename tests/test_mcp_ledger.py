@@ -1,8 +1,8 @@
-"""The sidecar's MCP ledger (proxy/mcpcalls.py), pure: what counts as a re-send, how long, how often."""
+"""The sidecar's MCP ledger (tether/proxy/mcpcalls.py), pure: what counts as a re-send, how long, how often."""
 
 from __future__ import annotations
 
-from proxy.mcpcalls import ROUND_FIELDS, McpLedger, Round, fingerprint
+from tether.proxy.mcpcalls import ROUND_FIELDS, McpLedger, Round, fingerprint
 
 SERVER = "http://127.0.0.1:1/mcp"
 

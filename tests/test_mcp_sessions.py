@@ -124,7 +124,7 @@ def test_a_sampling_request_offers_the_client_only_the_tools_the_agent_holds(wor
 
 
 def test_the_filter_removes_hidden_tools_from_server_requests_and_input_required_results() -> None:
-    from proxy import mcp
+    from tether.proxy import mcp
 
     visible = mcp.Visible(tool=lambda name: name == "add")
     tools = [{"name": "add"}, {"name": "delete_everything"}, "junk"]

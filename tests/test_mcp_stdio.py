@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from mcp import Client, MCPError, StdioServerParameters
 
-from capability.catalog import normalize_url, parse_catalog, stdio_endpoint
-from capability.errors import CatalogError
+from tether.capability.catalog import normalize_url, parse_catalog, stdio_endpoint
+from tether.capability.errors import CatalogError
 
 from .harness import (
     PYTHON,
@@ -222,7 +222,7 @@ class Stdio:
         env["TETHER_CONTROLPLANE"] = self.cp.url
         return StdioServerParameters(
             command=PYTHON, cwd=str(REPO), env=env,
-            args=["-m", "cli", "mcp", "stdio", "--chain", str(self.identity.chain_path), "--key",
+            args=["-m", "tether", "mcp", "stdio", "--chain", str(self.identity.chain_path), "--key",
                   str(self.identity.key_path), *(["--name", name] if name else []), "--state-dir",
                   str(self.state_dir), *extra,
                   "--", *command])
@@ -364,7 +364,7 @@ def _pending(cp: ControlPlaneProcess, agent: str) -> list[dict[str, Any]]:
 
 def test_an_approval_tier_write_is_held_until_a_person_decides_and_the_capture_holds_every_message(
         cp: ControlPlaneProcess, tmp_path: Path) -> None:
-    from proxy.capture import read_flows
+    from tether.proxy.capture import read_flows
 
     s = stdio_session(cp, tmp_path, "stdio-approval", {**READS, "notes.write": "approval"})
     admin = cp.client()
@@ -581,8 +581,8 @@ def test_routes_lead_only_named_stdio_servers_to_loopback_bridges() -> None:
     from mitmproxy.proxy.server_hooks import ServerConnectionHookData
     from mitmproxy.test.tflow import tclient_conn
 
-    from capability.errors import TetherError
-    from proxy.stdio import StdioRoutes, parse_routes
+    from tether.capability.errors import TetherError
+    from tether.proxy.stdio import StdioRoutes, parse_routes
 
     routes = parse_routes(["notes=127.0.0.1:4100", "files=[::1]:4200"])
     assert routes == {"notes": ("127.0.0.1", 4100), "files": ("::1", 4200)}
@@ -612,7 +612,7 @@ def test_without_name_the_bridge_needs_a_chain_on_exactly_one_stdio_server(
     for agent, caps, says in (("stdio-two", {"notes.read": "direct", "files.read": "direct"}, "files, notes"),
                               ("stdio-none", {"issues.read": "direct"}, "no stdio server")):
         ident = cp.issue(agent, caps)
-        done = subprocess.run([PYTHON, "-m", "cli", "mcp", "stdio", "--controlplane", cp.url, "--chain",
+        done = subprocess.run([PYTHON, "-m", "tether", "mcp", "stdio", "--controlplane", cp.url, "--chain",
                                str(ident.chain_path), "--key", str(ident.key_path), "--", "true"],
                               capture_output=True, text=True, timeout=60, cwd=REPO)
         assert done.returncode == 2 and "tether.bad_request" in done.stderr and says in done.stderr, done.stderr
@@ -718,7 +718,7 @@ def test_a_sidecar_without_a_route_for_a_stdio_server_fails_the_call_before_it_c
 def test_what_the_host_gets_for_each_answer_the_sidecar_relays() -> None:
     from multidict import CIMultiDict
 
-    from proxy.stdio_bridge import HostRelay
+    from tether.proxy.stdio_bridge import HostRelay
 
     @dataclass
     class Answer:  # the two fields of aiohttp's ClientResponse the relay reads

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.merkle import (
+from tether.controlplane.merkle import (
     EMPTY_ROOT,
     ProofError,
     Tree,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from capability import keys
-from controlplane.notes import (
+from tether.capability import keys
+from tether.controlplane.notes import (
     COSIGNATURE_V1,
     DASH,
     Checkpoint,

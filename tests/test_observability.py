@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from controlplane.metrics import Histogram, Metrics
+from tether.controlplane.metrics import Histogram, Metrics
 
 from .conftest import World, build_world, teardown_world
 from .harness import TestCA as CA
@@ -260,8 +260,8 @@ def test_tracing_off_imports_nothing_of_opentelemetry(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, controlplane.app, controlplane.services.terminations, proxy.sidecar;"
-            "from proxy.telemetry import call_tracing; assert call_tracing('a', 'r', []) == [];"
+    code = ("import sys, tether.controlplane.app, tether.controlplane.services.terminations, tether.proxy.sidecar;"
+            "from tether.proxy.telemetry import call_tracing; assert call_tracing('a', 'r', []) == [];"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

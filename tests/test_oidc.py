@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from capability.errors import TetherError
-from controlplane.oidc import OidcClient, OidcSettings, operator_from, roles_from
+from tether.capability.errors import TetherError
+from tether.controlplane.oidc import OidcClient, OidcSettings, operator_from, roles_from
 
 from .oidc_provider import OidcProvider, sign_in
 

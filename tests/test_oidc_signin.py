@@ -42,13 +42,13 @@ def tether(cp: ControlPlaneProcess, *args: str, token: str | None = None) -> sub
     env = {k: v for k, v in cp.env().items() if k != "TETHER_ADMIN_TOKEN"}
     if token:
         env["TETHER_TOKEN"] = token
-    return subprocess.run([PYTHON, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([PYTHON, "-m", "tether", *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def cli_login(cp: ControlPlaneProcess, login: str) -> tuple[subprocess.CompletedProcess[str], str]:
     """`tether login --no-browser`, with a person completing the sign-in at the URL it prints."""
     env = {k: v for k, v in cp.env().items() if k != "TETHER_ADMIN_TOKEN"}
-    proc = subprocess.Popen([PYTHON, "-m", "cli", "login", "--no-browser", "--wait", "60"], env=env,
+    proc = subprocess.Popen([PYTHON, "-m", "tether", "login", "--no-browser", "--wait", "60"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     url = ""
@@ -90,7 +90,7 @@ def test_tether_login_gives_a_short_lived_operator_token_with_the_providers_role
 def test_an_id_token_is_exchanged_once_and_only_the_clis(sso: tuple[ControlPlaneProcess, OidcProvider]) -> None:
     import asyncio
 
-    from controlplane.oidc import OidcClient, OidcSettings
+    from tether.controlplane.oidc import OidcClient, OidcSettings
 
     cp, provider = sso
 

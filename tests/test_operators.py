@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import requests
 
-from capability.errors import ApiError
-from controlplane.auth import Operator, token_hash
-from controlplane.console.sessions import SignInThrottle
-from controlplane.metrics import Metrics
-from controlplane.services.operators import OperatorService
-from controlplane.store import open_store_url
+from tether.capability.errors import ApiError
+from tether.controlplane.auth import Operator, token_hash
+from tether.controlplane.console.sessions import SignInThrottle
+from tether.controlplane.metrics import Metrics
+from tether.controlplane.services.operators import OperatorService
+from tether.controlplane.store import open_store_url
 
 from .conftest import World
 from .harness import ADMIN_TOKEN, PYTHON, Identity, RedisServer, wait_until
@@ -39,7 +39,7 @@ def tether(world: World, *args: str, token: str | None = None) -> subprocess.Com
     if token is not None:
         env.pop("TETHER_ADMIN_TOKEN")
         env["TETHER_TOKEN"] = token
-    return subprocess.run([PYTHON, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([PYTHON, "-m", "tether", *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:

@@ -15,7 +15,7 @@ import pytest
 from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHook
 from mitmproxy.test import taddons, tflow
 
-from proxy.pipeline import Pipeline
+from tether.proxy.pipeline import Pipeline
 
 
 class Recorder:

@@ -32,9 +32,9 @@ from aiohttp import web
 from mitmproxy import http
 from mitmproxy.test import tflow
 
-from proxy.capture import ConnectionStates as Conns
-from proxy.capture import Fields, encode_flow, read_flows, to_har
-from proxy.credentials import spelled
+from tether.proxy.capture import ConnectionStates as Conns
+from tether.proxy.capture import Fields, encode_flow, read_flows, to_har
+from tether.proxy.credentials import spelled
 
 from .harness import (
     PYTHON,
@@ -232,7 +232,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     cp = ControlPlaneProcess(root / "cp")
     cp.directory.mkdir(parents=True)
     cp.catalog_path.write_text(CATALOG.format(port=echo.port))
-    from capability import keys
+    from tether.capability import keys
 
     cp.signing_key_path.write_bytes(keys.private_pem(keys.generate()))
     os.environ["TETHER_CAPTURES"] = str(cp.directory / "sidecars")  # the console's HAR download reads them
@@ -295,7 +295,7 @@ def test_no_secret_in_any_capture_har_console_view_log_spool_record_or_store(wor
 
     # the HAR, while the control plane runs (its SQLite WAL is live)
     har_path = world.root / "export.har"
-    done = subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", "redact.agent", "--captures",
+    done = subprocess.run([PYTHON, "-m", "tether", "capture", "export", "--agent", "redact.agent", "--captures",
                            str(world.cp.directory / "sidecars"), "--har", str(har_path)],
                           capture_output=True, text=True, timeout=120, env=world.cp.env(), check=False)
     assert done.returncode == 0, done.stderr

@@ -42,12 +42,12 @@ import aiohttp
 import pytest
 import requests
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from capability.proof import make_proof
-from controlplane.client import Signer
-from controlplane.termination import terminated_agents
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.capability.proof import make_proof
+from tether.controlplane.client import Signer
+from tether.controlplane.termination import terminated_agents
 
 from .harness import (
     ControlPlaneProcess,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import requests
 
-from capability.errors import ApiError
-from controlplane.termination import terminated_agents
+from tether.capability.errors import ApiError
+from tether.controlplane.termination import terminated_agents
 
 from . import harness
 from .conftest import World, build_world, teardown_world

@@ -1,4 +1,4 @@
-"""The one shape of a call report (capability/report.py): what the sidecar's call table produces is what
+"""The one shape of a call report (tether/capability/report.py): what the sidecar's call table produces is what
 the control plane reads back unchanged, and a report with a field of the wrong type is refused naming it."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from capability.errors import BAD_REQUEST
-from capability.report import IN_FLIGHT_FIELDS, RECORD_FIELDS, CallReport, ReportInvalid
-from proxy.state import Call, CallTable
+from tether.capability.errors import BAD_REQUEST
+from tether.capability.report import IN_FLIGHT_FIELDS, RECORD_FIELDS, CallReport, ReportInvalid
+from tether.proxy.state import Call, CallTable
 
 
 def test_a_call_reported_by_the_sidecar_reads_back_unchanged() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from capability.shared import RESOLUTIONS
-from controlplane.client import Signer
+from tether.capability.shared import RESOLUTIONS
+from tether.controlplane.client import Signer
 
 from .harness import PYTHON, ControlPlaneProcess, prepare_controlplane, reports_for
 from .test_api_hostile import assert_refused, send, signer
@@ -128,7 +128,7 @@ def test_a_sidecar_on_a_revoked_chain_exits_3_with_one_line_and_no_asyncio_dumps
     cp.client().request("POST", "/v1/chains/register", {"chain": ident.wire})
     cp.client().request("POST", f"/v1/grants/{ident.jti}/revoke", {"reason": "test"})
     state_dir = cp.directory / "sidecars" / "rep-revoked"
-    args = [PYTHON, "-m", "cli", "sidecar", "--controlplane", cp.url, "--chain", str(ident.chain_path),
+    args = [PYTHON, "-m", "tether", "sidecar", "--controlplane", cp.url, "--chain", str(ident.chain_path),
             "--key", str(ident.key_path), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**cp.env(), "PYTHONASYNCIODEBUG": ""})
     assert done.returncode == 3, done.stderr

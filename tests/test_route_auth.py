@@ -1,4 +1,4 @@
-"""Authentication is declared with each route and enforced in one place (controlplane/routes/__init__.py):
+"""Authentication is declared with each route and enforced in one place (tether/controlplane/routes/__init__.py):
 every route names an auth kind, the OpenAPI document publishes it, and every route that is not public
 answers 401 to a request that carries no credentials, before it looks anything up or reads its body.
 Every route an operator may call names the roles it allows, and every such route is tried with an operator
@@ -16,13 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from cli.controlplane import build
-from controlplane.auth import ROLES
-from controlplane.client import Client, Signer
-from controlplane.routes import ADMIN, ADMIN_OR_ANCESTOR, ADMIN_OR_HOLDER, ADMIN_OR_SIDECAR, AUTH_KINDS, NONE, Route
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.cli.controlplane import build
+from tether.controlplane.auth import ROLES
+from tether.controlplane.client import Client, Signer
+from tether.controlplane.routes import (
+    ADMIN,
+    ADMIN_OR_ANCESTOR,
+    ADMIN_OR_HOLDER,
+    ADMIN_OR_SIDECAR,
+    AUTH_KINDS,
+    NONE,
+    Route,
+)
 
 from .harness import ADMIN_TOKEN, ControlPlaneProcess, Identity, prepare_controlplane
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser
-from cli.run import sidecar_argv
-from cli.sidecar import SIDECAR_OPTIONS, Option
+from tether.cli.main import build_parser
+from tether.cli.run import sidecar_argv
+from tether.cli.sidecar import SIDECAR_OPTIONS, Option
 
 from . import harness
 from .conftest import World, build_world, teardown_world
@@ -41,7 +41,7 @@ def test_every_sidecar_option_is_accepted_by_run_and_forwarded_as_given(option: 
     args = build_parser().parse_args(["run", "--chain", "c", "--key", "k", *use, "--", "true"])
     assert getattr(args, option.dest) == value
     argv = sidecar_argv(args, chain="c", key="k", state_dir=Path("s"), ready=Path("r"))
-    assert argv[:4] == [PYTHON, "-m", "cli", "sidecar"]
+    assert argv[:4] == [PYTHON, "-m", "tether", "sidecar"]
     forwarded = build_parser().parse_args(argv[3:])  # what the sidecar it starts will read
     assert getattr(forwarded, option.dest) == value
     for other in SIDECAR_OPTIONS:  # and nothing else changed on the way
@@ -85,8 +85,9 @@ def test_run_redacts_a_named_query_parameter_and_keeps_its_state_private_outside
                       "    print('STATUS', r.status)\n")
     env = {k: v for k, v in world.cp.env().items() if k.upper() not in ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")}
     env["XDG_STATE_HOME"] = str(state_home)
-    done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
-                           "--redact-field", "api_key", "--", PYTHON, str(script), world.tools.base],
+    done = subprocess.run([PYTHON, "-m", "tether", "run", "--chain", str(ident.chain_path),
+                           "--key", str(ident.key_path), "--redact-field", "api_key", "--", PYTHON, str(script),
+                           world.tools.base],
                           cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "STATUS 200" in done.stdout
@@ -101,7 +102,7 @@ def test_run_redacts_a_named_query_parameter_and_keeps_its_state_private_outside
     assert SECRET.encode() not in capture.read_bytes()
 
     har = tmp_path / "run.har"
-    export = subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", "run-redact", "--har", str(har)],
+    export = subprocess.run([PYTHON, "-m", "tether", "capture", "export", "--agent", "run-redact", "--har", str(har)],
                             cwd=work, env=env, capture_output=True, text=True, timeout=60)
     assert export.returncode == 0, export.stdout + export.stderr  # found under the default state root
     text = har.read_text()
@@ -117,7 +118,7 @@ def test_a_sidecar_creates_its_state_dir_0700(world: World, tmp_path: Path) -> N
     ready = tmp_path / "ready.json"
     log = tmp_path / "sidecar.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "cli", "sidecar", "--chain", str(ident.chain_path), "--key",
+        proc = subprocess.Popen([PYTHON, "-m", "tether", "sidecar", "--chain", str(ident.chain_path), "--key",
                                  str(ident.key_path), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
                                  "--ready-file", str(ready)], env=world.cp.env(), stdout=out, stderr=out)
     try:
@@ -143,8 +144,9 @@ def test_run_keeps_tethers_tokens_and_secrets_from_the_command_and_its_sidecar(w
                       "sidecar = open(f\"/proc/{ready['pid']}/environ\", 'rb').read().decode()\n"
                       "print(json.dumps({'own': dict(os.environ), 'sidecar': sidecar}))\n")
     env = {**world.cp.env(), "TETHER_TOKEN": "operator-token-5d1c", "RUN_SECRET": "s3cr3t-9a7e"}
-    done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
-                           "--state-dir", str(state_root), "--no-capture", "--secret", "github=env:RUN_SECRET",
+    done = subprocess.run([PYTHON, "-m", "tether", "run", "--chain", str(ident.chain_path),
+                           "--key", str(ident.key_path), "--state-dir", str(state_root), "--no-capture",
+                           "--secret", "github=env:RUN_SECRET",
                            "--cooperative", "--", PYTHON, str(script)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -159,7 +161,7 @@ def test_run_keeps_tethers_tokens_and_secrets_from_the_command_and_its_sidecar(w
 
 
 def test_run_refuses_isolate_with_cooperative(tmp_path: Path) -> None:
-    done = subprocess.run([PYTHON, "-m", "cli", "run", "--chain", "c", "--key", "k", "--isolate", "--cooperative",
+    done = subprocess.run([PYTHON, "-m", "tether", "run", "--chain", "c", "--key", "k", "--isolate", "--cooperative",
                            "--", "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "contradict" in done.stderr and "tether.bad_request" in done.stderr
@@ -172,7 +174,7 @@ def test_run_refuses_to_start_a_command_it_cannot_enforce_unless_asked_for_coope
     ident = world.cp.issue("run-unenforced", {"issues.read": "direct"})
     marker = tmp_path / "ran"
     env = {**world.cp.env(), "PATH": str(tmp_path / "empty-path")}
-    base = [PYTHON, "-m", "cli", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
+    base = [PYTHON, "-m", "tether", "run", "--chain", str(ident.chain_path), "--key", str(ident.key_path),
             "--state-dir", str(tmp_path / "state")]
     command = ["--", PYTHON, "-c", f"open({str(marker)!r}, 'w').write('x')"]
     refused = subprocess.run([*base, *command], env=env, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Sidecar runs (controlplane/runs.py): which runs vouch for an agent, by table and by property."""
+"""Sidecar runs (tether/controlplane/runs.py): which runs vouch for an agent, by table and by property."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane import runs
+from tether.controlplane import runs
 
 T0 = 1_700_000_000.0
 

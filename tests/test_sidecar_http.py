@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import mint_root
-from proxy.capture import read_flows
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import mint_root
+from tether.proxy.capture import read_flows
 
 from .conftest import World, build_world, teardown_world
 from .harness import PYTHON, Identity, SidecarProcess, ToolServer, reports_for, wait_until
@@ -112,7 +112,7 @@ def issue_expiring(world: World, agent: str, caps: dict[str, str], expires_in: f
     Chains are checked with a clock leeway (LEEWAY_S), so a grant that expired a little less than the
     leeway ago still starts a sidecar; it then expires for good ``expires_in`` seconds later.
     """
-    from capability.chain import LEEWAY_S
+    from tether.capability.chain import LEEWAY_S
 
     signing = keys.load_private(world.cp.signing_key_path.read_bytes())
     catalog = parse_catalog(world.cp.catalog_path.read_text(), str(world.cp.catalog_path))
@@ -412,7 +412,7 @@ def captured(shared: World, tmp_path_factory: pytest.TempPathFactory) -> Capture
     wait_until(answered, 10, what="both calls captured with their responses")
     wait_reports(w, "cap-a", 2)
     har_path = tmp_path_factory.mktemp("har") / "cap.har"
-    out = subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", "cap-a",
+    out = subprocess.run([PYTHON, "-m", "tether", "capture", "export", "--agent", "cap-a",
                           "--har", str(har_path), "--captures", str(w.cp.directory / "sidecars")],
                          capture_output=True, text=True, timeout=60, env=w.cp.env())
     assert out.returncode == 0, out.stdout + out.stderr
@@ -542,7 +542,7 @@ def _tether_run(world: World, state_root: Path, run_args: list[str], tag: str) -
     env = {k: v for k, v in world.cp.env().items()
            if k.upper() not in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE",
                                 "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")}
-    cmd = [PYTHON, "-m", "cli", "run", "--controlplane", world.cp.url, "--state-dir", str(state_root),
+    cmd = [PYTHON, "-m", "tether", "run", "--controlplane", world.cp.url, "--state-dir", str(state_root),
            "--upstream-ca", str(world.ca.ca_pem), *run_args, "--",
            PYTHON, str(script), world.tools.base, f"https://localhost:{world.secure.port}", tag]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

@@ -24,7 +24,7 @@ def run(code: str) -> dict:
 
 
 def test_the_sidecar_loads_only_the_mitmproxy_addons_it_runs() -> None:
-    doc = run("import proxy.sidecar as s\nnames = [type(a).__name__ for a in s.mitmproxy_addons()]\n"
+    doc = run("import tether.proxy.sidecar as s\nnames = [type(a).__name__ for a in s.mitmproxy_addons()]\n"
               "print(json.dumps({'names': names, 'modules': sorted(sys.modules)}))")
     assert doc["names"] == ["Core", "Block", "DisableH2C", "Proxyserver", "DnsResolver", "NextLayer", "TlsConfig"]
     loaded = [m for m in doc["modules"] if m in NOT_NEEDED or m.split(".")[0] in NOT_NEEDED]
@@ -32,7 +32,7 @@ def test_the_sidecar_loads_only_the_mitmproxy_addons_it_runs() -> None:
 
 
 def test_mitmproxys_default_set_still_loads_when_asked_for() -> None:
-    doc = run("import proxy.sidecar\nfrom mitmproxy.addons import default_addons, savehar\n"
+    doc = run("import tether.proxy.sidecar\nfrom mitmproxy.addons import default_addons, savehar\n"
               "import mitmproxy.addons as package\n"
               "print(json.dumps({'n': len(default_addons()), 'har': savehar.SaveHar.__name__,"
               " 'same': package is sys.modules['mitmproxy.addons'], 'flask': 'flask' in sys.modules}))")

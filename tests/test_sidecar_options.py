@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from capability import keys
+from tether.capability import keys
 
 from .conftest import World
 from .harness import SidecarProcess, reports_for, wait_until

@@ -89,7 +89,7 @@ def test_a_sidecar_keeps_trying_through_a_control_plane_frozen_at_each_moment_of
             state.mkdir()
             log = open(state / "sidecar.log", "wb")
             procs.append((subprocess.Popen(
-                [PYTHON, "-m", "cli", "sidecar", "--controlplane", f"http://127.0.0.1:{relay.port}", "--chain",
+                [PYTHON, "-m", "tether", "sidecar", "--controlplane", f"http://127.0.0.1:{relay.port}", "--chain",
                  str(ident.chain_path), "--key", str(ident.key_path), "--listen", "127.0.0.1:0", "--state-dir",
                  str(state), "--ready-file", str(state / "ready.json")], stdout=log, stderr=log,
                 env=world.cp.env()), state))

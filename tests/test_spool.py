@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from mitmproxy.test import tflow
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import TetherError
-from controlplane.client import Signer
-from proxy.capture import CaptureWriter, read_flows, to_har
-from proxy.channel import ControlChannel
-from proxy.reporting import RESTARTED, STATE_DIR_LOCKED, Reporter, lock_state_dir
-from proxy.state import Call
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import TetherError
+from tether.controlplane.client import Signer
+from tether.proxy.capture import CaptureWriter, read_flows, to_har
+from tether.proxy.channel import ControlChannel
+from tether.proxy.reporting import RESTARTED, STATE_DIR_LOCKED, Reporter, lock_state_dir
+from tether.proxy.state import Call
 
 from .conftest import World, build_world, teardown_world
 from .harness import Identity, reports_for

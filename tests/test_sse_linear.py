@@ -22,7 +22,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy import mcp
+from tether.proxy import mcp
 
 from .conftest import World, teardown_world
 from .harness import McpServer, TestCA, ToolServer, prepare_controlplane

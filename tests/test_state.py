@@ -1,4 +1,4 @@
-"""The sidecar's state and its in-flight table (proxy/state.py), directly: no proxy, no control plane.
+"""The sidecar's state and its in-flight table (tether/proxy/state.py), directly: no proxy, no control plane.
 
 ``SidecarState`` is what every decision reads (mode, revocations, lease, chain time); ``CallTable`` gives
 every call exactly one of the five resolutions. Both take the time as an argument, so every rule is
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from capability import errors as codes
-from capability import keys
-from capability.catalog import parse_catalog
-from capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
-from capability.shared import RESOLUTIONS
-from proxy.decision import Refusal
-from proxy.state import ABORTING, DRAINING, SERVING, TERMINATED, Call, CallTable, SidecarState, error_resolution
+from tether.capability import errors as codes
+from tether.capability import keys
+from tether.capability.catalog import parse_catalog
+from tether.capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
+from tether.capability.shared import RESOLUTIONS
+from tether.proxy.decision import Refusal
+from tether.proxy.state import ABORTING, DRAINING, SERVING, TERMINATED, Call, CallTable, SidecarState, error_resolution
 
 CATALOG = parse_catalog("capabilities:\n  a.read: {http: {host: a.example, methods: [GET], path: /a}}\n")
 TRUST = keys.generate()
@@ -159,7 +159,7 @@ def test_a_calls_report_is_a_call_report_and_reads_back_whole() -> None:
     what the sidecar sends is read by the control plane's reader as it was sent."""
     from dataclasses import fields
 
-    from capability.report import CallReport
+    from tether.capability.report import CallReport
 
     call = Call(call_id="c-1", agent="a", method="POST", url="http://h:80/x", started_at=1.5, capability="t.write",
                 tier="direct", resolution="completed", status=201, code=None, ended_at=2.0, capture_ref="f#1",

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from capability.errors import TetherError
-from controlplane.store import LinkConflict, Store, StoreUnavailable, open_store_url
-from controlplane.store import redis as redis_store
-from controlplane.store import sqlite as sqlite_store
-from controlplane.store.redis import RedisStore
+from tether.capability.errors import TetherError
+from tether.controlplane.store import LinkConflict, Store, StoreUnavailable, open_store_url
+from tether.controlplane.store import redis as redis_store
+from tether.controlplane.store import sqlite as sqlite_store
+from tether.controlplane.store.redis import RedisStore
 
 from .harness import RedisServer
 

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import requests
 
-from capability.errors import ApiError
-from controlplane.store import STORE_UNWRITABLE, Store, StoreUnwritable, open_store_url
-from controlplane.store.health import WriteHealth
+from tether.capability.errors import ApiError
+from tether.controlplane.store import STORE_UNWRITABLE, Store, StoreUnwritable, open_store_url
+from tether.controlplane.store.health import WriteHealth
 
 from . import harness
 from .conftest import World, build_world, teardown_world
@@ -107,7 +107,7 @@ def test_redis_write_refusals_are_told_from_other_errors() -> None:
     save, which a test cannot cause without touching Redis's protected configs: its words are checked here)."""
     from redis import exceptions as rex
 
-    from controlplane.store.redis import _write_refusal
+    from tether.controlplane.store.redis import _write_refusal
 
     refusals = [rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
                 rex.ReadOnlyError("You can't write against a read only replica."),

@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import requests
 
-from capability import keys
-from capability.chain import parse_chain_unverified
-from capability.errors import ApiError
-from controlplane.client import Signer
-from controlplane.termination import RESOLUTIONS, terminated_agents
+from tether.capability import keys
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.errors import ApiError
+from tether.controlplane.client import Signer
+from tether.controlplane.termination import RESOLUTIONS, terminated_agents
 
 from .conftest import World
 from .harness import ADMIN_TOKEN, PYTHON, Identity, SidecarProcess, wait_until
@@ -239,7 +239,7 @@ def assert_record_matches_reports(world: World, record: dict[str, Any], agents: 
 def run_cli(world: World, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**world.cp.env(), "TETHER_ADMIN_TOKEN": ADMIN_TOKEN}
     return subprocess.run(
-        [PYTHON, "-m", "cli", *args, "--controlplane", world.cp.url],
+        [PYTHON, "-m", "tether", *args, "--controlplane", world.cp.url],
         env=env,
         capture_output=True,
         text=True,

@@ -1,6 +1,6 @@
 """The termination protocol and its record, pure: no sockets, no clock, milliseconds per test.
 
-Covers ``controlplane/termination.py``: the transition table (every legal path, every illegal edge), a
+Covers ``tether/controlplane/termination.py``: the transition table (every legal path, every illegal edge), a
 property over arbitrary acknowledgement / time / lost-write sequences (one ordered walk to exactly one
 ``terminated``, never skipping ``reconciling``), what ``build_record`` says about every call, agent and
 lease, and how ``seal`` / ``verify_records`` catch an edited, removed, reordered or duplicated record and a
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capability import keys
-from capability.jsonpieces import canonical_json
-from controlplane import termination as proto
+from tether.capability import keys
+from tether.capability.jsonpieces import canonical_json
+from tether.controlplane import termination as proto
 
 T0 = 1_750_000_000.0
 STATES = (proto.REQUESTED, proto.DRAINING, proto.ABORTING, proto.RECONCILING, proto.TERMINATED)

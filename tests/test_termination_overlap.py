@@ -1,4 +1,4 @@
-"""Overlapping terminations, pure: a call belongs to exactly one record (``controlplane/termination.py``).
+"""Overlapping terminations, pure: a call belongs to exactly one record (``tether/controlplane/termination.py``).
 
 A parent's subtree holds its child, so terminating both at once puts the child's calls under two
 terminations. The model below drives the real ``build_record`` / ``build_addendum`` / ``seal`` over every
@@ -23,8 +23,8 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from capability import keys
-from controlplane import termination as proto
+from tether.capability import keys
+from tether.controlplane import termination as proto
 
 Doc = dict[str, Any]
 T0 = 1_750_000_000.0

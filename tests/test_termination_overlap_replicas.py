@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from controlplane.termination import held_as_reported, terminated_agents
+from tether.controlplane.termination import held_as_reported, terminated_agents
 
 from . import harness
 from .conftest import World, build_world, teardown_world

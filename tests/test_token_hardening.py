@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from capability import keys
-from capability.chain import LEEWAY_S, Verifier, parse_link
-from capability.errors import ChainExpired, ChainInvalid, escape_unprintable
+from tether.capability import keys
+from tether.capability.chain import LEEWAY_S, Verifier, parse_link
+from tether.capability.errors import ChainExpired, ChainInvalid, escape_unprintable
 
 from .harness import PYTHON, prepare_controlplane
 from .test_chain import CP, NOW, T0, Node, forge, forge_child, forge_root, root_claims, wire
@@ -108,7 +108,7 @@ def test_grant_verify_prints_a_refusal_of_any_input_and_says_when_no_revocation_
     def verify(chain: str, *extra: str) -> subprocess.CompletedProcess[str]:
         path = tmp_path / "chain"
         path.write_text(chain, encoding="utf-8", errors="surrogatepass")
-        return subprocess.run([PYTHON, "-m", "cli", "grant", "verify", "--chain", str(path),
+        return subprocess.run([PYTHON, "-m", "tether", "grant", "verify", "--chain", str(path),
                                "--trust", str(trust), *extra], capture_output=True, text=True, timeout=60,
                               errors="surrogateescape")
 
@@ -132,7 +132,7 @@ def test_terminate_and_revoke_name_an_odd_id_as_one_path_segment(tmp_path: Path)
         for odd in ("a/b", "a b", "x?y=1", "x#y", "..", "a%2Fb"):
             for args in (["terminate", odd, "--mode", "drain"], ["revoke", "--agent", odd],
                          ["revoke", odd]):
-                out = subprocess.run([PYTHON, "-m", "cli", *args], env=cp.env(), capture_output=True,
+                out = subprocess.run([PYTHON, "-m", "tether", *args], env=cp.env(), capture_output=True,
                                      text=True, timeout=60)
                 assert out.returncode != 0, (args, out.stdout)
                 assert "error: tether.not_found" in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)

@@ -329,7 +329,7 @@ def test_the_sidecar_logged_no_traceback(wired: Any) -> None:
 
 # -- the rules alone (pure: proxy.decision and the edge's one pass over the fields) ---------------------------
 def test_every_folding_and_format_character_is_refused_in_a_path() -> None:
-    from proxy.decision import FOLDING_CHARS, Refused, decide
+    from tether.proxy.decision import FOLDING_CHARS, Refused, decide
 
     from .test_decision import CATALOG, STATE, facts
 
@@ -344,7 +344,7 @@ def test_every_folding_and_format_character_is_refused_in_a_path() -> None:
 
 
 def test_the_field_pass_names_malformed_fields_and_underscore_spellings() -> None:
-    from proxy.enforce import header_facts
+    from tether.proxy.enforce import header_facts
 
     ok = header_facts(((b"Host", b"a"), (b"X-Note", b"v"), (b"X-Original-URL", b"/x")))
     assert ok.malformed is None and ok.spelled == () and ok["x-original-url"] == "/x"

@@ -9,10 +9,17 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from capability import keys
-from controlplane.merkle import Tree, leaf_hash
-from controlplane.notes import COSIGNATURE_V1, Checkpoint, Verifier, parse_note, signed_checkpoint, verify_cosignature
-from controlplane.witness import SIZE_TYPE, WitnessServer, WitnessState, add_checkpoint
+from tether.capability import keys
+from tether.controlplane.merkle import Tree, leaf_hash
+from tether.controlplane.notes import (
+    COSIGNATURE_V1,
+    Checkpoint,
+    Verifier,
+    parse_note,
+    signed_checkpoint,
+    verify_cosignature,
+)
+from tether.controlplane.witness import SIZE_TYPE, WitnessServer, WitnessState, add_checkpoint
 
 ORIGIN = "tether.test/records"
 LOG_KEY, WITNESS_KEY = keys.generate(), keys.generate()

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
-from controlplane.termination import terminated_agents
-from proxy.capture import read_flows
-from proxy.reporting import RESTARTED
+from tether.controlplane.termination import terminated_agents
+from tether.proxy.capture import read_flows
+from tether.proxy.reporting import RESTARTED
 
 from .conftest import World, build_world, teardown_world
 from .harness import PYTHON, SidecarProcess, reports_for, wait_until
@@ -77,7 +77,7 @@ def test_a_sigkilled_sidecar_restarted_on_its_state_dir_reports_its_calls_in_fli
 
     # A second sidecar on a state dir in use refuses to start, and says why.
     second = subprocess.run(
-        [PYTHON, "-m", "cli", "sidecar", "--controlplane", world.cp.url, "--chain",
+        [PYTHON, "-m", "tether", "sidecar", "--controlplane", world.cp.url, "--chain",
          str(ident.chain_path), "--key", str(ident.key_path), "--listen", "127.0.0.1:0", "--state-dir",
          str(sc.state_dir)], env=world.cp.env(), capture_output=True, text=True, timeout=60)
     assert second.returncode == 2, second.stderr
@@ -259,7 +259,7 @@ def test_a_capture_disk_that_fills_up_leaves_every_later_flow_readable(world: Wo
         wait_until(lambda: {f.request.path for f in read_flows(capture) if f.response is not None} >= expected, 10,
                    what="every later flow readable in the capture")
         har = tmp_path / "out.har"
-        out = subprocess.run([PYTHON, "-m", "cli", "capture", "export", "--agent", "wal-cap", "--har",
+        out = subprocess.run([PYTHON, "-m", "tether", "capture", "export", "--agent", "wal-cap", "--har",
                               str(har), "--captures", str(state_dir.parent)], env=world.cp.env(),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,244 @@
+"""The control plane's side of budgets (DESIGN.md section 10): it is the one owner of every budget.
+
+A sidecar leases a *slice* of a capability's calls (``POST /v1/budgets/slices``): the control plane finds
+every budgeted link of the sidecar's registered chain for that capability and takes the slice from all of
+their counters at once, all or nothing (``Store.take_slice``: a transaction in SQLite, a Lua script in
+Redis), so any replica may answer and a restart loses no count. The sidecar spends it without a round trip
+per call and returns what it did not use (``POST /v1/budgets/slices/return``). A slice whose run stopped
+without returning it, or whose lease lapsed, is settled as fully spent by a sweep on every replica (fail
+closed: a sidecar that died with a slice may have spent all of it). ``GET /v1/budgets/{jti}`` shows a link's
+subtree with granted, used and leased per budgeted capability. No HTTP here: ``routes/budgets.py`` answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tether.capability.budget import (
+    DEFAULT_WINDOW_S,
+    MAX_SLICE,
+    SLICE_FRACTION,
+    calls_key,
+    read_grant,
+    slice_keys,
+    window_of,
+)
+from tether.capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
+
+from .. import runs
+from ..auth import Caller
+from ..body import bad
+from ..graph import Graph, Node
+from ..metrics import Metrics
+from ..store import Doc, Store, StoreUnavailable
+from .grants import GrantService
+
+log = logging.getLogger("tether.budgets")
+SWEEP_INTERVAL_S = 1.0
+MAX_SETTLE = 10_000
+
+
+def window_from_env(default: float = DEFAULT_WINDOW_S) -> float:
+    value = os.environ.get("TETHER_RATE_WINDOW_S")
+    return float(value) if value else default
+
+
+async def budget_use(store: Store, links: list[Doc], now: float, window_s: float = DEFAULT_WINDOW_S) -> dict[str, Doc]:
+    """jti -> {capability: {tier, granted, used, leased, left[, per_minute, window_used, window_leased]}} for
+    every link that budgets something; what a reconciliation record and ``tether budgets`` show."""
+    wanted: dict[str, list[tuple[str, str, Any]]] = {}
+    counters: list[str] = []
+    index, _ = window_of(now, window_s)
+    for link in links:
+        for cap, value in link["claims"]["caps"].items():
+            if isinstance(value, str):
+                continue
+            grant = read_grant(value)
+            if not grant.budgeted:
+                continue
+            wanted.setdefault(link["jti"], []).append((cap, link["jti"], grant))
+            counters += [calls_key(link["jti"], cap), f"{calls_key(link['jti'], cap)}/w{index}"]
+    counts = await store.budget_counts(counters) if counters else {}
+    out: dict[str, Doc] = {}
+    for jti, items in wanted.items():
+        caps: Doc = {}
+        for cap, _, grant in items:
+            used, leased = counts[calls_key(jti, cap)]
+            entry: Doc = {"tier": grant.tier, "granted": grant.calls, "used": used, "leased": leased,
+                          "left": None if grant.calls is None else max(0, grant.calls - used - leased)}
+            if grant.per_minute is not None:
+                w_used, w_leased = counts[f"{calls_key(jti, cap)}/w{index}"]
+                entry.update(per_minute=grant.per_minute, window_s=window_s, window_used=w_used,
+                             window_leased=w_leased)
+            caps[cap] = entry
+        out[jti] = caps
+    return out
+
+
+class BudgetService:
+    """Slices taken and settled, budget trees shown, and the sweep of slices nobody will return."""
+
+    def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], grants: GrantService,
+                 lease_ttl_s: float, window_s: float | None = None) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock
+        self.grants = grants
+        self.lease_ttl_s = lease_ttl_s
+        self.window_s = window_s or window_from_env()
+
+    # -- slices ---------------------------------------------------------------------------------------
+    async def take(self, who: Caller, capability: Any, want: Any, tag: Any, settle: Any) -> Doc:
+        """Lease up to ``want`` calls of ``capability`` for ``who``'s run from every budgeted link of its chain:
+        ``{slice, calls, window_ends_in}``, or ``{slice: None, calls: 0, error}`` when a budget is spent."""
+        if not isinstance(capability, str) or type(want) is not int or want < 1:
+            raise bad("body needs 'capability' (a name) and 'want' (a whole number of calls, 1 or more)")
+        if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
+            raise bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
+                      "takes nothing twice")
+        await self.settle(who, settle or [])  # used-up slices, piggybacked on the next take
+        chain = await self._live_chain(who)
+        if capability not in who.link["claims"]["caps"]:
+            raise bad(f"{capability} is not granted to {who.agent}", capability=capability)
+        now = self.clock()
+        counters = slice_keys([(doc["jti"], doc["claims"]["caps"]) for doc in chain], capability, now, self.window_s)
+        if not counters:
+            raise bad(f"no link of {who.agent}'s chain budgets {capability}; its calls are not counted",
+                      capability=capability)
+        _, window_end = window_of(now, self.window_s)
+        rated = any(c.kind == "per_minute" for c in counters)
+        slice_id = f"{who.run}/{tag}"  # the run owns its slices: only it may return them
+        doc = {"id": slice_id, "run": who.run, "agent": who.agent, "link": who.link_hash,
+               "capability": capability, "taken_at": now, "window_end": window_end if rated else None}
+        ttl = 2 * self.window_s + 3600 if rated else 0  # rate-window counters are forgotten after a while
+        granted, worst = await self.store.take_slice(
+            doc, [(c.key, c.limit) for c in counters], min(want, MAX_SLICE), SLICE_FRACTION, ttl)
+        if granted <= 0:
+            tight = counters[worst or 0]
+            holder = next((d["sub"] for d in chain if d["jti"] == tight.jti), "?")
+            return self._refusal(capability, tight, holder, window_end - now)
+        self.metrics.inc("tether_budget_slices_total")
+        return {"slice": slice_id, "calls": granted, "window_ends_in": round(window_end - now, 3) if rated else None}
+
+    async def _live_chain(self, who: Caller) -> list[Doc]:
+        link = who.link
+        revoked = await self.store.revoked_among(list(link.get("chain_jtis", [])))
+        if revoked:
+            raise ApiError(403, CHAIN_REVOKED, f"the chain is revoked ({', '.join(sorted(revoked))}); no slice")
+        chain = [await self.store.get_link(h) for h in link.get("chain_hashes", [link["hash"]])]
+        if any(doc is None for doc in chain):
+            raise ApiError(403, CHAIN_REVOKED, "a link of the chain is not registered; no slice")
+        return [doc for doc in chain if doc is not None]
+
+    def _refusal(self, capability: str, tight: Any, holder: str, window_left: float) -> Doc:
+        """No slice is an answer, not an error of this API: the refusal the sidecar will give its calls (the
+        calls themselves are refused 429 by the sidecar)."""
+        self.metrics.inc(f'tether_budget_refusals_total{{kind="{tight.kind}"}}')
+        if tight.kind == "per_minute":
+            retry = max(0.0, window_left)
+            error = {"code": RATE_LIMITED, "retry_after_s": round(retry, 3),
+                     "message": f"{capability}: {holder}'s per_minute={tight.limit} is used up in this "
+                     f"{self.window_s:g}s window; retry in {retry:.1f}s"}
+        else:
+            error = {"code": BUDGET_EXHAUSTED, "message": f"{capability}: {holder}'s calls={tight.limit} budget is "
+                     "spent (it is shared with every delegate below it); ask its issuer for a new grant"}
+        return {"slice": None, "calls": 0, "error": {**error, "capability": capability, "jti": tight.jti}}
+
+    async def settle(self, who: Caller, items: Any) -> list[Doc]:
+        """Settle ``who``'s run's slices ``[{slice, used}]``: what was not used goes back to every counter."""
+        if not isinstance(items, list) or not all(
+                isinstance(i, dict) and isinstance(i.get("slice"), str) and type(i.get("used")) is int
+                and i["used"] >= 0 for i in items):
+            raise bad("slices to settle are [{slice, used}] with 'used' a whole number")
+        settled = []
+        for item in items[:MAX_SETTLE]:
+            if not item["slice"].startswith(f"{who.run}/"):
+                raise ApiError(403, FORBIDDEN, f"slice {item['slice'][:80]!r} is not this run's")
+            doc = await self.store.settle_slice(item["slice"], item["used"], self.clock())
+            if doc is not None:
+                settled.append({"slice": doc["id"], "used": doc["used"], "returned": doc["n"] - doc["used"]})
+        return settled
+
+    # -- views ------------------------------------------------------------------------------------------
+    async def link_view(self, jti: str, principal: Caller | None) -> Doc:
+        """A link's subtree, for an admin (``principal`` None) or a principal above the link."""
+        link = await self.store.link_by_jti(jti)
+        if link is None:
+            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r}")
+        self.grants.ancestor_of(principal, link)
+        return await self.tree(await self.grants.graph(), [link["hash"]])
+
+    async def fleet_view(self, agent: str | None) -> Doc:
+        """Every root's tree, or ``agent``'s own links (not those below another link of it already shown)."""
+        graph = await self.grants.graph()
+        if agent:
+            held = {link["hash"] for link in graph.links_of(agent)}
+            tops = [h for h in held if not any(a["hash"] in held for a in graph.ancestors(h))]
+            if not tops:
+                raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
+        else:
+            tops = [node.link["hash"] for node in graph.forest()]
+        return await self.tree(graph, sorted(tops))
+
+    async def tree(self, graph: Graph, tops: list[str]) -> Doc:
+        now = self.clock()
+        links = {h: graph.by_hash[h] for top in tops for h in [top, *(d["hash"] for d in graph.descendants(top))]}
+        use = await budget_use(self.store, list(links.values()), now, self.window_s)
+        revoked = await self.store.revoked_among([link["jti"] for link in links.values()])
+        nodes = {node.link["hash"]: node for node in _walk(graph.forest())}
+
+        def view(link_hash: str) -> Doc:
+            link = graph.by_hash[link_hash]
+            node = nodes.get(link_hash)
+            return {"agent": link["sub"], "jti": link["jti"], "link": link_hash, "revoked": link["jti"] in revoked,
+                    "budgets": use.get(link["jti"], {}),
+                    "children": [view(c.link["hash"]) for c in (node.children if node else [])]}
+
+        return {"window_s": self.window_s, "now": now, "links": [view(h) for h in tops]}
+
+    # -- the sweep: slices nobody will return -------------------------------------------------------------
+    async def sweep_once(self) -> int:
+        """Settle as spent every open slice whose run said it stopped (without returning it) or whose lease
+        lapsed: such a sidecar may have spent all of it. Any replica may run it; settling is idempotent."""
+        now = self.clock()
+        grace = max(1.0, self.lease_ttl_s / 3)
+        settled = 0
+        cache: dict[str, Doc | None] = {}
+        for doc in await self.store.open_slices():
+            run_id = doc.get("run") or ""
+            if run_id not in cache:
+                cache[run_id] = await self.store.get_sidecar(run_id)
+            run = cache[run_id]
+            if run is None:
+                gone = now > doc.get("taken_at", 0) + self.lease_ttl_s + grace
+            else:
+                gone = run.get("final") in runs.FINAL_STATES or (run.get("lease_expires") or 0) + grace < now
+            if gone and await self.store.settle_slice(doc["id"], int(doc["n"]), now) is not None:
+                settled += 1
+                log.warning("slice %s of run %s (%s, %d calls) was never returned; counted as spent",
+                            doc["id"], run_id, doc.get("capability"), doc["n"])
+        return settled
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sweep_once()
+            except StoreUnavailable:
+                pass  # the store is down: nothing can be taken either; sweep when it is back
+            except Exception:  # the sweep must outlive one bad document
+                log.exception("budget sweep failed; retrying")
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+
+
+def _walk(nodes: list[Node]) -> list[Node]:
+    out: list[Node] = []
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children)
+    return out

@@ -1,0 +1,184 @@
+"""The sidecar's decision state and its in-flight table. Pure: no I/O, time passed in.
+
+``SidecarState.refusal`` answers one question for every call: may anything leave right now? (``admit`` raises
+its answer.) It is the chain state ``proxy.decision`` reads: the tiers, and it holds
+the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
+the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
+
+``CallTable`` follows every call from arrival to one of the five resolutions of DESIGN.md section 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tether.capability import errors as codes
+from tether.capability.chain import VerifiedChain, Verifier
+from tether.capability.errors import ChainError
+from tether.capability.report import IN_FLIGHT_FIELDS, CallReport
+from tether.capability.shared import RESOLUTIONS
+
+from .decision import Refusal
+
+__all__ = ["Call", "CallTable", "Refusal", "SidecarState", "error_resolution"]  # Refusal: its old home, still read
+
+SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
+STOPPING = "stopping"  # the sidecar's own stop: not the control plane's decision, so not a termination
+
+
+class SidecarState:
+    def __init__(self, chain: VerifiedChain, verifier: Verifier, lease_ttl_s: float, wire: str | None = None) -> None:
+        self.chain = chain
+        self.wire = chain.wire if wire is None else wire  # as the sidecar was given it (Tether-Chain must equal it)
+        self.agent = chain.agent
+        self.verifier = verifier
+        self.lease_ttl_s = lease_ttl_s
+        self.revoked: set[str] = set()
+        self.learned: dict[str, float] = {}  # our chain's revoked jtis -> when (monotonic) we learned each
+        self.mode = SERVING
+        self.command: dict[str, Any] | None = None
+        self.lease_until = float("-inf")  # monotonic; no call leaves before the first heartbeat
+        self.registered = False
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def renewed(self, sent_at_mono: float, ttl_s: float | None = None) -> None:
+        """A heartbeat sent at ``sent_at_mono`` succeeded: the lease runs from the moment it was sent."""
+        if ttl_s is not None:
+            self.lease_ttl_s = ttl_s
+        self.lease_until = max(self.lease_until, sent_at_mono + self.lease_ttl_s)
+
+    def revoke(self, jtis: set[str] | list[str], now_mono: float) -> bool:
+        """Add revoked jtis (learned at ``now_mono``); True when one of them is in our chain and was not known
+        yet (a heartbeat repeats what the control plane holds: said once, not at every beat)."""
+        news = (set(jtis) & set(self.chain.jtis)) - self.revoked
+        for jti in news:
+            self.learned[jti] = now_mono
+        self.revoked |= set(jtis)
+        return bool(news)
+
+    def revocations_held(self, now_mono: float) -> dict[str, float]:
+        """Our chain's revocations and how long ago we learned each: the heartbeat's acknowledgement of them,
+        from which the control plane measures propagation on its own clock (tether/controlplane/metrics.py)."""
+        return {jti: round(now_mono - at, 4) for jti, at in self.learned.items()}
+
+    def commanded(self, command: dict[str, Any]) -> str:
+        """Apply a drain/abort command from the control plane; returns the new mode."""
+        if self.mode == TERMINATED:
+            return self.mode
+        if self.command and self.command.get("termination_id") == command.get("termination_id"):
+            if not (self.mode == DRAINING and command.get("mode") == "abort"):
+                return self.mode
+        mode = ABORTING if command.get("mode") == "abort" else DRAINING
+        if self.mode == ABORTING and mode == DRAINING:
+            return self.mode  # an abort under way is never softened by another termination's drain
+        self.command = dict(command)
+        self.mode = mode
+        return self.mode
+
+    def quiesced(self) -> None:
+        self.mode = TERMINATED
+
+    def stopping(self) -> None:
+        """The sidecar stops: admit nothing more (a termination under way keeps its own mode and refusal)."""
+        if self.mode == SERVING:
+            self.mode = STOPPING
+
+    # -- the decision ---------------------------------------------------------------------------------
+    def admit(self, now: float, now_mono: float) -> None:
+        """Raise Refusal unless a call may be forwarded now."""
+        refusal = self.refusal(now, now_mono)
+        if refusal is not None:
+            raise refusal
+
+    def refusal(self, now: float, now_mono: float) -> Refusal | None:
+        """Why no call may be forwarded now, or None when one may."""
+        if self.mode == TERMINATED:
+            return Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
+        if self.mode in (DRAINING, ABORTING):
+            return Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
+        if self.mode == STOPPING:
+            return Refusal(codes.STOPPING, "this agent's sidecar is stopping; no new calls are accepted")
+        try:
+            self.chain.check(now, self.revoked, self.verifier.leeway)
+        except ChainError as exc:
+            return Refusal(exc.code, exc.message, reason=exc.reason)
+        if now_mono >= self.lease_until:
+            return Refusal(codes.LEASE_EXPIRED, "no contact with the control plane within the lease; "
+                           "calls resume when it is reachable again")
+        return None
+
+    def tier(self, capability: str) -> str:
+        return self.chain.tier(capability)
+
+
+# -- calls ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    call_id: str
+    agent: str
+    method: str
+    url: str
+    started_at: float
+    capability: str | None = None
+    tier: str | None = None
+    phase: str = "arrived"  # arrived -> (held ->) forwarding -> forwarded -> done
+    resolution: str | None = None
+    status: int | None = None
+    code: str | None = None
+    ended_at: float | None = None
+    capture_ref: str | None = None
+    termination_id: str | None = None
+    detail: str | None = None
+    reissue_of: str | None = None  # an MCP call that re-sends one the client cancelled (tether/proxy/mcpcalls.py)
+
+    def report(self) -> dict[str, Any]:
+        """The call as a ``capability.report.CallReport`` document: the report's fields, read off the call (all
+        scalars, so no copy is made; ``run_id`` is the control plane's to stamp)."""
+        return {name: getattr(self, name) for name in _REPORT_FIELDS}
+
+    def summary(self) -> dict[str, Any]:
+        """The call while in flight: what a report knows before the end, and the phase it is in."""
+        return {**{name: getattr(self, name) for name in IN_FLIGHT_FIELDS}, "phase": self.phase}
+
+
+_REPORT_FIELDS = tuple(f.name for f in fields(CallReport) if f.name != "run_id")
+
+
+def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:
+    """What a call that ended without a complete answer became.
+
+    Nothing left (no upstream connection, or aborted before forwarding): not sent. Otherwise the
+    request may have reached the tool, and we cannot know what it did: ``unknown``, never retried.
+    """
+    if sent or connected:
+        return "unknown"
+    return "cancelled_not_sent" if aborted else "failed_not_sent"
+
+
+class CallTable:
+    def __init__(self) -> None:
+        self.inflight: dict[str, Call] = {}
+        self.counts: dict[str, int] = dict.fromkeys(RESOLUTIONS, 0)
+
+    def start(self, call: Call) -> Call:
+        self.inflight[call.call_id] = call
+        return call
+
+    def resolve(self, call_id: str, resolution: str, now: float, *, status: int | None = None,
+                code: str | None = None, detail: str | None = None) -> Call | None:
+        """Move a call to its final resolution. A call resolves once; later resolutions are ignored."""
+        call = self.inflight.pop(call_id, None)
+        if call is None:
+            return None
+        if resolution not in RESOLUTIONS:
+            raise ValueError(f"unknown resolution {resolution}")
+        call.resolution, call.status, call.code, call.ended_at, call.phase = resolution, status, code, now, "done"
+        call.detail = detail
+        self.counts[resolution] += 1
+        return call
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [c.summary() for c in self.inflight.values()]
