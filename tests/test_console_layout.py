@@ -155,6 +155,12 @@ def check_layout(page: Any, where: str, scope: str | None = None, minimum: int =
     page.set_viewport_size({"width": 1440, "height": 900})
 
 
+def phone_shot(page: Any, name: str) -> None:
+    page.set_viewport_size({"width": 390, "height": 844})
+    shot(page, name)
+    page.set_viewport_size({"width": 1440, "height": 900})
+
+
 def test_every_page_fits_from_360_px_to_wide_and_every_control_is_clickable(rich: Rich, browser: Any,  # noqa: F811
                                                                             tmp_path: Path) -> None:
     from playwright.sync_api import expect
@@ -173,7 +179,7 @@ def test_every_page_fits_from_360_px_to_wide_and_every_control_is_clickable(rich
     check_layout(page, "sign-in", minimum=2)
     sign_in(page)
     expect(page.get_by_label("Captured request")).to_be_visible()
-    shot(page, "phone-call")
+    phone_shot(page, "phone-call")
 
     apr, rec = rich.approval["id"], rich.record["record_id"]
     pages = [  # address, what shows when it has loaded, the title's start
@@ -201,7 +207,7 @@ def test_every_page_fits_from_360_px_to_wide_and_every_control_is_clickable(rich
             expect(current).to_have_attribute("data-view", view)
         check_layout(page, path)
         if path == "/ui/agents":
-            shot(page, "phone-agents")
+            phone_shot(page, "phone-agents")
 
     # The confirmation dialog, on a phone as on a wide screen.
     page.goto(f"{url}/ui/agents")
@@ -211,6 +217,12 @@ def test_every_page_fits_from_360_px_to_wide_and_every_control_is_clickable(rich
     check_layout(page, "the terminate dialog", scope="dialog[open]")
     dialog.get_by_role("button", name="Cancel").click()
     expect(dialog).to_be_hidden()
+    # The tree is drawn anew as heartbeats come in; the control that had the focus keeps it.
+    page.get_by_role("button", name="Revoke lead").focus()
+    page.evaluate("window.tetherTree = document.querySelector('#agents-body table')")
+    page.wait_for_function("() => document.querySelector('#agents-body table') !== window.tetherTree",
+                           timeout=WAIT * 1000)
+    assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "Revoke lead"
 
     # The audit panes side by side (one above the other on a narrow screen), never wider than the window.
     surface = w.cp.client().request("GET", "/v1/audit/surface")

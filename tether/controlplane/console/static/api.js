@@ -109,7 +109,20 @@ export function toast(text) {
   toast.timer = setTimeout(() => { el.textContent = ""; }, 5000);
 }
 
-export function replace(el, ...children) { el.replaceChildren(...children.flat(Infinity).filter((c) => c != null)); }
+// What a control is, to find it again after its view was drawn anew.
+function focusKey(e) { return e.id || e.getAttribute("aria-label") || `${e.tagName}|${e.getAttribute("href") || ""}|${e.textContent}`; }
+
+// Replace an element's content; the control that had the focus keeps it (a refresh never throws a keyboard
+// user back to the top of the page).
+export function replace(el, ...children) {
+  const active = document.activeElement;
+  const key = active && active !== document.body && el.contains(active) ? focusKey(active) : null;
+  el.replaceChildren(...children.flat(Infinity).filter((c) => c != null));
+  if (key !== null) {
+    const again = [...el.querySelectorAll(active.tagName)].find((x) => focusKey(x) === key);
+    if (again) again.focus({ preventScroll: true });
+  }
+}
 
 // A table that reads as rows of labelled fields on a narrow screen (console.css): every cell names its column.
 // ``rows``: one array of cells per row, or {attrs, cells}.
