@@ -293,9 +293,12 @@ def test_the_call_page_shows_the_captured_exchange_redacted(rich: Rich, browser:
     page.goto(f"{url}/ui/calls/{rich.calls['cut']['call_id']}")
     expect(page.get_by_label("Captured response")).to_contain_text("no response: tether: unknown (tether.aborted)")
     expect(page.locator(".call-resolution")).to_have_text("unknown tether.aborted")
-    # A call nobody reported: said so, not an empty page.
-    page.goto(f"{url}/ui/calls/no-such-call")
-    expect(page.get_by_role("alert")).to_contain_text("tether.not_found")
+    # An object that is not there: said so, not an empty page.
+    for path in ("calls/no-such-call", "records/rec-none", "approvals/apr-none", "terminations/term-none"):
+        page.goto(f"{url}/ui/{path}")
+        expect(page.get_by_role("alert")).to_contain_text("tether.not_found")
+    page.goto(f"{url}/ui/agents/nobody")
+    expect(page.get_by_role("alert")).to_contain_text("No registered link is held by nobody")
     context.close()
 
 

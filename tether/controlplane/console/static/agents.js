@@ -1,6 +1,7 @@
 // The agent tree: every registered link (its jti and expiry), its sidecar's state, lease and calls in flight;
 // revoke and terminate, offered only where they would still do something. And one agent's page.
-import { agentLink, agoText, api, at, ago, byText, cell, changed, dl, h, href, link, page, replace, state, table, toast, when }
+import { agentLink, agoText, api, at, ago, byText, cell, changed, crumbs, dl, h, href, link, page, replace, state, table, toast,
+  when }
   from "./api.js";
 import { callsTable } from "./calls.js";
 import { confirmAction, subtreeList } from "./confirm.js";
@@ -172,16 +173,16 @@ async function renderAgent(agent, current) {
   const body = document.getElementById("agents-body");
   const nodes = flatten(data.tree).filter((n) => n.agent === agent);
   if (!changed(body, [agent, nodes, terms, calls, summary.agents[agent], Math.floor(Date.now() / 60000)])) return `${agent} · Agents`;
-  const crumbs = h("p", { class: "crumbs" }, link("agents", null, "Agents"), " › ", agent);
+  const trail = crumbs("agents", "Agents", agent);
   if (!nodes.length) {
-    replace(body, crumbs, h("p", { class: "error", role: "alert" }, `No registered link is held by ${agent}.`));
+    replace(body, trail, h("p", { class: "error", role: "alert" }, `No registered link is held by ${agent}.`));
     return `${agent} · Agents`;
   }
   const covering = terms.filter((t) => (t.agents || []).includes(agent)).sort((a, b) => b.requested_at - a.requested_at);
   const children = [...new Set(nodes.flatMap((n) => (n.children || []).map((c) => c.agent)))];
   const pending = summary.agents[agent];
   const runs = nodes.flatMap((n) => n.runs || []).sort((a, b) => (a.started_at || 0) - (b.started_at || 0));
-  replace(body, crumbs,
+  replace(body, trail,
     h("h3", { class: "agent-name" }, agent),
     nodes.map((n) => linkCard(n, coveredBy(n, terms), flatten(data.tree))),
     h("h3", {}, "Delegates"),

@@ -164,3 +164,21 @@ export function forget(el) { shown.delete(el); }
 export function navigate(path, replace = false) {
   document.dispatchEvent(new CustomEvent("tether:go", { detail: { path, replace } }));
 }
+
+// Where an object's page sits: its view, then the object.
+export function crumbs(view, label, id) {
+  return h("p", { class: "crumbs" }, link(view, null, label), " › ", h("code", {}, id));
+}
+
+// One object for its page, or null when there is none: the page then says so (and ``note``), in ``body``.
+export async function one(body, path, current, trail, note) {
+  try {
+    return await api("GET", path);
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    if (current() && changed(body, ["missing", path])) {
+      replace(body, trail, h("p", { class: "error", role: "alert" }, `${e.code}: ${e.message}`), note ? h("p", { class: "muted" }, note) : null);
+    }
+    return null;
+  }
+}

@@ -1,7 +1,7 @@
 // Held calls: the exact request, whole (redacted as captures are), where the agent sits, approve or deny; and
 // who decided, when. Nothing pending is ever out of sight: a count per agent (held calls and filed requests
 // apart), a filter by agent, and pages to the end. Each approval has its own page (/ui/approvals/ID).
-import { agentLink, api, at, byText, changed, dl, h, href, link, navigate, page, replace, state, toast } from "./api.js";
+import { agentLink, api, at, byText, changed, crumbs, dl, h, href, link, navigate, one, page, replace, state, toast } from "./api.js";
 
 export const PAGE = 20;
 
@@ -124,15 +124,8 @@ export async function render(r, current) {
 }
 
 async function renderOne(id, body, current, reload) {
-  const crumbs = h("p", { class: "crumbs" }, link("approvals", null, "Approvals"), " › ", h("code", {}, id));
-  let a;
-  try {
-    a = await api("GET", `/v1/approvals/${encodeURIComponent(id)}`);
-  } catch (e) {
-    if (e.status !== 404) throw e;
-    if (current() && changed(body, ["missing", id])) replace(body, crumbs, h("p", { class: "error", role: "alert" }, `${e.code}: ${e.message}`));
-    return `${id} · Approvals`;
-  }
-  if (current() && changed(body, [a, Math.floor(Date.now() / 60000)])) replace(body, crumbs, card(a, reload));
+  const trail = crumbs("approvals", "Approvals", id);
+  const a = await one(body, `/v1/approvals/${encodeURIComponent(id)}`, current, trail);
+  if (a && current() && changed(body, [a, Math.floor(Date.now() / 60000)])) replace(body, trail, card(a, reload));
   return `${id} · Approvals`;
 }

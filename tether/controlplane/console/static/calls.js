@@ -1,7 +1,7 @@
 // Calls: search over every call the sidecars reported (GET /v1/calls), and one call's page with its captured
 // request and response, redacted as captured (GET /v1/calls/{id}).
-import { agentLink, api, at, byText, cell, changed, dl, forget, h, href, link, navigate, page, replace, resolution, state, table,
-  when } from "./api.js";
+import { agentLink, at, byText, cell, changed, crumbs, dl, forget, h, href, link, navigate, one, page, replace, resolution, state,
+  table, when } from "./api.js";
 
 export const PAGE = 50;
 export const RESOLUTIONS = ["completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown", "cancelled"];
@@ -103,22 +103,13 @@ function exchange(entry) {
 
 async function renderCall(id, current) {
   const body = document.getElementById("calls-body");
-  const crumbs = h("p", { class: "crumbs" }, link("calls", null, "Calls"), " › ", h("code", {}, id));
-  let doc;
-  try {
-    doc = await api("GET", `/v1/calls/${encodeURIComponent(id)}`);
-  } catch (e) {
-    if (e.status !== 404) throw e;
-    if (current() && changed(body, ["missing", id])) {
-      replace(body, crumbs, h("p", { class: "error", role: "alert" }, `${e.code}: ${e.message}`),
-        h("p", { class: "muted" }, "A call held for approval or still in flight is reported when it ends."));
-    }
-    return `${id} · Calls`;
-  }
-  if (!current() || !changed(body, doc)) return `${id} · Calls`;
+  const trail = crumbs("calls", "Calls", id);
+  const doc = await one(body, `/v1/calls/${encodeURIComponent(id)}`, current, trail,
+    "A call held for approval or still in flight is reported when it ends.");
+  if (!doc || !current() || !changed(body, doc)) return `${id} · Calls`;
   const c = doc.call;
   const duration = c.started_at && c.ended_at ? `${Math.round((c.ended_at - c.started_at) * 1000)} ms` : null;
-  replace(body, crumbs,
+  replace(body, trail,
     h("h3", { class: "call-title mono" }, `${c.method ?? ""} ${c.url ?? ""}`),
     h("div", { class: "card" }, dl([
       ["Call", h("code", { class: "call-id" }, c.call_id)],

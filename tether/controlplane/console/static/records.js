@@ -1,7 +1,8 @@
 // Reconciliation records: the log's verification and checkpoint, and each record's page (/ui/records/ID) with
 // its calls, filterable (?q=...&resolution=..., so a filtered view can be linked), each call linking to its
 // own page, and the record's HAR.
-import { agentLink, api, at, byText, cell, changed, dl, forget, h, href, link, navigate, replace, state, table, when } from "./api.js";
+import { agentLink, api, at, byText, cell, changed, crumbs, dl, forget, h, href, link, navigate, one, replace, state, table, when }
+  from "./api.js";
 import { callsTable, RESOLUTIONS } from "./calls.js";
 
 function verificationBlock(verification) {
@@ -82,12 +83,14 @@ function filterForm(r) {
 
 async function renderRecord(r, current) {
   const body = document.getElementById("records-body");
-  const [rec, verification] = await Promise.all([api("GET", `/v1/records/${encodeURIComponent(r.id)}`), api("GET", "/v1/audit/records")]);
+  const [rec, verification] = await Promise.all([
+    one(body, `/v1/records/${encodeURIComponent(r.id)}`, current, crumbs("records", "Records", r.id)), api("GET", "/v1/audit/records")]);
+  if (!rec) { delete body.dataset.record; return `${r.id} · Records`; }
   if (!current()) return null;
   if (body.dataset.record !== rec.record_id) {  // the skeleton once per record: typing in the filter is never interrupted
     body.dataset.record = rec.record_id;
     forget(body);
-    replace(body, h("p", { class: "crumbs" }, link("records", null, "Records"), " › ", h("code", {}, rec.record_id)),
+    replace(body, crumbs("records", "Records", rec.record_id),
       h("h3", { id: "record-title" }, `Record ${rec.record_id}`), h("div", { id: "record-summary" }),
       h("h3", {}, "Calls"), filterForm(r), h("div", { id: "record-calls" }));
   }

@@ -1,6 +1,6 @@
 // Terminations and where each stands in the protocol: requested -> draining|aborting -> reconciling -> terminated.
 // Each has its own page (/ui/terminations/ID): who asked, why, who acknowledged, who it still waits for.
-import { agentLink, api, at, byText, cell, changed, dl, h, link, replace, state, table, when } from "./api.js";
+import { agentLink, api, at, byText, cell, changed, crumbs, dl, h, link, one, replace, state, table, when } from "./api.js";
 
 function steps(t) {
   const path = ["requested", t.mode === "abort" ? "aborting" : "draining", "reconciling", "terminated"];
@@ -33,17 +33,10 @@ export async function render(r, current) {
 
 async function renderOne(id, current) {
   const body = document.getElementById("terminations-body");
-  const crumbs = h("p", { class: "crumbs" }, link("terminations", null, "Terminations"), " › ", h("code", {}, id));
-  let t;
-  try {
-    t = await api("GET", `/v1/terminations/${encodeURIComponent(id)}`);
-  } catch (e) {
-    if (e.status !== 404) throw e;
-    if (current() && changed(body, ["missing", id])) replace(body, crumbs, h("p", { class: "error", role: "alert" }, `${e.code}: ${e.message}`));
-    return `${id} · Terminations`;
-  }
-  if (!current() || !changed(body, [t, Math.floor(Date.now() / 60000)])) return `${id} · Terminations`;
-  replace(body, crumbs,
+  const trail = crumbs("terminations", "Terminations", id);
+  const t = await one(body, `/v1/terminations/${encodeURIComponent(id)}`, current, trail);
+  if (!t || !current() || !changed(body, [t, Math.floor(Date.now() / 60000)])) return `${id} · Terminations`;
+  replace(body, trail,
     h("h3", {}, "Termination ", h("code", {}, t.id), " ", h("span", { class: "termination-state" }, state(t.state))),
     h("div", { class: "card" },
       steps(t),
