@@ -1,4 +1,4 @@
-"""The sidecar on the HTTP side, end to end with real processes (DESIGN.md sections 1, 5, 7).
+"""The sidecar on the HTTP side, end to end with real processes (docs/contract.md sections 1, 5, 7).
 
 Enforcement by host, method and path; revocation and expiry; the approval tier; streaming without
 buffering; redacted captures and their HAR export; a capture that cannot be written; ``tether run``
@@ -55,7 +55,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterato
 # -- helpers --------------------------------------------------------------------------------------------
 def assert_refused(resp: requests.Response, code: str, status: int | None = None,
                    capability: str | None = None) -> dict[str, Any]:
-    """The refusal contract of DESIGN.md section 5: status, Tether-Error header, JSON error body."""
+    """The refusal contract of docs/contract.md section 5: status, Tether-Error header, JSON error body."""
     assert resp.headers.get("Tether-Error") == code, (resp.status_code, resp.headers, resp.text[:500])
     if status is not None:
         assert resp.status_code == status, resp.text[:500]

@@ -2,7 +2,7 @@
 and their text exposition (``GET /metrics``).
 
 Label sets are bounded on purpose: a capability label is a catalog capability name (anything else a
-sidecar reports is ``other``), a resolution one of the five of DESIGN.md section 5, a code one of tether's
+sidecar reports is ``other``), a resolution one of the five of docs/contract.md section 5, a code one of tether's
 codes. URLs and agent ids never become labels, so a fleet of ten thousand agents does not make ten
 thousand series. No client library: the exposition format is a few lines of text.
 """

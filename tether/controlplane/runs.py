@@ -3,7 +3,7 @@
 Every sidecar start is a *run* (``run_id``, made by the sidecar and named in every request it signs).
 Heartbeats, in-flight lists, acknowledgements and the final states below belong to a run of one link,
 never to a bare agent id: a second sidecar under the same id (a respawn, a re-grant, an impostor) has
-its own runs and can neither answer for nor overwrite another's (DESIGN.md section 10, Identity).
+its own runs and can neither answer for nor overwrite another's (docs/contract.md section 10, Identity).
 
 A run reaches a final state only by something it said itself: ``terminated`` (it acknowledged a
 termination: it never forwards again), ``stopped`` (its command exited and it said goodbye after its

@@ -52,7 +52,7 @@ def ref(name: str) -> Schema:
 TIER: Schema = {"type": "string", "enum": ["direct", "approval", "absent"]}
 STRINGS = array(STR)
 
-# -- the refusal every route may answer (DESIGN.md section 5), also named in the Tether-Error header --------
+# -- the refusal every route may answer (docs/contract.md section 5), also named in the Tether-Error header --------
 ERROR: Schema = obj({
     "error": obj({
         "code": {"type": "string", "pattern": r"^tether\.[a-z_]+$", "examples": ["tether.bad_request"]},

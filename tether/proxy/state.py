@@ -5,7 +5,7 @@ its answer.) It is the chain state ``proxy.decision`` reads: the tiers, and it h
 the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
 the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
 
-``CallTable`` follows every call from arrival to one of the five resolutions of DESIGN.md section 5.
+``CallTable`` follows every call from arrival to one of the five resolutions of docs/contract.md section 5.
 """
 
 from __future__ import annotations
