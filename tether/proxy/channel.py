@@ -76,7 +76,7 @@ class ControlChannel:
     def _headers(self, method: str, path: str, data: bytes) -> dict[str, str]:
         proof = make_proof(self.key, agent=self.agent, method=method, path=path, body=data, now=time.time(),
                            link=self.link, run=self.run)
-        return {"Content-Type": "application/json", "Tether-Proof": proof}
+        return {"Content-Type": "application/json", protocol.PROOF_HEADER: proof}
 
     async def stream_events(self, after: int, idle_s: float = 35.0) -> AsyncIterator[dict[str, Any]]:
         """Follow ``GET /v1/events/stream``: yields the long poll's documents, one per line, until the
