@@ -47,7 +47,35 @@ def demo_once(tmp_path: Path) -> None:
     assert record["requested_by"] == "rita" and record["operator"] == {"operator": "rita", "via": "token"}
     assert "requested by rita" in out and "tether operators add alice --role approver" in out
     har = json.loads((tmp_path / "captures.har").read_text())
-    assert har["log"]["entries"]
+    assert_har_lines_up_with(record, har)
     assert "demo-tool-secret" not in (tmp_path / "captures.har").read_text()  # Authorization redacted
     pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "agents").glob("*/sidecar.ready")]
     assert len(pids) == 4 and not [pid for pid in pids if alive(pid)]
+
+
+def assert_har_lines_up_with(record: dict, har: dict) -> None:
+    """The demo's HAR is `tether capture export --termination`'s: one entry per call of the record, in time
+    order, each entry's `_tether` naming that call, and a cut call's entry saying what the record says."""
+    entries = har["log"]["entries"]
+    calls = {c["call_id"]: c for c in record["calls"]}
+    assert sorted(e["_tether"]["call_id"] for e in entries) == sorted(
+        c["call_id"] for c in record["calls"] if c.get("capture_ref"))
+    started = [e["startedDateTime"] for e in entries]
+    assert started == sorted(started)
+    for entry in entries:
+        mark, call = entry["_tether"], calls[entry["_tether"]["call_id"]]
+        assert (mark["agent"], mark["capability"], mark["resolution"], mark["capture_ref"]) == (
+            call["agent"], call["capability"], call["resolution"], call["capture_ref"]), (mark, call)
+        assert entry["request"]["method"] == call["method"]
+        assert entry["request"]["url"].split("?")[0] == call["url"]
+        response = entry["response"]
+        if call["resolution"] == "completed":
+            assert response["status"] == call["status"]
+        elif call["resolution"] == "refused":  # tether's refusal, as the agent got it
+            headers = {h["name"].lower(): h["value"] for h in response["headers"]}
+            assert headers.get("tether-error") == call["code"], (entry, call)
+        else:  # no answer came back: the entry says what the record says, not what the socket last said
+            assert response["_error"] == entry["comment"] == f"tether: {call['resolution']} ({call['code']})"
+            assert response["content"]["size"] == 0
+    cut = [c for c in record["calls"] if c["resolution"] == "unknown"]
+    assert cut and all(c["code"] == "tether.aborted" for c in cut)  # the drain cut the summarizer's long call
