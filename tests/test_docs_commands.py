@@ -44,6 +44,9 @@ from pathlib import Path
 
 import pytest
 
+from tether.capability.chain import parse_chain_unverified
+from tether.capability.shared import read_chain
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 README = ROOT / "README.md"
@@ -228,6 +231,9 @@ def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
     assert "MCP server: lookup" in tools_log
     assert "tools the agent sees: lookup\n" in text  # drop_database and send_email are absent from tools/list
     assert json.loads((tmp_path / "ticket.json").read_text())["title"] == "printer on fire"
+    heard = next(out for block, out in outputs if "tether grant proof" in block.text)
+    leaf_jti = parse_chain_unverified(read_chain(str(tmp_path / "agent.chain")))[-1].jti
+    assert json.loads(heard)["revoked"] == [leaf_jti]  # the event stream, read with a proof the CLI minted
     har = json.loads((tmp_path / "helpdesk.har").read_text())
     assert {e["_tether"]["agent"] for e in har["log"]["entries"]} == {"helpdesk"}
     assert {"refused", "completed"} <= {e["_tether"]["resolution"] for e in har["log"]["entries"]}
