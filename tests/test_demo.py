@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -79,3 +80,16 @@ def assert_har_lines_up_with(record: dict, har: dict) -> None:
             assert response["content"]["size"] == 0
     cut = [c for c in record["calls"] if c["resolution"] == "unknown"]
     assert cut and all(c["code"] == "tether.aborted" for c in cut)  # the drain cut the summarizer's long call
+
+
+def test_example_tools_name_the_flag_when_the_address_is_taken() -> None:
+    """`tether example tools` on a port someone holds: one line with the code and the flag to change, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = subprocess.run([PYTHON, "-m", "tether", "example", "tools", "--http", f"127.0.0.1:{port}",
+                                 "--mcp", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: tether.listen_failed: ") and "--http" in result.stderr
+    assert "Traceback" not in result.stderr
