@@ -242,8 +242,10 @@ def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
 # -- the README ------------------------------------------------------------------------------------------------
 def test_the_readme_walk_through_runs_as_written(tmp_path: Path) -> None:
     outputs = run_document(README, tmp_path)
-    assert len(outputs) >= 3
     assert (tmp_path / "coder.chain").exists() and (tmp_path / "planner.chain").exists()
+    budgets = next(out for block, out in outputs if "tether budgets" in block.text)
+    # the tightest budget in the chain, fetcher's 4 calls, holds
+    assert re.findall(r"status=(\d+)", budgets) == ["200"] * 4 + ["429"] * 2
 
 
 def tether_lines(block: Block) -> Iterator[list[str]]:
