@@ -78,8 +78,6 @@ def assert_har_lines_up_with(record: dict, har: dict) -> None:
         else:  # no answer came back: the entry says what the record says, not what the socket last said
             assert response["_error"] == entry["comment"] == f"tether: {call['resolution']} ({call['code']})"
             assert response["content"]["size"] == 0
-    cut = [c for c in record["calls"] if c["resolution"] == "unknown"]
-    assert cut and all(c["code"] == "tether.aborted" for c in cut)  # the drain cut the summarizer's long call
 
 
 def test_example_tools_name_the_flag_when_the_address_is_taken() -> None:
