@@ -137,6 +137,8 @@ class Answer:
     tools: tuple[str, ...] | None = None  # the capabilities a JSON-RPC body's messages use (tools, resources,
     #                                       prompts, plumbing): one budget unit each; the name it had for tools only
     parsed: mcp.Parsed | None = None  # the JSON-RPC body, once read
+    callers: dict[str, str] | None = None  # each tools/call request's capability, by its id (mcp.id_key): a task
+    #                                        the call creates belongs to it, in a batch too
 
 
 @dataclass(slots=True, kw_only=True)
@@ -400,6 +402,7 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
     capability: str | None = None
     detail: str | None = None
     used: list[tuple[str, str]] = []  # (capability, tier) of every item a message uses: held, counted
+    callers: dict[str, str] = {}
     refusal: Refusal | None = None
     for message in parsed.messages:
         needs = _needs(catalog, server, message)
@@ -413,6 +416,8 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
                     break
                 if need.uses:
                     used.append((name, tier))
+                    if message.method == "tools/call" and message.id is not None and name is not None:
+                        callers[mcp.id_key(message.id)] = name
             if refusal is not None:
                 break
             if message.method != "tools/call":
@@ -435,7 +440,7 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
     names = tuple(c for c, _ in used)
     held = any(t == "approval" for _, t in used)
     return (Hold if held else Allow)(capability=",".join(dict.fromkeys(names)), tier="approval" if held else "direct",
-                                     server=server, detail=detail, tools=names, parsed=parsed)
+                                     server=server, detail=detail, tools=names, parsed=parsed, callers=callers)
 
 
 def _rpc_headers(facts: Facts, parsed: mcp.Parsed) -> Refusal | None:

@@ -265,6 +265,7 @@ class Enforcer:
             # request that lists tools, whatever else shares its batch.
             state.mcp_methods = [m.method for m in answer.parsed.messages]
             state.mcp_tools = answer.tools
+            state.mcp_callers = answer.callers or {}
         state.decided = True
         if isinstance(answer, Hold):
             # Held at the headers only when the body will stream through (unseen by the approver); otherwise

@@ -35,9 +35,12 @@ except ImportError:  # Python < 3.14
 # Methods that need only some granted item on the server: the session, discovery, and the lists (filtered
 # on the way back, so each shows only what the agent holds).
 LISTS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list", "tasks/list"})
-# Task methods (2025-11-25 tasks, the 2026-07-28 tasks extension) name a task, not an item: the decision lets
-# them through as plumbing and ``proxy.mcpcalls`` governs each as the capability of the call that created it.
-TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
+# Task methods (2025-11-25 tasks: get, result, cancel; the 2026-07-28 tasks extension: get, update, cancel) name
+# a task, not an item: the decision lets them through as plumbing and ``proxy.mcpcalls`` governs each as the
+# capability of the call that created it.
+TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel", "tasks/update"})
+TASK_RESULT = "task"  # 2026-07-28 tasks extension: a tools/call answered with a task has this resultType
+TASK_NOTIFICATION = "notifications/tasks"  # 2026-07-28: a task's status, pushed on a subscriptions/listen stream
 # subscriptions/listen is plumbing only while it asks for list-changed notifications (proxy.decision).
 PLUMBING = frozenset({"initialize", "ping", "server/discover", "subscriptions/listen", *LISTS, *TASK_METHODS})
 JSONRPC_REFUSED = -32003  # implementation-defined server error range; -32001/-32020 mean other things to SDKs
@@ -59,7 +62,8 @@ class Message:
     uri: str | None = None  # resources/read, subscribe, unsubscribe: the URI; a completion's ref: a URI template
     uris: tuple[str, ...] = ()  # subscriptions/listen: the resources whose updates it asks for
     stateless: bool = False  # it names its protocol version in _meta (2026-07-28 on): results carry resultType
-    task: str | None = None  # tasks/get, result, cancel: the task id
+    task: str | None = None  # tasks/get, result, update, cancel: the task id
+    tasks: tuple[str, ...] = ()  # subscriptions/listen: the tasks whose status notifications it asks for
 
     @property
     def is_request(self) -> bool:
@@ -113,6 +117,7 @@ def parse(body: bytes) -> Parsed:
     if not items:
         raise NotJsonRpc("an empty batch")
     messages = []
+    ids: set[str] = set()
     for item in items:
         if not isinstance(item, dict) or item.get("jsonrpc") != "2.0":
             raise NotJsonRpc("not a JSON-RPC 2.0 message")
@@ -124,7 +129,14 @@ def parse(body: bytes) -> Parsed:
             continue
         if not isinstance(method, str):
             raise NotJsonRpc("method must be a string")
-        messages.append(_request(method, item))
+        message = _request(method, item)
+        if message.id is not None:
+            # A batch's answers are told apart by id alone: two requests under one id would leave the server
+            # (and tether, which binds a task to the call that created it) to guess which answer is whose.
+            if id_key(message.id) in ids:
+                raise NotJsonRpc(f"two requests in one batch share the id {message.id!r}")
+            ids.add(id_key(message.id))
+        messages.append(message)
     return Parsed(tuple(messages), batch)
 
 
@@ -151,12 +163,9 @@ def _request(method: str, item: dict[str, Any]) -> Message:
         return Message(method, msg_id, task=task)
     if method == LISTEN:
         notifications = params.get("notifications") if isinstance(params, dict) else None
-        uris = notifications.get("resourceSubscriptions") if isinstance(notifications, dict) else None
-        if uris is None:
-            return Message(method, msg_id)
-        if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
-            raise NotJsonRpc("subscriptions/listen with resourceSubscriptions that are not a list of URIs")
-        return Message(method, msg_id, uris=tuple(uris))
+        uris = _strings(notifications, "resourceSubscriptions", "URIs")
+        tasks = _strings(notifications, "taskIds", "task ids")
+        return Message(method, msg_id, uris=uris, tasks=tasks)
     if method == "completion/complete":
         ref = params.get("ref") if isinstance(params, dict) else None
         kind = ref.get("type") if isinstance(ref, dict) else None
@@ -166,6 +175,30 @@ def _request(method: str, item: dict[str, Any]) -> Message:
             return Message(method, msg_id, uri=ref["uri"])
         raise NotJsonRpc("completion/complete without a ref/prompt name or a ref/resource uri")
     return Message(method, msg_id)
+
+
+def _strings(notifications: Any, field: str, what: str) -> tuple[str, ...]:
+    """A ``subscriptions/listen`` list of names (``resourceSubscriptions``, ``taskIds``); refused unless strings."""
+    values = notifications.get(field) if isinstance(notifications, dict) else None
+    if values is None:
+        return ()
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise NotJsonRpc(f"subscriptions/listen with {field} that are not a list of {what}")
+    return tuple(values)
+
+
+def created_task(result: Any) -> str | None:
+    """The task id a ``tools/call`` result creates, in either protocol's shape: 2025-11-25 ``CreateTaskResult``
+    (``{"task": {"taskId": ...}}``) or the 2026-07-28 tasks extension's (``resultType: "task"`` and the task's
+    fields, ``taskId`` among them, in the result itself); None for an ordinary result."""
+    if not isinstance(result, dict):
+        return None
+    if result.get("resultType") == TASK_RESULT:
+        task_id = result.get("taskId")
+        return task_id if isinstance(task_id, str) else None
+    task = result.get("task")
+    task_id = task.get("taskId") if isinstance(task, dict) else None
+    return task_id if isinstance(task_id, str) else None
 
 
 _B64 = re.compile(r"^=\?base64\?(?P<payload>.*)\?=$")
@@ -406,12 +439,15 @@ def as_visible(allowed: Visible | Callable[[str], bool]) -> Visible:
 
 
 def _hidden_notification(item: Any, visible: Visible) -> bool:
-    """A server's resources/updated about a resource the agent does not hold: that resource does not exist."""
-    if not isinstance(item, dict) or item.get("method") != UPDATED:
+    """A server's resources/updated about a resource the agent does not hold (that resource does not exist), or
+    a 2026-07-28 notifications/tasks about a task that is not the agent's own (its result is another's)."""
+    method = item.get("method") if isinstance(item, dict) else None
+    if method not in (UPDATED, TASK_NOTIFICATION):
         return False
     params = item.get("params")
-    uri = params.get("uri") if isinstance(params, dict) else None
-    return not (isinstance(uri, str) and visible.resource(uri))
+    field, judge = ("uri", visible.resource) if method == UPDATED else ("taskId", visible.task)
+    name = params.get(field) if isinstance(params, dict) else None
+    return not (isinstance(name, str) and judge(name))
 
 
 def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[Any]:
