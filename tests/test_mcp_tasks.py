@@ -358,3 +358,102 @@ def test_a_2026_task_is_polled_through_its_own_sidecar_only(world: NextWorld) ->
                                                  if x["resolution"] == "refused"]) >= 4 and r, WAIT,
                                what="the other agent's refusals")
     assert all(r["code"] == ABSENT for r in other_reports), other_reports
+
+
+def test_a_2026_task_counts_once_against_a_budget_and_not_at_all_when_absent(world: NextWorld) -> None:
+    budgeted = world.sidecar("modern-budget", {"next.job": {"tier": "direct", "calls": 1}, "next.add": "direct"})
+    absent = world.sidecar("modern-absent", {"next.add": "direct"})
+    tasks = TasksClient()
+
+    async def body(client: Client) -> tuple[Any, Any]:
+        return await client.call_tool("job", {"n": 1}), await client.call_tool("job", {"n": 2})
+
+    first, second = world.session(budgeted, MODERN, body, extensions=[tasks])
+    assert not first.is_error and first.content[0].text == "job 1 done", first
+    assert tasks.polls == 2  # the polls took no unit of the budget of one call; the second call finds it spent
+    assert second.is_error and second.meta["tether/error"]["code"] == "tether.budget_exhausted", second
+    assert len(tasks.created) == 1
+
+    created = [c for c in world.server.calls if c.startswith("task job")]
+    never = TasksClient()
+
+    async def absent_body(client: Client) -> Any:
+        return await client.call_tool("job", {"n": 3})
+
+    refused_call = world.session(absent, MODERN, absent_body, extensions=[never])
+    assert refused_call.is_error and refused_call.meta["tether/error"]["code"] == ABSENT, refused_call
+    assert never.created == [] and [c for c in world.server.calls if c.startswith("task job")] == created
+
+    reports = wait_until(lambda: len(r := world.tool_reports("modern-budget", "next.job")) == 4 and r, WAIT,
+                         what="the budgeted agent's reports")
+    assert [r["resolution"] for r in reports] == ["completed", "completed", "completed", "refused"], reports
+    assert reports[-1]["code"] == "tether.budget_exhausted"
+
+
+def test_a_2026_task_after_its_agent_is_terminated(world: NextWorld) -> None:
+    """The creating call and the polls before the end are in the record; a poll after it is refused, and never
+    reaches the server."""
+    agent = "modern-terminated"
+    sidecar = world.sidecar(agent, {"next.job": "direct", "next.add": "direct"})
+    admin = world.cp.client()
+    with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
+        url = world.server.url
+        handle = post_modern(http, url, "tools/call", {"name": "job", "arguments": {"n": 9}}, "job")
+        task = handle["result"]["taskId"]
+        assert handle["result"]["resultType"] == "task", handle
+        assert post_modern(http, url, "tasks/get", {"taskId": task}, task)["result"]["status"] == "working"
+        tid = admin.request("POST", f"/v1/agents/{agent}/terminate", {"mode": "abort", "reason": "test"})["id"]
+        wait_until(lambda: admin.request("GET", f"/v1/terminations/{tid}")["state"] == "terminated", WAIT,
+                   what="the termination")
+        after = post_modern(http, url, "tasks/get", {"taskId": task}, task)
+    refused(after, "tether.terminated")
+    assert world.server.calls.count(f"tasks/get {task}") == 1  # the poll after the end never left
+
+    record = admin.request("GET", f"/v1/records/{tid}")
+    mine = sorted((c for c in record["calls"] if c.get("capability") == "next.job"), key=lambda c: c["started_at"])
+    assert [c["resolution"] for c in mine] == ["completed", "completed"], mine  # the call and its poll
+    poll = next(r for r in world.reports(agent) if r["call_id"] == mine[1]["call_id"])
+    assert f"mcp tasks/get (task of call {mine[0]['call_id']})" == poll["detail"], poll
+    last = wait_until(lambda: [r for r in world.reports(agent) if r.get("code") == "tether.terminated"], WAIT,
+                      what="the refused poll reported")
+    assert last[0]["resolution"] == "refused", last
+
+
+def test_tasks_created_in_a_batch_belong_to_the_calls_that_created_them(world: NextWorld) -> None:
+    """One batch, two task-creating calls (one in each protocol's shape): each task is bound to its call, so its
+    agent polls it and another agent cannot."""
+    caps = {"next.job": "direct", "next.add": "direct"}
+    owner, other = world.sidecar("batch-owner", caps), world.sidecar("batch-other", caps)
+    legacy = rpc("tools/call", {"name": "job", "arguments": {"n": 4}, "task": {"ttl": 60000}}, 1)
+    modern = modern_rpc("tools/call", {"name": "job", "arguments": {"n": 5}}, 2)
+    with httpx.Client(proxy=owner.proxy, trust_env=False, timeout=WAIT) as a_http, \
+            httpx.Client(proxy=other.proxy, trust_env=False, timeout=WAIT) as b_http:
+        url = world.server.url
+        sent = a_http.post(url, json=[legacy, modern], headers=HEADERS)
+        assert sent.status_code == 200, sent.text
+        answers = {a["id"]: a["result"] for a in sent.json()}
+        tasks = [answers[1]["task"]["taskId"], answers[2]["taskId"]]
+        assert answers[2]["resultType"] == "task"
+
+        before = list(world.server.calls)
+        for task in tasks:
+            refused(answer(b_http.post(url, json=rpc("tasks/get", {"taskId": task}, 3), headers=HEADERS)))
+            refused(answer(b_http.post(url, json=rpc("tasks/get", {"taskId": task}, 4), headers={
+                **HEADERS, "mcp-protocol-version": MODERN, "mcp-method": "tasks/get", "mcp-name": task})))
+        assert world.server.calls == before
+
+        polled = a_http.post(url, json=[rpc("tasks/get", {"taskId": t}, 10 + i) for i, t in enumerate(tasks)],
+                             headers=HEADERS)
+        assert polled.status_code == 200, polled.text
+        assert sorted(r["result"]["taskId"] for r in polled.json()) == sorted(tasks)
+        # A batch that names one request id twice is refused: its answers could not be told apart.
+        twice = a_http.post(url, json=[rpc("tasks/get", {"taskId": tasks[0]}, 7),
+                                       rpc("tasks/get", {"taskId": tasks[1]}, 7)], headers=HEADERS)
+        assert twice.status_code == 403 and twice.headers["tether-error"] == ABSENT, twice.text
+        assert "share the id 7" in twice.json()["error"]["message"], twice.text
+    assert [c for c in world.server.calls if c.startswith("tasks/get")][-2:] == [f"tasks/get {t}" for t in tasks]
+
+    reports = wait_until(lambda: len(r := [x for x in world.reports("batch-owner") if x["method"] == "POST"]) >= 3
+                         and r, WAIT, what="the owner's reports")
+    creating, polls = reports[0], reports[1]
+    assert "task of call " + creating["call_id"] in polls["detail"] and polls["capability"] == "next.job", polls
