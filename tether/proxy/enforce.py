@@ -40,6 +40,7 @@ from .decision import (
     decide_tunnel,
 )
 from .flowstate import FlowState, refuse, state_of
+from .framing import ANSWER_BEFORE_BODY, BODY_LIMIT, BodyLimit
 from .state import Call
 
 log = logging.getLogger("tether.sidecar")
@@ -117,6 +118,15 @@ def drop_hop_by_hop(headers: http.Headers, websocket: bool) -> None:
         if name in ("close", "connection", "host") or (websocket and name == "upgrade"):
             continue
         headers.pop(name, None)
+
+
+def no_continue(flow: http.HTTPFlow) -> None:
+    """A request refused at its headers that waits for ``100 Continue`` gets none (mitmproxy sends one after the
+    hook while the header is there: the body is not wanted) and is answered at once, not once the client gives up
+    waiting and sends the body anyway (``proxy.framing.answer_early``)."""
+    if flow.request.headers.get("expect", "").strip().lower() == "100-continue":
+        del flow.request.headers["expect"]
+        flow.metadata[ANSWER_BEFORE_BODY] = True
 
 
 def undecided(flow: http.HTTPFlow, exc: Exception) -> None:
@@ -252,11 +262,8 @@ class Enforcer:
         if facts.chain_header is not None and facts.chain_header.strip() == self.chain.wire:
             del flow.request.headers["Tether-Chain"]  # the sidecar's own chain is not the tool's business
         if isinstance(answer, Refused):
-            if facts.body is None and "expect" in flow.request.headers:
-                # Refused at its headers: no 100 Continue (mitmproxy sends one after this hook while the header
-                # is there), so a client that waits for it sends no body; the refusal follows once it gives up
-                # waiting and sends it, or it closes.
-                del flow.request.headers["expect"]
+            if facts.body is None:
+                no_continue(flow)
             refuse(flow, answer.refusal)
             return
         drop_hop_by_hop(flow.request.headers, facts.websocket)
@@ -288,6 +295,11 @@ def filing_refused(code: str, message: str) -> Refusal | None:
     return refusal
 
 
+def _refuse_growing(flow: http.HTTPFlow) -> None:
+    state_of(flow).hold = None
+    refuse(flow, body_too_large(None))
+
+
 class Holds:
     """Wait for a person's decision on an ``approval``-tier call; other calls go on meanwhile.
 
@@ -295,7 +307,8 @@ class Holds:
     before it is shown, never streamed past the approver. An upload the Enforcer would have held at its headers
     (one that announces more than ``APPROVAL_BODY_LIMIT`` bytes, or a chunked one) is refused at once when its
     announced length is past the limit, and otherwise read whole here like any other body (mitmproxy does not
-    stream a request whose hold moved to its body); a body that proves past the limit once read is refused too.
+    stream a request whose hold moved to its body); a chunked body is refused as soon as the part read passes the
+    limit (``proxy.framing.BodyLimit``: the refusal is sent then, the rest is read and dropped).
     """
 
     def __init__(self, chain: ChainState, await_approval: Callable[[Call], Awaitable[str]]) -> None:
@@ -308,9 +321,12 @@ class Holds:
         length = announced_length(flow.request)
         if length is not None and length > APPROVAL_BODY_LIMIT:
             state.hold = None
+            no_continue(flow)
             refuse(flow, body_too_large(length))
             return
-        state.hold = "body"  # read it whole first (the Forwarder streams nothing that is held)
+        state.hold = "body"  # read it whole first (the Forwarder streams nothing that is held) ...
+        # ... but not past the limit: a chunked body is refused as soon as it passes it, not once it has ended.
+        flow.metadata[BODY_LIMIT] = BodyLimit(APPROVAL_BODY_LIMIT, _refuse_growing)
 
     def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         state = state_of(flow)
