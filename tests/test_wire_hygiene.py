@@ -1,9 +1,11 @@
 """Header and framing hygiene (RFC 9112), through a real sidecar to a real aiohttp tool server that logs every
 request it receives, with requests written byte by byte on a raw socket: malformed fields are refused with
 ``400 tether.bad_request``, trailers pass without a traceback, ``Expect: 100-continue`` gets no 100 when the
-call is refused (and the refusal at once, without waiting for the body), hop-by-hop fields never reach the tool, the override-header family in both spellings and
-method-override query parameters are refused, and so are path characters servers fold into "/" or "." and
-invisible ones. The ground truth: the tool never sees what was refused, and the sidecar logs no traceback.
+call is refused (and the refusal at once, without waiting for the body), hop-by-hop fields never reach the
+tool, the override-header family in both spellings and method-override query parameters are refused (and a
+method override in a form or JSON body unless the capability grants that method), and so are path characters
+servers fold into "/" or "." and invisible ones. The ground truth: the tool never sees what was refused, and the
+sidecar logs no traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ capabilities:
   public.write: {{http: {{host: 127.0.0.1, port: {port}, methods: [POST], path: "/api/public/*"}}}}
   private.read: {{http: {{host: 127.0.0.1, port: {port}, methods: [GET, POST], path: "/api/private/*"}}}}
   raw.read:     {{http: {{host: 127.0.0.1, port: {tap}, methods: [GET], path: "/api/public/*"}}}}
+  forms.edit:   {{http: {{host: 127.0.0.1, port: {port}, methods: [POST, PUT], path: "/api/forms/*"}}}}
 """
 
 
@@ -60,7 +63,8 @@ def world_and_tap(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> 
     world.cp.start()
     try:
         sidecar = world.sidecar(world.cp.issue("wire", {"public.read": "direct", "public.write": "direct",
-                                                        "private.read": "absent", "raw.read": "direct"}))
+                                                        "private.read": "absent", "raw.read": "direct",
+                                                        "forms.edit": "direct"}))
         yield (tool, sidecar), tap
         # Whatever was sent, the sidecar wrote no traceback (stderr and its log go to the same file).
         assert "Traceback" not in sidecar.log_text, sidecar.log_text[-3000:]
@@ -288,6 +292,36 @@ def test_method_override_query_parameters_are_refused(wired: Any, query: str) ->
     answer = send(sidecar.proxy, request(tool, target, method="POST", body=b"{}"))
     refused(answer, 403, "tether.capability_absent", "method_override_param")
     assert not [p for p in tool.paths() if p.startswith(target.split("?")[0])]
+
+
+FORM = b"Content-Type: application/x-www-form-urlencoded\r\n"
+MULTIPART = b"Content-Type: multipart/form-data; boundary=XyZ\r\n"
+
+
+def multipart(name: str, value: str) -> bytes:
+    return (f'--XyZ\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+            '--XyZ\r\nContent-Disposition: form-data; name="note"\r\n\r\nhi\r\n--XyZ--\r\n').encode()
+
+
+@pytest.mark.parametrize(("fields", "body"), [
+    (FORM, b"title=x&_method=DELETE"), (FORM, b"_METHOD=delete"), (FORM, b"a=1;%5Fmethod=DELETE"),
+    (FORM, b"X-HTTP-Method-Override=PATCH"), (FORM, b"_method=GET"),  # GET is another capability's (public.read)
+    (MULTIPART, multipart("_method", "DELETE")), (b"Content-Type: application/json\r\n", b'{"_method": "DELETE"}'),
+], ids=["form", "upper-case", "encoded", "override-name", "other-capability", "multipart", "json"])
+def test_a_method_override_in_the_body_is_refused_unless_the_capability_grants_that_method(
+        wired: Any, fields: bytes, body: bytes) -> None:
+    tool, sidecar = wired
+    target = f"/api/public/form-body-{len(tool.seen)}"
+    refused(send(sidecar.proxy, request(tool, target, method="POST", fields=fields, body=body)), 403,
+            "tether.capability_absent", "method_override_body")
+    assert target not in tool.paths()
+
+
+def test_a_method_override_in_the_body_the_capability_grants_passes(wired: Any) -> None:
+    tool, sidecar = wired
+    for body in (b"title=x&_method=PUT", b"title=the method is fast"):  # PUT is forms.edit's too; prose passes
+        status, _, _ = send(sidecar.proxy, request(tool, "/api/forms/1", method="POST", fields=FORM, body=body))
+        assert status == 200 and tool.seen[-1][3] == body
 
 
 def test_an_ordinary_method_parameter_passes(wired: Any) -> None:

@@ -12,6 +12,7 @@ The facts come from the edge (tether/proxy/enforce.py reads them off a mitmproxy
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -268,6 +269,53 @@ def _method_param(path: str) -> str | None:
         if unquote(unquote(name.replace("+", " "))).strip().lower() in METHOD_PARAMS:
             return name
     return None
+
+
+_FORM = "application/x-www-form-urlencoded"
+_MULTIPART_FIELD = re.compile(rb'content-disposition:[^\r\n]*;\s*name="?([^";\r\n]+)"?[^\r\n]*\r\n(?:[^\r\n]+\r\n)*'
+                              rb"\r\n([^\r\n]*)\r\n", re.IGNORECASE)
+
+
+def body_override(content_type: str | None, body: bytes) -> tuple[str, str] | None:
+    """The first method-override field a body carries (``METHOD_PARAMS``), as (field as sent, method upper-cased);
+    None when it carries none. Read as frameworks read it: a form-encoded body (Rails, Rack, Symfony, Laravel), a
+    multipart form's field, a JSON object's top-level key (Laravel reads its input, JSON included). Only bodies
+    that hold the word at all are parsed."""
+    if b"method" not in body.lower():
+        return None
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    pairs: list[tuple[str, str]] = []
+    if media == _FORM:
+        text = body.decode("latin-1")
+        for pair in re.split(r"[&;]", text):
+            name, _, value = pair.partition("=")
+            pairs.append((name, unquote(unquote(value.replace("+", " ")))))
+    elif media == "multipart/form-data":
+        pairs = [(m.group(1).decode("latin-1"), m.group(2).decode("latin-1")) for m in _MULTIPART_FIELD.finditer(body)]
+    elif media == "application/json" or media.endswith("+json"):
+        try:
+            value = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None  # not JSON to the server either
+        if isinstance(value, dict):
+            pairs = [(k, v) for k, v in value.items() if isinstance(v, str)]
+    for name, value in pairs:
+        if unquote(unquote(name.replace("+", " "))).strip().lower() in METHOD_PARAMS:
+            return name, value.strip().upper()
+    return None
+
+
+def override_refusal(catalog: Catalog, facts: Facts, capability: str | None,
+                     override: tuple[str, str]) -> Refusal | None:
+    """A body's method override passes only when the capability the call matched grants that method on that path
+    too (then the server does what the capability allows, at its tier and budget); otherwise refused."""
+    name, method = override
+    if capability is not None and _METHOD.fullmatch(method) and capability in catalog.match_http(
+            facts.host, facts.port, method, facts.path):
+        return None
+    return Refusal(codes.CAPABILITY_ABSENT, f"the body field {name!r} asks the server to use the method "
+                   f"{method[:16]!r}, which {capability or 'no capability'} does not grant on this path; remove it",
+                   reason="method_override_body")
 
 
 def _folding_char(path: str) -> str | None:

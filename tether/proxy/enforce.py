@@ -36,8 +36,10 @@ from .decision import (
     Refusal,
     Refused,
     after_approval,
+    body_override,
     decide,
     decide_tunnel,
+    override_refusal,
 )
 from .flowstate import FlowState, refuse, state_of
 from .framing import ANSWER_BEFORE_BODY, BODY_LIMIT, BodyLimit
@@ -225,6 +227,26 @@ class Enforcer:
         state = state_of(flow)
         if state.call is None or (not state.decided and state.mcp_server is not None and state.mcp_parsed is None):
             self._decide(flow, at_headers=False)  # a JSON-RPC body decides once it is here
+        elif state.decided and state.mcp_server is None:
+            self._body_override(flow, state.call)
+
+    def _body_override(self, flow: http.HTTPFlow, call: Call) -> None:
+        """A method override in the body (``_method=DELETE`` in a form): refused unless the call's capability
+        grants that method too. Read as sent: a body with a Content-Encoding is not decoded (servers do not)."""
+        req = flow.request
+        try:
+            override = body_override(req.headers.get("content-type"), req.raw_content or b"")
+            if override is None:
+                return
+            facts = Facts(method=req.method, sent_method=req.method, host=req.host, port=req.port, path=req.path,
+                          url=call.url, now=time.time(), now_mono=time.monotonic())
+            refusal = override_refusal(self.catalog, facts, call.capability, override)
+        except Exception as exc:
+            undecided(flow, exc)
+            return
+        if refusal is not None:
+            state_of(flow).hold = None  # refused: nobody is asked to approve it
+            refuse(flow, refusal)
 
     def _decide(self, flow: http.HTTPFlow, *, at_headers: bool) -> None:
         state = state_of(flow)
