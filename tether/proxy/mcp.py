@@ -585,6 +585,10 @@ class SseListsFilter:
         self.answered: set[str] = set()  # ids (id_key) of JSON-RPC responses that passed to the client
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
+        return [out for out in (self._rewrite(event) for event in self.cut(chunk)) if out]
+
+    def cut(self, chunk: bytes) -> list[bytes]:
+        """The events this chunk completes (all that is left, on the final call with ``b""``), unrewritten."""
         if self.broken:
             return []
         final = not chunk
@@ -617,7 +621,7 @@ class SseListsFilter:
             scan_from = 0
             if self.pending.startswith(_BOM):  # the client skips one at the start; so does the parse here
                 del self.pending[:len(_BOM)]
-        return [out for out in (self._rewrite(event) for event in self._events(scan_from, final)) if out]
+        return self._events(scan_from, final)
 
     def _events(self, scan_from: int, final: bool) -> list[bytes]:
         """The events completed by the bytes from ``scan_from`` on (and on the final call, what is left)."""
@@ -642,19 +646,18 @@ class SseListsFilter:
         return events
 
     def _rewrite(self, event: bytes) -> bytes:
-        lines = _lines(event)
-        data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
-        if not data_idx:
+        data = event_data(event)
+        if data is None:
             return event
-        values = [lines[i][5:] for i in data_idx]
-        payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
-        if not payload.strip():
-            return event  # an empty data field (the SDK's priming event for resumption)
         try:
-            value = json.loads(payload)
+            value = json.loads(data[2])
         except (ValueError, UnicodeDecodeError, RecursionError):
             self.dropped += 1
             return DROPPED
+        return self.rewrite_parsed(event, data, value)
+
+    def rewrite_parsed(self, event: bytes, data: EventData, value: Any) -> bytes:
+        """The event, its payload parsed already (``value``), with what the agent does not hold removed."""
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
@@ -664,10 +667,161 @@ class SseListsFilter:
         self.removed += removed
         if value is None:
             return b""  # a notification about an item the agent does not hold: no event at all
+        lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
         kept.append(b"data: " + json.dumps(value).encode())
         return b"\n".join(kept) + b"\n\n"
+
+
+EventData = tuple[list[bytes], list[int], bytes]  # an event's lines, which of them are data lines, the payload
+
+
+def event_data(event: bytes) -> EventData | None:
+    """An SSE event's ``data:`` payload (its data lines joined as the SSE spec joins them), or None when it has
+    none to read (no data line, or only empty ones: the SDK's priming event for resumption)."""
+    lines = _lines(event)
+    data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
+    if not data_idx:
+        return None
+    values = [lines[i][5:] for i in data_idx]
+    payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
+    return (lines, data_idx, payload) if payload.strip() else None
+
+
+# -- large answers: parsed away from the event loop --------------------------------------------------------
+# One json.loads of a 10 MB list is a single C call that holds the GIL from its first byte to its last, so a
+# worker thread running it stalls the sidecar's event loop (every other call) for all of it. ``loads_pieces``
+# parses the same text to the same value with the long arrays read one element at a time: between elements
+# the interpreter hands the GIL to the loop (every ``sys.getswitchinterval()``, 5 ms), so the parse can run in
+# a thread while other calls go on. ``read_answer`` does that for a whole JSON or SSE answer; the filter itself
+# (``filter_answer``) then runs on the loop over values already parsed.
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+PIECES_DEPTH = 4  # how deep objects are walked (a batch answer's tools list is four levels down)
+
+
+def loads_pieces(raw: bytes | str) -> Any:
+    """What ``json.loads(raw)`` returns (and raises), read in pieces: objects key by key down to
+    ``PIECES_DEPTH``, every array element by element."""
+    if isinstance(raw, bytes):
+        raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    if raw.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
+    value, end = _piece(raw, _WS.match(raw, 0).end(), PIECES_DEPTH, top=True)  # type: ignore[union-attr]
+    end = _WS.match(raw, end).end()  # type: ignore[union-attr]
+    if end != len(raw):
+        raise json.JSONDecodeError("Extra data", raw, end)
+    return value
+
+
+def _skip(text: str, i: int) -> int:
+    return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+
+def _piece(text: str, i: int, depth: int, top: bool = False) -> tuple[Any, int]:
+    if depth > 0 and text.startswith("{", i):
+        return _object(text, i, depth)
+    if depth > 0 and text.startswith("[", i):
+        return _array(text, i, depth, top)
+    return _DECODER.raw_decode(text, i)
+
+
+def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
+    obj: dict[str, Any] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        return obj, i + 1
+    while True:
+        if not text.startswith('"', i):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+        key, i = _DECODER.raw_decode(text, i)
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        obj[key], i = _piece(text, _skip(text, i + 1), depth - 1)
+        i = _skip(text, i)
+        if text.startswith(",", i):
+            i = _skip(text, i + 1)
+        elif text.startswith("}", i):
+            return obj, i + 1
+        else:
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+
+
+def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
+    """Each element read whole (one C call each), but a batch's (the top-level array's) messages, which are
+    walked in turn to reach their lists."""
+    items: list[Any] = []
+    i = _skip(text, i + 1)
+    if text.startswith("]", i):
+        return items, i + 1
+    while True:
+        item, i = _piece(text, i, depth - 1) if top else _DECODER.raw_decode(text, i)
+        items.append(item)
+        i = _skip(text, i)
+        if text.startswith(",", i):
+            i = _skip(text, i + 1)
+        elif text.startswith("]", i):
+            return items, i + 1
+        else:
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+
+
+UNREADABLE = object()  # an SSE event whose data is not JSON: it is dropped
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    """A whole answer, parsed (``read_answer``): a JSON body's value, or each SSE event with its data's value."""
+
+    body: bytes
+    sse: bool
+    value: Any = None  # JSON: the body's value
+    events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
+
+
+def read_answer(body: bytes, sse: bool) -> ReadAnswer:
+    """Parse a whole answer (heavy: run it in a worker thread; pure). ``Unreadable`` for a JSON body that is not
+    JSON."""
+    if not sse:
+        try:
+            return ReadAnswer(body, False, value=loads_pieces(body))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise Unreadable("the answer is not JSON") from None
+    cutter = SseListsFilter(_nothing)
+    events = []
+    for event in [*cutter.cut(body), *cutter.cut(b"")]:
+        data = event_data(event)
+        value: Any = None
+        if data is not None:
+            try:
+                value = loads_pieces(data[2])
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                value = UNREADABLE
+        events.append((event, data, value))
+    return ReadAnswer(body, True, events=tuple(events))
+
+
+def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> tuple[bytes, int, SseListsFilter]:
+    """Filter a parsed answer (light: on the event loop, where the predicates and the ledger live). Returns the
+    bytes for the client, how many items were removed, and the filter (for the ids it saw answered)."""
+    sse = SseListsFilter(allowed)
+    if not answer.sse:
+        value, removed = filter_lists_message(answer.value, sse.allowed)
+        if not removed:
+            return answer.body, 0, sse
+        return (b"" if value is None else json.dumps(value).encode()), removed, sse
+    out = []
+    for event, data, value in answer.events:
+        if data is None:
+            out.append(event)
+        elif value is UNREADABLE:
+            sse.dropped += 1
+            out.append(DROPPED)
+        else:
+            out.append(sse.rewrite_parsed(event, data, value))
+    return b"".join(out), sse.removed, sse
 
 
 SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers
