@@ -385,3 +385,20 @@ def test_the_field_pass_names_malformed_fields_and_underscore_spellings() -> Non
         assert header_facts(fields).malformed is not None, fields
     spelled = header_facts(((b"X_Original_URL", b"/x"), (b"x_forwarded_HOST", b"e"), (b"X_Custom_Thing", b"1")))
     assert spelled.spelled == ("X_Original_URL", "x_forwarded_HOST") and spelled.malformed is None
+
+
+def test_the_body_override_reader_reads_forms_multipart_and_json_as_frameworks_do() -> None:
+    from tether.proxy.decision import body_override
+
+    form = "application/x-www-form-urlencoded; charset=utf-8"
+    assert body_override(form, b"a=1&_method=delete") == ("_method", "DELETE")
+    assert body_override(form, b"a=1;%5F%5Fmethod=%70ut") == ("%5F%5Fmethod", "PUT")
+    assert body_override(form, b"method=fast&note=_method") is None  # a value is not a field name
+    assert body_override("Multipart/Form-Data; boundary=b", multipart("_HttpMethod", "patch")) == ("_HttpMethod",
+                                                                                                 "PATCH")
+    assert body_override("application/vnd.api+json", b'{"x": {"_method": "DELETE"}, "X-HTTP-Method": "put"}') == (
+        "X-HTTP-Method", "PUT")  # top-level keys only, as Laravel reads its input
+    assert body_override("application/json", b'[{"_method": "DELETE"}]') is None
+    assert body_override("application/json", b"{not json _method") is None
+    assert body_override("text/plain", b"_method=DELETE") is None  # no framework reads a text body's fields
+    assert body_override(None, b"_method=DELETE") is None
