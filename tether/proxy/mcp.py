@@ -740,13 +740,9 @@ def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
         if not text.startswith(":", i):
             raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
         obj[key], i = _piece(text, _skip(text, i + 1), depth - 1)
-        i = _skip(text, i)
-        if text.startswith(",", i):
-            i = _skip(text, i + 1)
-        elif text.startswith("}", i):
-            return obj, i + 1
-        else:
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+        i, done = _after_member(text, i, "}")
+        if done:
+            return obj, i
 
 
 def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
@@ -759,13 +755,19 @@ def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
     while True:
         item, i = _piece(text, i, depth - 1) if top else _DECODER.raw_decode(text, i)
         items.append(item)
-        i = _skip(text, i)
-        if text.startswith(",", i):
-            i = _skip(text, i + 1)
-        elif text.startswith("]", i):
-            return items, i + 1
-        else:
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+        i, done = _after_member(text, i, "]")
+        if done:
+            return items, i
+
+
+def _after_member(text: str, i: int, close: str) -> tuple[int, bool]:
+    """After an object's or array's member: past the comma (False), or past the closing bracket (True)."""
+    i = _skip(text, i)
+    if text.startswith(",", i):
+        return _skip(text, i + 1), False
+    if text.startswith(close, i):
+        return i + 1, True
+    raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
 UNREADABLE = object()  # an SSE event whose data is not JSON: it is dropped
