@@ -398,6 +398,8 @@ def test_the_body_override_reader_reads_forms_multipart_and_json_as_frameworks_d
                                                                                                  "PATCH")
     assert body_override("application/vnd.api+json", b'{"x": {"_method": "DELETE"}, "X-HTTP-Method": "put"}') == (
         "X-HTTP-Method", "PUT")  # top-level keys only, as Laravel reads its input
+    assert body_override(form, b"_%6Dethod=DELETE") == ("_%6Dethod", "DELETE")  # the name as Rack decodes it
+    assert body_override("application/json", b'{"_\\u006dethod": "DELETE"}') == ("_method", "DELETE")
     assert body_override("application/json", b'[{"_method": "DELETE"}]') is None
     assert body_override("application/json", b"{not json _method") is None
     assert body_override("text/plain", b"_method=DELETE") is None  # no framework reads a text body's fields

@@ -279,11 +279,13 @@ _MULTIPART_FIELD = re.compile(rb'content-disposition:[^\r\n]*;\s*name="?([^";\r\
 def body_override(content_type: str | None, body: bytes) -> tuple[str, str] | None:
     """The first method-override field a body carries (``METHOD_PARAMS``), as (field as sent, method upper-cased);
     None when it carries none. Read as frameworks read it: a form-encoded body (Rails, Rack, Symfony, Laravel), a
-    multipart form's field, a JSON object's top-level key (Laravel reads its input, JSON included). Only bodies
-    that hold the word at all are parsed."""
-    if b"method" not in body.lower():
-        return None
+    multipart form's field, a JSON object's top-level key (Laravel reads its input, JSON included). Names are
+    compared decoded (a form's percent-encoding, a JSON string's escapes), so a JSON body is parsed only when it
+    holds the word or an escape, and a form always."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
+    is_json = media == "application/json" or media.endswith("+json")
+    if not body or (is_json and b"\\u" not in body and b"method" not in body.lower()):
+        return None
     pairs: list[tuple[str, str]] = []
     if media == _FORM:
         text = body.decode("latin-1")
@@ -292,7 +294,7 @@ def body_override(content_type: str | None, body: bytes) -> tuple[str, str] | No
             pairs.append((name, unquote(unquote(value.replace("+", " ")))))
     elif media == "multipart/form-data":
         pairs = [(m.group(1).decode("latin-1"), m.group(2).decode("latin-1")) for m in _MULTIPART_FIELD.finditer(body)]
-    elif media == "application/json" or media.endswith("+json"):
+    elif is_json:
         try:
             value = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
