@@ -129,6 +129,9 @@ class Resolver:
         self.resolve(call, resolution, detail=detail, code=state.aborted)
 
 
+OFFLOAD_BYTES = 64 * 1024  # MCP answers from this size on are parsed in a worker thread
+
+
 class McpFilter:
     """What the agent does not hold does not exist: ungranted tools, resources, resource templates and prompts
     are removed from every list result, JSON or SSE; a resources/updated notification about an ungranted
@@ -249,18 +252,27 @@ class McpFilter:
         return self._filter_whole(flow, server, sse, lists)
 
     async def _filter_whole(self, flow: http.HTTPFlow, server: str, sse: bool, lists: bool) -> None:
-        """Decode and parse a whole answer in a worker thread, in pieces (``mcp.read_answer``: a 10 MB list
-        parsed in one call would hold the event loop, and every other call of the sidecar, for its length), then
-        filter it here."""
+        """Decode and parse a whole answer in a worker thread, in pieces (``mcp.read_answer``: a 10 MB list parsed
+        in one call would hold the event loop, and every other call of the sidecar, for its length), and filter it
+        (``mcp.filter_answer``): there too for a single list request's answer, whose filter only reads; here for
+        any other (its observer binds tasks and rounds in the ledger, which lives on the loop)."""
         resp = flow.response
         assert resp is not None
         try:
             codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
-            raw = resp.raw_content or b""
-            read = await asyncio.to_thread(lambda: mcp.read_answer(mcp.decode_body(raw, codings), sse))
-            if not read.body.strip():
-                return
-            body, removed, seen = mcp.filter_answer(read, self._allowed(server, flow))
+            raw, visible, only_lists = resp.raw_content or b"", self._allowed(server, flow), self._only_lists(flow)
+
+            def work() -> mcp.ReadAnswer | tuple[bytes, int, mcp.SseListsFilter]:
+                read = mcp.read_answer(mcp.decode_body(raw, codings), sse)
+                return mcp.filter_answer(read, visible) if only_lists and read.body.strip() else read
+
+            # A small answer parses in less time than a thread hop takes: here.
+            done = work() if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(work)
+            if isinstance(done, mcp.ReadAnswer):
+                if not done.body.strip():
+                    return
+                done = mcp.filter_answer(done, visible)
+            body, removed, seen = done
         except mcp.Unreadable as exc:
             if lists:
                 self._refuse_answer(flow, str(exc))

@@ -42,7 +42,7 @@ from .decision import (
     override_refusal,
 )
 from .flowstate import FlowState, refuse, state_of
-from .framing import ANSWER_BEFORE_BODY, BODY_LIMIT, BodyLimit
+from .framing import BODY_LIMIT, BodyLimit, no_continue
 from .state import Call
 
 log = logging.getLogger("tether.sidecar")
@@ -120,15 +120,6 @@ def drop_hop_by_hop(headers: http.Headers, websocket: bool) -> None:
         if name in ("close", "connection", "host") or (websocket and name == "upgrade"):
             continue
         headers.pop(name, None)
-
-
-def no_continue(flow: http.HTTPFlow) -> None:
-    """A request refused at its headers that waits for ``100 Continue`` gets none (mitmproxy sends one after the
-    hook while the header is there: the body is not wanted) and is answered at once, not once the client gives up
-    waiting and sends the body anyway (``proxy.framing.answer_early``)."""
-    if flow.request.headers.get("expect", "").strip().lower() == "100-continue":
-        del flow.request.headers["expect"]
-        flow.metadata[ANSWER_BEFORE_BODY] = True
 
 
 def undecided(flow: http.HTTPFlow, exc: Exception) -> None:
@@ -217,6 +208,8 @@ class Enforcer:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             self._decide(flow, at_headers=True)
+            if flow.response is not None:
+                no_continue(flow)  # refused at its headers: a client waiting for 100 Continue is answered now
 
     def request(self, flow: http.HTTPFlow) -> None:
         # Trailer fields stop here (tether/proxy/framing.py drops them from HTTP/1 bodies; an HTTP/2 agent's would be
@@ -284,8 +277,6 @@ class Enforcer:
         if facts.chain_header is not None and facts.chain_header.strip() == self.chain.wire:
             del flow.request.headers["Tether-Chain"]  # the sidecar's own chain is not the tool's business
         if isinstance(answer, Refused):
-            if facts.body is None:
-                no_continue(flow)
             refuse(flow, answer.refusal)
             return
         drop_hop_by_hop(flow.request.headers, facts.websocket)

@@ -82,6 +82,15 @@ class BodyLimit:
     refuse: Callable[[http.HTTPFlow], None]
 
 
+def no_continue(flow: http.HTTPFlow) -> None:
+    """A request refused at its headers that waits for ``100 Continue`` gets none (mitmproxy sends one after the
+    hook while the header is there: the body is not wanted) and is answered at once, not once the client gives up
+    waiting and sends the body anyway."""
+    if flow.request.headers.get("expect", "").strip().lower() == "100-continue":
+        del flow.request.headers["expect"]
+        flow.metadata[ANSWER_BEFORE_BODY] = True
+
+
 def _answer_now(stream: Any) -> Generator[Any, Any, None]:
     """Send the answer an addon set on ``stream.flow`` without waiting for (the rest of) the request body."""
     flow = stream.flow

@@ -27,6 +27,8 @@ from typing import Any
 
 import brotli
 
+from tether.capability import jsonpieces
+
 try:  # mitmproxy decodes zstd with the same module
     from compression import zstd  # type: ignore[import-not-found]
 except ImportError:  # Python < 3.14
@@ -670,7 +672,7 @@ class SseListsFilter:
         lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
-        kept.append(b"data: " + json.dumps(value).encode())
+        kept.append(b"data: " + dumps_pieces(value).encode())
         return b"\n".join(kept) + b"\n\n"
 
 
@@ -694,8 +696,8 @@ def event_data(event: bytes) -> EventData | None:
 # worker thread running it stalls the sidecar's event loop (every other call) for all of it. ``loads_pieces``
 # parses the same text to the same value with the long arrays read one element at a time: between elements
 # the interpreter hands the GIL to the loop (every ``sys.getswitchinterval()``, 5 ms), so the parse can run in
-# a thread while other calls go on. ``read_answer`` does that for a whole JSON or SSE answer; the filter itself
-# (``filter_answer``) then runs on the loop over values already parsed.
+# a thread while other calls go on. ``read_answer`` does that for a whole JSON or SSE answer, ``filter_answer``
+# filters the values it read, and ``dumps_pieces`` writes what is kept in pieces too.
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 PIECES_DEPTH = 4  # how deep objects are walked (a batch answer's tools list is four levels down)
@@ -805,15 +807,22 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
     return ReadAnswer(body, True, events=tuple(events))
 
 
+def dumps_pieces(value: Any) -> str:
+    """``json.dumps(value)``, byte for byte, with long lists encoded element by element (``jsonpieces``)."""
+    return jsonpieces.dumps(value, sort_keys=False, separators=(", ", ": "))
+
+
 def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> tuple[bytes, int, SseListsFilter]:
-    """Filter a parsed answer (light: on the event loop, where the predicates and the ledger live). Returns the
-    bytes for the client, how many items were removed, and the filter (for the ids it saw answered)."""
+    """Filter a parsed answer: the bytes for the client, how many items were removed, and the filter (for the
+    ids it saw answered). Pure but for ``allowed``'s predicates and observer, so it may run beside ``read_answer``
+    in a worker thread when those only read (a list answer's observer writes nothing: it binds tasks and rounds
+    of item calls only)."""
     sse = SseListsFilter(allowed)
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
             return answer.body, 0, sse
-        return (b"" if value is None else json.dumps(value).encode()), removed, sse
+        return (b"" if value is None else dumps_pieces(value).encode()), removed, sse
     out = []
     for event, data, value in answer.events:
         if data is None:

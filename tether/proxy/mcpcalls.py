@@ -39,6 +39,7 @@ from tether.capability import errors as codes
 from . import mcp
 from .decision import ChainState, Refusal
 from .flowstate import FlowState, refuse, state_of
+from .framing import no_continue
 from .state import Call
 
 LIMIT = 10_000  # entries per table
@@ -177,6 +178,7 @@ class McpCalls:
             refusal = Refusal(codes.MCP_SESSION_UNKNOWN, "this MCP session was not opened through this sidecar "
                               "run; start a new session (initialize) through it", reason="mcp_session")
             refusal.http_status = 404  # what a server answers to a session id it does not know
+            no_continue(flow)
             refuse(flow, refusal)
 
     def request(self, flow: http.HTTPFlow) -> None:
