@@ -25,7 +25,7 @@ from . import mcp
 from .capture import CaptureWriter
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
-from .mcpcalls import McpCalls
+from .mcpcalls import ITEM_METHODS, McpCalls
 from .state import Call, Refusal, error_resolution
 
 log = logging.getLogger("tether.sidecar")
@@ -254,17 +254,20 @@ class McpFilter:
     async def _filter_whole(self, flow: http.HTTPFlow, server: str, sse: bool, lists: bool) -> None:
         """Decode and parse a whole answer in a worker thread, in pieces (``mcp.read_answer``: a 10 MB list parsed
         in one call would hold the event loop, and every other call of the sidecar, for its length), and filter it
-        (``mcp.filter_answer``): there too for a single list request's answer, whose filter only reads; here for
+        (``mcp.filter_answer``): there too when the body holds no item call (its filter only reads), here for
         any other (its observer binds tasks and rounds in the ledger, which lives on the loop)."""
         resp = flow.response
         assert resp is not None
         try:
             codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
-            raw, visible, only_lists = resp.raw_content or b"", self._allowed(server, flow), self._only_lists(flow)
+            raw, visible = resp.raw_content or b"", self._allowed(server, flow)
+            # The filter's observer writes the ledger only for item calls' answers (tasks, rounds): without one
+            # in the body, the whole filter may run in the thread too.
+            reads_only = not any(m in ITEM_METHODS for m in state_of(flow).mcp_methods or [])
 
             def work() -> mcp.ReadAnswer | tuple[bytes, int, mcp.SseListsFilter]:
                 read = mcp.read_answer(mcp.decode_body(raw, codings), sse)
-                return mcp.filter_answer(read, visible) if only_lists and read.body.strip() else read
+                return mcp.filter_answer(read, visible) if reads_only and read.body.strip() else read
 
             # A small answer parses in less time than a thread hop takes: here.
             done = work() if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(work)
