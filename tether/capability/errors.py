@@ -54,6 +54,7 @@ CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected creden
 APPROVAL_BODY_TOO_LARGE = "tether.approval_body_too_large"
 # A sidecar run (or link) already has as many calls waiting for a person as the control plane keeps.
 APPROVAL_QUEUE_FULL = "tether.approval_queue_full"
+JTI_AMBIGUOUS = "tether.jti_ambiguous"  # a jti prefix that begins more than one link's jti: give more of it
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:
