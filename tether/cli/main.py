@@ -20,6 +20,7 @@ from . import (
     audit,
     budgets,
     capture,
+    completion,
     controlplane,
     grant,
     keys,
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     operators.add_operators(sub)
     login.add_login(sub)
     witness.add_witness(sub)
+    completion.add_completion(sub)
     return parser
 
 
