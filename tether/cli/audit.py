@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from tether.capability.errors import BAD_REQUEST, TetherError
 
 from .remote import add_controlplane, client
+from .text import styled
 
 
 def add_audit(sub: Any) -> None:
@@ -131,7 +133,7 @@ def cmd_audit_diff(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     for w in found:
-        print(f"WIDENED {w.line()}")
+        print(f"{styled('WIDENED', 'red', sys.stdout)} {w.line()}")
     if found:
         print(f"{len(found)} widening(s): review before release")
         return 1

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .remote import add_controlplane, client, signer_from
-from .text import caps_text, iso, print_json
+from .text import caps_text, iso, print_json, styled
 
 CAP_METAVAR = "NAME=TIER[,calls=N][,per_minute=M]"
 
@@ -183,9 +183,10 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
             return 0 if result["valid"] else 1
         if not result["valid"]:
             err = result["error"]
-            print(f"invalid: {err['code']} ({err.get('reason', '')}): {err['message']}")
+            print(f"{styled('invalid', 'red', sys.stdout)}: {err['code']} ({err.get('reason', '')}): {err['message']}")
             return 1
-        print(f"valid: {result['agent']} holds {caps_text(result['caps'])}; expires {iso(result.get('exp'))}; "
+        print(f"{styled('valid', 'green', sys.stdout)}: {result['agent']} holds {caps_text(result['caps'])}; "
+              f"expires {iso(result.get('exp'))}; "
               f"registered: {'yes' if result['registered'] else 'no'}")
         return 0
     if not args.trust:
@@ -200,14 +201,14 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
             print_json({"valid": False, "error": exc.to_dict(), "checked": "offline",
                         "revocation_checked": args.revoked is not None})
             return 1
-        print(f"invalid: {exc.code} ({exc.reason}): {exc.message}")
+        print(f"{styled('invalid', 'red', sys.stdout)}: {exc.code} ({exc.reason}): {exc.message}")
         return 1
     if args.json:
         print_json({"valid": True, "agent": verified.agent, "caps": dict(verified.leaf.claims["caps"]),
                     "exp": verified.exp, "jtis": list(verified.jtis), "checked": "offline",
                     "revocation_checked": args.revoked is not None, "revoked_given": sorted(revoked)})
         return 0
-    print(f"valid: {verified.agent} holds {caps_text(verified.leaf.claims['caps'])}; "
+    print(f"{styled('valid', 'green', sys.stdout)}: {verified.agent} holds {caps_text(verified.leaf.claims['caps'])}; "
           f"expires {iso(verified.exp)} (in {verified.exp - now:.0f}s, leeway {LEEWAY_S}s)")
     if args.revoked is None:
         # Offline, the signatures and dates are all that can be checked: say so, or "valid" reads as "usable".

@@ -12,7 +12,7 @@ from tether.capability.errors import USAGE, TetherError
 from tether.capability.errors import escape_unprintable as printable
 
 from .remote import add_controlplane, client, path_segment, signer_from
-from .text import ago, table
+from .text import ago, styled, table
 from .text import print_json as _print_json
 from .text import when as _when
 
@@ -94,6 +94,8 @@ def cmd_terminate(args: argparse.Namespace) -> int:
                   f"({', '.join(doc['agents'])}); window {args.window:g}s")
             print(f"follow it with: tether terminations {tid}")
         return 0
+    print(f"termination {tid}: {args.mode} of {args.agent} and {len(doc['agents']) - 1} descendant(s), window "
+          f"{args.window:g}s", file=sys.stderr, flush=True)
     try:
         follow(c, tid, signer, Progress(sys.stderr))
     except KeyboardInterrupt:
@@ -121,11 +123,11 @@ def follow(c: Any, tid: str, signer: Any, progress: Progress, every_s: float = 0
 
 
 def progress_text(doc: dict) -> str:
-    """One termination's progress as one line: its state, agents acknowledged of all, calls in flight, and the
-    time left in the window (then in the grace that follows it)."""
+    """One termination's progress as one line (under the line naming it): its state, agents acknowledged of all,
+    calls in flight, and the time left in the window (then in the grace that follows it)."""
     total = len(doc.get("agents") or [])
     acked = len(doc.get("acknowledged") or [])
-    parts = [f"termination {doc['id']}: {doc['state']}", f"{acked}/{total} agents acknowledged"]
+    parts = [f"  {doc['state']}: {acked}/{total} agents acknowledged"]
     if doc["state"] in ("draining", "aborting", "requested"):
         parts.append(f"{doc.get('calls_in_flight', 0)} call(s) in flight")
         left = doc.get("remaining_s")
@@ -154,9 +156,7 @@ class Progress:
     def show(self, doc: dict) -> None:
         text = progress_text(doc)
         if self.live:
-            import shutil
-
-            text = text[:max(20, shutil.get_terminal_size().columns - 1)]  # a wrapped line cannot be rewritten
+            text = text[:self.columns() - 1]  # a wrapped line cannot be rewritten
             self.stream.write("\r" + text.ljust(self.width) + "\r" + text)  # rewritten: no escape codes needed
             self.width = len(text)
             self.stream.flush()
@@ -165,6 +165,15 @@ class Progress:
         if changed != self.said or time.monotonic() - self.said_at >= self.quiet_s:
             print(text, file=self.stream, flush=True)
             self.said, self.said_at = changed, time.monotonic()
+
+    def columns(self) -> int:
+        import os
+
+        try:
+            width = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError):
+            width = 0
+        return width if width >= 20 else 80
 
     def done(self) -> None:
         if self.live:
@@ -327,7 +336,7 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
     confirmed = [_confirmed_text(entry, record.get("acknowledgements", {})) for entry in record["agents_terminated"]]
     print(f"  agents terminated (confirmed by their sidecars): {', '.join(confirmed) or 'none'}")
     if record["agents_unaccounted"]:
-        print("  agents UNACCOUNTED (no acknowledgement):")
+        print(f"  agents {styled('UNACCOUNTED', 'red', sys.stdout)} (no acknowledgement):")
         for a in record["agents_unaccounted"]:
             print(f"    {a['agent']}: last seen {_when(a['last_seen'])}, "
                   f"{len(a['calls_in_flight_last_known'])} call(s) last known in flight, "
@@ -372,10 +381,11 @@ def cmd_records(args: argparse.Namespace) -> int:
                          "checkpoint": args.checkpoint, "source": args.file or c.url})
             return 0 if not problems else 1
         for problem in problems:
-            print(f"FAIL {problem}")
+            print(f"{styled('FAIL', 'red', sys.stdout)} {problem}")
         if not problems:
             against = f"; exactly the log the checkpoint {args.checkpoint} commits to" if args.checkpoint else ""
-            print(f"ok: {result.count} record(s), hash chain intact, every signature valid{against}")
+            print(f"{styled('ok', 'green', sys.stdout)}: {result.count} record(s), hash chain intact, every signature "
+                  f"valid{against}")
             return 0
         print(f"the record log does not verify ({len(problems)} problem(s))")
         return 1
