@@ -27,8 +27,8 @@ from tether.capability import keys
 from tether.capability.catalog import parse_catalog
 from tether.capability.chain import mint_root
 
-from .conftest import World, build_world, teardown_world
 from . import harness
+from .conftest import World, build_world, teardown_world
 from .harness import PYTHON, wait_until
 
 ISO_UTC = re.compile(r"\b\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\b")
