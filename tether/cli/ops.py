@@ -195,6 +195,9 @@ def cmd_terminations(args: argparse.Namespace) -> int:
         print(f"  acknowledged: {', '.join(doc['acknowledged']) or 'none yet'}")
         if doc["waiting_for"] and doc["state"] != "terminated":
             print(f"  waiting for: {', '.join(doc['waiting_for'])}")
+            print(f"  calls in flight: {doc.get('calls_in_flight', 0)}; window left: {doc.get('remaining_s', 0):.0f}s")
+        if doc.get("never_ran"):
+            print(f"  never ran a sidecar (not waited for): {', '.join(doc['never_ran'])}")
         if doc.get("record_id"):
             print(f"  record: {doc['record_id']}  (tether records show {doc['record_id']})")
         return 0
