@@ -369,3 +369,15 @@ def test_a_sidecar_waiting_for_its_control_plane_speaks_in_one_voice(world: Worl
     text = log.read_text()
     assert text.startswith("tether: waiting for the control plane"), text
     assert " WARNING " not in text and "Traceback" not in text
+
+
+def test_a_json_file_that_is_not_what_it_should_be_is_a_coded_error(world: World, tmp_path: Path) -> None:
+    (tmp_path / "cut.json").write_text("[1,")
+    (tmp_path / "object.json").write_text("{}")
+    trust = f"{world.cp.signing_key_path}.pub"
+    assert "is not JSON" in refused(tether(None, "records", "verify", "--file", "cut.json", "--trust", trust,
+                                           cwd=tmp_path), "tether.bad_request")
+    assert "expected a list" in refused(tether(None, "records", "verify", "--file", "object.json", "--trust", trust,
+                                               cwd=tmp_path), "tether.bad_request")
+    refused(tether(None, "records", "verify-one", "cut.json", "--proof", "object.json", "--checkpoint", "object.json",
+                   "--trust", trust, cwd=tmp_path), "tether.bad_request")

@@ -9,7 +9,22 @@ import json
 import sys
 from typing import Any
 
-from tether.capability.errors import USAGE, TetherError
+from tether.capability.errors import BAD_REQUEST, USAGE, TetherError
+
+
+def read_json(path: str, what: str, kind: type) -> Any:
+    """A JSON file the user named, of the kind expected (a list of records, one record, a proof), or
+    ``tether.bad_request`` naming the file and what is wrong with it."""
+    from tether.capability.shared import read_file
+
+    try:
+        value = json.loads(read_file(path, what))
+    except ValueError as exc:
+        raise TetherError(f"{what} {path} is not JSON: {exc}", code=BAD_REQUEST) from None
+    if not isinstance(value, kind):
+        expected = "a list" if kind is list else "an object"
+        raise TetherError(f"{what} {path}: expected {expected}, got {type(value).__name__}", code=BAD_REQUEST)
+    return value
 
 
 def _b64(text: str) -> bytes:
@@ -78,8 +93,8 @@ def cmd_verify_one(args: argparse.Namespace) -> int:
     if not (args.id and args.proof and args.checkpoint and args.trust):
         raise TetherError("records verify-one needs RECORD.json, --proof P, --checkpoint C and --trust F.pub",
                           code=USAGE)
-    record = json.loads(read_file(args.id, "record"))
-    proof = json.loads(read_file(args.proof, "proof"))
+    record = read_json(args.id, "record", dict)
+    proof = read_json(args.proof, "proof", dict)
     note = read_file(args.checkpoint, "checkpoint").decode()
     public = keys.load_public(read_file(args.trust, "trust key"), args.trust)
     problems = []

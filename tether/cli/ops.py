@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -367,7 +366,7 @@ def cmd_records(args: argparse.Namespace) -> int:
         return checkpoints.cmd_checkpoint(args, c, public)
     if args.action == "verify":
         if args.file:
-            records = json.loads(read_file(args.file, "records"))
+            records = checkpoints.read_json(args.file, "records", list)  # as saved from /v1/records
         else:
             records = c.request("GET", "/v1/records")
         if args.trust:
