@@ -50,7 +50,10 @@ def cmd_audit_surface(args: argparse.Namespace) -> int:
     else:
         if args.chain or args.role or args.trust:
             raise TetherError("--chain, --role and --trust go with --catalog (an offline surface)", code=BAD_REQUEST)
-        doc = client(args).request("GET", "/v1/audit/surface" + (f"?agent={args.agent}" if args.agent else ""))
+        from urllib.parse import quote
+
+        doc = client(args).request("GET", "/v1/audit/surface" + (f"?agent={quote(args.agent, safe='')}"
+                                                                 if args.agent else ""))
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
