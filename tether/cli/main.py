@@ -110,7 +110,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="tether", description="Make a fleet of AI agents stoppable.")
+    parser = Parser(prog="tether", description="Make a fleet of AI agents stoppable.",
+                    epilog="Each command describes itself: tether COMMAND --help. Listings and verdicts take --json; "
+                    "errors start with a stable code (docs/cli.md). Shell completion: tether completion bash|zsh|tcsh.")
     parser.add_argument("--version", action="version", version=f"tether {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     add_demo(sub)

@@ -18,7 +18,13 @@ from .text import when as _when
 
 # -- parsers ---------------------------------------------------------------------------------------------
 def add_terminate(sub: Any) -> None:
-    p = sub.add_parser("terminate", help="terminate an agent and its whole subtree")
+    p = sub.add_parser("terminate", help="terminate an agent and its whole subtree",
+                       description="Terminate an agent and its whole delegation subtree: every link is revoked at "
+                       "once, each sidecar drains (in-flight calls may finish within --window) or aborts, "
+                       "acknowledges, and a signed reconciliation record says what became of every call. With "
+                       "--wait it follows the termination (agents acknowledged, calls in flight, time left in the "
+                       "window; on a terminal one line kept current) and prints the record; exit 1 when an agent "
+                       "stays unaccounted. Ctrl-C stops following, never the termination.")
     add_controlplane(p)
     p.add_argument("agent", help="the agent whose subtree ends")
     p.add_argument("--mode", choices=["drain", "abort"], default="drain",
@@ -27,7 +33,8 @@ def add_terminate(sub: Any) -> None:
     p.add_argument("--reason", default="", help="kept in the record")
     p.add_argument("--chain", metavar="F", help="act as an ancestor principal holding this chain (needs --key)")
     p.add_argument("--key", metavar="F", help="the private key of --chain's leaf")
-    p.add_argument("--wait", action="store_true", help="wait until terminated and print the record")
+    p.add_argument("--wait", action="store_true",
+                   help="follow it until terminated (progress on stderr) and print the record")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_terminate)
 
