@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tether.capability.protocol import STOPPED, TERMINATED  # the states a run reports of itself
+
 Doc = dict[str, Any]
 
-TERMINATED, STOPPED, SUPERSEDED = "terminated", "stopped", "superseded"
+SUPERSEDED = "superseded"  # the control plane's own final state: a restart on the same state dir took over
 FINAL_STATES = (TERMINATED, STOPPED, SUPERSEDED)
 LAPSED = "lapsed"  # no final word and no live lease: it cannot forward, but it never said it stopped
 CONTROL_PLANE_OWNER = "control-plane"  # the owner of an id whose newest claim is a root grant
