@@ -38,3 +38,10 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The console's screenshots in docs/console/, refreshed on purpose: the browser tests write theirs there instead of
+# a temporary directory (a test run never changes the tree).
+.PHONY: screenshots
+screenshots: venv compile
+	TETHER_SCREENSHOTS=$(CURDIR)/docs/console $(BIN)/pytest -q -p no:cacheprovider tests/test_console.py \
+		tests/test_console_layout.py tests/test_approval_bodies.py -k "browser or fits or redacted"

@@ -275,7 +275,7 @@ def test_the_approvals_page_in_a_browser(world: World, flooded: dict[str, Any], 
             page.goto(f"{world.cp.url}/ui/")
             page.get_by_label("Admin token").fill(harness.ADMIN_TOKEN)
             page.get_by_role("button", name="Sign in").click()
-            page.get_by_role("button", name="Approvals").click()
+            page.get_by_role("navigation", name="Views").get_by_role("link", name="Approvals").click()
             body = page.locator("#approvals-body")
             # The held call is the first card of the first page, marked as held.
             first = body.locator("article.approval").first
