@@ -54,6 +54,9 @@ CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected creden
 APPROVAL_BODY_TOO_LARGE = "tether.approval_body_too_large"
 # A sidecar run (or link) already has as many calls waiting for a person as the control plane keeps.
 APPROVAL_QUEUE_FULL = "tether.approval_queue_full"
+IO_FAILED = "tether.io_failed"  # a file or socket a command named could not be read or written (the OS says why)
+USAGE = "tether.usage"  # a command line tether cannot run: the command's usage is printed with it
+JTI_AMBIGUOUS = "tether.jti_ambiguous"  # a jti prefix that begins more than one link's jti: give more of it
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

@@ -242,8 +242,9 @@ TERMINATION = obj({
     "operator": nullable(ATTRIBUTION),
 }, "id", "subject", "mode", "state", "agents")
 TERMINATION_STARTED = {"allOf": [ref("Termination"), obj({"termination_id": STR}, "termination_id")]}
-TERMINATION_VIEW = {"allOf": [ref("Termination"), obj({"acknowledged": STRINGS, "waiting_for": STRINGS},
-                                                      "acknowledged", "waiting_for")]}
+TERMINATION_VIEW = {"allOf": [ref("Termination"), obj({
+    "acknowledged": STRINGS, "waiting_for": STRINGS, "never_ran": STRINGS, "calls_in_flight": INT,
+    "remaining_s": NUM}, "acknowledged", "waiting_for")]}
 TERMINATIONS = array(ref("Termination"))
 QUIESCED = obj({"ok": BOOL, "run_id": nullable(STR)}, "ok")
 RECORD = obj({

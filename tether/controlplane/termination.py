@@ -107,18 +107,24 @@ def _moved(doc: Doc, state: str, now: float, **changes: Any) -> Doc:
     }
 
 
-def advance(doc: Doc, acked: Iterable[str], now: float, *, not_before: float = 0.0) -> Step:
+def advance(doc: Doc, acked: Iterable[str], now: float, *, not_before: float = 0.0,
+            never_ran: Iterable[str] = ()) -> Step:
     """One step of the protocol. ``acked``: agents whose sidecar runs all acknowledged quiescence.
 
     ``not_before``: the earliest time an overdue termination may reconcile with agents still silent. A
     control plane that was down past a window gives sidecars a short reconnection grace after it restarts
-    (they could not acknowledge while it was away), so one restart with everyone alive gives one record."""
+    (they could not acknowledge while it was away), so one restart with everyone alive gives one record.
+
+    ``never_ran``: agents of the termination with no sidecar run at all. Nothing is waited for from them: no
+    call of theirs can be in flight (only a sidecar forwards), and their links are revoked in the first step,
+    so no run of theirs can start serving later. The record still lists them unaccounted (nothing confirmed
+    them); only the window and grace are not spent waiting for an acknowledgement that cannot come."""
     state = doc["state"]
     if state == REQUESTED:
         nxt = DRAINING if doc["mode"] == "drain" else ABORTING
         return Step(_moved(doc, nxt, now), (REVOKE_SUBTREE, DENY_APPROVALS, SEND_COMMANDS))
     if state in (DRAINING, ABORTING):
-        waiting = set(doc["agents"]) - set(acked)
+        waiting = set(doc["agents"]) - set(acked) - set(never_ran)
         if not waiting or now >= max(doc["deadline"] + doc["grace_s"], not_before):
             return Step(_moved(doc, RECONCILING, now), (WRITE_RECORD,))
         return Step(doc, ())

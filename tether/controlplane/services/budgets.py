@@ -166,9 +166,9 @@ class BudgetService:
     # -- views ------------------------------------------------------------------------------------------
     async def link_view(self, jti: str, principal: Caller | None) -> Doc:
         """A link's subtree, for an admin (``principal`` None) or a principal above the link."""
-        link = await self.store.link_by_jti(jti)
+        link = await self.store.link_named(jti)  # a unique prefix names the link too
         if link is None:
-            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r}")
+            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r} (nor one beginning with it)")
         self.grants.ancestor_of(principal, link)
         return await self.tree(await self.grants.graph(), [link["hash"]])
 

@@ -108,8 +108,16 @@ class TerminationService:
         self.may_follow(caller, doc["requested_by"] if doc else None)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no termination {tid}")
-        acked = await self._acks(doc)
-        return {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked))}
+        mine, acks = await self.facts(doc)
+        acked = runs.accounted(doc["agents"], mine, acks)
+        never_ran = set(doc["agents"]) - {r.get("agent") for r in mine}
+        # What a follower shows while it waits: the calls the runs not yet accounted for last listed in flight,
+        # and how long the window still runs on this replica's clock.
+        in_flight = {c.get("call_id") for r in mine if r.get("agent") not in acked and r.get("run_id") not in acks
+                     for c in r.get("inflight") or [] if isinstance(c, dict)}
+        return {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked)),
+                "never_ran": sorted(never_ran), "calls_in_flight": len(in_flight),
+                "remaining_s": round(max(0.0, float(doc["deadline"]) - self.clock()), 3)}
 
     async def terminations(self) -> list[Doc]:
         return await self.store.list_docs("termination")
@@ -225,14 +233,16 @@ class TerminationService:
                 acks[run["run_id"]] = ack
         return mine, acks
 
-    async def _acks(self, doc: Doc) -> dict[str, Doc]:
-        """Agents all of whose runs acknowledged quiescence (or had already stopped or terminated)."""
+    async def _acks(self, doc: Doc) -> tuple[dict[str, Doc], set[str]]:
+        """Agents all of whose runs acknowledged quiescence (or had already stopped or terminated), and the
+        agents with no run at all (nothing to wait for: proto.advance)."""
         mine, acks = await self.facts(doc)
-        return runs.accounted(doc["agents"], mine, acks)
+        return runs.accounted(doc["agents"], mine, acks), set(doc["agents"]) - {r.get("agent") for r in mine}
 
     async def drive(self, doc: Doc) -> None:
-        acks = await self._acks(doc)
-        step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s)
+        acks, never_ran = await self._acks(doc)
+        step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s,
+                             never_ran=never_ran)
         new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:

@@ -151,6 +151,25 @@ class Store(abc.ABC):
     async def link_by_jti(self, jti: str) -> Doc | None: ...
 
     @abc.abstractmethod
+    async def jtis_beginning(self, prefix: str, limit: int = 21) -> list[str]:
+        """Up to ``limit`` registered jtis that begin with ``prefix`` (a link named by a prefix; served from the
+        jti index, never a walk over the links' documents)."""
+
+    async def link_named(self, text: str) -> Doc | None:
+        """The link whose jti is ``text``, or the one whose jti a prefix of 8 or more hex characters begins
+        (tether/capability/jti.py; several: ``tether.jti_ambiguous``). None when nothing matches."""
+        from tether.capability import jti
+
+        link = await self.link_by_jti(text)
+        given = jti.normalize(text)
+        if link is None and given != text and len(given) == jti.FULL:
+            link = await self.link_by_jti(given)  # copied with an ellipsis or in capitals
+        if link is None and jti.is_prefix(given):
+            matches = await self.jtis_beginning(given)
+            link = await self.link_by_jti(jti.resolve(given, matches)) if matches else None
+        return link
+
+    @abc.abstractmethod
     async def all_links(self) -> list[Doc]: ...
 
     @abc.abstractmethod

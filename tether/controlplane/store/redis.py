@@ -525,6 +525,17 @@ class RedisStore(Store):
         return await self.get_link(link_hash) if link_hash else None
 
     @_guarded
+    async def jtis_beginning(self, prefix: str, limit: int = 21) -> list[str]:
+        # HSCAN over the jti index: field names only, matched server-side (a prefix holds only hex characters,
+        # so nothing in it is a glob character)
+        found: list[str] = []
+        async for jti, _ in self.r.hscan_iter(self._key("links", "jti"), match=f"{prefix}*", count=1000):
+            found.append(jti)
+            if len(found) >= limit:
+                break
+        return sorted(found)
+
+    @_guarded
     async def all_links(self) -> list[Doc]:
         hashes = await self.r.lrange(self._key("links", "order"), 0, -1)
         return await self._hmget(self._key("links"), hashes)

@@ -260,6 +260,11 @@ class SqliteStore(Store):
         row = self.db.execute("SELECT doc FROM links WHERE jti = ?", (jti,)).fetchone()
         return json.loads(row[0]) if row else None
 
+    async def jtis_beginning(self, prefix: str, limit: int = 21) -> list[str]:
+        # A range over the unique jti index (jtis are lower-case hex: prefix + "g" sorts after every extension)
+        return [r[0] for r in self.db.execute("SELECT jti FROM links WHERE jti >= ? AND jti < ? ORDER BY jti LIMIT ?",
+                                              (prefix, prefix + "g", limit))]
+
     async def all_links(self) -> list[Doc]:
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links ORDER BY rowid")]
 
