@@ -44,7 +44,6 @@ CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind T
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reports (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL,
     started REAL, link TEXT, entry TEXT);
-CREATE INDEX IF NOT EXISTS reports_agent ON reports(agent);
 CREATE TABLE IF NOT EXISTS starts (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS starts_agent ON starts(agent);
 CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, id TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
@@ -127,15 +126,17 @@ def _records_apart(db: sqlite3.Connection) -> None:
                    "(SELECT 1 FROM records WHERE records.record_id = record_calls.record_id)")
 
 
+_ENTRIES_KEPT = 1  # the file's user_version once every report has the columns a record is written from
+
+
 def _reports_entries(db: sqlite3.Connection) -> None:
     """A file from before each report kept its record entry: the columns a record is written from (``started``,
     ``link``, ``entry``) are added and ``started`` and ``link`` filled in; ``entry`` stays empty for those old
     reports and is made from the report when a record lists it."""
+    if db.execute("PRAGMA user_version").fetchone()[0] >= _ENTRIES_KEPT:
+        return  # nothing to write: a file on a full disk or a read-only file system still opens
     columns = {row[1] for row in db.execute("PRAGMA table_info(reports)")}
     missing = [c for c in ("started", "link", "entry") if c not in columns]
-    if not missing and _has_index(db, "reports_order") and db.execute(
-            "SELECT 1 FROM reports WHERE started IS NULL LIMIT 1").fetchone() is None:
-        return  # nothing to write: a file on a full disk or a read-only file system still opens
     with _transaction(db):
         for column, kind in (("started", "REAL"), ("link", "TEXT"), ("entry", "TEXT")):
             if column in missing:
@@ -143,6 +144,8 @@ def _reports_entries(db: sqlite3.Connection) -> None:
         db.execute("UPDATE reports SET started = COALESCE(json_extract(doc, '$.started_at'), 0), "
                    "link = json_extract(doc, '$.link') WHERE started IS NULL")
         db.execute("CREATE INDEX IF NOT EXISTS reports_order ON reports(agent, started, call_id)")
+        db.execute("DROP INDEX IF EXISTS reports_agent")  # reports_order serves every lookup by agent
+        db.execute(f"PRAGMA user_version = {_ENTRIES_KEPT}")
 
 
 def _holders(db: sqlite3.Connection, call_ids: list[str]) -> dict[str, Holders]:
