@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
+import itertools
 import json
 import os
 import sqlite3
@@ -567,28 +569,34 @@ class SqliteStore(Store):
         the entry texts kept beside the reports (made from the report only for one stored before they were)."""
         if not agents:
             return
-        marks = ",".join("?" * len(agents))
-        reader = await asyncio.to_thread(sqlite3.connect, self.path, check_same_thread=False)
+        reader = await asyncio.to_thread(sqlite3.connect, self.path, isolation_level=None, check_same_thread=False)
 
-        def stage(cursor: sqlite3.Cursor, at: int) -> StagedPage | None:
-            fetched = cursor.fetchmany(page)
+        def stage(rows_in: Iterator[tuple[Any, ...]], at: int) -> StagedPage | None:
+            fetched = list(itertools.islice(rows_in, page))
             if not fetched:
                 return None
-            rows = [r for r in fetched if r[1] is None or r[1] in links]
+            rows = [r for r in fetched if r[2] is None or r[2] in links]
             db = self._thread_db()
-            holders = _holders(db, [r[0] for r in rows])
+            holders = _holders(db, [r[1] for r in rows])
             entries = [(cid, entry if entry is not None else entry_text(json.loads(doc)), entry is not None)
-                       for cid, _, entry, doc in rows if holders.get(cid, (None,))[0] is None]
+                       for _, cid, _, entry, doc in rows if holders.get(cid, (None,))[0] is None]
             # A row whose text is the report's own refers to it ('': reports are never changed or deleted).
             _insert_entries(db, record_id, at, [(cid, True, "" if kept else text) for cid, text, kept in entries])
             return StagedPage([(cid, text) for cid, text, _ in entries], holders)
 
+        def open_rows() -> Iterator[tuple[Any, ...]]:
+            """One read transaction (a snapshot) and a cursor per agent, each in the record's order from the index
+            on (agent, started, call_id), merged: no sort of the reports, whatever their number."""
+            reader.execute("BEGIN")
+            cursors = [reader.execute(
+                "SELECT started, call_id, link, entry, CASE WHEN entry IS NULL THEN doc END FROM reports "
+                "WHERE agent = ? ORDER BY started, call_id", (agent,)) for agent in sorted(set(agents))]
+            return cursors[0] if len(cursors) == 1 else heapq.merge(*cursors, key=lambda row: (row[0], row[1]))
+
         try:
-            cursor = await asyncio.to_thread(
-                reader.execute, f"SELECT call_id, link, entry, CASE WHEN entry IS NULL THEN doc END FROM reports "
-                f"WHERE agent IN ({marks}) ORDER BY started, call_id", agents)
+            rows_in = await asyncio.to_thread(open_rows)
             while True:
-                staged = await self._stage_page(stage, cursor, start)
+                staged = await self._stage_page(stage, rows_in, start)
                 if staged is None:
                     return
                 start += len(staged.entries)
@@ -597,10 +605,10 @@ class SqliteStore(Store):
             await asyncio.to_thread(reader.close)
 
     @_writes
-    async def _stage_page(self, stage: Callable[[sqlite3.Cursor, int], StagedPage | None], cursor: sqlite3.Cursor,
-                          at: int) -> StagedPage | None:
+    async def _stage_page(self, stage: Callable[[Iterator[tuple[Any, ...]], int], StagedPage | None],
+                          rows: Iterator[tuple[Any, ...]], at: int) -> StagedPage | None:
         """One page of ``stage_reports`` (a write: its refusal goes to the store's write health); None at the end."""
-        return await asyncio.to_thread(stage, cursor, at)
+        return await asyncio.to_thread(stage, rows, at)
 
     async def reports_among(self, call_ids: list[str]) -> list[Doc]:
         def read(db: sqlite3.Connection) -> list[Doc]:
