@@ -259,7 +259,9 @@ class Store(abc.ABC):
     # -- reconciliation records: one hash chain -------------------------------------------------------
     # A record is stored as its header (every field but ``calls``) and its call entries apart, each entry as
     # its canonical JSON text (``controlplane.termination.encode_entry``), so a record of any size is written a
-    # page at a time and read a page at a time; ``records()`` still gives whole records.
+    # page at a time and read a page at a time; ``records()`` still gives whole records. Each final report has
+    # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
+    # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
     @abc.abstractmethod
     async def append_record(self, record: Doc, staged: int | None = None) -> bool:
         """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).

@@ -5,7 +5,8 @@ transaction, committed before the API answers. The few whose size grows with a t
 reports, the records) run in worker threads, each with a connection of its own: WAL lets them read while
 the loop writes. A record is stored as a header row and one row per call entry, staged a page at a time
 (1,000 rows per transaction) before the header is appended, so the loop's writers never wait on the lock
-for more than one such insert, whatever the record's size.
+for more than one such insert, whatever the record's size. A report keeps its entry text beside it (column
+``entry``); a row staged from it refers to that text (an empty ``entry``) instead of copying it.
 
 A file that cannot take a write (a full disk, a read-only file system) raises ``StoreUnwritable`` with the
 reason, never an internal error, and ``/healthz`` says so until a write succeeds again
