@@ -167,15 +167,15 @@ def measure(directory: Path, store: str, calls: int, redis: RedisServer | None) 
         store_url = redis.url(0) if redis else f"sqlite:///{directory / 'tether.db'}"
         asyncio.run(fill(store_url, "small", links["small"], 1))
         filled, cpu = time.perf_counter(), time.process_time()
-        server = cpu_s(redis.proc.pid if redis is not None and redis.proc is not None else None)
+        redis_pid = redis.proc.pid if redis is not None and redis.proc is not None else None
+        server = cpu_s(redis_pid)
         asyncio.run(fill(store_url, "big", links["big"], calls))
         ingest_us = (time.process_time() - cpu) / calls * 1e6
-        server_us = (cpu_s(redis.proc.pid if redis is not None and redis.proc is not None else None) - server) / calls * 1e6
+        server_us = (cpu_s(redis_pid) - server) / calls * 1e6
         print(f"  {store}: {calls:,} reports stored in {time.perf_counter() - filled:.1f} s (the bench's process, "
               f"the store's own put_reports in batches of {BATCH:,}): CPU per report {ingest_us:.1f} us here, "
               f"{server_us:.1f} us in redis-server", flush=True)
         time.sleep(5.5)  # past the termination driver's reconnection grace after its start
-        redis_pid = redis.proc.pid if redis is not None and redis.proc is not None else None
         base = terminate(cp, "small", redis_pid)
         big = terminate(cp, "big", redis_pid)
         return {"store": store, "base": base, "big": big}
