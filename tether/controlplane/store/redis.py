@@ -268,6 +268,10 @@ if #staged > 0 then
 end
 return {1, staged, holders}
 """
+# KEYS: a sorted set. ARGV: lowest score, offset, count. ZRANGEBYSCORE ... WITHSCORES LIMIT, as a flat list.
+_ZSLICE = """
+return redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES', 'LIMIT', ARGV[2], ARGV[3])
+"""
 STAGE_PART = 1000  # call ids per script: Redis, and every replica's requests, wait for 1,000 calls' staging at most
 
 # KEYS: docs, versions, order, counter. ARGV: id, expected version ('' = unconditional), version, doc.
@@ -473,6 +477,7 @@ class RedisStore(Store):
             ("index_calls", _INDEX_CALLS),
             ("index_listed", _INDEX_LISTED),
             ("stage_reports", _STAGE_REPORTS),
+            ("zslice", _ZSLICE),
             ("advance", _ADVANCE),
             ("split_record", _SPLIT_RECORD),
             ("try_lease", _TRY_LEASE),
@@ -1058,8 +1063,10 @@ class RedisStore(Store):
     @_guarded
     async def _fill(self, cursor: _Cursor, n: int) -> None:
         low = "-inf" if cursor.score is None else repr(cursor.score)
-        rows = await self.r.zrangebyscore(cursor.key, low, "+inf", start=cursor.at_score, num=n, withscores=True)
-        cursor.refill([(float(score), member) for member, score in rows], n)
+        # Through a script: its flat reply skips redis-py's per-member score conversion (the larger part of
+        # reading a big termination's index on the loop); the scores are Redis's own spelling, read exactly.
+        flat = await self._scripts["zslice"](keys=[cursor.key], args=[low, cursor.at_score, n])
+        cursor.refill([(float(flat[i + 1]), flat[i]) for i in range(0, len(flat), 2)], n)
 
     @_guarded
     async def _index_starts(self, agent: str) -> None:
