@@ -378,12 +378,14 @@ class TerminationService:
     async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
                              links: set[str], digest: Any = None) -> int:
         """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many.
-        ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
+        The store copies each entry's text, made when its report arrived, so nothing is decoded or encoded
+        here. ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
         staged = 0
-        async for page in _ahead(self.store.report_pages(sorted(agents), RECORD_PAGE)):
-            page = [r for r in page if _reported_under(r, links)]
-            holders = await self.store.call_holders([r["call_id"] for r in page])
-            staged = await self._stage(record_id, staged, builder.take(page, holders), digest)
+        async for page in _ahead(self.store.stage_reports(record_id, 0, sorted(agents), links, RECORD_PAGE)):
+            builder.count([cid for cid, _ in page.entries], page.holders)
+            if digest is not None and page.entries:
+                await asyncio.to_thread(_digest, digest, [text for _, text in page.entries], staged == 0)
+            staged += len(page.entries)
         return staged
 
     async def _stage(self, record_id: str, start: int, entries: list[Doc], digest: Any = None) -> int:
@@ -426,8 +428,13 @@ def _encoded(entries: list[Doc], digest: Any = None, first: bool = True) -> list
     """Each entry's (call id, reported, canonical JSON); added to ``digest`` (after a comma unless ``first``)."""
     out = [(e["call_id"], e.get("reported", True) is not False, proto.encode_entry(e)) for e in entries]
     if digest is not None:
-        digest.update((("" if first else ",") + ",".join(text for _, _, text in out)).encode())
+        _digest(digest, [text for _, _, text in out], first)
     return out
+
+
+def _digest(digest: Any, texts: list[str], first: bool) -> None:
+    """Entries' texts added to a record's hash as they sit in its canonical JSON (after a comma unless first)."""
+    digest.update((("" if first else ",") + ",".join(texts)).encode())
 
 
 def _links_of(doc: Doc, graph: Graph) -> set[str]:
