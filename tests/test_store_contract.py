@@ -357,6 +357,11 @@ async def test_records_form_one_chain(store: Store) -> None:
     assert await store.append_record(record(2, "wrong")) is False
     assert await store.append_record(record(2, "hash-1-a")) is True
     assert [r["hash"] for r in await store.records()] == ["hash-1-a", "hash-2-a"]
+    assert await store.append_record(record(3, "hash-2-a")) is True
+    # From a position on: what the checkpoints read each second (only what is new, and the last they hold).
+    assert [h["hash"] for h in await store.record_heads(1)] == ["hash-2-a", "hash-3-a"]
+    assert [h["hash"] for h in await store.record_heads(0)] == ["hash-1-a", "hash-2-a", "hash-3-a"]
+    assert await store.record_heads(3) == [] and await store.record_heads(9) == []
 
 
 async def test_two_replicas_racing_on_the_same_head_do_not_fork_the_chain(backend: Backend) -> None:

@@ -60,11 +60,18 @@ class CheckpointService:
     def verifier(self) -> Verifier:
         return Verifier(self.origin, self.signing_key.public_key())
 
-    async def tree(self, heads: list[Any] | None = None) -> Tree:
-        """The log's tree; ``heads``: the record headers when the caller has read them already."""
+    async def tree(self, heads: list[Any] | None = None, *, full: bool = True) -> Tree:
+        """The log's tree; ``heads``: the record headers when the caller has read them already. Not ``full``:
+        only the records from the last one the tree holds are read, and the tree extended when that one is
+        unchanged (a log that shrank or changed there is read whole)."""
+        tree = self._tree
+        if heads is None and not full and tree is not None and tree.size:
+            tail = await self.store.record_heads(tree.size - 1)
+            if tail and record_leaf(tail[0]["hash"]) == tree.leaves[-1]:
+                tree.extend([record_leaf(h["hash"]) for h in tail[1:]])
+                return tree
         heads = await self.store.record_heads() if heads is None else heads
         leaves = [record_leaf(h["hash"]) for h in heads]
-        tree = self._tree
         if tree is not None and tree.leaves == leaves[:tree.size]:  # the log grew (or did not): extend
             tree.extend(leaves[tree.size:])
         else:  # a first look, or a log that is not what it was (a restore): build again
@@ -109,9 +116,10 @@ class CheckpointService:
         traced = telemetry.tracer("tether-controlplane") is not None
         if self.directory is None and not self.witnesses and not traced:
             return False
-        tree = await self.tree()
         size, when = self._published
-        if tree.size == size and self.clock() - when < self.idle_s:
+        idle = self.clock() - when >= self.idle_s
+        tree = await self.tree(full=idle)  # the whole log read once per idle period, what is new every second
+        if tree.size == size and not idle:
             return False
         note = await self.checkpoint(tree)
         lines = [line for w in self.witnesses if (line := await self._witness(w, tree, note))]

@@ -298,8 +298,9 @@ class Store(abc.ABC):
         """Forget the staged entries of a record that was not appended (its append lost the race)."""
 
     @abc.abstractmethod
-    async def record_heads(self) -> list[Doc]:
-        """Every record without its ``calls`` (its header), oldest first."""
+    async def record_heads(self, start: int = 0) -> list[Doc]:
+        """Every record without its ``calls`` (its header), oldest first; from position ``start`` on (the
+        checkpoints read only what is new)."""
 
     @abc.abstractmethod
     def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:

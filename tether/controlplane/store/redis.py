@@ -882,14 +882,14 @@ class RedisStore(Store):
         await self.r.delete(self._calls_key(record_id), self._ids_key(record_id))
 
     @_guarded
-    async def record_heads(self) -> list[Doc]:
+    async def record_heads(self, start: int = 0) -> list[Doc]:
         try:
             await self._index_records()
         except StoreUnwritable:
             refused = True  # reads still answer while Redis refuses writes (the index waits for the next reader)
         else:
             refused = False
-        raws = await self.r.lrange(self._key("records"), 0, -1)
+        raws = await self.r.lrange(self._key("records"), max(0, start), -1)
         heads = await asyncio.to_thread(lambda: [json.loads(raw) for raw in raws])
         if refused and any("calls" in head for head in heads):
             raise StoreUnwritable(f"Redis at {self.url} refuses writes: a record stored whole cannot be split yet")

@@ -520,9 +520,9 @@ class SqliteStore(Store):
 
         await self._off_loop(drop)
 
-    async def record_heads(self) -> list[Doc]:
-        return await self._off_loop(
-            lambda db: [json.loads(r[0]) for r in db.execute("SELECT doc FROM records ORDER BY pos")])
+    async def record_heads(self, start: int = 0) -> list[Doc]:
+        return await self._off_loop(lambda db: [json.loads(r[0]) for r in db.execute(
+            "SELECT doc FROM records ORDER BY pos LIMIT -1 OFFSET ?", (max(0, start),))])
 
     async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         after = -1
