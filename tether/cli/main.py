@@ -24,6 +24,7 @@ from . import (
     keys,
     login,
     mcp_stdio,
+    node,
     operators,
     ops,
     run,
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     controlplane.add_controlplane_group(sub)
     sidecar.add_sidecar(sub)
     run.add_run(sub)
+    node.add_node(sub)
     mcp_stdio.add_mcp(sub)
     grant.add_keygen(sub)
     keys.add_keys(sub)
