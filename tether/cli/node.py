@@ -99,8 +99,10 @@ def run_on_node(path: str, argv: list[str]) -> int:
         raise TetherError(f"the node server at {path} refused the run: {doc['error']}", code=NODE_UNAVAILABLE)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(chan.fileno(), 3)  # inheritable: the shim's
-    os.execve("/bin/sh", ["tether-run", "-c", SHIM], {"LOST": LOST_MESSAGE})
+    if chan.fileno() != 3:
+        os.dup2(chan.fileno(), 3)
+    os.set_inheritable(3, True)  # the shim's (dup2 onto itself would keep close-on-exec)
+    os.execve("/bin/sh", ["tether-run", "-c", 'eval "$SHIM"'], {"SHIM": SHIM, "LOST": LOST_MESSAGE})
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -147,6 +147,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         return run_on_node(args.node, sys.argv[1:])
     drop_authority()  # before anything is started: the sidecar is this process
+    unreachable = _unreachable(args.controlplane or DEFAULT_CONTROLPLANE)
+    if unreachable:  # said now, not once the sidecar's code is loaded; the sidecar keeps trying and saying so
+        print(f"tether: waiting for the control plane at {args.controlplane or DEFAULT_CONTROLPLANE}: {unreachable}, "
+              "still trying (Ctrl-C to give up)", file=sys.stderr, flush=True)
     from tether.proxy.secrets import SecretSpec
 
     secrets = [SecretSpec.parse(text) for text in args.secret or []]  # before anything is written
@@ -155,8 +159,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     state_dir = state_root / agent
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = "cooperative" if args.cooperative else "as-user" if args.user else "enforced"
-    run = Run(args, agent=agent, command=command, cwd=cwd, base=base, secrets=secrets, state_root=state_root,
-              chain_path=chain_path, key_path=key_path, covered=[Path(p) for p in (node_socket, args.node) if p])
+    run = Run(args, agent=agent, waiting_said=bool(unreachable), command=command, cwd=cwd, base=base,
+              secrets=secrets, state_root=state_root, chain_path=chain_path, key_path=key_path,
+              covered=[Path(p) for p in (node_socket, args.node) if p])
     try:
         if mode == "as-user":
             from tether.proxy.isolate import DNS_PORT, TRANSPARENT_PORT, Isolation
@@ -174,6 +179,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run.serve()
     finally:
         run.close()
+
+
+def _unreachable(url: str, timeout_s: float = 1.0) -> str | None:
+    """Whether the control plane's port takes a connection: why not, or None (the sidecar finds out the rest)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        return f"unreachable ({getattr(exc, 'strerror', None) or exc})"
 
 
 class CommandNotFound(TetherError):
@@ -208,7 +227,7 @@ def drop_authority() -> None:
 class Run:
     """One ``tether run``: the sidecar served in this process, the command supervised by it, then the stop."""
 
-    def __init__(self, args: argparse.Namespace, *, agent: str, command: list[str], cwd: str,
+    def __init__(self, args: argparse.Namespace, *, agent: str, waiting_said: bool, command: list[str], cwd: str,
                  base: Mapping[str, str], secrets: list, state_root: Path, chain_path: str, key_path: str,
                  covered: list[Path]) -> None:
         self.args, self.agent, self.command, self.cwd, self.base = args, agent, command, cwd, base
@@ -221,6 +240,7 @@ class Run:
         self.delegation: Any = None
         self.child: subprocess.Popen | None = None
         self._log: Any = None
+        self._waiting_said = waiting_said  # run said so already: the sidecar's first such line goes to the log only
 
     def sidecar_args(self) -> argparse.Namespace:
         """What the sidecar reads: every sidecar option as given to run, with the chain, key, state dir and ready
@@ -263,7 +283,9 @@ class Run:
         """The sidecar's status lines: all in the log; on the terminal all but where it listens (run says how the
         command runs instead)."""
         print(f"tether: {text}", file=self._log, flush=True)
-        if not text.startswith("sidecar for "):
+        if text.startswith("waiting for the control plane") and self._waiting_said:
+            self._waiting_said = False
+        elif not text.startswith("sidecar for "):
             print(f"tether: {text}", file=sys.stderr, flush=True)
 
     async def supervise(self, info: dict[str, Any]) -> int:
