@@ -52,7 +52,8 @@ RELAYED = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGTERM} 
 PRELOAD = ("tether.cli.main", "tether.cli.run", "tether.cli.sidecar", "tether.cli.delegation", "tether.proxy.sidecar",
            "tether.proxy.rootless", "tether.proxy.isolate", "tether.proxy.secrets", "tether.proxy.credentials",
            "tether.proxy.stdio", "tether.proxy.transparent", "mitmproxy.certs", "mitmproxy.proxy.server",
-           "mitmproxy.proxy.layers", "mitmproxy.net.tls", "aiohttp", "asyncio", "ssl", "concurrent.futures")
+           "mitmproxy.proxy.layers", "mitmproxy.net.tls", "aiohttp", "asyncio", "ssl", "concurrent.futures.thread",
+           "queue", "encodings.idna")
 
 _served_by: list[str] = []  # in a forked child: the server's socket (set once, right after the fork)
 
