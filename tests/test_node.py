@@ -144,3 +144,29 @@ def test_a_failed_run_says_its_own_failure_not_an_earlier_runs_log(world: World,
     assert done.returncode == 2, done.stderr
     assert "tether.chain_invalid" in done.stderr
     assert "3e9b" not in done.stderr and "never runs" not in done.stdout
+
+
+def test_an_enforced_command_cannot_reach_the_node_server_it_was_forked_from(world: World, tmp_path: Path) -> None:
+    """The socket would start unenforced runs outside the enclosure: it is covered inside, even away from the
+    state root."""
+    sock = tmp_path / "elsewhere" / "node.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    server = subprocess.Popen([PYTHON, "-m", "tether", "node", "serve", "--socket", str(sock)], env=env,
+                              stderr=open(tmp_path / "node.log", "w"))
+    try:
+        wait_until(lambda: sock.exists() or server.poll() is not None, 60, what="the node server's socket")
+        ident = world.cp.issue("node-enclosed", {"issues.read": "direct"})
+        probe = ("import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(" + repr(str(sock)) + ")\n"
+                 "    print('REACHED')\nexcept OSError as e:\n    print('REFUSED', type(e).__name__)\n")
+        done = subprocess.run([PYTHON, "-m", "tether", "run", "--node", str(sock), "--chain", str(ident.chain_path),
+                               "--key", str(ident.key_path), "--state-dir", str(tmp_path / "state"), "--", PYTHON,
+                               "-c", probe], env=world.cp.env(), capture_output=True, text=True, timeout=120)
+        if "tether.isolation_unavailable" in done.stderr:
+            pytest.skip(f"enforcement is not available here: {done.stderr.strip()[-300:]}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "runs enforced" in done.stderr
+        assert "REFUSED" in done.stdout and "REACHED" not in done.stdout, done.stdout
+        assert server.poll() is None  # and it still serves the node
+    finally:
+        server.terminate()
+        server.wait(30)
