@@ -45,7 +45,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, test_ca: harness.TestCA) -> 
 @pytest.fixture
 def node(world: World, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
     sock = tmp_path / "state" / "node.sock"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    env = world.cp.env()  # the operator's shell exports the admin token: the server drops it
     server = subprocess.Popen([PYTHON, "-m", "tether", "node", "serve", "--socket", str(sock)], env=env,
                               stderr=open(tmp_path / "node.log", "w"))
     try:
@@ -87,6 +87,8 @@ def test_runs_forked_by_a_node_serve_their_own_agents_and_one_killed_takes_no_ot
     b, go_b, out_b = start_run(world, tmp_path, sock, "node-b", 5)
     fork_a, fork_b = ready_pid(tmp_path, "node-a"), ready_pid(tmp_path, "node-b")
     assert parent_of(fork_a) == parent_of(fork_b) == server.pid  # forked by the server, not started by the caller
+    for pid in (server.pid, fork_a):  # what a same-user command could read of them
+        assert harness.ADMIN_TOKEN.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
     for caller in (a, b):  # the caller is a shell now, not a Python process
         assert Path(f"/proc/{caller.pid}/comm").read_text().strip() != Path(f"/proc/{fork_a}/comm").read_text().strip()
         assert "python" not in os.readlink(f"/proc/{caller.pid}/exe")

@@ -113,6 +113,9 @@ class _Stopped(Exception):
 
 
 def cmd_node_serve(args: argparse.Namespace) -> int:
+    from .run import drop_authority
+
+    drop_authority()  # every fork's /proc/PID/environ is the server's as it started: no tether token in it
     path = Path(args.socket) if args.socket else default_socket()
     listener = _listen(path)
     preload()
