@@ -28,8 +28,9 @@ lint: venv
 
 # Three workers, a test file to each at a time (a module's fixtures stay in one process): the suite spends most of
 # its time waiting on the sidecars, control planes and servers it starts, so it runs in half the time on 2 cores.
+# -rs: the summary at the end lists every skipped test with its reason (a missing package, no root ...).
 test: venv lint compile
-	$(BIN)/pytest -q -p no:cacheprovider -n 3 --dist loadfile
+	$(BIN)/pytest -q -p no:cacheprovider -n 3 --dist loadfile -rs
 
 bench: venv
 	$(BIN)/python bench/bench_chain.py; $(BIN)/python bench/bench_sidecar.py; \
@@ -37,3 +38,10 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The console's screenshots in docs/console/, refreshed on purpose: the browser tests write theirs there instead of
+# a temporary directory (a test run never changes the tree).
+.PHONY: screenshots
+screenshots: venv compile
+	TETHER_SCREENSHOTS=$(CURDIR)/docs/console $(BIN)/pytest -q -p no:cacheprovider tests/test_console.py \
+		tests/test_console_layout.py tests/test_approval_bodies.py -k "browser or fits or redacted"

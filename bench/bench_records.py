@@ -12,8 +12,11 @@ delivering 200,000 reports through signed sidecar requests would measure ingest,
 agent is then terminated (``abort``, window 0) through the API, and until its termination is ``terminated``
 a thread reads the control plane's RSS (``/proc/PID/status``) every 20 ms and another asks ``/healthz``
 back to back. Reported: request -> terminated, reconciling -> terminated (the record itself, from the
-termination's history), the record's size, the peak RSS during it over the RSS before, and the worst and
-median ``/healthz`` latency during it; and the ratio of each to the 1-call baseline.
+termination's history), whether that is within the window plus the default grace (5 s), the CPU seconds
+the control plane (and redis-server) spent from request to terminated (the work, which the load of a shared
+machine does not stretch the way it stretches wall-clock times), the record's size, the peak RSS during it
+over the RSS before, and the worst and median ``/healthz`` latency during it; and the ratio of each to the
+1-call baseline. The code before is measured by running this same file from a checkout of it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tether.capability.chain import parse_chain_unverified  # noqa: E402
 from tether.controlplane.store import open_store_url  # noqa: E402
 
 BATCH = 5000
+DEFAULT_GRACE_S = 5.0  # `controlplane serve --grace`'s default: a record written in less is within window + grace
 
 
 def report_doc(agent: str, link: str, i: int, now: float) -> dict[str, Any]:
@@ -63,6 +67,15 @@ async def fill(store_url: str, agent: str, link: str, calls: int) -> None:
             await store.put_reports([report_doc(agent, link, i, now) for i in range(start, min(calls, start + BATCH))])
     finally:
         await store.close()
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat``): the work done, whatever the load of
+    the machine (which stretches wall-clock times several-fold on 2 shared cores)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> int:
@@ -111,11 +124,12 @@ class Watch:
             time.sleep(0.01)
 
 
-def terminate(cp: ControlPlaneProcess, agent: str) -> dict[str, Any]:
+def terminate(cp: ControlPlaneProcess, agent: str, redis_pid: int | None) -> dict[str, Any]:
     client = cp.client()
     client.timeout = 120
     assert cp.proc is not None
     before = rss_kib(cp.proc.pid)
+    cpu_before = cpu_s(cp.proc.pid), cpu_s(redis_pid)
     with Watch(cp) as watch:
         sent = time.time()
         tid = client.request("POST", f"/v1/agents/{agent}/terminate",
@@ -126,10 +140,13 @@ def terminate(cp: ControlPlaneProcess, agent: str) -> dict[str, Any]:
                 break
             time.sleep(0.05)
         done = time.time()
+        cpu_after = cpu_s(cp.proc.pid), cpu_s(redis_pid)
     reconciling = next(step["at"] for step in doc["history"] if step["state"] == "reconciling")
     summary = client.request("GET", "/v1/records")
     record = next(r for r in summary if r["termination_id"] == tid)
     return {"calls": len(record["calls"]), "elapsed_s": done - sent, "record_s": doc["completed_at"] - reconciling,
+            "cp_cpu_s": cpu_after[0] - cpu_before[0], "redis_cpu_s": cpu_after[1] - cpu_before[1],
+            "within_s": doc["window_s"] + DEFAULT_GRACE_S,
             "rss_before_mib": before / 1024, "rss_peak_mib": max(watch.rss, default=before) / 1024,
             "rss_growth_mib": (max(watch.rss, default=before) - before) / 1024,
             "health_max_ms": max(watch.health) * 1000, "health_p50_ms": statistics.median(watch.health) * 1000,
@@ -149,12 +166,18 @@ def measure(directory: Path, store: str, calls: int, redis: RedisServer | None) 
             links[agent] = parse_chain_unverified(ident.wire)[-1].hash
         store_url = redis.url(0) if redis else f"sqlite:///{directory / 'tether.db'}"
         asyncio.run(fill(store_url, "small", links["small"], 1))
-        filled = time.perf_counter()
+        filled, cpu = time.perf_counter(), time.process_time()
+        redis_pid = redis.proc.pid if redis is not None and redis.proc is not None else None
+        server = cpu_s(redis_pid)
         asyncio.run(fill(store_url, "big", links["big"], calls))
-        print(f"  {store}: {calls:,} reports stored in {time.perf_counter() - filled:.1f} s", flush=True)
+        ingest_us = (time.process_time() - cpu) / calls * 1e6
+        server_us = (cpu_s(redis_pid) - server) / calls * 1e6
+        print(f"  {store}: {calls:,} reports stored in {time.perf_counter() - filled:.1f} s (the bench's process, "
+              f"the store's own put_reports in batches of {BATCH:,}): CPU per report {ingest_us:.1f} us here, "
+              f"{server_us:.1f} us in redis-server", flush=True)
         time.sleep(5.5)  # past the termination driver's reconnection grace after its start
-        base = terminate(cp, "small")
-        big = terminate(cp, "big")
+        base = terminate(cp, "small", redis_pid)
+        big = terminate(cp, "big", redis_pid)
         return {"store": store, "base": base, "big": big}
     finally:
         cp.stop()
@@ -181,12 +204,15 @@ def main() -> None:
             redis.stop()
         shutil.rmtree(directory, ignore_errors=True)
     print("\n| store | calls | request -> terminated | record written (reconciling -> terminated) | "
+          "within window + default grace | CPU: control plane, redis-server | "
           "control-plane RSS before -> peak | /healthz worst (median) meanwhile | /healthz failed |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
     for row in rows:
         for name in ("base", "big"):
             r = row[name]
+            within = "yes" if r["record_s"] <= r["within_s"] else "no"
             print(f"| {row['store']} | {r['calls']:,} | {r['elapsed_s']:.2f} s | {r['record_s']:.2f} s | "
+                  f"{within} ({r['within_s']:.0f} s) | {r['cp_cpu_s']:.2f} s, {r['redis_cpu_s']:.2f} s | "
                   f"{r['rss_before_mib']:.0f} -> {r['rss_peak_mib']:.0f} MiB | {r['health_max_ms']:.0f} ms "
                   f"({r['health_p50_ms']:.1f} ms) | {r['health_failed']} of {r['health_asked']} |")
     print("\nRatios, big against the 1-call baseline of the same control plane:")

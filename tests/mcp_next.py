@@ -4,10 +4,13 @@
 ``add``, ``slow`` (sleeps), ``delete_everything`` (never granted), ``ask`` (samples the client's model offering
 it the tools ``add`` and ``delete_everything``), ``confirm`` (a 2026-07-28 multi-round-trip tool: asks the client
 to confirm with an ``input_required`` result, then acts), and the task methods (``tasks/get``, ``tasks/result``,
-``tasks/cancel``, ``tasks/list``) of a hand-written task store: the SDK 2.3 has the task types but no task
-runtime (and validates every ``tools/call`` result as a ``CallToolResult``), so a ``tools/call`` carrying
-``params.task`` is answered with a task by a small ASGI layer in front of the SDK app, and the task methods are
-SDK extension methods. ``calls`` records every handler run.
+``tasks/cancel``, ``tasks/list``, and the 2026-07-28 ``tasks/update``) of a hand-written task store: the SDK 2.3
+has the task types but no task runtime (and validates every ``tools/call`` result as a ``CallToolResult``), so a
+2025-11-25 ``tools/call`` carrying ``params.task`` is answered with a task by a small ASGI layer in front of the
+SDK app, a 2026-07-28 ``job`` call from a client that declares the tasks extension (SEP-2663) by an SDK
+extension's ``intercept_tool_call`` (``resultType: "task"``), and the task methods are SDK extension methods.
+The same ASGI layer answers JSON-RPC batches (which the SDK does not take) for task creation and ``tasks/get``.
+``calls`` records every handler run.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ LEGACY = "2025-11-25"
 WAIT = 30.0
 TOOLS = {"next.add": "add", "next.slow": "slow", "next.delete": "delete_everything", "next.ask": "ask",
          "next.confirm": "confirm", "next.job": "job"}
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
 
@@ -70,6 +74,9 @@ class NextServer(McpServer):
         class TaskParams(RequestParams):
             task_id: str  # taskId on the wire
 
+        class UpdateParams(TaskParams):
+            input_responses: dict[str, Any] | None = None
+
         class ListParams(RequestParams):
             cursor: str | None = None
 
@@ -77,9 +84,25 @@ class NextServer(McpServer):
             return {"taskId": task_id, "status": "completed", "createdAt": "2026-01-01T00:00:00Z",
                     "lastUpdatedAt": "2026-01-01T00:00:00Z", "ttl": None}
 
+        def modern(ctx: Any) -> bool:
+            return ctx.protocol_version == MODERN
+
         async def get(ctx: Any, params: TaskParams) -> dict[str, Any]:
             calls.append(f"tasks/get {params.task_id}")
-            return task_doc(params.task_id)
+            task = tasks.get(params.task_id)
+            if not modern(ctx) or task is None:
+                return task_doc(params.task_id)
+            # 2026-07-28 (SEP-2663): a DetailedTask. Working on the first poll, then completed with the result.
+            task["polls"] = task.get("polls", 0) + 1
+            if task["polls"] < 2 or task.get("cancelled"):
+                return {**modern_task(params.task_id), "status": "cancelled" if task.get("cancelled") else "working"}
+            return {**modern_task(params.task_id), "status": "completed",
+                    "result": {"content": [{"type": "text", "text": task["text"]}], "isError": False,
+                               "structuredContent": {"result": task["text"]}}}
+
+        async def update(ctx: Any, params: UpdateParams) -> dict[str, Any]:
+            calls.append(f"tasks/update {params.task_id} {sorted(params.input_responses or {})}")
+            return {}
 
         async def result(ctx: Any, params: TaskParams) -> dict[str, Any]:
             calls.append(f"tasks/result {params.task_id}")
@@ -87,6 +110,9 @@ class NextServer(McpServer):
 
         async def cancel(ctx: Any, params: TaskParams) -> dict[str, Any]:
             calls.append(f"tasks/cancel {params.task_id}")
+            if modern(ctx):  # 2026-07-28: an empty acknowledgement
+                tasks.get(params.task_id, {})["cancelled"] = True
+                return {}
             return {**task_doc(params.task_id), "status": "cancelled"}
 
         async def listed(ctx: Any, params: ListParams) -> dict[str, Any]:
@@ -99,9 +125,30 @@ class NextServer(McpServer):
             def methods(self) -> list[MethodBinding]:
                 return [MethodBinding("tasks/get", TaskParams, get), MethodBinding("tasks/result", TaskParams, result),
                         MethodBinding("tasks/cancel", TaskParams, cancel),
-                        MethodBinding("tasks/list", ListParams, listed)]
+                        MethodBinding("tasks/list", ListParams, listed),
+                        MethodBinding("tasks/update", UpdateParams, update)]
 
-        server = MCPServer("tether-test-next", extensions=[Tasks()])
+        def modern_task(task_id: str) -> dict[str, Any]:
+            return {"taskId": task_id, "createdAt": "2026-01-01T00:00:00Z", "lastUpdatedAt": "2026-01-01T00:00:00Z",
+                    "ttlMs": 60000, "pollIntervalMs": 50}
+
+        class ModernTasks(Extension):
+            """The 2026-07-28 tasks extension (SEP-2663): the server answers a ``job`` call with a task
+            (``resultType: "task"``) when the request declares the extension in its capabilities."""
+
+            identifier = TASKS_EXTENSION
+
+            async def intercept_tool_call(self, params: Any, ctx: Any, call_next: Any) -> Any:
+                declared = ctx.session.client_capabilities
+                if (params.name != "job" or not modern(ctx) or declared is None
+                        or TASKS_EXTENSION not in (declared.extensions or {})):
+                    return await call_next(ctx)
+                task_id = f"task-{uuid.uuid4().hex[:12]}"
+                calls.append(f"task job {task_id}")
+                tasks[task_id] = {"tool": "job", "text": f"job {(params.arguments or {}).get('n')} done"}
+                return {"resultType": "task", **modern_task(task_id), "status": "working"}
+
+        server = MCPServer("tether-test-next", extensions=[Tasks(), ModernTasks()])
 
         @server.tool()
         def add(a: int, b: int) -> int:
@@ -167,6 +214,25 @@ class NextServer(McpServer):
         in front of the SDK app, which validates every ``tools/call`` result as a ``CallToolResult``."""
         calls, tasks = self.calls, self.tasks
 
+        def create(params: dict[str, Any]) -> dict[str, Any]:
+            """A task for the call, as 2025-11-25 writes it, or (when the request names 2026-07-28) as the tasks
+            extension does."""
+            task_id = f"task-{uuid.uuid4().hex[:12]}"
+            calls.append(f"task {params['name']} {task_id}")
+            tasks[task_id] = {"tool": params["name"], "text": f"{params['name']} {params['arguments']['n']} done"}
+            if (params.get("_meta") or {}).get("io.modelcontextprotocol/protocolVersion") == MODERN:
+                return {"resultType": "task", **task_doc(task_id), "status": "working"}
+            return {"task": {**task_doc(task_id), "status": "working"}}
+
+        def batched(message: dict[str, Any]) -> dict[str, Any]:
+            params = message.get("params") or {}
+            if message.get("method") == "tools/call" and ("task" in params or "_meta" in params):
+                return {"jsonrpc": "2.0", "id": message["id"], "result": create(params)}
+            if message.get("method") == "tasks/get" and params.get("taskId") in tasks:
+                calls.append(f"tasks/get {params['taskId']}")
+                return {"jsonrpc": "2.0", "id": message["id"], "result": task_doc(params["taskId"])}
+            return {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32601, "message": "not in a batch"}}
+
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if scope["type"] != "http" or scope["method"] != "POST":
                 await inner(scope, receive, send)
@@ -182,12 +248,14 @@ class NextServer(McpServer):
             except ValueError:
                 doc = None
             params = doc.get("params") if isinstance(doc, dict) else None
-            if doc.get("method") == "tools/call" and isinstance(params, dict) and "task" in params:  # type: ignore[union-attr]
-                task_id = f"task-{uuid.uuid4().hex[:12]}"
-                calls.append(f"task {params['name']} {task_id}")
-                tasks[task_id] = {"tool": params["name"], "text": f"{params['name']} {params['arguments']['n']} done"}
-                out = json.dumps({"jsonrpc": "2.0", "id": doc["id"],  # type: ignore[index]
-                                  "result": {"task": {**task_doc(task_id), "status": "working"}}}).encode()
+            answer: Any = None
+            if isinstance(doc, list):  # a JSON-RPC batch, which the SDK does not take: answered here
+                answer = [batched(m) for m in doc if isinstance(m, dict) and "id" in m]
+            elif isinstance(doc, dict) and doc.get("method") == "tools/call" and isinstance(params, dict) \
+                    and "task" in params:
+                answer = {"jsonrpc": "2.0", "id": doc["id"], "result": create(params)}
+            if answer is not None:
+                out = json.dumps(answer).encode()
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(out)).encode())]})

@@ -13,6 +13,7 @@ agent's key is told apart from a call its sidecar holds.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -113,6 +114,59 @@ def test_a_body_past_the_limit_is_refused_and_never_reaches_the_tool(world: Worl
         "GET", f"/v1/approvals?agent={agent}") == []  # and no person was asked to approve what they cannot see
     (report,) = wait_until(lambda: reports_for(world.cp, agent), WAIT, what="the refusal's report")
     assert report["resolution"] == "refused" and report["code"] == "tether.approval_body_too_large"
+
+
+def raw_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The first final answer on a raw socket: status, headers (lower-case names), body (by Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the sidecar closed without an answer: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    headers = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    while len(rest) < int(headers.get("content-length", "0")):
+        more = sock.recv(65536)
+        if not more:
+            break
+        rest += more
+    return int(head.split(b" ", 2)[1]), headers, rest
+
+
+def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit(world: World) -> None:
+    """The refusal comes while the body is still being sent: it never ends here (no last chunk), so a refusal
+    that waited for the whole body would never come."""
+    agent = "too-large-unfinished"
+    sc = world.sidecar(world.cp.issue(agent, {"echo.any": "approval"}))
+    before = world.tools.hits_for("/echo")
+    host, port = sc.proxy.removeprefix("http://").rsplit(":", 1)
+    piece = b"x" * 65536
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(f"POST {world.tools.base}/echo HTTP/1.1\r\nHost: {world.tools.base.split('//')[1]}\r\n"
+                     "Transfer-Encoding: chunked\r\nContent-Type: text/plain\r\n\r\n".encode())
+        for _ in range(APPROVAL_BODY_LIMIT // len(piece) + 2):  # just past the limit, and no last chunk
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        status, headers, body = raw_answer(sock)
+    assert status == 413 and headers["tether-error"] == "tether.approval_body_too_large", (status, body)
+    assert headers.get("connection") == "close", headers
+    assert json.loads(body)["error"]["limit"] == APPROVAL_BODY_LIMIT
+    assert world.tools.hits_for("/echo") == before and pending_of(world, agent) == []
+    (report,) = wait_until(lambda: reports_for(world.cp, agent), WAIT, what="the refusal's report")
+    assert report["resolution"] == "refused" and report["code"] == "tether.approval_body_too_large"
+
+
+def test_an_announced_body_past_the_limit_that_waits_for_100_continue_is_refused_at_once(world: World) -> None:
+    agent = "too-large-expect"
+    sc = world.sidecar(world.cp.issue(agent, {"echo.any": "approval"}))
+    host, port = sc.proxy.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(f"POST {world.tools.base}/echo HTTP/1.1\r\nHost: {world.tools.base.split('//')[1]}\r\n"
+                     f"Content-Length: {APPROVAL_BODY_LIMIT + 1}\r\nExpect: 100-continue\r\n\r\n".encode())
+        status, headers, _ = raw_answer(sock)  # no 100 first, and no body sent: the refusal cannot wait for one
+    assert status == 413 and headers["tether-error"] == "tether.approval_body_too_large", headers
 
 
 def test_a_20_kb_mcp_argument_is_shown_whole(world: World) -> None:
@@ -275,7 +329,7 @@ def test_the_approvals_page_in_a_browser(world: World, flooded: dict[str, Any], 
             page.goto(f"{world.cp.url}/ui/")
             page.get_by_label("Admin token").fill(harness.ADMIN_TOKEN)
             page.get_by_role("button", name="Sign in").click()
-            page.get_by_role("button", name="Approvals").click()
+            page.get_by_role("navigation", name="Views").get_by_role("link", name="Approvals").click()
             body = page.locator("#approvals-body")
             # The held call is the first card of the first page, marked as held.
             first = body.locator("article.approval").first

@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from tether.capability.jsonpieces import canonical_json
 from tether.controlplane import termination as proto
 from tether.controlplane.metrics import Metrics
 from tether.controlplane.services.records import RecordService
-from tether.controlplane.store import open_store_url
+from tether.controlplane.store import Store, open_store_url
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, RedisServer, prepare_controlplane, wait_until
 
@@ -256,3 +257,95 @@ def test_report_pages_come_in_the_record_order_across_agents(kind: str, tmp_path
             redis.stop()
     assert [c for c in got if c != "z-late"] == want[:-1]
     assert got.count("z-late") <= 1 and (got[-1] == "z-late" or "z-late" not in got)
+
+
+# -- staging a record from the entries kept beside the reports, on both stores ----------------------------------
+async def staged_both_ways(url: str, held: dict[str, Any], agents: list[str], links: set[str], page: int,
+                           name: str = "rec") -> tuple[list[Any], list[Any], list[str]]:
+    """The store's own ``stage_reports`` and the generic one (every report decoded, its entry made afresh),
+    each into a record of its own: (fast pages, generic pages, the fast record's entries read back)."""
+    store = open_store_url(url)
+    await store.open()
+    try:
+        await store.append_record(held)  # a record that already holds some of the calls as reported
+        out: list[list[Any]] = [[], []]
+        for n, stage in enumerate((store.stage_reports, partial(Store.stage_reports, store))):
+            at = 0
+            async for got in stage(f"{name}-{n}", 0, agents, links, page):
+                assert len(got.entries) <= page
+                out[n].append((got.entries, got.holders))
+                at += len(got.entries)
+        back: list[str] = []
+        async for texts in store.record_calls(f"{name}-0", 3):
+            back += texts
+        return out[0], out[1], back
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_stage_reports_copies_each_reports_kept_entry_in_the_record_order(kind: str, tmp_path: Path) -> None:
+    now = 1000.0
+    reports = [{**report("abc"[i % 3], "mine" if i % 4 else "other", i, now), "started_at": now + (i * 13) % 17}
+               for i in range(40)]
+    reports[5]["link"] = None  # stored before runs carried a link: goes by agent
+    reports[9]["url"] = "http://127.0.0.1:9/é?q=\u2028"  # spelled as the canonical JSON spells it
+    held_calls = [reports[i] for i in (1, 2, 3)]
+    term = proto.new_termination("term-held", "a", "abort", 0, "", "admin", now, ["a", "b", "c"], 1.0)
+    held = proto.seal(proto.build_record(term, record_id="rec-held", reports=held_calls, links=[], revocations={},
+                                         runs=[], acks={}, prev_hash="", now=now), keys.generate())
+    redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    try:
+        url = redis.url(0) if redis else f"sqlite:///{tmp_path / 'stage.db'}"
+        asyncio.run(put(url, reports))
+        fast, generic, back = asyncio.run(staged_both_ways(url, held, ["a", "b", "c"], {"mine"}, 4))
+    finally:
+        if redis is not None:
+            redis.stop()
+    want = [r for r in sorted(reports, key=proto.in_order_key)
+            if r["link"] in (None, "mine") and r["call_id"] not in {c["call_id"] for c in held_calls}]
+    texts = [text for entries, _ in fast for _, text in entries]
+    assert [cid for entries, _ in fast for cid, _ in entries] == [r["call_id"] for r in want]
+    assert texts == [proto.encode_entry(proto.call_entry(r)) for r in want] == back
+    holders = {cid: h for _, page in fast for cid, h in page.items()}
+    assert holders == {c["call_id"]: ("rec-held", ()) for c in held_calls if c["link"] == "mine"}
+    assert [e for entries, _ in fast for e in entries] == [e for entries, _ in generic for e in entries]
+
+
+async def put(url: str, reports: list[dict[str, Any]]) -> None:
+    store = open_store_url(url)
+    await store.open()
+    try:
+        await store.put_reports(reports)
+    finally:
+        await store.close()
+
+
+def test_reports_stored_before_entries_were_kept_are_staged_from_the_report(tmp_path: Path) -> None:
+    """A file (SQLite) and a Redis from before each report kept its record entry: the record lists the same."""
+    now = 1000.0
+    reports = [{**report("a", "mine", i, now), "started_at": now + (i * 7) % 11} for i in range(12)]
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE reports (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL)")
+    db.executemany("INSERT INTO reports VALUES (?, ?, ?)", [(r["call_id"], r["agent"], json.dumps(r)) for r in reports])
+    db.commit()
+    db.close()
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        for r in reports:  # as the script before wrote them: the report and its indexes, no entry
+            redis.command("HSET", "tether:0:reports", r["call_id"], json.dumps(r))
+            redis.command("ZADD", "tether:0:reports:agent:a", "1", r["call_id"])
+            redis.command("ZADD", "tether:0:reports:started:a", repr(r["started_at"]), r["call_id"])
+        want = [proto.encode_entry(proto.call_entry(r)) for r in sorted(reports, key=proto.in_order_key)]
+        for url in (f"sqlite:///{path}", redis.url(0)):
+            fresh = {**report("a", "mine", 99, now), "started_at": now + 0.5}  # one stored with its entry
+            asyncio.run(put(url, [fresh]))
+            expected = sorted([*want, proto.encode_entry(proto.call_entry(fresh))],
+                              key=lambda t: proto.in_order_key(json.loads(t)))
+            for n in range(2):  # the old ones get their entries the first time; the same the next
+                fast, _, back = asyncio.run(staged_both_ways(url, old_record(keys.generate()), ["a"], {"mine"}, 5,
+                                                             f"rec-{n}"))
+                assert [t for entries, _ in fast for _, t in entries] == expected == back
+    finally:
+        redis.stop()

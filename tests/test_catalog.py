@@ -71,7 +71,9 @@ def test_optional_fields_parse():
 
 # (yaml text, the field the error must name, a phrase the message must carry)
 INVALID = [
-    pytest.param("capabilities: [\n", "yaml", "not valid YAML", id="not-yaml"),
+    pytest.param("capabilities: [\n", "line 2, column 1", "not valid YAML: expected the node content", id="not-yaml"),
+    pytest.param("", "top level", "the catalog is empty", id="empty-file"),
+    pytest.param("# nothing but a comment\n", "top level", "the catalog is empty", id="only-a-comment"),
     pytest.param("- a\n- b\n", "top level", "expected a mapping", id="top-level-list"),
     pytest.param("capabilitys: {}\n", "top level", "unknown key 'capabilitys'", id="typo-top-level"),
     pytest.param("roles: {}\n", "top level", "missing required key 'capabilities'", id="no-capabilities"),
@@ -81,7 +83,7 @@ INVALID = [
                  "capability 'bad name!'", "capability names are", id="bad-capability-name"),
     pytest.param(one_cap("{http: {host: h.com, methods: [GET], path: /}}", '"a\\n"'),
                  "capability 'a\\n'", "capability names are", id="capability-name-trailing-newline"),
-    pytest.param(one_cap(""), "capability 'svc.call'", "expected a mapping, got NoneType", id="capability-null"),
+    pytest.param(one_cap(""), "capability 'svc.call'", "expected a mapping, got nothing", id="capability-null"),
     pytest.param(one_cap("{}"), "capability 'svc.call'", "needs exactly one match", id="no-match"),
     pytest.param(one_cap("{http: {host: h.com, methods: [GET], path: /}, mcp: {url: 'http://m/mcp', tool: t}}"),
                  "capability 'svc.call'", "needs exactly one match", id="two-matches"),
@@ -164,6 +166,7 @@ def test_invalid_catalog_names_file_capability_and_field(text, where, phrase):
     assert phrase in err.message, err.message
     assert err.details["source"] == "deploy/catalog.yaml"
     assert err.details["where"] == where
+    assert "<unicode string>" not in err.message and "NoneType" not in err.message  # the file, in words people use
 
 
 GOOD_CAP = "{http: {host: h.com, methods: [GET], path: /}}"

@@ -1,4 +1,4 @@
-"""The parser as a user reads it: every command of DESIGN.md section 7 is there, and every option says what it
+"""The parser as a user reads it: every command of docs/contract.md section 7 is there, and every option says what it
 is for (and, through the help formatter, its default)."""
 
 from __future__ import annotations
@@ -54,3 +54,27 @@ def test_help_shows_each_default() -> None:
 def test_the_design_command_lines_parse(line: str) -> None:
     args = build_parser().parse_args(line.split())
     assert callable(args.func)
+
+
+def test_every_command_describes_itself_in_its_help() -> None:
+    """`tether COMMAND --help` opens with what the command does (its description), not only its usage."""
+    bare = [" ".join(path) for path, parser in commands(build_parser()) if path and not (parser.description or "")]
+    assert bare == []
+    text = next(p for path, p in commands(build_parser()) if path == ("revoke",)).format_help()
+    assert "unique prefix of at least 8 hex characters" in " ".join(text.split())
+
+
+def test_completion_covers_every_command_and_file_option() -> None:
+    import shtab
+
+    from tether.cli.completion import mark_paths
+
+    parser = build_parser()
+    mark_paths(parser, shtab.FILE, shtab.DIRECTORY)
+    script = shtab.complete(parser, shell="bash")
+    for path, _ in commands(parser):
+        if len(path) == 1:
+            assert f"_shtab_tether_{path[0].replace('-', '_')}" in script, path
+    keygen = next(p for path, p in commands(parser) if path == ("keygen",))
+    out = next(a for a in keygen._actions if a.dest == "out")
+    assert getattr(out, "complete", None) == shtab.FILE

@@ -1,10 +1,15 @@
-"""The security team's console (DESIGN.md section 10, Console), in a real browser against real processes.
+"""The security team's console (docs/contract.md section 10, Console), in a real browser against real processes.
 
 Debian's chromium, driven by Playwright (nothing is downloaded): sign in, the agent tree, a held call shown
 with its body and approved (the tool server receives it), another denied, a subtree terminated with the
 states followed to ``terminated``, the record opened and its HAR downloaded and validated against the
 HAR 1.2 schema entry by entry. Around it, over plain HTTP: the session cookie's flags, CSRF refusals, a
-wrong token, and an approval bound to its call's hash. Screenshots go to docs/console/.
+wrong token, and an approval bound to its call's hash. The layout (no horizontal scroll, every control
+clickable, at 360 to 1440 px), every view's and object's own address, search and the per-call view are in
+tests/test_console_layout.py.
+
+Screenshots go to a temporary directory, or to ``TETHER_SCREENSHOTS`` when it is set: ``make screenshots``
+sets it to docs/console/ (a test run never changes the tree).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +35,7 @@ from .conftest import World
 from .harness import ADMIN_TOKEN, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parent.parent
-SHOTS = ROOT / "docs" / "console"
+SHOTS = Path(os.environ.get("TETHER_SCREENSHOTS") or tempfile.mkdtemp(prefix="tether-console-shots-"))
 HAR_SCHEMA = json.loads((Path(__file__).parent / "har-1.2.schema.json").read_text())
 
 
@@ -157,8 +162,14 @@ def browser() -> Any:
 
 
 def shot(page: Any, name: str) -> None:
+    """A screenshot for docs/console/ (``make screenshots``); elsewhere a temporary directory's."""
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=False)
+
+
+def nav(page: Any, view: str) -> None:
+    """Go to a view by its link in the header (the first link of that name: the header's come first)."""
+    page.get_by_role("navigation", name="Views").get_by_role("link", name=view).click()
 
 
 def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp_path: Path) -> None:
@@ -172,11 +183,12 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     w.sidecar(helper)
     requests.get(f"{w.tools.base}/repos/acme/site/issues", proxies=sc_lead.proxies(), timeout=10)
 
-    context = browser.new_context(viewport={"width": 1366, "height": 800}, accept_downloads=True)
+    context = browser.new_context(viewport={"width": 1440, "height": 900}, accept_downloads=True)
     page = context.new_page()
     page.goto(f"{w.cp.url}/ui/")
 
-    # A wrong token is refused; the right one signs in.
+    # A wrong token is refused; the right one signs in. Until then no view, nor their links, shows.
+    expect(page.get_by_role("navigation", name="Views")).to_be_hidden()
     page.get_by_label("Admin token").fill("wrong-token")
     shot(page, "signin")
     page.get_by_role("button", name="Sign in").click()
@@ -202,15 +214,24 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
         # A held call, shown with its body, approved from the browser: the tool server receives it.
         approved = pool.submit(requests.post, f"{w.tools.base}/echo", json={"ticket": "T-1", "action": "close"},
                                proxies=sc_worker.proxies(), timeout=30)
-        page.get_by_role("button", name="Approvals").click()
+        nav(page, "Approvals")
+        expect(page).to_have_url(f"{w.cp.url}/ui/approvals")
         card = page.locator("article.approval").filter(has_text="worker").first
         expect(card.locator("pre.request")).to_contain_text('"ticket": "T-1"')
         expect(card).to_contain_text("lead \u203a worker")
         shot(page, "approval")
         assert w.tools.hits_for("/echo") == 0
+        approval_id = card.get_attribute("data-approval")
         card.get_by_role("button", name="Approve this call").click()
         assert approved.result(timeout=15).status_code == 200
         assert w.tools.hits_for("/echo") == 1
+        # Decided: who and when, on the card and on the approval's own page.
+        decided = page.locator(f'article[data-approval="{approval_id}"] .decided-by')
+        expect(decided).to_contain_text("approved by admin (token) at 20")
+        page.locator(f'article[data-approval="{approval_id}"]').get_by_role("link", name=approval_id).click()
+        expect(page).to_have_url(f"{w.cp.url}/ui/approvals/{approval_id}")
+        expect(page.locator(".decided-by")).to_contain_text("approved by admin (token) at 20")
+        nav(page, "Approvals")
 
         # Another, denied: refused to the agent, nothing reaches the tool.
         denied = pool.submit(requests.post, f"{w.tools.base}/echo", json={"ticket": "T-2"},
@@ -231,10 +252,18 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
         cut = pool.submit(hang)
         wait_until(lambda: w.tools.hits_for("/hang") == 1, 10, what="the /hang call to reach the tool")
 
-        # Terminate worker's subtree: the confirmation names exactly who is cut.
-        page.get_by_role("button", name="Agents").click()
-        page.get_by_role("button", name="Terminate worker").click()
+        # Revoke asks for a reason only (the termination's fields stay hidden); cancelled, nothing changes.
+        nav(page, "Agents")
+        page.get_by_role("button", name="Revoke helper").click()
         dialog = page.get_by_role("dialog")
+        expect(dialog.get_by_label("Reason")).to_be_visible()
+        expect(dialog.get_by_label("Mode")).to_be_hidden()
+        expect(dialog.get_by_label("Window (seconds)")).to_be_hidden()
+        dialog.get_by_role("button", name="Cancel").click()
+        expect(dialog).to_be_hidden()
+
+        # Terminate worker's subtree: the confirmation names exactly who is cut.
+        page.get_by_role("button", name="Terminate worker").click()
         expect(dialog.get_by_role("list", name="Agents that will be cut").get_by_role("listitem")).to_have_text(
             ["helper", "worker"])
         dialog.get_by_label("Mode").select_option("abort")
@@ -245,18 +274,29 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
         expect(dialog).to_be_hidden()
         cut.result(timeout=30)
 
-    page.get_by_role("button", name="Terminations").click()
+    nav(page, "Terminations")
     row = page.locator("tr", has_text="worker").filter(has=page.locator(".termination-state"))
     expect(row.locator(".termination-state")).to_have_text("terminated", timeout=30_000)
-    page.get_by_role("button", name="Agents").click()
+    nav(page, "Agents")
     for agent in ("worker", "helper"):
         expect(table.locator(f'tr[data-agent="{agent}"] .sidecar-state')).to_have_text("terminated", timeout=15_000)
+        # Nothing is in flight on a terminated run (the cut call is in the record), and neither action would do
+        # anything any more: both are disabled, saying why.
+        expect(table.locator(f'tr[data-agent="{agent}"] .inflight')).to_have_text("0")
+        expect(page.get_by_role("button", name=f"Revoke {agent}")).to_be_disabled()
+        expect(page.get_by_role("button", name=f"Terminate {agent}")).to_be_disabled()
+        expect(table.locator(f'tr[data-agent="{agent}"] .why-not')).to_contain_text("Terminated by term-")
     expect(table.locator('tr[data-agent="lead"] .sidecar-state')).to_have_text("serving")
-    page.get_by_role("button", name="Terminations").click()
+    expect(page.get_by_role("button", name="Revoke lead")).to_be_enabled()
+    expect(page.get_by_role("button", name="Terminate lead")).to_be_enabled()
+    # The tree shows each link's whole jti (what tether revoke takes) and its expiry.
+    expect(table.locator('tr[data-agent="lead"] .jti')).to_have_text(lead.jti)
+    expect(table.locator('tr[data-agent="lead"] .link-cell')).to_contain_text("expires 20")
+    nav(page, "Terminations")
     shot(page, "terminations")
 
     # The record: verified, every call, filterable; its HAR lines up with it entry by entry.
-    row.get_by_role("button", name="Open record").click()
+    row.get_by_role("link", name="Open record").click()
     expect(page.locator("#record-summary")).to_contain_text("verified")
     (record,) = w.cp.client().request("GET", "/v1/records")
     calls = page.get_by_role("table", name="Calls in this record")
@@ -264,13 +304,28 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     page.get_by_label("Resolution").select_option("unknown")
     expect(calls.locator("tbody tr")).to_have_count(sum(c["resolution"] == "unknown" for c in record["calls"]))
     expect(calls.locator("tbody tr").first).to_contain_text("/hang")
+    # The resolution says why (the code), the filter is in the address, and a reload keeps both.
+    expect(calls.locator("tbody tr").first.locator(".resolution")).to_have_text("unknown tether.aborted")
+    expect(page).to_have_url(f"{w.cp.url}/ui/records/{record['record_id']}?resolution=unknown")
+    page.reload()
+    expect(calls.locator("tbody tr")).to_have_count(sum(c["resolution"] == "unknown" for c in record["calls"]))
+    expect(page.get_by_label("Resolution")).to_have_value("unknown")
     shot(page, "record")
-    expect(page.locator("#records-checkpoint")).to_contain_text("Checkpoint: tether/records, 1 record(s)")
-    expect(page.locator(f'tr[data-record="{record["record_id"]}"] td.proved')).to_have_text("in the checkpoint")
+    expect(page.locator("#record-summary")).to_contain_text("(in the checkpoint)")
     with page.expect_download() as info:
         page.get_by_role("link", name="Download the HAR of this record's calls").click()
     har = json.loads(Path(info.value.path()).read_text())
     check_har_against_record(har, record)
+    # Back and forward go where they should; then the list: the log verified, this record proved in it.
+    page.go_back()
+    expect(page).to_have_url(f"{w.cp.url}/ui/terminations")
+    expect(row.locator(".termination-state")).to_have_text("terminated")
+    page.go_forward()
+    expect(page).to_have_url(f"{w.cp.url}/ui/records/{record['record_id']}?resolution=unknown")
+    expect(calls.locator("tbody tr")).to_have_count(sum(c["resolution"] == "unknown" for c in record["calls"]))
+    page.locator(".crumbs").get_by_role("link", name="Records").click()
+    expect(page.locator("#records-checkpoint")).to_contain_text("Checkpoint: tether/records, 1 record(s)")
+    expect(page.locator(f'tr[data-record="{record["record_id"]}"] td.proved')).to_have_text("in the checkpoint")
 
     # The audit surface: two files side by side, what widened.
     surface = w.cp.client().request("GET", "/v1/audit/surface")
@@ -278,7 +333,7 @@ def test_console_end_to_end_in_a_browser(console_world: World, browser: Any, tmp
     wider["agents"]["lead"]["echo.any"]["tier"] = "direct"
     (tmp_path / "old.json").write_text(json.dumps(surface))
     (tmp_path / "new.json").write_text(json.dumps(wider))
-    page.get_by_role("button", name="Audit").click()
+    nav(page, "Audit")
     page.get_by_label("Old surface").set_input_files(str(tmp_path / "old.json"))
     page.get_by_label("New surface").set_input_files(str(tmp_path / "new.json"))
     page.get_by_role("button", name="Compare").click()

@@ -16,7 +16,7 @@ from typing import Any
 from tether.controlplane.termination import terminated_agents
 
 from .harness import PYTHON, wait_until
-from .test_console import browser  # noqa: F401  (the browser fixture: Debian's chromium)
+from .test_console import browser, nav  # noqa: F401  (the browser fixture: Debian's chromium)
 
 CONSOLE_LINE = re.compile(r"console (http://127\.0\.0\.1:\d+)/ui/\s+admin token (\S+)")
 
@@ -49,19 +49,19 @@ def test_every_decision_of_the_demo_from_the_browser(tmp_path: Path, browser: An
     try:
         match = wait_until(lambda: CONSOLE_LINE.search(out.text), 90, what="the console URL and token")
         url, token = match.group(1), match.group(2)
-        page = browser.new_context(viewport={"width": 1366, "height": 800}).new_page()
+        page = browser.new_context(viewport={"width": 1440, "height": 900}).new_page()
         page.goto(f"{url}/ui/")
         page.get_by_label("Admin token").fill(token)
         page.get_by_role("button", name="Sign in").click()
 
         out.wait_for("Approve or deny it in the console")
-        page.get_by_role("button", name="Approvals").click()
+        nav(page, "Approvals")
         card = page.locator("article.approval").filter(has_text="root").first
         expect(card.locator("pre.request")).to_contain_text("summarize incident 4711")
         card.get_by_role("button", name="Approve this call").click()
 
         out.wait_for("Revoke writer in the console")
-        page.get_by_role("button", name="Agents").click()
+        nav(page, "Agents")
         page.get_by_role("button", name="Revoke writer").first.click()
         page.get_by_role("dialog").get_by_role("button", name="Revoke writer").click()
 
@@ -74,7 +74,7 @@ def test_every_decision_of_the_demo_from_the_browser(tmp_path: Path, browser: An
         dialog.get_by_role("button", name=re.compile(r"Terminate \d+ agent")).click()
 
         out.wait_for("The console stays up", timeout=90)
-        page.get_by_role("button", name="Terminations").click()
+        nav(page, "Terminations")
         row = page.locator("tr", has_text="root").filter(has=page.locator(".termination-state"))
         expect(row.locator(".termination-state").first).to_have_text("terminated")
     finally:

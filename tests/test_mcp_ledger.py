@@ -53,3 +53,46 @@ def test_sessions_tasks_and_rounds_are_per_server_bounded_and_rounds_used_once()
     ledger.needs_input(SERVER, "state", Round("fp", ("cap",), "c1"))
     assert ledger.follow_up(SERVER, "state") == Round("fp", ("cap",), "c1")
     assert ledger.follow_up(SERVER, "state") is None
+
+
+def test_a_task_is_read_in_both_protocols_shapes_and_nothing_else_creates_one() -> None:
+    from tether.proxy.mcp import created_task
+
+    assert created_task({"task": {"taskId": "t1", "status": "working"}}) == "t1"  # 2025-11-25
+    assert created_task({"resultType": "task", "taskId": "t2", "status": "working"}) == "t2"  # 2026-07-28
+    for result in ({"content": []}, {"resultType": "complete", "taskId": "t3"}, {"resultType": "task"},
+                   {"task": "t4"}, {"resultType": "task", "taskId": 5}, None, []):
+        assert created_task(result) is None, result
+
+
+def test_a_listen_names_its_tasks_and_a_batch_may_not_repeat_a_request_id() -> None:
+    import pytest
+
+    from tether.proxy.mcp import NotJsonRpc, parse
+
+    listen = parse(b'{"jsonrpc":"2.0","id":1,"method":"subscriptions/listen","params":{"notifications":'
+                   b'{"taskIds":["a","b"],"resourceSubscriptions":["file:///x"]}}}').messages[0]
+    assert (listen.tasks, listen.uris) == (("a", "b"), ("file:///x",))
+    with pytest.raises(NotJsonRpc):
+        parse(b'{"jsonrpc":"2.0","id":1,"method":"subscriptions/listen","params":{"notifications":{"taskIds":[1]}}}')
+    update = parse(b'{"jsonrpc":"2.0","id":1,"method":"tasks/update","params":{"taskId":"a","inputResponses":{}}}')
+    assert update.messages[0].task == "a" and update.messages[0].name == "a"
+    with pytest.raises(NotJsonRpc):
+        parse(b'[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":1,"method":"ping"}]')
+    ok = parse(b'[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":"1","method":"ping"},'
+               b'{"jsonrpc":"2.0","method":"notifications/initialized"}]')
+    assert len(ok.messages) == 3  # 1 and "1" are different ids; notifications have none
+
+
+def test_task_status_notifications_pass_only_for_the_agent_s_own_tasks() -> None:
+    from tether.proxy.mcp import Visible, filter_lists_message
+
+    visible = Visible(tool=lambda _: True, task=lambda task: task == "mine")
+
+    def note(task: object) -> dict[str, object]:
+        return {"jsonrpc": "2.0", "method": "notifications/tasks", "params": {"taskId": task, "status": "completed"}}
+
+    assert filter_lists_message(note("mine"), visible) == (note("mine"), 0)
+    assert filter_lists_message(note("theirs"), visible) == (None, 1)
+    assert filter_lists_message(note(None), visible) == (None, 1)
+    assert filter_lists_message([note("mine"), note("theirs")], visible) == ([note("mine")], 1)

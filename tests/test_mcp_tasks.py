@@ -14,14 +14,17 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import httpx
 import pytest
 from mcp import Client
+from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
+from mcp_types import CallToolResult, EmptyResult, Request, RequestParams, Result
+from pydantic import ConfigDict
 
 from .harness import wait_until
-from .mcp_next import HEADERS, MODERN, WAIT, NextWorld, next_world
+from .mcp_next import HEADERS, MODERN, TASKS_EXTENSION, WAIT, NextWorld, next_world
 from .test_mcp_sessions import open_session, rpc, with_session
 
 ABSENT = "tether.capability_absent"
@@ -223,3 +226,234 @@ def test_a_held_call_the_agent_cancels_does_not_leave_when_approved(world: NextW
     assert world.server.calls.count("add") == before  # approved, but the agent had cancelled it: never sent
     report = wait_until(lambda: world.tool_reports(agent, "next.add"), WAIT, what="the call's report")[0]
     assert (report["resolution"], report["code"]) == ("cancelled_not_sent", "tether.client_cancelled"), report
+
+
+# -- the 2026-07-28 tasks extension (SEP-2663), with the SDK client ----------------------------------------
+class TaskHandle(Result):
+    """A ``tools/call`` answered with a task (``resultType: "task"``): the fields tether binds on."""
+
+    result_type: Literal["task"] = "task"
+    task_id: str
+    status: str
+
+
+class GetTaskParams(RequestParams):
+    task_id: str
+
+
+class UpdateTaskParams(GetTaskParams):
+    input_responses: dict[str, Any]
+
+
+class GetTask(Request[GetTaskParams, Literal["tasks/get"]]):
+    method: Literal["tasks/get"] = "tasks/get"
+    name_param: ClassVar[str | None] = "taskId"  # the SDK mirrors it into Mcp-Name, as SEP-2663 asks
+
+
+class UpdateTask(Request[UpdateTaskParams, Literal["tasks/update"]]):
+    method: Literal["tasks/update"] = "tasks/update"
+    name_param: ClassVar[str | None] = "taskId"
+
+
+class CancelTask(Request[GetTaskParams, Literal["tasks/cancel"]]):
+    method: Literal["tasks/cancel"] = "tasks/cancel"
+    name_param: ClassVar[str | None] = "taskId"
+
+
+class Polled(Result):
+    """A ``tasks/get`` answer: a DetailedTask."""
+
+    model_config = ConfigDict(extra="allow")
+    task_id: str
+    status: str
+    result: dict[str, Any] | None = None
+
+
+class TasksClient(ClientExtension):
+    """The client side of the tasks extension, as the SDK's extension surface is meant to carry it: a claim on
+    ``resultType: "task"`` whose resolver polls ``tasks/get`` until the task ends. ``created`` keeps every task id."""
+
+    identifier = TASKS_EXTENSION
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+        self.polls = 0
+
+    def claims(self) -> list[ResultClaim[Any]]:
+        return [ResultClaim(result_type="task", model=TaskHandle, resolve=self.resolve)]
+
+    async def resolve(self, handle: TaskHandle, ctx: ClaimContext) -> CallToolResult:
+        import asyncio
+
+        self.created.append(handle.task_id)
+        while True:
+            self.polls += 1
+            polled = await ctx.session.send_request(GetTask(params=GetTaskParams(task_id=handle.task_id)), Polled)
+            if polled.status == "completed" and polled.result is not None:
+                return CallToolResult.model_validate(polled.result)
+            assert polled.status == "working", polled
+            await asyncio.sleep(0.05)
+
+
+def modern_rpc(method: str, params: dict[str, Any], id_: Any = 1) -> dict[str, Any]:
+    """A stateless (2026-07-28) request as a client writes it, the tasks extension declared."""
+    meta = {"io.modelcontextprotocol/protocolVersion": MODERN,
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXTENSION: {}}}}
+    return {"jsonrpc": "2.0", "id": id_, "method": method, "params": {**params, "_meta": meta}}
+
+
+def post_modern(http: httpx.Client, url: str, method: str, params: dict[str, Any], name: str | None = None,
+                id_: Any = 1) -> dict[str, Any]:
+    headers = {**HEADERS, "mcp-protocol-version": MODERN, "mcp-method": method}
+    if name is not None:
+        headers["mcp-name"] = name
+    return answer(http.post(url, json=modern_rpc(method, params, id_), headers=headers))
+
+
+def test_a_2026_task_is_polled_through_its_own_sidecar_only(world: NextWorld) -> None:
+    caps = {"next.job": "direct", "next.add": "direct"}
+    owner, other = world.sidecar("modern-owner", caps), world.sidecar("modern-other", caps)
+    tasks = TasksClient()
+
+    async def body(client: Client) -> Any:
+        done = await client.call_tool("job", {"n": 7})
+        task = tasks.created[0]
+        await client.session.send_request(
+            UpdateTask(params=UpdateTaskParams(task_id=task, input_responses={"ok": {"action": "accept"}})),
+            EmptyResult)
+        await client.session.send_request(CancelTask(params=GetTaskParams(task_id=task)), EmptyResult)
+        return done
+
+    done = world.session(owner, MODERN, body, extensions=[tasks])
+    assert not done.is_error and done.content[0].text == "job 7 done", done
+    [task] = tasks.created
+    assert tasks.polls == 2  # working, then completed with the result
+    assert world.server.calls.count(f"tasks/get {task}") == 2
+    assert f"tasks/update {task} ['ok']" in world.server.calls and f"tasks/cancel {task}" in world.server.calls
+
+    before = list(world.server.calls)
+    with httpx.Client(proxy=other.proxy, trust_env=False, timeout=WAIT) as http:
+        url = world.server.url
+        for method, params in (("tasks/get", {"taskId": task}), ("tasks/cancel", {"taskId": task}),
+                               ("tasks/update", {"taskId": task, "inputResponses": {"ok": {"action": "accept"}}})):
+            refused(post_modern(http, url, method, params, task))
+        listen = post_modern(http, url, "subscriptions/listen", {"notifications": {"taskIds": [task]}})
+        refused(listen)  # its status notifications would carry the owner's result
+    with httpx.Client(proxy=owner.proxy, trust_env=False, timeout=WAIT) as http:
+        # The owner's own sidecar: the header must name the body's task (a router would send it elsewhere).
+        refused(post_modern(http, world.server.url, "tasks/get", {"taskId": task}, "task-someone-else"))
+        refused(post_modern(http, world.server.url, "tasks/get", {"taskId": "task-made-up"}, "task-made-up"))
+    assert world.server.calls == before  # none of it reached the server
+
+    reports = wait_until(lambda: len(r := [x for x in world.reports("modern-owner") if x["method"] == "POST"
+                                           and (x.get("detail") or "").find("task of call") >= 0]) >= 4 and r,
+                         WAIT, what="the owner's task reports")
+    creating = next(r for r in world.tool_reports("modern-owner", "next.job") if "task of call" not in
+                    (r.get("detail") or ""))
+    assert all(r["capability"] == "next.job" and f"task of call {creating['call_id']}" in r["detail"]
+               and r["resolution"] == "completed" for r in reports), reports
+    assert {r["detail"].split(" (")[0] for r in reports} == {"mcp tasks/get", "mcp tasks/update", "mcp tasks/cancel"}
+    other_reports = wait_until(lambda: len(r := [x for x in world.reports("modern-other")
+                                                 if x["resolution"] == "refused"]) >= 4 and r, WAIT,
+                               what="the other agent's refusals")
+    assert all(r["code"] == ABSENT for r in other_reports), other_reports
+
+
+def test_a_2026_task_counts_once_against_a_budget_and_not_at_all_when_absent(world: NextWorld) -> None:
+    budgeted = world.sidecar("modern-budget", {"next.job": {"tier": "direct", "calls": 1}, "next.add": "direct"})
+    absent = world.sidecar("modern-absent", {"next.add": "direct"})
+    tasks = TasksClient()
+
+    async def body(client: Client) -> tuple[Any, Any]:
+        return await client.call_tool("job", {"n": 1}), await client.call_tool("job", {"n": 2})
+
+    first, second = world.session(budgeted, MODERN, body, extensions=[tasks])
+    assert not first.is_error and first.content[0].text == "job 1 done", first
+    assert tasks.polls == 2  # the polls took no unit of the budget of one call; the second call finds it spent
+    assert second.is_error and second.meta["tether/error"]["code"] == "tether.budget_exhausted", second
+    assert len(tasks.created) == 1
+
+    created = [c for c in world.server.calls if c.startswith("task job")]
+    never = TasksClient()
+
+    async def absent_body(client: Client) -> Any:
+        return await client.call_tool("job", {"n": 3})
+
+    refused_call = world.session(absent, MODERN, absent_body, extensions=[never])
+    assert refused_call.is_error and refused_call.meta["tether/error"]["code"] == ABSENT, refused_call
+    assert never.created == [] and [c for c in world.server.calls if c.startswith("task job")] == created
+
+    reports = wait_until(lambda: len(r := world.tool_reports("modern-budget", "next.job")) == 4 and r, WAIT,
+                         what="the budgeted agent's reports")
+    assert [r["resolution"] for r in reports] == ["completed", "completed", "completed", "refused"], reports
+    assert reports[-1]["code"] == "tether.budget_exhausted"
+
+
+def test_a_2026_task_after_its_agent_is_terminated(world: NextWorld) -> None:
+    """The creating call and the polls before the end are in the record; a poll after it is refused, and never
+    reaches the server."""
+    agent = "modern-terminated"
+    sidecar = world.sidecar(agent, {"next.job": "direct", "next.add": "direct"})
+    admin = world.cp.client()
+    with httpx.Client(proxy=sidecar.proxy, trust_env=False, timeout=WAIT) as http:
+        url = world.server.url
+        handle = post_modern(http, url, "tools/call", {"name": "job", "arguments": {"n": 9}}, "job")
+        task = handle["result"]["taskId"]
+        assert handle["result"]["resultType"] == "task", handle
+        assert post_modern(http, url, "tasks/get", {"taskId": task}, task)["result"]["status"] == "working"
+        tid = admin.request("POST", f"/v1/agents/{agent}/terminate", {"mode": "abort", "reason": "test"})["id"]
+        wait_until(lambda: admin.request("GET", f"/v1/terminations/{tid}")["state"] == "terminated", WAIT,
+                   what="the termination")
+        after = post_modern(http, url, "tasks/get", {"taskId": task}, task)
+    refused(after, "tether.terminated")
+    assert world.server.calls.count(f"tasks/get {task}") == 1  # the poll after the end never left
+
+    record = admin.request("GET", f"/v1/records/{tid}")
+    mine = sorted((c for c in record["calls"] if c.get("capability") == "next.job"), key=lambda c: c["started_at"])
+    assert [c["resolution"] for c in mine] == ["completed", "completed"], mine  # the call and its poll
+    poll = next(r for r in world.reports(agent) if r["call_id"] == mine[1]["call_id"])
+    assert f"mcp tasks/get (task of call {mine[0]['call_id']})" == poll["detail"], poll
+    last = wait_until(lambda: [r for r in world.reports(agent) if r.get("code") == "tether.terminated"], WAIT,
+                      what="the refused poll reported")
+    assert last[0]["resolution"] == "refused", last
+
+
+def test_tasks_created_in_a_batch_belong_to_the_calls_that_created_them(world: NextWorld) -> None:
+    """One batch, two task-creating calls (one in each protocol's shape): each task is bound to its call, so its
+    agent polls it and another agent cannot."""
+    caps = {"next.job": "direct", "next.add": "direct"}
+    owner, other = world.sidecar("batch-owner", caps), world.sidecar("batch-other", caps)
+    legacy = rpc("tools/call", {"name": "job", "arguments": {"n": 4}, "task": {"ttl": 60000}}, 1)
+    modern = modern_rpc("tools/call", {"name": "job", "arguments": {"n": 5}}, 2)
+    with httpx.Client(proxy=owner.proxy, trust_env=False, timeout=WAIT) as a_http, \
+            httpx.Client(proxy=other.proxy, trust_env=False, timeout=WAIT) as b_http:
+        url = world.server.url
+        sent = a_http.post(url, json=[legacy, modern], headers=HEADERS)
+        assert sent.status_code == 200, sent.text
+        answers = {a["id"]: a["result"] for a in sent.json()}
+        tasks = [answers[1]["task"]["taskId"], answers[2]["taskId"]]
+        assert answers[2]["resultType"] == "task"
+
+        before = list(world.server.calls)
+        for task in tasks:
+            refused(answer(b_http.post(url, json=rpc("tasks/get", {"taskId": task}, 3), headers=HEADERS)))
+            refused(answer(b_http.post(url, json=rpc("tasks/get", {"taskId": task}, 4), headers={
+                **HEADERS, "mcp-protocol-version": MODERN, "mcp-method": "tasks/get", "mcp-name": task})))
+        assert world.server.calls == before
+
+        polled = a_http.post(url, json=[rpc("tasks/get", {"taskId": t}, 10 + i) for i, t in enumerate(tasks)],
+                             headers=HEADERS)
+        assert polled.status_code == 200, polled.text
+        assert sorted(r["result"]["taskId"] for r in polled.json()) == sorted(tasks)
+        # A batch that names one request id twice is refused: its answers could not be told apart.
+        twice = a_http.post(url, json=[rpc("tasks/get", {"taskId": tasks[0]}, 7),
+                                       rpc("tasks/get", {"taskId": tasks[1]}, 7)], headers=HEADERS)
+        assert twice.status_code == 403 and twice.headers["tether-error"] == ABSENT, twice.text
+        assert "share the id 7" in twice.json()["error"]["message"], twice.text
+    assert [c for c in world.server.calls if c.startswith("tasks/get")][-2:] == [f"tasks/get {t}" for t in tasks]
+
+    reports = wait_until(lambda: len(r := [x for x in world.reports("batch-owner") if x["method"] == "POST"]) >= 3
+                         and r, WAIT, what="the owner's reports")
+    creating, polls = reports[0], reports[1]
+    assert "task of call " + creating["call_id"] in polls["detail"] and polls["capability"] == "next.job", polls

@@ -64,6 +64,7 @@ def test_every_route_declares_an_auth_kind(tmp_path: Path) -> None:
     public = {(r.method, r.path) for r in routes if r.auth == NONE}
     assert public == {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/trust"),
                       ("GET", "/v1/catalog"), ("POST", "/v1/chains/verify"), ("GET", "/ui"), ("GET", "/ui/"),
+                      ("GET", "/ui/{view}"), ("GET", "/ui/{view}/{id}"),  # the same page, at each view's address
                       ("GET", "/ui/static/{name}"), ("POST", "/ui/session"), ("GET", "/ui/session"),
                       ("POST", "/ui/logout"), ("GET", "/v1/records/checkpoint")}  # a checkpoint: hashes, signed
     with pytest.raises(ValueError, match="auth"):

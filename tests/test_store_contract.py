@@ -119,6 +119,26 @@ async def test_links_are_stored_once_and_found_by_hash_and_jti(store: Store) -> 
     assert await store.put_links([]) == 0
 
 
+async def test_a_jti_prefix_names_the_one_link_it_begins(store: Store) -> None:
+    from tether.capability.errors import ApiError
+
+    a, b, c = "abcd1234" + "0" * 24, "abcd1234" + "f" * 24, "abcd9999" + "0" * 24
+    await store.put_links([link(1, jti=a), link(2, jti=b), link(3, jti=c)])
+    assert await store.jtis_beginning("abcd1234") == [a, b]
+    assert await store.jtis_beginning("abcd9") == [c]
+    assert await store.jtis_beginning("ffff") == []
+    assert len(await store.jtis_beginning("abcd", limit=2)) == 2
+    for name in (c, c[:10], c[:12] + "…", c.upper()):  # whole, a prefix, copied with an ellipsis, in capitals
+        found = await store.link_named(name)
+        assert found is not None and found["hash"] == "h3", name
+    with pytest.raises(ApiError) as info:
+        await store.link_named("abcd1234")
+    assert (info.value.code, info.value.http_status) == ("tether.jti_ambiguous", 409)
+    assert info.value.details["matches"] == [a, b]
+    assert await store.link_named("abcd123") is None  # shorter than 8: never a prefix lookup
+    assert await store.link_named("0123456789") is None
+
+
 async def test_links_registered_through_one_replica_are_seen_by_another(backend: Backend) -> None:
     a, b = await backend.replica(), await backend.replica()
     assert await a.put_links([link(1)]) == 1

@@ -560,9 +560,12 @@ def test_cli_terminate_wait_then_records_verify_until_tampered(world: World) -> 
     try:
         rid, raw = db.execute("SELECT record_id, doc FROM records ORDER BY pos LIMIT 1").fetchone()
         assert json.loads(raw)["termination_id"] == first["termination_id"]
-        # A record's calls are stored apart from its other fields, one row each (docs/termination.md).
-        entry = json.loads(db.execute("SELECT entry FROM record_calls WHERE record_id = ? AND seq = 0",
-                                      (rid,)).fetchone()[0])
+        # A record's calls are stored apart from its other fields, one row each (docs/termination.md); a row
+        # whose text is '' refers to the entry kept beside its report. The tamperer writes the row's own.
+        entry = json.loads(db.execute(
+            "SELECT CASE WHEN c.entry = '' THEN r.entry ELSE c.entry END FROM record_calls AS c "
+            "LEFT JOIN reports AS r ON r.call_id = c.call_id WHERE c.record_id = ? AND c.seq = 0",
+            (rid,)).fetchone()[0])
         entry["resolution"] = "refused"  # rewrite history: the call never happened
         db.execute("UPDATE record_calls SET entry = ? WHERE record_id = ? AND seq = 0", (json.dumps(entry), rid))
         db.commit()

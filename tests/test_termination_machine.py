@@ -141,6 +141,19 @@ def test_missing_acknowledgements_wait_for_window_plus_grace(mode: str) -> None:
     assert step.doc["state"] == proto.RECONCILING and step.actions == (proto.WRITE_RECORD,)
 
 
+@pytest.mark.parametrize("mode", proto.MODES)
+def test_an_agent_that_never_ran_a_sidecar_is_not_waited_for(mode: str) -> None:
+    """No run, nothing in flight and its link revoked in the first step: its acknowledgement cannot come, so
+    the termination reconciles as soon as the agents that did run have acknowledged (not at window + grace);
+    one that ran and is silent is still waited for."""
+    doc = proto.advance(term(mode, window=30, grace=5), (), T0).doc
+    step = proto.advance(doc, ("root", "a"), T0 + 0.5, never_ran=("b",))
+    assert step.doc["state"] == proto.RECONCILING and step.actions == (proto.WRITE_RECORD,)
+    assert proto.advance(doc, ("root",), T0 + 0.5, never_ran=("b",)).doc["state"] == doc["state"]  # "a" ran
+    alone = proto.advance(term(mode, agents=("ghost",), window=30, grace=5), (), T0).doc
+    assert proto.advance(alone, (), T0, never_ran=("ghost",)).doc["state"] == proto.RECONCILING
+
+
 def test_empty_subtree_reconciles_at_once() -> None:
     doc = proto.advance(term(agents=()), (), T0).doc
     assert proto.advance(doc, (), T0).doc["state"] == proto.RECONCILING

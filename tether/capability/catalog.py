@@ -488,7 +488,7 @@ def _fail(source: str, where: str, message: str) -> CatalogError:
 
 def _check_keys(source: str, where: str, value: Any, allowed: set[str], required: set[str]) -> dict:
     if not isinstance(value, dict):
-        raise _fail(source, where, f"expected a mapping, got {type(value).__name__}")
+        raise _fail(source, where, f"expected a mapping, got {_kind(value)}")
     unknown = sorted(str(k) for k in value if k not in allowed)
     if unknown:
         raise _fail(source, where, f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
@@ -596,8 +596,28 @@ def parse_catalog(text: str, source: str = "<catalog>") -> Catalog:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise _fail(source, "yaml", f"not valid YAML: {exc}") from None
+        raise _fail(source, *_yaml_problem(exc)) from None
+    if raw is None:
+        raise _fail(source, "top level", "the catalog is empty: it needs at least 'capabilities:' (docs/catalog.md)")
     return catalog_from(raw, source)
+
+
+def _yaml_problem(exc: Exception) -> tuple[str, str]:
+    """Where a YAML error is (``line L, column C``) and what it is, in one line: PyYAML's own text names
+    ``<unicode string>`` instead of the file and spreads over several lines with a caret."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "yaml"
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    return where, f"not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
+def _kind(value: Any) -> str:
+    """A YAML value's kind as a person reads it (for "expected a mapping, got nothing")."""
+    if value is None:
+        return "nothing"
+    names = {list: "a list", str: "a string", bool: "true/false", int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
 
 
 def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:

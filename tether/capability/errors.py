@@ -1,6 +1,6 @@
 """Every refusal tether can make, as a typed exception with a stable code.
 
-Codes are part of the contract (DESIGN.md section 5): outside checks match on them, so a code never
+Codes are part of the contract (docs/contract.md section 5): outside checks match on them, so a code never
 changes once shipped. Chain failures carry a sub-reason (``bad_signature``, ``widened_capability`` ...)
 that says which rule broke.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Codes a sidecar answers with (DESIGN.md section 5).
+# Codes a sidecar answers with (docs/contract.md section 5).
 CAPABILITY_ABSENT = "tether.capability_absent"
 UNKNOWN_DESTINATION = "tether.unknown_destination"
 CHAIN_INVALID = "tether.chain_invalid"
@@ -21,8 +21,8 @@ TERMINATED = "tether.terminated"
 APPROVAL_DENIED = "tether.approval_denied"
 APPROVAL_TIMEOUT = "tether.approval_timeout"
 CAPTURE_UNAVAILABLE = "tether.capture_unavailable"
-CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # DESIGN.md section 10: no secret, no token
-# Budgets (DESIGN.md section 10): no slice of a capability's calls budget, or its rate window, is left.
+CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # docs/contract.md section 10: no secret, no token
+# Budgets (docs/contract.md section 10): no slice of a capability's calls budget, or its rate window, is left.
 BUDGET_EXHAUSTED = "tether.budget_exhausted"
 RATE_LIMITED = "tether.rate_limited"
 # The call's start cannot be written ahead to the spool (a full disk): it is refused, never sent unrecorded.
@@ -54,6 +54,9 @@ CREDENTIAL_REQUIRES_TLS = "tether.credential_requires_tls"  # an injected creden
 APPROVAL_BODY_TOO_LARGE = "tether.approval_body_too_large"
 # A sidecar run (or link) already has as many calls waiting for a person as the control plane keeps.
 APPROVAL_QUEUE_FULL = "tether.approval_queue_full"
+IO_FAILED = "tether.io_failed"  # a file or socket a command named could not be read or written (the OS says why)
+USAGE = "tether.usage"  # a command line tether cannot run: the command's usage is printed with it
+JTI_AMBIGUOUS = "tether.jti_ambiguous"  # a jti prefix that begins more than one link's jti: give more of it
 
 
 def escape_unprintable(text: str, keep: str = "\n") -> str:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from tether.capability.errors import BAD_REQUEST, TetherError
 
 from .remote import add_controlplane, client
+from .text import styled
 
 
 def add_audit(sub: Any) -> None:
@@ -48,7 +50,10 @@ def cmd_audit_surface(args: argparse.Namespace) -> int:
     else:
         if args.chain or args.role or args.trust:
             raise TetherError("--chain, --role and --trust go with --catalog (an offline surface)", code=BAD_REQUEST)
-        doc = client(args).request("GET", "/v1/audit/surface" + (f"?agent={args.agent}" if args.agent else ""))
+        from urllib.parse import quote
+
+        doc = client(args).request("GET", "/v1/audit/surface" + (f"?agent={quote(args.agent, safe='')}"
+                                                                 if args.agent else ""))
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
@@ -131,7 +136,7 @@ def cmd_audit_diff(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     for w in found:
-        print(f"WIDENED {w.line()}")
+        print(f"{styled('WIDENED', 'red', sys.stdout)} {w.line()}")
     if found:
         print(f"{len(found)} widening(s): review before release")
         return 1

@@ -3,31 +3,31 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 from urllib.parse import quote
 
-from .remote import add_controlplane, client, path_segment
+from .remote import add_controlplane, check_jti, client, path_segment
+from .text import print_json
 
 
 def add_budgets(sub: Any) -> None:
     p = sub.add_parser("budgets", help="call budgets as a tree: granted, used, leased per link")
     add_controlplane(p)
     p.add_argument("--agent", help="only the links this agent holds, and everything below them")
-    p.add_argument("--jti", help="one link's subtree")
+    p.add_argument("--jti", help="one link's subtree (its jti, or a unique prefix of 8+ hex characters)")
     p.add_argument("--json", action="store_true", help="print the control plane's answer as JSON")
     p.set_defaults(func=cmd_budgets)
 
 
 def cmd_budgets(args: argparse.Namespace) -> int:
     if args.jti:
-        data = client(args).request("GET", f"/v1/budgets/{path_segment(args.jti)}")
+        data = client(args).request("GET", f"/v1/budgets/{path_segment(check_jti(args.jti))}")
     elif args.agent:
         data = client(args).request("GET", f"/v1/budgets?agent={quote(args.agent, safe='')}")
     else:
         data = client(args).request("GET", "/v1/budgets")
     if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
+        print_json(data)
         return 0
     if not data["links"]:
         print("no links registered")
@@ -40,9 +40,11 @@ def cmd_budgets(args: argparse.Namespace) -> int:
 
 def tree_lines(node: dict[str, Any], window_s: float, prefix: str = "", last: bool = True,
                top: bool = True) -> list[str]:
+    from tether.capability.jti import shown
+
     branch = "" if top else ("└── " if last else "├── ")
     revoked = "  [REVOKED]" if node.get("revoked") else ""
-    lines = [f"{prefix}{branch}{node['agent']}  jti {node['jti'][:12]}…{revoked}"]
+    lines = [f"{prefix}{branch}{node['agent']}  jti {shown(node['jti'])}{revoked}"]
     inner = prefix + ("" if top else ("    " if last else "│   "))
     for cap, b in sorted(node["budgets"].items()):
         parts = []

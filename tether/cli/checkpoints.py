@@ -9,7 +9,22 @@ import json
 import sys
 from typing import Any
 
-from tether.capability.errors import BAD_REQUEST, TetherError
+from tether.capability.errors import BAD_REQUEST, USAGE, TetherError
+
+
+def read_json(path: str, what: str, kind: type) -> Any:
+    """A JSON file the user named, of the kind expected (a list of records, one record, a proof), or
+    ``tether.bad_request`` naming the file and what is wrong with it."""
+    from tether.capability.shared import read_file
+
+    try:
+        value = json.loads(read_file(path, what))
+    except ValueError as exc:
+        raise TetherError(f"{what} {path} is not JSON: {exc}", code=BAD_REQUEST) from None
+    if not isinstance(value, kind):
+        expected = "a list" if kind is list else "an object"
+        raise TetherError(f"{what} {path}: expected {expected}, got {type(value).__name__}", code=BAD_REQUEST)
+    return value
 
 
 def _b64(text: str) -> bytes:
@@ -36,7 +51,7 @@ def cmd_prove(args: argparse.Namespace, c: Any) -> int:
     from urllib.parse import urlencode
 
     if not args.id:
-        raise TetherError("tether records prove RECORD_ID", code=BAD_REQUEST)
+        raise TetherError("records prove needs the record's ID", code=USAGE)
     query = {"record": args.id, **({"size": args.size} if args.size is not None else {})}
     print(json.dumps(c.request("GET", f"/v1/records/proof/inclusion?{urlencode(query)}"), indent=2))
     return 0
@@ -76,18 +91,17 @@ def cmd_verify_one(args: argparse.Namespace) -> int:
     from tether.controlplane.termination import record_hash
 
     if not (args.id and args.proof and args.checkpoint and args.trust):
-        raise TetherError("tether records verify-one RECORD.json --proof P --checkpoint C --trust F.pub",
-                          code=BAD_REQUEST)
-    record = json.loads(read_file(args.id, "record"))
-    proof = json.loads(read_file(args.proof, "proof"))
+        raise TetherError("records verify-one needs RECORD.json, --proof P, --checkpoint C and --trust F.pub",
+                          code=USAGE)
+    record = read_json(args.id, "record", dict)
+    proof = read_json(args.proof, "proof", dict)
     note = read_file(args.checkpoint, "checkpoint").decode()
     public = keys.load_public(read_file(args.trust, "trust key"), args.trust)
     problems = []
     try:
         checkpoint, _ = open_checkpoint(note, log_verifier(note, public))
     except NoteError as exc:
-        print(f"FAIL the checkpoint: {exc}")
-        return 1
+        return _verdict(args, [f"the checkpoint: {exc}"], record, None, None)
     if record_hash(record) != record.get("hash"):
         problems.append("the record's content does not match its hash (edited)")
     if proof.get("size") != checkpoint.size:
@@ -95,10 +109,22 @@ def cmd_verify_one(args: argparse.Namespace) -> int:
     elif not verify_inclusion(record_leaf(str(record.get("hash", ""))), int(proof.get("index", -1)), checkpoint.size,
                               [_b64(h) for h in proof.get("proof", [])], checkpoint.root):
         problems.append("the inclusion proof does not put this record in the log the checkpoint commits to")
+    return _verdict(args, problems, record, proof, checkpoint)
+
+
+def _verdict(args: argparse.Namespace, problems: list[str], record: dict[str, Any], proof: dict[str, Any] | None,
+             checkpoint: Any) -> int:
+    """verify-one's answer: text, or ``--json``; exit 0 when the record is in the log, 1 otherwise."""
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": not problems, "record_id": record.get("record_id"), "problems": problems,
+                          "index": proof.get("index") if proof else None,
+                          "size": checkpoint.size if checkpoint else None,
+                          "origin": checkpoint.origin if checkpoint else None}, indent=2, sort_keys=True))
+        return 0 if not problems else 1
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
         return 1
-    print(f"ok: record {record.get('record_id')} is record {proof['index']} of the {checkpoint.size} the "
-          f"checkpoint of {checkpoint.origin} commits to")
+    print(f"ok: record {record.get('record_id')} is record {proof['index'] if proof else '?'} of the "
+          f"{checkpoint.size} the checkpoint of {checkpoint.origin} commits to")
     return 0

@@ -87,12 +87,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen, 7000)
     tls = tls_context(args.tls_cert, args.tls_key)
     sso = sso_config(args)
-    cp = build(args.store, args.catalog, args.signing_key, admin_token_from_env(), lease_ttl_s=args.lease_ttl,
+    catalog = load_serving_catalog(args.catalog)  # bad input is refused before a token is made up and printed
+    token, made_up = admin_token_from_env()
+    cp = build(args.store, args.catalog, args.signing_key, token, lease_ttl_s=args.lease_ttl,
                grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None, sso=sso,
-               oidc_redirect_uri=args.oidc_redirect_uri)
+               oidc_redirect_uri=args.oidc_redirect_uri, catalog=catalog)
     configure_checkpoints(cp, args)
     cp.approvals.separation_of_duties = not args.allow_self_approval
-    stopped_by = asyncio.run(serve(cp, host, port, tls=tls))
+    # A made-up token is said once the server listens: never for a run that refused its input or its address.
+    note = (f"tether: TETHER_ADMIN_TOKEN is not set; this run's admin token is\n    export TETHER_ADMIN_TOKEN={token}"
+            if made_up else None)
+    stopped_by = asyncio.run(serve(cp, host, port, tls=tls, announce=note))
     return 130 if stopped_by == signal.SIGINT else 0  # Ctrl-C: the shell's convention; SIGTERM: a clean stop
 
 
@@ -145,7 +150,8 @@ def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return context
 
 
-def admin_token_from_env() -> str:
+def admin_token_from_env() -> tuple[str, bool]:
+    """``TETHER_ADMIN_TOKEN`` (warned about when short), or one made up for this run: (token, made up)."""
     from tether.controlplane.console.sessions import SignInThrottle
 
     token = os.environ.get("TETHER_ADMIN_TOKEN", "")
@@ -154,13 +160,8 @@ def admin_token_from_env() -> str:
             print(f"tether: TETHER_ADMIN_TOKEN is shorter than {SignInThrottle.STRONG_CHARS} characters: the console "
                   "treats it as guessable, so wrong tokens from one address hold it back too; use a longer one, or "
                   "sign in as a named operator (tether operators add)", file=sys.stderr)
-        return token
-    token = secrets.token_urlsafe(24)
-    print(
-        f"tether: TETHER_ADMIN_TOKEN is not set; this run's admin token is\n    export TETHER_ADMIN_TOKEN={token}",
-        file=sys.stderr,
-    )
-    return token
+        return token, False
+    return secrets.token_urlsafe(24), True
 
 
 def configure_checkpoints(cp: ControlPlane, args: argparse.Namespace) -> None:
@@ -200,12 +201,14 @@ def sso_config(args: argparse.Namespace) -> SsoConfig | None:
 
 def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin_token: str,
           rate_window_s: float | None = None, tls: bool = False, sso: SsoConfig | None = None,
-          oidc_redirect_uri: str | None = None, **options: float) -> ControlPlane:
+          oidc_redirect_uri: str | None = None, catalog: Catalog | None = None, **options: float) -> ControlPlane:
+    """``catalog``: already loaded from ``catalog_path`` (else it is loaded here)."""
     from tether.controlplane import console
     from tether.controlplane.app import ControlPlane
     from tether.controlplane.store import open_store_url
 
-    catalog = load_serving_catalog(catalog_path)  # before any file is created: bad input leaves nothing behind
+    if catalog is None:
+        catalog = load_serving_catalog(catalog_path)  # before any file is created: bad input leaves nothing behind
     store = open_store_url(store_url)
     cp = ControlPlane(store, load_or_create_signing_key(signing_key_path), catalog, admin_token,
                       budget_window_s=rate_window_s, signing_key_source=signing_key_path, **options)
@@ -222,8 +225,9 @@ def build(store_url: str, catalog_path: str | None, signing_key_path: str, admin
 
 
 async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | None = None,
-                tls: ssl.SSLContext | None = None) -> int:
-    """Serve until SIGTERM or SIGINT (over TLS with ``tls``); returns the signal that stopped it."""
+                tls: ssl.SSLContext | None = None, announce: str | None = None) -> int:
+    """Serve until SIGTERM or SIGINT (over TLS with ``tls``); returns the signal that stopped it. ``announce`` is
+    printed once it listens."""
     from aiohttp import web
 
     runner = web.AppRunner(cp.app(), access_log=None, shutdown_timeout=1.0)
@@ -240,6 +244,8 @@ async def serve(cp: ControlPlane, host: str, port: int, ready: asyncio.Event | N
         file=sys.stderr,
         flush=True,
     )
+    if announce:
+        print(announce, file=sys.stderr, flush=True)
     if tls is None:
         print(f"tether: the console (/ui/) is served over plain HTTP: browsers send its session cookie to every port "
               f"of {host} (cookies are scoped by host, not port), so any process listening on one can read a "

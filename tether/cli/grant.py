@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .remote import add_controlplane, client, signer_from
-from .text import caps_text
+from .text import caps_text, iso, print_json, styled
 
 CAP_METAVAR = "NAME=TIER[,calls=N][,per_minute=M]"
 
@@ -31,6 +31,7 @@ def add_grant(sub: Any) -> None:
     add_grant_delegate(grant)
     add_grant_register(grant)
     add_grant_verify(grant)
+    add_grant_proof(grant)
 
 
 def add_grant_issue(sub: Any) -> None:
@@ -72,12 +73,32 @@ def add_grant_register(sub: Any) -> None:
 
 
 def add_grant_verify(sub: Any) -> None:
-    p = sub.add_parser("verify", help="verify a chain: exit 0 valid, 1 invalid (code printed)")
+    p = sub.add_parser("verify", help="verify a chain: exit 0 valid, 1 invalid (code printed)",
+                       description="Verify a chain: online at a control plane (signatures, dates, narrowing and its "
+                       "revocations), or offline against the control plane's public key (--trust; revocations only "
+                       "as given with --revoked). Exit 0 valid, 1 invalid with the code and reason.")
     p.add_argument("--chain", required=True, metavar="F", help="the chain to verify")
     p.add_argument("--trust", metavar="F.pub", help="verify offline against this control plane key")
-    p.add_argument("--revoked", nargs="*", metavar="JTI", help="offline: treat these links as revoked")
+    p.add_argument("--revoked", nargs="*", metavar="JTI",
+                   help="offline: treat these links as revoked (jtis, or unique prefixes of 8+ hex characters)")
+    p.add_argument("--json", action="store_true", help="print the verdict as JSON (exit status as without it)")
     add_controlplane(p, "verify online at this control plane (when --trust is not given)")
     p.set_defaults(func=cmd_grant_verify)
+
+
+def add_grant_proof(sub: Any) -> None:
+    p = sub.add_parser("proof", help="print a Tether-Proof header for one request, signed as the chain's holder",
+                       description="Sign one control-plane request as the holder of --chain (what a sidecar does "
+                       "for every request it makes) and print the Tether-Proof header's value. A proof is good "
+                       "once, within 60 s, for exactly this method, path (with its query) and body: curl -H "
+                       "\"Tether-Proof: $(tether grant proof --chain F --key K /v1/events?after=-1)\" "
+                       "$TETHER_CONTROLPLANE/v1/events?after=-1")
+    p.add_argument("path", help="the request's path and query string, as sent (/v1/events?after=-1)")
+    p.add_argument("--chain", required=True, metavar="F", help="the chain you hold")
+    p.add_argument("--key", required=True, metavar="F", help="your private key (the chain leaf's subject)")
+    p.add_argument("--method", default="GET", help="the request's method")
+    p.add_argument("--data", default="", metavar="BODY", help="the request's body, exactly as it will be sent")
+    p.set_defaults(func=cmd_grant_proof)
 
 
 # -- commands --------------------------------------------------------------------------------------------
@@ -166,33 +187,79 @@ def cmd_grant_register(args: argparse.Namespace) -> int:
 
 def cmd_grant_verify(args: argparse.Namespace) -> int:
     from tether.capability import keys
-    from tether.capability.chain import LEEWAY_S, Verifier
-    from tether.capability.errors import BAD_REQUEST, ChainError, TetherError
+    from tether.capability.chain import LEEWAY_S, Verifier, parse_chain_unverified
+    from tether.capability.errors import USAGE, ChainError, TetherError
     from tether.capability.shared import read_chain, read_file
 
     wire = read_chain(args.chain)
     if args.controlplane and not args.trust:
         result = client(args).request("POST", "/v1/chains/verify", {"chain": wire}, admin=False)
+        if args.json:
+            print_json({**result, "checked": "online", "revocation_checked": True})
+            return 0 if result["valid"] else 1
         if not result["valid"]:
             err = result["error"]
-            print(f"invalid: {err['code']} ({err.get('reason', '')}): {err['message']}")
+            print(f"{styled('invalid', 'red', sys.stdout)}: {err['code']} ({err.get('reason', '')}): {err['message']}")
             return 1
-        print(f"valid: {result['agent']} holds {caps_text(result['caps'])}; "
+        print(f"{styled('valid', 'green', sys.stdout)}: {result['agent']} holds {caps_text(result['caps'])}; "
+              f"expires {iso(result.get('exp'))}; "
               f"registered: {'yes' if result['registered'] else 'no'}")
         return 0
     if not args.trust:
-        raise TetherError("give --trust CONTROLPLANE.pub (offline) or --controlplane URL", code=BAD_REQUEST)
+        raise TetherError("give --trust CONTROLPLANE.pub (offline) or --controlplane URL", code=USAGE)
     trust = keys.load_public(read_file(args.trust, "trust key"), args.trust)
+    revoked = revoked_in_chain(args.revoked or [], [link.jti for link in parse_chain_unverified(wire)])
+    now = time.time()
     try:
-        verified = Verifier(trust).verify(wire, now=time.time(), revoked=set(args.revoked or []))
+        verified = Verifier(trust).verify(wire, now=now, revoked=revoked)
     except ChainError as exc:
-        print(f"invalid: {exc.code} ({exc.reason}): {exc.message}")
+        if args.json:
+            print_json({"valid": False, "error": exc.to_dict(), "checked": "offline",
+                        "revocation_checked": args.revoked is not None})
+            return 1
+        print(f"{styled('invalid', 'red', sys.stdout)}: {exc.code} ({exc.reason}): {exc.message}")
         return 1
-    print(f"valid: {verified.agent} holds {caps_text(verified.leaf.claims['caps'])}; "
-          f"expires in {verified.exp - time.time():.0f}s (leeway {LEEWAY_S}s)")
+    if args.json:
+        print_json({"valid": True, "agent": verified.agent, "caps": dict(verified.leaf.claims["caps"]),
+                    "exp": verified.exp, "jtis": list(verified.jtis), "checked": "offline",
+                    "revocation_checked": args.revoked is not None, "revoked_given": sorted(revoked)})
+        return 0
+    print(f"{styled('valid', 'green', sys.stdout)}: {verified.agent} holds {caps_text(verified.leaf.claims['caps'])}; "
+          f"expires {iso(verified.exp)} (in {verified.exp - now:.0f}s, leeway {LEEWAY_S}s)")
     if args.revoked is None:
         # Offline, the signatures and dates are all that can be checked: say so, or "valid" reads as "usable".
         print("note: offline check: no revocation list was consulted (give --revoked JTI... or --controlplane URL)")
     else:
         print(f"revocation: checked against the {len(set(args.revoked))} jti(s) given with --revoked only")
+    return 0
+
+
+def revoked_in_chain(given: list[str], chain_jtis: list[str]) -> set[str]:
+    """``--revoked`` as the jtis they name: a prefix (8+ hex characters) stands for the one link of this chain
+    whose jti it begins (several: ``tether.jti_ambiguous``); one that begins none is kept as given (it revokes
+    nothing of this chain)."""
+    from tether.capability import jti
+
+    out: set[str] = set()
+    for text in given:
+        name = jti.check_prefix(text)
+        mine = [j for j in chain_jtis if j.startswith(name)]
+        out.add(jti.resolve(name, mine) if mine else name)
+    return out
+
+
+def cmd_grant_proof(args: argparse.Namespace) -> int:
+    import time
+
+    from tether.capability.errors import BAD_REQUEST, TetherError
+    from tether.capability.proof import make_proof
+
+    from .remote import signer_from
+
+    if not args.path.startswith("/"):
+        raise TetherError(f"the path is the request's path from its first /, such as /v1/events?after=-1 (got "
+                          f"{args.path!r})", code=BAD_REQUEST)
+    signer = signer_from(args.chain, args.key)
+    print(make_proof(signer.key, agent=signer.agent, method=args.method, path=args.path,
+                     body=args.data.encode(), now=time.time(), link=signer.link))
     return 0

@@ -13,13 +13,16 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from . import (
     agents,
     audit,
     budgets,
     capture,
+    completion,
     controlplane,
+    example,
     grant,
     keys,
     login,
@@ -45,12 +48,52 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class Parser(argparse.ArgumentParser):
-    """Sub-parsers share the formatter; an unknown command lists the ones there are."""
+COMMAND_PARSER = "_command_parser"  # the namespace's note of the (innermost) command that was chosen
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+
+class Commands(argparse._SubParsersAction):
+    """A command's parser, chosen: arguments it does not know are its error (with its own usage, not the top
+    level's), and its one-line help is its description too unless it has a longer one."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if kwargs.get("help") and "description" not in kwargs:
+            text = str(kwargs["help"])
+            kwargs["description"] = text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+        return super().add_parser(name, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        chosen = self._name_parser_map.get(values[0]) if values else None
+        super().__call__(parser, namespace, values, option_string)
+        if chosen is None:
+            return
+        if not hasattr(namespace, COMMAND_PARSER):  # an inner command (grant issue) noted itself first
+            setattr(namespace, COMMAND_PARSER, chosen)
+        extras = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if extras:
+            delattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR)
+            getattr(namespace, COMMAND_PARSER).error(f"unrecognized arguments: {' '.join(extras)}")
+
+
+class Parser(argparse.ArgumentParser):
+    """Sub-parsers share the formatter and the ``Commands`` action; a usage error prints the usage of the command
+    it is about and one line with a code (``tether.usage``), exit 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", Commands)
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(self, message)
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    from tether.capability.errors import USAGE
+
+    parser.print_usage(sys.stderr)
+    print(f"error: {USAGE}: {parser.prog}: {message} (see {parser.prog} --help)", file=sys.stderr)
+    sys.exit(2)
 
 
 def add_demo(sub: argparse._SubParsersAction) -> None:
@@ -69,10 +112,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="tether", description="Make a fleet of AI agents stoppable.")
+    parser = Parser(prog="tether", description="Make a fleet of AI agents stoppable.",
+                    epilog="Each command describes itself: tether COMMAND --help. Listings and verdicts take --json; "
+                    "errors start with a stable code (docs/cli.md). Shell completion: tether completion bash|zsh|tcsh.")
     parser.add_argument("--version", action="version", version=f"tether {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     add_demo(sub)
+    example.add_example(sub)
     controlplane.add_controlplane_group(sub)
     sidecar.add_sidecar(sub)
     run.add_run(sub)
@@ -93,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     operators.add_operators(sub)
     login.add_login(sub)
     witness.add_witness(sub)
+    completion.add_completion(sub)
     return parser
 
 
@@ -106,14 +153,17 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tether.capability.errors import TetherError
+    from tether.capability.errors import USAGE, TetherError
 
+    args = None
     try:
-        args = build_parser().parse_args(argv)  # bad usage: argparse says so and exits 2
+        args = build_parser().parse_args(argv)  # bad usage: the command's usage and tether.usage, exit 2
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a reader that left is a BrokenPipeError we handle, not at exit
         return code
     except TetherError as exc:
+        if exc.code == USAGE and getattr(args, COMMAND_PARSER, None) is not None:
+            getattr(args, COMMAND_PARSER).print_usage(sys.stderr)
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -122,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_stdout()
         return 141
     except OSError as exc:  # a file or socket the user named: no traceback for what they can fix
-        print(f"error: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", file=sys.stderr)
+        from tether.capability.errors import IO_FAILED
+
+        print(f"error: {IO_FAILED}: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}",
+              file=sys.stderr)
         return 2
 
 

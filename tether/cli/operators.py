@@ -10,7 +10,7 @@ from typing import Any
 from tether.capability.errors import BAD_REQUEST, TetherError
 
 from .remote import add_controlplane, client, path_segment
-from .text import print_json, when
+from .text import print_json, table, when
 
 ROLES = ("viewer", "approver", "responder", "admin")  # tether/controlplane/auth.py ROLES
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -78,12 +78,14 @@ def print_list(docs: list[dict]) -> None:
     if not docs:
         print("no operators (the bootstrap admin, TETHER_ADMIN_TOKEN, is always one)")
         return
-    print(f"{'NAME':<20} {'STATUS':<8} {'ROLES':<30} {'EXPIRES':<20} LAST CHANGE")
+    rows = []
     for d in docs:
         last = d["history"][-1] if d["history"] else None
         change = f"{last['action']} by {last['operator']} ({last['via']}) {when(last['at'])}" if last else ""
         expires = when(d["expires_at"]) if d.get("expires_at") else "never"
-        print(f"{d['name']:<20} {d['status']:<8} {', '.join(d['roles']):<30} {expires:<20} {change}")
+        rows.append([d["name"], d["status"], ", ".join(d["roles"]), expires, change])
+    for line in table(["NAME", "STATUS", "ROLES", "EXPIRES", "LAST CHANGE"], rows):
+        print(line)
 
 
 def _expiry(doc: dict) -> str:

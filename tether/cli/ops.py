@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from typing import Any
 
-from tether.capability.errors import BAD_REQUEST, TetherError
+from tether.capability.errors import USAGE, TetherError
 from tether.capability.errors import escape_unprintable as printable
 
 from .remote import add_controlplane, client, path_segment, signer_from
-from .text import ago
+from .text import ago, styled, table
 from .text import print_json as _print_json
 from .text import when as _when
 
 
 # -- parsers ---------------------------------------------------------------------------------------------
 def add_terminate(sub: Any) -> None:
-    p = sub.add_parser("terminate", help="terminate an agent and its whole subtree")
+    p = sub.add_parser("terminate", help="terminate an agent and its whole subtree",
+                       description="Terminate an agent and its whole delegation subtree: every link is revoked at "
+                       "once, each sidecar drains (in-flight calls may finish within --window) or aborts, "
+                       "acknowledges, and a signed reconciliation record says what became of every call. With "
+                       "--wait it follows the termination (agents acknowledged, calls in flight, time left in the "
+                       "window; on a terminal one line kept current) and prints the record; exit 1 when an agent "
+                       "stays unaccounted. Ctrl-C stops following, never the termination.")
     add_controlplane(p)
     p.add_argument("agent", help="the agent whose subtree ends")
     p.add_argument("--mode", choices=["drain", "abort"], default="drain",
@@ -27,7 +33,8 @@ def add_terminate(sub: Any) -> None:
     p.add_argument("--reason", default="", help="kept in the record")
     p.add_argument("--chain", metavar="F", help="act as an ancestor principal holding this chain (needs --key)")
     p.add_argument("--key", metavar="F", help="the private key of --chain's leaf")
-    p.add_argument("--wait", action="store_true", help="wait until terminated and print the record")
+    p.add_argument("--wait", action="store_true",
+                   help="follow it until terminated (progress on stderr) and print the record")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_terminate)
 
@@ -78,9 +85,9 @@ def add_records(sub: Any) -> None:
 def cmd_terminate(args: argparse.Namespace) -> int:
     c = client(args)
     signer = None
+    if bool(args.chain) != bool(args.key):
+        raise TetherError("--chain needs --key" if args.chain else "--key goes with --chain", code=USAGE)
     if args.chain:
-        if not args.key:
-            raise TetherError("--chain needs --key", code=BAD_REQUEST)
         signer = signer_from(args.chain, args.key)
     body = {"mode": args.mode, "window_s": args.window, "reason": args.reason}
     doc = c.request("POST", f"/v1/agents/{path_segment(args.agent)}/terminate", body, signer=signer)
@@ -93,19 +100,91 @@ def cmd_terminate(args: argparse.Namespace) -> int:
                   f"({', '.join(doc['agents'])}); window {args.window:g}s")
             print(f"follow it with: tether terminations {tid}")
         return 0
-    state = doc["state"]
-    while state != "terminated":
-        time.sleep(0.3)
-        doc = c.request("GET", f"/v1/terminations/{tid}", signer=signer)
-        if doc["state"] != state and not args.json:
-            print(f"  {tid}: {doc['state']}")
-        state = doc["state"]
+    print(f"termination {tid}: {args.mode} of {args.agent} and {len(doc['agents']) - 1} descendant(s), window "
+          f"{args.window:g}s", file=sys.stderr, flush=True)
+    try:
+        follow(c, tid, signer, Progress(sys.stderr))
+    except KeyboardInterrupt:
+        print(f"tether: stopped following; termination {tid} continues on the control plane (the subtree stays "
+              f"revoked and the record is written when it ends): tether terminations {tid}", file=sys.stderr,
+              flush=True)
+        return 130
     record = c.request("GET", f"/v1/records/{tid}", signer=signer)
     if args.json:
         _print_json(record)
     else:
         print_record_summary(record)
     return 0 if not record["agents_unaccounted"] else 1
+
+
+def follow(c: Any, tid: str, signer: Any, progress: Progress, every_s: float = 0.3) -> dict:
+    """Poll a termination until it is terminated, showing its progress; returns its last view."""
+    while True:
+        doc = c.request("GET", f"/v1/terminations/{tid}", signer=signer)
+        progress.show(doc)
+        if doc["state"] == "terminated":
+            progress.done()
+            return doc
+        time.sleep(every_s)
+
+
+def progress_text(doc: dict) -> str:
+    """One termination's progress as one line (under the line naming it): its state, agents acknowledged of all,
+    calls in flight, and the time left in the window (then in the grace that follows it)."""
+    total = len(doc.get("agents") or [])
+    acked = len(doc.get("acknowledged") or [])
+    parts = [f"  {doc['state']}: {acked}/{total} agents acknowledged"]
+    if doc["state"] in ("draining", "aborting", "requested"):
+        parts.append(f"{doc.get('calls_in_flight', 0)} call(s) in flight")
+        left = doc.get("remaining_s")
+        if left is not None and left > 0:
+            parts.append(f"{left:.0f}s left in the {doc['window_s']:g}s window")
+        elif doc.get("waiting_for"):
+            parts.append(f"window over, waiting up to {doc.get('grace_s', 0):g}s more for "
+                         f"{', '.join(doc['waiting_for'])}")
+    if doc.get("never_ran") and doc["state"] != "terminated":
+        parts.append(f"never ran a sidecar: {', '.join(doc['never_ran'])}")
+    return ", ".join(parts)
+
+
+class Progress:
+    """Where ``terminate --wait`` says how it goes: on a terminal one line rewritten in place; elsewhere (a file,
+    a pipe, CI's log) a plain line whenever something changes, and at least every ``quiet_s`` while waiting."""
+
+    def __init__(self, stream: Any, quiet_s: float = 5.0) -> None:
+        self.stream = stream
+        self.live = bool(getattr(stream, "isatty", None) and stream.isatty())
+        self.quiet_s = quiet_s
+        self.said: tuple | None = None
+        self.said_at = 0.0
+        self.width = 0
+
+    def show(self, doc: dict) -> None:
+        text = progress_text(doc)
+        if self.live:
+            text = text[:self.columns() - 1]  # a wrapped line cannot be rewritten
+            self.stream.write("\r" + text.ljust(self.width) + "\r" + text)  # rewritten: no escape codes needed
+            self.width = len(text)
+            self.stream.flush()
+            return
+        changed = (doc["state"], tuple(doc.get("acknowledged") or ()), doc.get("calls_in_flight"))
+        if changed != self.said or time.monotonic() - self.said_at >= self.quiet_s:
+            print(text, file=self.stream, flush=True)
+            self.said, self.said_at = changed, time.monotonic()
+
+    def columns(self) -> int:
+        import os
+
+        try:
+            width = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError):
+            width = 0
+        return width if width >= 20 else 80
+
+    def done(self) -> None:
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def cmd_terminations(args: argparse.Namespace) -> int:
@@ -122,6 +201,9 @@ def cmd_terminations(args: argparse.Namespace) -> int:
         print(f"  acknowledged: {', '.join(doc['acknowledged']) or 'none yet'}")
         if doc["waiting_for"] and doc["state"] != "terminated":
             print(f"  waiting for: {', '.join(doc['waiting_for'])}")
+            print(f"  calls in flight: {doc.get('calls_in_flight', 0)}; window left: {doc.get('remaining_s', 0):.0f}s")
+        if doc.get("never_ran"):
+            print(f"  never ran a sidecar (not waited for): {', '.join(doc['never_ran'])}")
         if doc.get("record_id"):
             print(f"  record: {doc['record_id']}  (tether records show {doc['record_id']})")
         return 0
@@ -129,17 +211,20 @@ def cmd_terminations(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(docs)
         return 0
-    for doc in docs:
-        print(f"{doc['id']}  {doc['state']:<12} {doc['mode']:<6} {doc['subject']:<20} {_when(doc['requested_at'])}")
     if not docs:
         print("no terminations")
+        return 0
+    rows = [[d["id"], d["state"], d["mode"], d["subject"], f"{d['window_s']:g}s", _when(d["requested_at"]),
+             d.get("record_id") or "-"] for d in docs]
+    for line in table(["TERMINATION", "STATE", "MODE", "SUBJECT", "WINDOW", "REQUESTED", "RECORD"], rows):
+        print(line)
     return 0
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:
     c = client(args)
     if args.action in ("show", "approve", "deny") and not args.id:
-        raise TetherError(f"tether approvals {args.action} ID", code=BAD_REQUEST)
+        raise TetherError(f"approvals {args.action} needs the approval's ID (tether approvals lists them)", code=USAGE)
     if args.action == "show":
         doc = c.request("GET", f"/v1/approvals/{args.id}")
         if args.json:
@@ -260,7 +345,7 @@ def print_record_summary(record: dict, all_calls: bool = False) -> None:
     confirmed = [_confirmed_text(entry, record.get("acknowledgements", {})) for entry in record["agents_terminated"]]
     print(f"  agents terminated (confirmed by their sidecars): {', '.join(confirmed) or 'none'}")
     if record["agents_unaccounted"]:
-        print("  agents UNACCOUNTED (no acknowledgement):")
+        print(f"  agents {styled('UNACCOUNTED', 'red', sys.stdout)} (no acknowledgement):")
         for a in record["agents_unaccounted"]:
             print(f"    {a['agent']}: last seen {_when(a['last_seen'])}, "
                   f"{len(a['calls_in_flight_last_known'])} call(s) last known in flight, "
@@ -288,7 +373,7 @@ def cmd_records(args: argparse.Namespace) -> int:
         return checkpoints.cmd_checkpoint(args, c, public)
     if args.action == "verify":
         if args.file:
-            records = json.loads(read_file(args.file, "records"))
+            records = checkpoints.read_json(args.file, "records", list)  # as saved from /v1/records
         else:
             records = c.request("GET", "/v1/records")
         if args.trust:
@@ -300,17 +385,22 @@ def cmd_records(args: argparse.Namespace) -> int:
         if args.checkpoint:
             note = read_file(args.checkpoint, "checkpoint").decode()
             problems += checkpoints.check_against(records, note, public, args.witness_key)
+        if args.json:
+            _print_json({"ok": not problems, "records": result.count, "problems": problems,
+                         "checkpoint": args.checkpoint, "source": args.file or c.url})
+            return 0 if not problems else 1
         for problem in problems:
-            print(f"FAIL {problem}")
+            print(f"{styled('FAIL', 'red', sys.stdout)} {problem}")
         if not problems:
             against = f"; exactly the log the checkpoint {args.checkpoint} commits to" if args.checkpoint else ""
-            print(f"ok: {result.count} record(s), hash chain intact, every signature valid{against}")
+            print(f"{styled('ok', 'green', sys.stdout)}: {result.count} record(s), hash chain intact, every signature "
+                  f"valid{against}")
             return 0
         print(f"the record log does not verify ({len(problems)} problem(s))")
         return 1
     if args.action == "show":
         if not args.id:
-            raise TetherError("tether records show ID", code=BAD_REQUEST)
+            raise TetherError("records show needs the record's ID (tether records lists them)", code=USAGE)
         record = c.request("GET", f"/v1/records/{args.id}")
         if args.json:
             _print_json(record)
@@ -323,9 +413,10 @@ def cmd_records(args: argparse.Namespace) -> int:
         return 0
     if not records:
         print("no records")
-    for r in records:
-        kind = f"addendum to {r['amends']}" if r.get("amends") else ""
-        print(f"{r['record_id']}  {r['termination_id']}  {r['mode']:<6} {r['subject']:<18} "
-              f"calls {len(r['calls']):<4} unaccounted {len(r['agents_unaccounted'])}  {_when(r['completed_at'])}"
-              f"  {kind}")
+        return 0
+    rows = [[r["record_id"], r.get("termination_id") or "-", r.get("mode") or r.get("kind") or "-",
+             r.get("subject") or "-", str(len(r.get("calls") or [])), str(len(r.get("agents_unaccounted") or [])),
+             _when(r.get("completed_at")), f"addendum to {r['amends']}" if r.get("amends") else ""] for r in records]
+    for line in table(["RECORD", "TERMINATION", "MODE", "SUBJECT", "CALLS", "UNACCOUNTED", "COMPLETED", ""], rows):
+        print(line)
     return 0

@@ -47,3 +47,12 @@ def path_segment(value: str) -> str:
     names that id (and gets a clean "not found") instead of another route."""
     segment = quote(value, safe=":")
     return segment.replace(".", "%2E") if segment in (".", "..") else segment  # never a dot segment
+
+
+def check_jti(text: str) -> str:
+    """A jti as typed (or copied from a listing, ellipsis and all), checked before anything is sent: the whole
+    jti, or a prefix of at least 8 hex characters the control plane resolves (``tether.jti_ambiguous`` when it
+    begins several links' jtis)."""
+    from tether.capability.jti import check_prefix
+
+    return check_prefix(text)

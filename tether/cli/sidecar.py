@@ -25,6 +25,8 @@ from .process import wait_for_signal
 from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 
 if TYPE_CHECKING:
+    import logging
+
     from tether.proxy.sidecar import SidecarConfig
 
 RETIRED = 3  # the exit status of a sidecar whose chain was revoked or expired before it could serve
@@ -186,6 +188,14 @@ def setup_logging(stream: Any = None) -> None:
     logging.basicConfig(level=os.environ.get("TETHER_LOG", "INFO").upper(), stream=stream or sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+    logging.getLogger("tether.sidecar").addFilter(said_by_status)
+
+
+def said_by_status(record: logging.LogRecord) -> bool:
+    """Drop the sidecar's own log line for an unreachable control plane at start-up: ``keep_trying`` says it
+    (``tether: waiting for the control plane at URL ...``), with the URL, how long and what to do, and a log
+    line in another format before it only said the same thing less well."""
+    return not str(record.msg).startswith("waiting for the control plane")
 
 
 def status(text: str) -> None:

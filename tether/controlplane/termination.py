@@ -1,6 +1,6 @@
 """The termination protocol as a pure state machine, and the reconciliation record it ends in.
 
-States (DESIGN.md section 6)::
+States (docs/contract.md section 6)::
 
     requested -> draining  -> reconciling -> terminated
     requested -> aborting  -> reconciling -> terminated
@@ -107,18 +107,24 @@ def _moved(doc: Doc, state: str, now: float, **changes: Any) -> Doc:
     }
 
 
-def advance(doc: Doc, acked: Iterable[str], now: float, *, not_before: float = 0.0) -> Step:
+def advance(doc: Doc, acked: Iterable[str], now: float, *, not_before: float = 0.0,
+            never_ran: Iterable[str] = ()) -> Step:
     """One step of the protocol. ``acked``: agents whose sidecar runs all acknowledged quiescence.
 
     ``not_before``: the earliest time an overdue termination may reconcile with agents still silent. A
     control plane that was down past a window gives sidecars a short reconnection grace after it restarts
-    (they could not acknowledge while it was away), so one restart with everyone alive gives one record."""
+    (they could not acknowledge while it was away), so one restart with everyone alive gives one record.
+
+    ``never_ran``: agents of the termination with no sidecar run at all. Nothing is waited for from them: no
+    call of theirs can be in flight (only a sidecar forwards), and their links are revoked in the first step,
+    so no run of theirs can start serving later. The record still lists them unaccounted (nothing confirmed
+    them); only the window and grace are not spent waiting for an acknowledgement that cannot come."""
     state = doc["state"]
     if state == REQUESTED:
         nxt = DRAINING if doc["mode"] == "drain" else ABORTING
         return Step(_moved(doc, nxt, now), (REVOKE_SUBTREE, DENY_APPROVALS, SEND_COMMANDS))
     if state in (DRAINING, ABORTING):
-        waiting = set(doc["agents"]) - set(acked)
+        waiting = set(doc["agents"]) - set(acked) - set(never_ran)
         if not waiting or now >= max(doc["deadline"] + doc["grace_s"], not_before):
             return Step(_moved(doc, RECONCILING, now), (WRITE_RECORD,))
         return Step(doc, ())
@@ -158,7 +164,8 @@ def _in_order(reports: list[Doc]) -> list[Doc]:
     return sorted(reports, key=in_order_key)
 
 
-def _call_entry(report: Doc) -> Doc:
+def call_entry(report: Doc) -> Doc:
+    """What a record lists of a reported call (a pure function of the stored report, which never changes)."""
     entry = {f: report.get(f) for f in RECORD_FIELDS}
     for extra in ("ended_at", "code", "termination_id", "run_id", "reissue_of"):
         if report.get(extra) is not None:
@@ -262,11 +269,26 @@ class RecordBuilder:
                 if self._other(owner):  # this termination's own earlier record: an addendum ``amends`` it
                     self.held[owner] = self.held.get(owner, 0) + 1
                 continue
-            entries.append(_call_entry(report))
+            entries.append(call_entry(report))
             if not self.foreseen:
                 self._unknown_there(report["call_id"], unknown_in)
         self.listed += len(entries)
         return entries
+
+    def count(self, staged: Iterable[str], holders: Mapping[str, Holders]) -> None:
+        """Account for a page the store staged itself (``Store.stage_reports``): ``staged``, the ids of the calls
+        it listed; ``holders``, what the log says of every call of the page it knows (those held as reported
+        were left out). The same accounting as ``take``. A holder not in ``log`` is a record appended since
+        ``log`` was read: this record's append on the old head fails, and it is built again."""
+        for owner, _ in holders.values():
+            if owner is not None and owner in self.position and self._other(owner):
+                self.held[owner] = self.held.get(owner, 0) + 1
+        n = 0
+        for call_id in staged:
+            n += 1
+            if not self.foreseen:
+                self._unknown_there(call_id, holders.get(call_id, (None, ()))[1])
+        self.listed += n
 
     def _unknown_there(self, call_id: str, unknown_in: Iterable[str]) -> None:
         for rid in unknown_in:
@@ -353,6 +375,12 @@ def record_pieces(header: Mapping[str, Any], entries: Iterable[str]) -> Iterator
     for i, entry in enumerate(entries):
         yield ("," + entry) if i else entry
     yield closing
+
+
+def entry_text(report: Doc) -> str:
+    """A reported call's entry in a record, as its canonical JSON text: what a store keeps beside each report
+    when it arrives, so writing a record copies entries and never encodes one."""
+    return encode_entry(call_entry(report))
 
 
 def encode_entry(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""tether's behaviour inside mitmproxy, as addons with one concern each (STYLE.md).
+"""tether's behaviour inside mitmproxy, as addons with one concern each (docs/contract.md section 12).
 
 Order matters and is fixed by ``proxy.sidecar``: Tracker (opens a call for every request), the enforcement
 addons of ``proxy.enforce`` (decide, hold, forward), McpFilter (hides ungranted MCP items; a refused JSON-RPC
@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mitmproxy import http
@@ -25,7 +25,7 @@ from . import mcp
 from .capture import CaptureWriter
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
-from .mcpcalls import McpCalls
+from .mcpcalls import ITEM_METHODS, McpCalls
 from .state import Call, Refusal, error_resolution
 
 log = logging.getLogger("tether.sidecar")
@@ -129,6 +129,9 @@ class Resolver:
         self.resolve(call, resolution, detail=detail, code=state.aborted)
 
 
+OFFLOAD_BYTES = 64 * 1024  # MCP answers from this size on are parsed in a worker thread
+
+
 class McpFilter:
     """What the agent does not hold does not exist: ungranted tools, resources, resource templates and prompts
     are removed from every list result, JSON or SSE; a resources/updated notification about an ungranted
@@ -177,6 +180,15 @@ class McpFilter:
     def _lists_items(flow: http.HTTPFlow) -> bool:
         return any(method in mcp.LISTS for method in state_of(flow).mcp_methods or [])
 
+    @staticmethod
+    def _only_lists(flow: http.HTTPFlow) -> bool:
+        """A POST of one list request: its answer is the list (and what precedes it), with no other request's
+        messages to wait for, so it is read whole and parsed away from the event loop, SSE or JSON."""
+        methods = state_of(flow).mcp_methods or []
+        parsed = state_of(flow).mcp_parsed
+        return flow.request.method == "POST" and parsed is not None and not parsed.batch and len(methods) == 1 \
+            and methods[0] in mcp.LISTS
+
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         # Ask for answers tether reads without decompressing: servers that honour it answer in identity, and
         # the filter stays cheap. A server that compresses anyway is decoded below (or refused).
@@ -193,7 +205,7 @@ class McpFilter:
             return
         self._sessions(flow, server, resp)
         media = mcp.media_type(resp.headers.get("content-type", ""))
-        if media != mcp.SSE:
+        if media != mcp.SSE or self._only_lists(flow):
             if self._lists_items(flow) or is_listen(flow):
                 state.no_stream = True  # read whole and filtered in response()
             return
@@ -211,37 +223,71 @@ class McpFilter:
         if flow.request.http_version == "HTTP/1.1" and "transfer-encoding" not in resp.headers:
             resp.headers["transfer-encoding"] = "chunked"
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    def response(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         state = state_of(flow)
         server = state.mcp_server
         resp = flow.response
         if server is None or resp is None or state.refused is not None:
-            return
+            return None
         if resp.stream:
             sse = state.mcp_sse
             call = state.call
             if sse is not None and (sse.broken or sse.dropped) and call is not None:
                 call.detail = f"list filter: {sse.broken or f'{sse.dropped} unreadable events dropped'}"
-            return
+            return None
         # An answer to a request that lists items (or to a listen GET) must be read when it is JSON or succeeded;
         # an error status with a body that is not JSON carries no list for any JSON-RPC client.
         asks = self._lists_items(flow) or is_listen(flow)
         media = mcp.media_type(resp.headers.get("content-type", ""))
+        sse = media == mcp.SSE and self._only_lists(flow)
         if not asks and not mcp.is_json(media):
-            return
-        lists = asks and (mcp.is_json(media) or 200 <= resp.status_code < 300)
+            return None
+        lists = asks and (mcp.is_json(media) or sse or 200 <= resp.status_code < 300)
+        if not (resp.raw_content or b"").strip():
+            return None  # nothing to filter (202 Accepted, 204)
+        if not mcp.is_json(media) and not sse:
+            if lists:
+                self._refuse_answer(flow, f"the answer is {media or 'untyped'}, neither JSON nor SSE")
+            return None  # an unreadable answer to anything else holds no list for the client either
+        return self._filter_whole(flow, server, sse, lists)
+
+    async def _filter_whole(self, flow: http.HTTPFlow, server: str, sse: bool, lists: bool) -> None:
+        """Decode and parse a whole answer in a worker thread, in pieces (``mcp.read_answer``: a 10 MB list parsed
+        in one call would hold the event loop, and every other call of the sidecar, for its length), and filter it
+        (``mcp.filter_answer``): there too when the body holds no item call (its filter only reads), here for
+        any other (its observer binds tasks and rounds in the ledger, which lives on the loop)."""
+        resp = flow.response
+        assert resp is not None
         try:
             codings = mcp.content_codings(resp.headers.get("content-encoding", ""))
-            body = mcp.decode_body(resp.raw_content or b"", codings)
-            if not body.strip():
-                return  # nothing to filter (202 Accepted, 204)
-            if not mcp.is_json(media):
-                raise mcp.Unreadable(f"the answer is {media or 'untyped'}, neither JSON nor SSE")
-            body, removed = mcp.filter_json_body(body, self._allowed(server, flow))
+            raw, visible = resp.raw_content or b"", self._allowed(server, flow)
+            # The filter's observer writes the ledger only for item calls' answers (tasks, rounds): without one
+            # in the body, the whole filter may run in the thread too.
+            reads_only = not any(m in ITEM_METHODS for m in state_of(flow).mcp_methods or [])
+
+            def work() -> mcp.ReadAnswer | tuple[bytes, int, mcp.SseListsFilter]:
+                read = mcp.read_answer(mcp.decode_body(raw, codings), sse)
+                return mcp.filter_answer(read, visible) if reads_only and read.body.strip() else read
+
+            # A small answer parses in less time than a thread hop takes: here.
+            done = work() if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(work)
+            if isinstance(done, mcp.ReadAnswer):
+                if not done.body.strip():
+                    return
+                done = mcp.filter_answer(done, visible)
+            body, removed, seen = done
         except mcp.Unreadable as exc:
             if lists:
                 self._refuse_answer(flow, str(exc))
-            return  # an unreadable answer to anything else holds no list for the client either
+            return
+        except Exception as exc:  # fail closed: an answer that cannot be filtered does not pass
+            self._refuse_answer(flow, f"tether could not filter it ({exc!r})")
+            return
+        if sse:
+            state_of(flow).mcp_sse = seen  # the ids it answered (the Resolver and cancellations read them)
+            call = state_of(flow).call
+            if seen.dropped and call is not None:
+                call.detail = f"list filter: {seen.dropped} unreadable events dropped"
         if removed or "content-encoding" in resp.headers:
             resp.headers.pop("content-encoding", None)
             resp.content = body  # sets a matching Content-Length

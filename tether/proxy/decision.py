@@ -3,7 +3,7 @@
 ``decide`` answers for one request as the agent sent it: ``Allow`` (forward it once the final look, the budget
 and the write-ahead record let it leave), ``Hold`` (a person decides first), ``ReadBody`` (a JSON-RPC POST to
 an MCP server: decide again once its body is here) or ``Refused`` with a ``Refusal`` that carries a stable
-code from DESIGN.md section 5. Every answer also says what the call matched (capability, tier, MCP server),
+code from docs/contract.md section 5. Every answer also says what the call matched (capability, tier, MCP server),
 for the report and for the error body. ``decide_tunnel`` answers for a CONNECT, ``after_approval`` for a held
 call once the person's decision (or its absence) is known.
 
@@ -12,6 +12,7 @@ The facts come from the edge (tether/proxy/enforce.py reads them off a mitmproxy
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -137,6 +138,8 @@ class Answer:
     tools: tuple[str, ...] | None = None  # the capabilities a JSON-RPC body's messages use (tools, resources,
     #                                       prompts, plumbing): one budget unit each; the name it had for tools only
     parsed: mcp.Parsed | None = None  # the JSON-RPC body, once read
+    callers: dict[str, str] | None = None  # each tools/call request's capability, by its id (mcp.id_key): a task
+    #                                        the call creates belongs to it, in a batch too
 
 
 @dataclass(slots=True, kw_only=True)
@@ -266,6 +269,55 @@ def _method_param(path: str) -> str | None:
         if unquote(unquote(name.replace("+", " "))).strip().lower() in METHOD_PARAMS:
             return name
     return None
+
+
+_FORM = "application/x-www-form-urlencoded"
+_MULTIPART_FIELD = re.compile(rb'content-disposition:[^\r\n]*;\s*name="?([^";\r\n]+)"?[^\r\n]*\r\n(?:[^\r\n]+\r\n)*'
+                              rb"\r\n([^\r\n]*)\r\n", re.IGNORECASE)
+
+
+def body_override(content_type: str | None, body: bytes) -> tuple[str, str] | None:
+    """The first method-override field a body carries (``METHOD_PARAMS``), as (field as sent, method upper-cased);
+    None when it carries none. Read as frameworks read it: a form-encoded body (Rails, Rack, Symfony, Laravel), a
+    multipart form's field, a JSON object's top-level key (Laravel reads its input, JSON included). Names are
+    compared decoded (a form's percent-encoding, a JSON string's escapes), so a JSON body is parsed only when it
+    holds the word or an escape, and a form always."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    is_json = media == "application/json" or media.endswith("+json")
+    if not body or (is_json and b"\\u" not in body and b"method" not in body.lower()):
+        return None
+    pairs: list[tuple[str, str]] = []
+    if media == _FORM:
+        text = body.decode("latin-1")
+        for pair in re.split(r"[&;]", text):
+            name, _, value = pair.partition("=")
+            pairs.append((name, unquote(unquote(value.replace("+", " ")))))
+    elif media == "multipart/form-data":
+        pairs = [(m.group(1).decode("latin-1"), m.group(2).decode("latin-1")) for m in _MULTIPART_FIELD.finditer(body)]
+    elif is_json:
+        try:
+            value = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None  # not JSON to the server either
+        if isinstance(value, dict):
+            pairs = [(k, v) for k, v in value.items() if isinstance(v, str)]
+    for name, value in pairs:
+        if unquote(unquote(name.replace("+", " "))).strip().lower() in METHOD_PARAMS:
+            return name, value.strip().upper()
+    return None
+
+
+def override_refusal(catalog: Catalog, facts: Facts, capability: str | None,
+                     override: tuple[str, str]) -> Refusal | None:
+    """A body's method override passes only when the capability the call matched grants that method on that path
+    too (then the server does what the capability allows, at its tier and budget); otherwise refused."""
+    name, method = override
+    if capability is not None and _METHOD.fullmatch(method) and capability in catalog.match_http(
+            facts.host, facts.port, method, facts.path):
+        return None
+    return Refusal(codes.CAPABILITY_ABSENT, f"the body field {name!r} asks the server to use the method "
+                   f"{method[:16]!r}, which {capability or 'no capability'} does not grant on this path; remove it",
+                   reason="method_override_body")
 
 
 def _folding_char(path: str) -> str | None:
@@ -400,6 +452,7 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
     capability: str | None = None
     detail: str | None = None
     used: list[tuple[str, str]] = []  # (capability, tier) of every item a message uses: held, counted
+    callers: dict[str, str] = {}
     refusal: Refusal | None = None
     for message in parsed.messages:
         needs = _needs(catalog, server, message)
@@ -413,6 +466,8 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
                     break
                 if need.uses:
                     used.append((name, tier))
+                    if message.method == "tools/call" and message.id is not None and name is not None:
+                        callers[mcp.id_key(message.id)] = name
             if refusal is not None:
                 break
             if message.method != "tools/call":
@@ -435,7 +490,7 @@ def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) 
     names = tuple(c for c, _ in used)
     held = any(t == "approval" for _, t in used)
     return (Hold if held else Allow)(capability=",".join(dict.fromkeys(names)), tier="approval" if held else "direct",
-                                     server=server, detail=detail, tools=names, parsed=parsed)
+                                     server=server, detail=detail, tools=names, parsed=parsed, callers=callers)
 
 
 def _rpc_headers(facts: Facts, parsed: mcp.Parsed) -> Refusal | None:

@@ -36,10 +36,13 @@ from .decision import (
     Refusal,
     Refused,
     after_approval,
+    body_override,
     decide,
     decide_tunnel,
+    override_refusal,
 )
 from .flowstate import FlowState, refuse, state_of
+from .framing import BODY_LIMIT, BodyLimit, no_continue
 from .state import Call
 
 log = logging.getLogger("tether.sidecar")
@@ -205,6 +208,8 @@ class Enforcer:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             self._decide(flow, at_headers=True)
+            if flow.response is not None:
+                no_continue(flow)  # refused at its headers: a client waiting for 100 Continue is answered now
 
     def request(self, flow: http.HTTPFlow) -> None:
         # Trailer fields stop here (tether/proxy/framing.py drops them from HTTP/1 bodies; an HTTP/2 agent's would be
@@ -215,6 +220,26 @@ class Enforcer:
         state = state_of(flow)
         if state.call is None or (not state.decided and state.mcp_server is not None and state.mcp_parsed is None):
             self._decide(flow, at_headers=False)  # a JSON-RPC body decides once it is here
+        elif state.decided and state.mcp_server is None:
+            self._body_override(flow, state.call)
+
+    def _body_override(self, flow: http.HTTPFlow, call: Call) -> None:
+        """A method override in the body (``_method=DELETE`` in a form): refused unless the call's capability
+        grants that method too. Read as sent: a body with a Content-Encoding is not decoded (servers do not)."""
+        req = flow.request
+        try:
+            override = body_override(req.headers.get("content-type"), req.raw_content or b"")
+            if override is None:
+                return
+            facts = Facts(method=req.method, sent_method=req.method, host=req.host, port=req.port, path=req.path,
+                          url=call.url, now=time.time(), now_mono=time.monotonic())
+            refusal = override_refusal(self.catalog, facts, call.capability, override)
+        except Exception as exc:
+            undecided(flow, exc)
+            return
+        if refusal is not None:
+            state_of(flow).hold = None  # refused: nobody is asked to approve it
+            refuse(flow, refusal)
 
     def _decide(self, flow: http.HTTPFlow, *, at_headers: bool) -> None:
         state = state_of(flow)
@@ -252,11 +277,6 @@ class Enforcer:
         if facts.chain_header is not None and facts.chain_header.strip() == self.chain.wire:
             del flow.request.headers["Tether-Chain"]  # the sidecar's own chain is not the tool's business
         if isinstance(answer, Refused):
-            if facts.body is None and "expect" in flow.request.headers:
-                # Refused at its headers: no 100 Continue (mitmproxy sends one after this hook while the header
-                # is there), so a client that waits for it sends no body; the refusal follows once it gives up
-                # waiting and sends it, or it closes.
-                del flow.request.headers["expect"]
             refuse(flow, answer.refusal)
             return
         drop_hop_by_hop(flow.request.headers, facts.websocket)
@@ -265,6 +285,7 @@ class Enforcer:
             # request that lists tools, whatever else shares its batch.
             state.mcp_methods = [m.method for m in answer.parsed.messages]
             state.mcp_tools = answer.tools
+            state.mcp_callers = answer.callers or {}
         state.decided = True
         if isinstance(answer, Hold):
             # Held at the headers only when the body will stream through (unseen by the approver); otherwise
@@ -287,6 +308,11 @@ def filing_refused(code: str, message: str) -> Refusal | None:
     return refusal
 
 
+def _refuse_growing(flow: http.HTTPFlow) -> None:
+    state_of(flow).hold = None
+    refuse(flow, body_too_large(None))
+
+
 class Holds:
     """Wait for a person's decision on an ``approval``-tier call; other calls go on meanwhile.
 
@@ -294,7 +320,8 @@ class Holds:
     before it is shown, never streamed past the approver. An upload the Enforcer would have held at its headers
     (one that announces more than ``APPROVAL_BODY_LIMIT`` bytes, or a chunked one) is refused at once when its
     announced length is past the limit, and otherwise read whole here like any other body (mitmproxy does not
-    stream a request whose hold moved to its body); a body that proves past the limit once read is refused too.
+    stream a request whose hold moved to its body); a chunked body is refused as soon as the part read passes the
+    limit (``proxy.framing.BodyLimit``: the refusal is sent then, the rest is read and dropped).
     """
 
     def __init__(self, chain: ChainState, await_approval: Callable[[Call], Awaitable[str]]) -> None:
@@ -307,9 +334,12 @@ class Holds:
         length = announced_length(flow.request)
         if length is not None and length > APPROVAL_BODY_LIMIT:
             state.hold = None
+            no_continue(flow)
             refuse(flow, body_too_large(length))
             return
-        state.hold = "body"  # read it whole first (the Forwarder streams nothing that is held)
+        state.hold = "body"  # read it whole first (the Forwarder streams nothing that is held) ...
+        # ... but not past the limit: a chunked body is refused as soon as it passes it, not once it has ended.
+        flow.metadata[BODY_LIMIT] = BodyLimit(APPROVAL_BODY_LIMIT, _refuse_growing)
 
     def request(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
         state = state_of(flow)

@@ -1,7 +1,7 @@
 """What tether knows about one flow, kept in one object under one ``flow.metadata`` key; and refusing a flow.
 
 Every addon reads and writes the flow's ``FlowState`` (``state_of``), never ad-hoc metadata keys. ``refuse``
-answers the client from the sidecar in the DESIGN.md section 5 shape (a JSON-RPC error for an MCP POST).
+answers the client from the sidecar in the docs/contract.md section 5 shape (a JSON-RPC error for an MCP POST).
 Addons and the credential injector import this module; it imports no addon.
 """
 
@@ -32,6 +32,7 @@ class FlowState:
     mcp_parsed: mcp.Parsed | None = None  # its JSON-RPC body, once read
     mcp_methods: list[str | None] | None = None  # every message's method (ToolsFilter reads tools/list answers)
     mcp_tools: tuple[str, ...] | None = None  # capabilities of the body's tools/call messages, one unit each
+    mcp_callers: dict[str, str] = field(default_factory=dict)  # each tools/call request's capability, by id_key
     mcp_sse: mcp.SseToolsFilter | None = None  # the filter an SSE answer streams through
     no_stream: bool = False  # the answer is read whole (a tools/list answer in JSON)
     hold: str | None = None  # "headers" | "body": when the call waits for a person

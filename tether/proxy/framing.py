@@ -1,22 +1,46 @@
-"""HTTP/1 framing mitmproxy does not handle: trailer fields of a chunked body.
+"""HTTP/1 framing mitmproxy does not handle: trailer fields of a chunked body, and answering before the body.
 
-mitmproxy 12's HTTP/1 layer raises ``NotImplementedError`` when a chunked body ends in trailer fields (a
+Trailers. mitmproxy 12's HTTP/1 layer raises ``NotImplementedError`` when a chunked body ends in trailer fields (a
 request's or a response's): a traceback in the sidecar's log and a connection left hanging. RFC 9112 section
 7.1.2 lets a recipient that removes the chunked coding discard trailers, and tether does: the body goes on
 (re-chunked or not, as mitmproxy frames it), its trailers stop at the sidecar. Forwarding them would also let
 a server that merges trailers into its headers read fields tether never decided on (an override header after
 the body). ``discard_trailers()`` wraps the body reader mitmproxy makes for every HTTP/1 message.
+
+Answering before the body. mitmproxy reads a request's whole body before it sends an answer an addon set at the
+headers. Two answers must not wait for it (``answer_early()``):
+
+* a request refused at its headers that sent ``Expect: 100-continue`` (RFC 9110 10.1.1): tether sends no 100
+  (the body is not wanted), so the client waits (curl a second, some clients their whole timeout) before it sends
+  the body the refusal then waits for. An addon marks such a flow (``ANSWER_BEFORE_BODY``) and it is answered at
+  once;
+* a body that must be read whole but passes a limit on the way (an approval-tier body past the approval limit,
+  chunked so its length was not known at the headers): an addon gives the flow a ``BodyLimit``; as soon as the
+  body read passes it, ``BodyLimit.refuse`` sets the answer, which is sent at once, and nothing more is read.
+
+Either way the answer carries ``Connection: close``: what the client still sends of the body is read and
+dropped (never kept), and the connection closes when the body ends or the client closes it. Closing at once
+instead would reset a connection whose client is still writing, and the client could lose the answer. HTTP/1
+only: an HTTP/2 or HTTP/3 request keeps mitmproxy's order (the body is read, then the answer sent).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import h11
+from mitmproxy import http
+from mitmproxy.proxy.layers import http as http_layer
 from mitmproxy.proxy.layers.http import _http1
 
 log = logging.getLogger("tether.sidecar")
+
+ANSWER_BEFORE_BODY = "tether.answer_before_body"  # flow.metadata: the answer set at the headers goes at once
+BODY_LIMIT = "tether.body_limit"  # flow.metadata: a BodyLimit on the body read whole
 
 
 class TrailerlessReader:
@@ -48,3 +72,74 @@ def discard_trailers() -> None:
 
     make_body_reader.discards_trailers = True  # type: ignore[attr-defined]
     _http1.make_body_reader = make_body_reader
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimit:
+    """At most ``limit`` bytes of this request's body are read; past them ``refuse(flow)`` sets the answer."""
+
+    limit: int
+    refuse: Callable[[http.HTTPFlow], None]
+
+
+def no_continue(flow: http.HTTPFlow) -> None:
+    """A request refused at its headers that waits for ``100 Continue`` gets none (mitmproxy sends one after the
+    hook while the header is there: the body is not wanted) and is answered at once, not once the client gives up
+    waiting and sends the body anyway."""
+    if flow.request.headers.get("expect", "").strip().lower() == "100-continue":
+        del flow.request.headers["expect"]
+        flow.metadata[ANSWER_BEFORE_BODY] = True
+
+
+def _answer_now(stream: Any) -> Generator[Any, Any, None]:
+    """Send the answer an addon set on ``stream.flow`` without waiting for (the rest of) the request body."""
+    flow = stream.flow
+    assert flow.response is not None
+    stream.request_body_buf.clear()
+    flow.request.data.content = b""  # what was read of a body nobody will see is not kept either
+    flow.request.timestamp_end = time.time()
+    flow.response.headers["connection"] = "close"
+    stream.client_state = stream.state_errored  # what the client still sends of its body is dropped
+    yield http_layer.HttpRequestHook(flow)  # the addons see the request end as they would after its body
+    flow.response.timestamp_start = time.time()
+    yield http_layer.HttpResponseHeadersHook(flow)
+    yield from stream.send_response()
+    yield from stream.flow_done()  # the HTTP/1 connection reads the body's rest, then closes (Connection: close)
+
+
+def _http1_flow(stream: Any) -> bool:
+    request = stream.flow.request if stream.flow is not None else None
+    return request is not None and not (request.is_http2 or request.is_http3)
+
+
+def answer_early() -> None:
+    """Make mitmproxy's HTTP layer answer marked flows before their body (see the module docstring); idempotent."""
+    stream_cls = http_layer.HttpStream
+    if getattr(stream_cls, "tether_answers_early", False):
+        return
+    headers_state = stream_cls.state_wait_for_request_headers
+    body_state = stream_cls.state_consume_request_body
+
+    def state_wait_for_request_headers(self: Any, event: Any) -> Generator[Any, Any, None]:
+        yield from headers_state(self, event)
+        flow = self.flow
+        if (flow is not None and flow.response is not None and flow.metadata.get(ANSWER_BEFORE_BODY)
+                and self.client_state == self.state_consume_request_body and _http1_flow(self)):
+            yield from _answer_now(self)
+
+    def state_consume_request_body(self: Any, event: Any) -> Generator[Any, Any, None]:
+        yield from body_state(self, event)
+        flow = self.flow
+        bound = flow.metadata.get(BODY_LIMIT) if flow is not None else None
+        if (isinstance(bound, BodyLimit) and isinstance(event, http_layer.RequestData) and flow.response is None
+                and self.client_state == self.state_consume_request_body and len(self.request_body_buf) > bound.limit
+                and _http1_flow(self)):
+            log.info("refusing %s %s: its body passed %d bytes while it was read", flow.request.method,
+                     flow.request.pretty_url, bound.limit)
+            bound.refuse(flow)
+            if flow.response is not None:
+                yield from _answer_now(self)
+
+    stream_cls.state_wait_for_request_headers = state_wait_for_request_headers  # type: ignore[method-assign]
+    stream_cls.state_consume_request_body = state_consume_request_body  # type: ignore[method-assign]
+    stream_cls.tether_answers_early = True  # type: ignore[attr-defined]

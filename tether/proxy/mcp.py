@@ -27,6 +27,8 @@ from typing import Any
 
 import brotli
 
+from tether.capability import jsonpieces
+
 try:  # mitmproxy decodes zstd with the same module
     from compression import zstd  # type: ignore[import-not-found]
 except ImportError:  # Python < 3.14
@@ -35,9 +37,12 @@ except ImportError:  # Python < 3.14
 # Methods that need only some granted item on the server: the session, discovery, and the lists (filtered
 # on the way back, so each shows only what the agent holds).
 LISTS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list", "tasks/list"})
-# Task methods (2025-11-25 tasks, the 2026-07-28 tasks extension) name a task, not an item: the decision lets
-# them through as plumbing and ``proxy.mcpcalls`` governs each as the capability of the call that created it.
-TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
+# Task methods (2025-11-25 tasks: get, result, cancel; the 2026-07-28 tasks extension: get, update, cancel) name
+# a task, not an item: the decision lets them through as plumbing and ``proxy.mcpcalls`` governs each as the
+# capability of the call that created it.
+TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel", "tasks/update"})
+TASK_RESULT = "task"  # 2026-07-28 tasks extension: a tools/call answered with a task has this resultType
+TASK_NOTIFICATION = "notifications/tasks"  # 2026-07-28: a task's status, pushed on a subscriptions/listen stream
 # subscriptions/listen is plumbing only while it asks for list-changed notifications (proxy.decision).
 PLUMBING = frozenset({"initialize", "ping", "server/discover", "subscriptions/listen", *LISTS, *TASK_METHODS})
 JSONRPC_REFUSED = -32003  # implementation-defined server error range; -32001/-32020 mean other things to SDKs
@@ -59,7 +64,8 @@ class Message:
     uri: str | None = None  # resources/read, subscribe, unsubscribe: the URI; a completion's ref: a URI template
     uris: tuple[str, ...] = ()  # subscriptions/listen: the resources whose updates it asks for
     stateless: bool = False  # it names its protocol version in _meta (2026-07-28 on): results carry resultType
-    task: str | None = None  # tasks/get, result, cancel: the task id
+    task: str | None = None  # tasks/get, result, update, cancel: the task id
+    tasks: tuple[str, ...] = ()  # subscriptions/listen: the tasks whose status notifications it asks for
 
     @property
     def is_request(self) -> bool:
@@ -113,6 +119,7 @@ def parse(body: bytes) -> Parsed:
     if not items:
         raise NotJsonRpc("an empty batch")
     messages = []
+    ids: set[str] = set()
     for item in items:
         if not isinstance(item, dict) or item.get("jsonrpc") != "2.0":
             raise NotJsonRpc("not a JSON-RPC 2.0 message")
@@ -124,7 +131,14 @@ def parse(body: bytes) -> Parsed:
             continue
         if not isinstance(method, str):
             raise NotJsonRpc("method must be a string")
-        messages.append(_request(method, item))
+        message = _request(method, item)
+        if message.id is not None:
+            # A batch's answers are told apart by id alone: two requests under one id would leave the server
+            # (and tether, which binds a task to the call that created it) to guess which answer is whose.
+            if id_key(message.id) in ids:
+                raise NotJsonRpc(f"two requests in one batch share the id {message.id!r}")
+            ids.add(id_key(message.id))
+        messages.append(message)
     return Parsed(tuple(messages), batch)
 
 
@@ -151,12 +165,9 @@ def _request(method: str, item: dict[str, Any]) -> Message:
         return Message(method, msg_id, task=task)
     if method == LISTEN:
         notifications = params.get("notifications") if isinstance(params, dict) else None
-        uris = notifications.get("resourceSubscriptions") if isinstance(notifications, dict) else None
-        if uris is None:
-            return Message(method, msg_id)
-        if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
-            raise NotJsonRpc("subscriptions/listen with resourceSubscriptions that are not a list of URIs")
-        return Message(method, msg_id, uris=tuple(uris))
+        uris = _strings(notifications, "resourceSubscriptions", "URIs")
+        tasks = _strings(notifications, "taskIds", "task ids")
+        return Message(method, msg_id, uris=uris, tasks=tasks)
     if method == "completion/complete":
         ref = params.get("ref") if isinstance(params, dict) else None
         kind = ref.get("type") if isinstance(ref, dict) else None
@@ -166,6 +177,30 @@ def _request(method: str, item: dict[str, Any]) -> Message:
             return Message(method, msg_id, uri=ref["uri"])
         raise NotJsonRpc("completion/complete without a ref/prompt name or a ref/resource uri")
     return Message(method, msg_id)
+
+
+def _strings(notifications: Any, field: str, what: str) -> tuple[str, ...]:
+    """A ``subscriptions/listen`` list of names (``resourceSubscriptions``, ``taskIds``); refused unless strings."""
+    values = notifications.get(field) if isinstance(notifications, dict) else None
+    if values is None:
+        return ()
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise NotJsonRpc(f"subscriptions/listen with {field} that are not a list of {what}")
+    return tuple(values)
+
+
+def created_task(result: Any) -> str | None:
+    """The task id a ``tools/call`` result creates, in either protocol's shape: 2025-11-25 ``CreateTaskResult``
+    (``{"task": {"taskId": ...}}``) or the 2026-07-28 tasks extension's (``resultType: "task"`` and the task's
+    fields, ``taskId`` among them, in the result itself); None for an ordinary result."""
+    if not isinstance(result, dict):
+        return None
+    if result.get("resultType") == TASK_RESULT:
+        task_id = result.get("taskId")
+        return task_id if isinstance(task_id, str) else None
+    task = result.get("task")
+    task_id = task.get("taskId") if isinstance(task, dict) else None
+    return task_id if isinstance(task_id, str) else None
 
 
 _B64 = re.compile(r"^=\?base64\?(?P<payload>.*)\?=$")
@@ -406,12 +441,15 @@ def as_visible(allowed: Visible | Callable[[str], bool]) -> Visible:
 
 
 def _hidden_notification(item: Any, visible: Visible) -> bool:
-    """A server's resources/updated about a resource the agent does not hold: that resource does not exist."""
-    if not isinstance(item, dict) or item.get("method") != UPDATED:
+    """A server's resources/updated about a resource the agent does not hold (that resource does not exist), or
+    a 2026-07-28 notifications/tasks about a task that is not the agent's own (its result is another's)."""
+    method = item.get("method") if isinstance(item, dict) else None
+    if method not in (UPDATED, TASK_NOTIFICATION):
         return False
     params = item.get("params")
-    uri = params.get("uri") if isinstance(params, dict) else None
-    return not (isinstance(uri, str) and visible.resource(uri))
+    field, judge = ("uri", visible.resource) if method == UPDATED else ("taskId", visible.task)
+    name = params.get(field) if isinstance(params, dict) else None
+    return not (isinstance(name, str) and judge(name))
 
 
 def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[Any]:
@@ -549,6 +587,10 @@ class SseListsFilter:
         self.answered: set[str] = set()  # ids (id_key) of JSON-RPC responses that passed to the client
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
+        return [out for out in (self._rewrite(event) for event in self.cut(chunk)) if out]
+
+    def cut(self, chunk: bytes) -> list[bytes]:
+        """The events this chunk completes (all that is left, on the final call with ``b""``), unrewritten."""
         if self.broken:
             return []
         final = not chunk
@@ -581,7 +623,7 @@ class SseListsFilter:
             scan_from = 0
             if self.pending.startswith(_BOM):  # the client skips one at the start; so does the parse here
                 del self.pending[:len(_BOM)]
-        return [out for out in (self._rewrite(event) for event in self._events(scan_from, final)) if out]
+        return self._events(scan_from, final)
 
     def _events(self, scan_from: int, final: bool) -> list[bytes]:
         """The events completed by the bytes from ``scan_from`` on (and on the final call, what is left)."""
@@ -606,19 +648,18 @@ class SseListsFilter:
         return events
 
     def _rewrite(self, event: bytes) -> bytes:
-        lines = _lines(event)
-        data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
-        if not data_idx:
+        data = event_data(event)
+        if data is None:
             return event
-        values = [lines[i][5:] for i in data_idx]
-        payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
-        if not payload.strip():
-            return event  # an empty data field (the SDK's priming event for resumption)
         try:
-            value = json.loads(payload)
+            value = json.loads(data[2])
         except (ValueError, UnicodeDecodeError, RecursionError):
             self.dropped += 1
             return DROPPED
+        return self.rewrite_parsed(event, data, value)
+
+    def rewrite_parsed(self, event: bytes, data: EventData, value: Any) -> bytes:
+        """The event, its payload parsed already (``value``), with what the agent does not hold removed."""
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
@@ -628,10 +669,170 @@ class SseListsFilter:
         self.removed += removed
         if value is None:
             return b""  # a notification about an item the agent does not hold: no event at all
+        lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
-        kept.append(b"data: " + json.dumps(value).encode())
+        kept.append(b"data: " + dumps_pieces(value).encode())
         return b"\n".join(kept) + b"\n\n"
+
+
+EventData = tuple[list[bytes], list[int], bytes]  # an event's lines, which of them are data lines, the payload
+
+
+def event_data(event: bytes) -> EventData | None:
+    """An SSE event's ``data:`` payload (its data lines joined as the SSE spec joins them), or None when it has
+    none to read (no data line, or only empty ones: the SDK's priming event for resumption)."""
+    lines = _lines(event)
+    data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
+    if not data_idx:
+        return None
+    values = [lines[i][5:] for i in data_idx]
+    payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
+    return (lines, data_idx, payload) if payload.strip() else None
+
+
+# -- large answers: parsed away from the event loop --------------------------------------------------------
+# One json.loads of a 10 MB list is a single C call that holds the GIL from its first byte to its last, so a
+# worker thread running it stalls the sidecar's event loop (every other call) for all of it. ``loads_pieces``
+# parses the same text to the same value with the long arrays read one element at a time: between elements
+# the interpreter hands the GIL to the loop (every ``sys.getswitchinterval()``, 5 ms), so the parse can run in
+# a thread while other calls go on. ``read_answer`` does that for a whole JSON or SSE answer, ``filter_answer``
+# filters the values it read, and ``dumps_pieces`` writes what is kept in pieces too.
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+PIECES_DEPTH = 4  # how deep objects are walked (a batch answer's tools list is four levels down)
+
+
+def loads_pieces(raw: bytes | str) -> Any:
+    """What ``json.loads(raw)`` returns (and raises), read in pieces: objects key by key down to
+    ``PIECES_DEPTH``, every array element by element."""
+    if isinstance(raw, bytes):
+        raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    if raw.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
+    value, end = _piece(raw, _WS.match(raw, 0).end(), PIECES_DEPTH, top=True)  # type: ignore[union-attr]
+    end = _WS.match(raw, end).end()  # type: ignore[union-attr]
+    if end != len(raw):
+        raise json.JSONDecodeError("Extra data", raw, end)
+    return value
+
+
+def _skip(text: str, i: int) -> int:
+    return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+
+def _piece(text: str, i: int, depth: int, top: bool = False) -> tuple[Any, int]:
+    if depth > 0 and text.startswith("{", i):
+        return _object(text, i, depth)
+    if depth > 0 and text.startswith("[", i):
+        return _array(text, i, depth, top)
+    return _DECODER.raw_decode(text, i)
+
+
+def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
+    obj: dict[str, Any] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        return obj, i + 1
+    while True:
+        if not text.startswith('"', i):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+        key, i = _DECODER.raw_decode(text, i)
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        obj[key], i = _piece(text, _skip(text, i + 1), depth - 1)
+        i, done = _after_member(text, i, "}")
+        if done:
+            return obj, i
+
+
+def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
+    """Each element read whole (one C call each), but a batch's (the top-level array's) messages, which are
+    walked in turn to reach their lists."""
+    items: list[Any] = []
+    i = _skip(text, i + 1)
+    if text.startswith("]", i):
+        return items, i + 1
+    while True:
+        item, i = _piece(text, i, depth - 1) if top else _DECODER.raw_decode(text, i)
+        items.append(item)
+        i, done = _after_member(text, i, "]")
+        if done:
+            return items, i
+
+
+def _after_member(text: str, i: int, close: str) -> tuple[int, bool]:
+    """After an object's or array's member: past the comma (False), or past the closing bracket (True)."""
+    i = _skip(text, i)
+    if text.startswith(",", i):
+        return _skip(text, i + 1), False
+    if text.startswith(close, i):
+        return i + 1, True
+    raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+
+
+UNREADABLE = object()  # an SSE event whose data is not JSON: it is dropped
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    """A whole answer, parsed (``read_answer``): a JSON body's value, or each SSE event with its data's value."""
+
+    body: bytes
+    sse: bool
+    value: Any = None  # JSON: the body's value
+    events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
+
+
+def read_answer(body: bytes, sse: bool) -> ReadAnswer:
+    """Parse a whole answer (heavy: run it in a worker thread; pure). ``Unreadable`` for a JSON body that is not
+    JSON."""
+    if not sse:
+        try:
+            return ReadAnswer(body, False, value=loads_pieces(body))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise Unreadable("the answer is not JSON") from None
+    cutter = SseListsFilter(_nothing)
+    events = []
+    for event in [*cutter.cut(body), *cutter.cut(b"")]:
+        data = event_data(event)
+        value: Any = None
+        if data is not None:
+            try:
+                value = loads_pieces(data[2])
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                value = UNREADABLE
+        events.append((event, data, value))
+    return ReadAnswer(body, True, events=tuple(events))
+
+
+def dumps_pieces(value: Any) -> str:
+    """``json.dumps(value)``, byte for byte, with long lists encoded element by element (``jsonpieces``)."""
+    return jsonpieces.dumps(value, sort_keys=False, separators=(", ", ": "))
+
+
+def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> tuple[bytes, int, SseListsFilter]:
+    """Filter a parsed answer: the bytes for the client, how many items were removed, and the filter (for the
+    ids it saw answered). Pure but for ``allowed``'s predicates and observer, so it may run beside ``read_answer``
+    in a worker thread when those only read (a list answer's observer writes nothing: it binds tasks and rounds
+    of item calls only)."""
+    sse = SseListsFilter(allowed)
+    if not answer.sse:
+        value, removed = filter_lists_message(answer.value, sse.allowed)
+        if not removed:
+            return answer.body, 0, sse
+        return (b"" if value is None else dumps_pieces(value).encode()), removed, sse
+    out = []
+    for event, data, value in answer.events:
+        if data is None:
+            out.append(event)
+        elif value is UNREADABLE:
+            sse.dropped += 1
+            out.append(DROPPED)
+        else:
+            out.append(sse.rewrite_parsed(event, data, value))
+    return b"".join(out), sse.removed, sse
 
 
 SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers

@@ -9,9 +9,11 @@ budget unit and never leaves:
 
 * a request carrying an ``Mcp-Session-Id`` this sidecar run did not see issued is refused
   (``tether.mcp_session_unknown``, HTTP 404 as a server answers an unknown session), DELETE included;
-* a task method (``tasks/get``, ``tasks/result``, ``tasks/cancel``) is governed as the capability of the call
-  that created the task: a task this sidecar did not see created, or whose capability the agent no longer
-  holds, is refused; ``tasks/list`` answers show the agent's own tasks only (``proxy.addons.McpFilter``);
+* a task method (``tasks/get``, ``tasks/result``, ``tasks/update``, ``tasks/cancel``) and a ``subscriptions/listen``
+  naming ``taskIds`` are governed as the capability of the call that created each task (a ``tools/call`` answered
+  with a task, in the 2025-11-25 or the 2026-07-28 shape, alone or in a batch): a task this sidecar did not see
+  created, or whose capability the agent no longer holds, is refused; ``tasks/list`` answers and
+  ``notifications/tasks`` show the agent's own tasks only (``proxy.addons.McpFilter``);
 * a ``notifications/cancelled`` naming a request still unanswered marks that call ``cancelled``;
 * a re-send of a call that ended ``cancelled`` or ``unknown`` (same method, same params but ``_meta``) is a new
   call with ``reissue_of`` the first call's id, and is not charged again against a budget when it uses exactly
@@ -37,6 +39,7 @@ from tether.capability import errors as codes
 from . import mcp
 from .decision import ChainState, Refusal
 from .flowstate import FlowState, refuse, state_of
+from .framing import no_continue
 from .state import Call
 
 LIMIT = 10_000  # entries per table
@@ -175,6 +178,7 @@ class McpCalls:
             refusal = Refusal(codes.MCP_SESSION_UNKNOWN, "this MCP session was not opened through this sidecar "
                               "run; start a new session (initialize) through it", reason="mcp_session")
             refusal.http_status = 404  # what a server answers to a session id it does not know
+            no_continue(flow)
             refuse(flow, refusal)
 
     def request(self, flow: http.HTTPFlow) -> None:
@@ -193,8 +197,10 @@ class McpCalls:
                 call: Call) -> Refusal | None:
         session = _session(flow)
         for message in parsed.messages:
-            if message.method in mcp.TASK_METHODS:
-                refusal = self._task_method(state, server, call, message)
+            # A task method names one task; a 2026-07-28 subscriptions/listen may name several (their status
+            # notifications carry their results): each must be the agent's own.
+            for task_id in (message.task or "",) if message.method in mcp.TASK_METHODS else message.tasks:
+                refusal = self._task_method(state, server, call, message.method or "", task_id)
                 if refusal is not None:
                     return refusal
         body = None
@@ -211,16 +217,16 @@ class McpCalls:
             self._item_call(state, server, call, _body(flow) if body is None else body)
         return None
 
-    def _task_method(self, state: FlowState, server: str, call: Call, message: mcp.Message) -> Refusal | None:
-        task = self.ledger.task(server, message.task or "")
+    def _task_method(self, state: FlowState, server: str, call: Call, method: str, task_id: str) -> Refusal | None:
+        task = self.ledger.task(server, task_id)
         if task is None:
-            return Refusal(codes.CAPABILITY_ABSENT, f"task {message.task!r} was not created through this sidecar "
+            return Refusal(codes.CAPABILITY_ABSENT, f"task {task_id!r} was not created through this sidecar "
                            "run; an agent reaches only its own tasks", reason="mcp_task")
         if self.chain.tier(task.capability) == "absent":
-            return Refusal(codes.CAPABILITY_ABSENT, f"task {message.task!r} belongs to {task.capability}, which is "
+            return Refusal(codes.CAPABILITY_ABSENT, f"task {task_id!r} belongs to {task.capability}, which is "
                            f"not granted to {self.chain.agent}", capability=task.capability, reason="mcp_task")
         call.capability, call.tier = task.capability, self.chain.tier(task.capability)
-        call.detail = f"mcp {message.method} (task of call {task.call_id})"
+        call.detail = f"mcp {method} (task of call {task.call_id})"
         if state.mcp_tools is None:  # governed as the call's capability, counted once: when the call was made
             state.mcp_tools = ()
         return None
@@ -278,17 +284,20 @@ class McpCalls:
         state = state_of(flow)
         parsed, server, call = state.mcp_parsed, state.mcp_server, state.call
         result = item.get("result")
-        if parsed is None or parsed.batch or server is None or call is None or not isinstance(result, dict):
+        if parsed is None or server is None or call is None or not isinstance(result, dict):
             return
-        message = parsed.messages[0]
-        if not message.is_request or mcp.id_key(message.id) != mcp.id_key(item.get("id")):
+        key = mcp.id_key(item.get("id"))
+        message = next((m for m in parsed.messages if m.is_request and mcp.id_key(m.id) == key), None)
+        if message is None:
             return
-        task = result.get("task")
-        if message.method == "tools/call" and isinstance(task, dict) and isinstance(task.get("taskId"), str):
-            if call.capability and "," not in call.capability:
-                self.ledger.created(server, task["taskId"], call.capability, state.mcp_root or call.call_id)
+        task_id = mcp.created_task(result) if message.method == "tools/call" else None
+        capability = state.mcp_callers.get(key)
+        if task_id is not None and capability is not None:
+            # Bound to the tools/call that created it (by its id, so a batch's calls each own their tasks).
+            root = call.call_id if parsed.batch else state.mcp_root or call.call_id
+            self.ledger.created(server, task_id, capability, root)
         request_state = result.get("requestState")
-        if (message.method in ITEM_METHODS and result.get("resultType") == "input_required"
+        if (not parsed.batch and message.method in ITEM_METHODS and result.get("resultType") == "input_required"
                 and isinstance(request_state, str) and state.mcp_round is not None):
             self.ledger.needs_input(server, request_state, Round(state.mcp_round, state.mcp_charged,
                                                                  state.mcp_root or call.call_id))

@@ -6,11 +6,14 @@ into a server-side session (an HttpOnly, SameSite=Strict cookie, ``__Host-`` pre
 the JSON API accepts it as that operator, with that operator's roles, and every change made with it must
 carry the session's CSRF token: ``tether/controlplane/auth.py``).
 
-Routes added: the pages, sign-in and logout (``/ui/...``); ``GET /v1/agents/{agent}/subtree`` (who a
-revoke or terminate would cut, for the confirmation); ``POST /v1/audit/diff`` (two surface documents,
-what widened); ``GET /v1/audit/records`` (the record log's verification, per record); and
-``GET /v1/captures/har`` (a HAR of the captures the control plane can read, when ``TETHER_CAPTURES``
-names the sidecars' state dirs).
+Routes added: the pages, sign-in and logout (``/ui/...``: every view and every object has its own address,
+``/ui/agents/AGENT``, ``/ui/calls/CALL_ID``, ...: the same page, which reads its address); ``GET
+/v1/agents/{agent}/subtree`` (who a revoke or terminate would cut, for the confirmation); ``POST
+/v1/audit/diff`` (two surface documents, what widened); ``GET /v1/audit/records`` (the record log's
+verification, per record); ``GET /v1/calls`` (search over the call reports) and ``GET /v1/calls/{call_id}``
+(one call: its report, the records and approvals that name it, its captured request and response); and ``GET
+/v1/captures/har`` (a HAR of the captures the control plane can read, when ``TETHER_CAPTURES`` names the
+sidecars' state dirs).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from tether.capability.errors import NOT_FOUND, RATE_LIMITED, UNAUTHORIZED, ApiError
+from tether.capability.errors import NOT_FOUND, RATE_LIMITED, UNAUTHORIZED, ApiError, TetherError
 
 from .. import audit
 from .. import schemas as sc
 from ..auth import BOOTSTRAP, CSRF_HEADER, READ, SESSION_COOKIE, TLS_SESSION_COOKIE, Operator
-from ..body import bad, read_json
+from ..body import bad, query_int, read_json
 from ..routes import ADMIN, NONE
+from .calls import captured_call, export_har, find_calls
 from .sessions import Sessions, SignInThrottle
 
 if TYPE_CHECKING:
@@ -46,6 +50,19 @@ PAGE_HEADERS = {
     "X-Frame-Options": "DENY",
     "Cache-Control": "no-store",
 }
+# The page's own addresses (``/ui/VIEW`` and ``/ui/VIEW/ID``): the page reads the rest of its address itself.
+VIEWS = ("agents", "approvals", "calls", "terminations", "records", "audit", "search")
+CALL_VIEW = sc.obj({
+    "call": sc.ref("Call"),
+    "records": sc.array(sc.obj({"record_id": sc.STR, "termination_id": sc.STR}, "record_id", "termination_id")),
+    "approvals": sc.array(sc.ref("Approval")),
+    "capture": sc.nullable(sc.obj({"request": sc.ANY_OBJ, "response": sc.ANY_OBJ, "_tether": sc.ANY_OBJ},
+                                  description="the call's HAR 1.2 entry, redacted as captured; a body past "
+                                              "256 KiB is cut, its content's _truncated giving its length")),
+    "capture_note": sc.nullable(sc.STR),
+}, "call", "records", "approvals", "capture", "capture_note")
+NO_CAPTURES = ("this control plane reads no captures: start it with TETHER_CAPTURES=DIR (the sidecars' state "
+               "dirs), or use tether capture export")
 
 
 def diff_surfaces(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -67,6 +84,12 @@ class Console:
         raise web.HTTPPermanentRedirect("/ui/")
 
     async def h_index(self, request: web.Request) -> web.Response:
+        return self._asset("index.html")
+
+    async def h_page(self, request: web.Request) -> web.Response:
+        view = request.match_info["view"]
+        if view not in VIEWS:
+            raise ApiError(404, NOT_FOUND, f"the console has no view {view} (its views: {', '.join(VIEWS)})")
         return self._asset("index.html")
 
     async def h_asset(self, request: web.Request) -> web.Response:
@@ -178,18 +201,62 @@ class Console:
         return {"origin": service.origin, "size": tree.size, "note": await service.checkpoint(tree),
                 "witnesses": witnesses}
 
-    async def h_har(self, request: web.Request) -> web.Response:
-        from tether.proxy.capture import export, parse_when, selection
-
-        if self.captures is None:
-            raise ApiError(404, "tether.capture_unavailable", "this control plane reads no captures: start it with "
-                           "TETHER_CAPTURES=DIR (the sidecars' state dirs), or use tether capture export")
+    async def h_calls(self, request: web.Request) -> web.Response:
+        """A page of the call reports matching ``q`` (every word), ``agent`` and ``resolution``, newest first;
+        ``Tether-Total`` counts every match."""
         query = request.query
-        termination, agent = query.get("termination"), query.get("agent")
-        try:
-            since, until = parse_when(query.get("since")), parse_when(query.get("until"))
-        except Exception as exc:
-            raise bad(str(exc)) from None
+        offset, limit = query_int(request, "offset", 0), query_int(request, "limit", -1)
+        if offset < 0 or limit < -1:
+            raise bad("'offset' and 'limit' must not be negative", field="offset" if offset < 0 else "limit")
+        agent = query.get("agent")
+        found = find_calls(await self.cp.store.reports([agent] if agent else None), query.get("q", ""), agent,
+                           query.get("resolution"))
+        page = found[offset:] if limit == -1 else found[offset:offset + limit]
+        return web.json_response(page, headers={"Tether-Total": str(len(found))})
+
+    async def h_call(self, request: web.Request) -> web.Response:
+        """One call: its final report (else its entry in a record), the records that list it, the approvals
+        filed for it, and its captured request and response (a HAR entry, bodies cut at ``BODY_SHOWN``)."""
+        call_id = request.match_info["call_id"]
+        listed = await self._listed(call_id)
+        reports = await self.cp.store.reports_among([call_id])
+        call = reports[0] if reports else (listed[-1]["call"] if listed else None)
+        if call is None:
+            raise ApiError(404, NOT_FOUND, f"no call {call_id} (no sidecar reported it and no record lists it)")
+        approvals, _ = await self.cp.approvals.find(None, call.get("agent"))
+        capture, note = None, None
+        if self.captures is None:
+            note = NO_CAPTURES
+        else:
+            capture = await asyncio.to_thread(captured_call, self.captures, call)  # reads a capture file
+            if capture is None:
+                note = (f"no capture holds this call ({call.get('capture_ref')})" if call.get("capture_ref")
+                        else "the sidecar captured nothing of this call (it never left, or was not captured)")
+        return web.json_response({
+            "call": call,
+            "records": [{"record_id": r["record_id"], "termination_id": r["termination_id"]} for r in listed],
+            "approvals": [a for a in approvals if a.get("call_id") == call_id],
+            "capture": capture,
+            "capture_note": note,
+        })
+
+    async def _listed(self, call_id: str) -> list[dict[str, Any]]:
+        """The records that list the call, oldest first, each with its entry for it (records are read a page
+        of calls at a time, and only the lines that name the call are decoded)."""
+        needle, out = json.dumps(call_id), []
+        for head in await self.cp.store.record_heads():
+            async for page in self.cp.store.record_calls(head["record_id"]):
+                for text in page:
+                    if needle in text and (call := json.loads(text)).get("call_id") == call_id:
+                        out.append({"record_id": head["record_id"], "termination_id": head["termination_id"],
+                                    "call": call})
+        return out
+
+    async def h_har(self, request: web.Request) -> web.Response:
+        if self.captures is None:
+            raise ApiError(404, "tether.capture_unavailable", NO_CAPTURES)
+        query = request.query
+        termination, agent, call_id = query.get("termination"), query.get("agent"), query.get("call")
         record = None
         if termination:
             record = next((r for r in await self.cp.store.records()
@@ -197,10 +264,19 @@ class Console:
             if record is None:
                 raise ApiError(404, NOT_FOUND, f"no record for {termination}")
             calls = record["calls"]
+        elif call_id:
+            calls = await self.cp.store.reports_among([call_id])
+            if not calls:
+                raise ApiError(404, NOT_FOUND, f"no call report {call_id}")
+            record = {"calls": calls}  # the flows of these calls only
         else:
             calls = await self.cp.store.reports([agent] if agent else None)
-        har, _count, _missing = export(self.captures, selection(self.captures, record, agent), calls, since, until)
-        name = f"tether-{termination or agent or 'calls'}.har"
+        try:
+            har = await asyncio.to_thread(export_har, self.captures, record, agent, calls, query.get("since"),
+                                          query.get("until"))
+        except TetherError as exc:
+            raise bad(str(exc)) from None
+        name = f"tether-{termination or call_id or agent or 'calls'}.har"
         return web.Response(text=json.dumps(har, indent=1), content_type="application/json",
                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
@@ -225,6 +301,10 @@ def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sess
     r = cp.route
     r("GET", "/ui", console.h_root, "The console (redirects to /ui/)", NONE, "console", status=308, content=None)
     r("GET", "/ui/", console.h_index, "The console", NONE, "console", content="text/html", ok={"type": "string"})
+    r("GET", "/ui/{view}", console.h_page, "A view of the console (the page reads its address)", NONE, "console",
+      content="text/html", ok={"type": "string"})
+    r("GET", "/ui/{view}/{id}", console.h_page, "One object in a view of the console (agent, approval, call, "
+      "termination, record)", NONE, "console", content="text/html", ok={"type": "string"})
     r("GET", "/ui/static/{name}", console.h_asset, "The console's scripts and styles", NONE, "console",
       content="*/*", ok={"type": "string"})
     r("POST", "/ui/session", console.h_sign_in, "Sign in with an operator's token: sets the session cookie", NONE,
@@ -238,9 +318,18 @@ def install(cp: ControlPlane, captures: str | Path | None = None, sessions: Sess
       body=sc.DIFF_REQUEST, ok=sc.DIFF, roles=READ)  # a read, though a POST (two documents in the body)
     r("GET", "/v1/audit/records", console.h_verify_records, "The record log's verification, per record", ADMIN,
       "records", ok=sc.RECORDS_VERIFICATION)
-    r("GET", "/v1/captures/har", console.h_har, "HAR of captured calls (by termination, agent or time range)",
-      ADMIN, "records", ok=sc.HAR, query=(
-          ("termination", sc.STR, "a termination or record id"), ("agent", sc.STR, "one agent's calls"),
+    r("GET", "/v1/calls", console.h_calls, "Search the call reports: newest first; the Tether-Total header counts "
+      "every match", ADMIN, "records", ok=sc.REPORTS, query=(
+          ("q", sc.STR, "words each found in the agent, call id, capability, method, URL, resolution, code, "
+                        "termination, run or status"),
+          ("agent", sc.STR, "only this agent's calls"), ("resolution", sc.STR, "only calls resolved so"),
+          ("offset", sc.INT, "skip this many (paging)"), ("limit", sc.INT, "at most this many")))
+    r("GET", "/v1/calls/{call_id}", console.h_call, "One call: its report, the records and approvals naming it, "
+      "its captured request and response", ADMIN, "records", ok=CALL_VIEW)
+    r("GET", "/v1/captures/har", console.h_har, "HAR of captured calls (by termination, call, agent or time "
+      "range)", ADMIN, "records", ok=sc.HAR, query=(
+          ("termination", sc.STR, "a termination or record id"), ("call", sc.STR, "one call (its call id)"),
+          ("agent", sc.STR, "one agent's calls"),
           ("since", sc.STR, "from this time (ISO 8601 or epoch seconds)"), ("until", sc.STR, "until this time")))
     return console
 

@@ -65,8 +65,8 @@ class GrantRoutes:
 
     async def h_revoke_agent(self, request: web.Request) -> web.Response:
         reason = (await body(request)).string("reason", "", max_len=MAX_REASON) or ""
-        return web.json_response(await self.grants.revoke_agent(request.match_info["agent"], reason,
-                                                                operator(request)))
+        return web.json_response(await self.grants.revoke_agent(request.match_info["agent"], principal(request),
+                                                                reason, operator(request)))
 
     async def h_agents(self, request: web.Request) -> web.Response:
         return web.json_response(await self.grants.agents())
@@ -88,8 +88,9 @@ class GrantRoutes:
                   NONE, "grants", body=sc.CHAIN_REQUEST, ok=sc.VERDICT),
             Route("GET", "/v1/agents", self.h_agents, "The agent graph, as a list and a tree", ADMIN, "agents",
                   ok=sc.AGENTS),
-            Route("POST", "/v1/agents/{agent}/revoke", self.h_revoke_agent, "Revoke every link an agent holds",
-                  ADMIN, "agents", body=sc.REASON_REQUEST, ok=sc.AGENT_REVOKED, roles=RESPOND,
+            Route("POST", "/v1/agents/{agent}/revoke", self.h_revoke_agent,
+                  "Revoke every link an agent holds (a principal: every one below it)", ADMIN_OR_ANCESTOR, "agents",
+                  body=sc.REASON_REQUEST, ok=sc.AGENT_REVOKED, roles=RESPOND,
                   does="revoke an agent"),
             Route("GET", "/v1/audit/surface", self.h_surface, "Effective capability list per agent", ADMIN, "audit",
                   ok=sc.ref("Surface"), query=(("agent", sc.STR, "only this agent"),)),

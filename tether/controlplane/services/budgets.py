@@ -1,4 +1,4 @@
-"""The control plane's side of budgets (DESIGN.md section 10): it is the one owner of every budget.
+"""The control plane's side of budgets (docs/contract.md section 10): it is the one owner of every budget.
 
 A sidecar leases a *slice* of a capability's calls (``POST /v1/budgets/slices``): the control plane finds
 every budgeted link of the sidecar's registered chain for that capability and takes the slice from all of
@@ -166,9 +166,9 @@ class BudgetService:
     # -- views ------------------------------------------------------------------------------------------
     async def link_view(self, jti: str, principal: Caller | None) -> Doc:
         """A link's subtree, for an admin (``principal`` None) or a principal above the link."""
-        link = await self.store.link_by_jti(jti)
+        link = await self.store.link_named(jti)  # a unique prefix names the link too
         if link is None:
-            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r}")
+            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti[:80]!r} (nor one beginning with it)")
         self.grants.ancestor_of(principal, link)
         return await self.tree(await self.grants.graph(), [link["hash"]])
 

@@ -64,7 +64,7 @@ class GrantService:
     # -- issuing and registering ---------------------------------------------------------------------------
     def caps(self, role: str | None, caps: dict[str, Any]) -> dict[str, Any]:
         """A role's presets overlaid with explicit grants, each a tier or {tier, calls, per_minute}
-        (DESIGN.md section 10, Budgets); every name must be in the catalog."""
+        (docs/contract.md section 10, Budgets); every name must be in the catalog."""
         out: dict[str, Any] = dict(self.catalog.role(role)) if role else {}
         for name, tier in caps.items():
             try:
@@ -191,9 +191,9 @@ class GrantService:
 
     async def revoke(self, jti: str, caller: Caller | None, reason: str, operator: Operator | None = None) -> Doc:
         """Revoke one link (an admin, or a principal above it); says which agents it cut off."""
-        link = await self.store.link_by_jti(jti)
+        link = await self.store.link_named(jti)  # a unique prefix of 8+ hex characters names the link too
         if link is None:
-            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti}")
+            raise ApiError(404, NOT_FOUND, f"no registered link has jti {jti} (nor one beginning with it)")
         by = self.ancestor_of(caller, link)
         # The revocation goes out first; who it cut off is read afterwards from the descendants index, at
         # a cost that grows with the subtree, never with the whole graph.
@@ -201,11 +201,21 @@ class GrantService:
         below = sorted(set((await self.store.descendants(link["hash"])).values()))
         return {**doc, "agents_cut_off": [link["sub"], *below]}
 
-    async def revoke_agent(self, agent: str, reason: str, operator: Operator | None = None) -> Doc:
+    async def revoke_agent(self, agent: str, caller: Caller | None, reason: str,
+                           operator: Operator | None = None) -> Doc:
+        """Revoke every link ``agent`` holds (an admin), or every one of them a principal is above (``caller``:
+        a chain holder; none below it is a 403, and a link it is not above stays as it was)."""
         links = (await self.graph()).links_of(agent)
         if not links:
             raise ApiError(404, NOT_FOUND, f"no registered link is held by {agent}")
-        return {"agent": agent, "revoked": [await self.revoke_link(link, ADMIN, reason, operator=operator)
+        if caller is not None:
+            links = [link for link in links if caller.link_hash in link.get("chain_hashes", [])[:-1]]
+            if not links:
+                raise ApiError(403, FORBIDDEN, f"{caller.agent} is not an ancestor of any link {agent} holds; only "
+                               "an issuer above a link may revoke it")
+        by = self.ancestor_of(caller, links[0])
+        return {"agent": agent, "revoked": [await self.revoke_link(link, by, reason,
+                                                                   operator=operator if caller is None else None)
                                             for link in links]}
 
     # -- views ----------------------------------------------------------------------------------------------

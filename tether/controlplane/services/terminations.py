@@ -108,8 +108,16 @@ class TerminationService:
         self.may_follow(caller, doc["requested_by"] if doc else None)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no termination {tid}")
-        acked = await self._acks(doc)
-        return {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked))}
+        mine, acks = await self.facts(doc)
+        acked = runs.accounted(doc["agents"], mine, acks)
+        never_ran = set(doc["agents"]) - {r.get("agent") for r in mine}
+        # What a follower shows while it waits: the calls the runs not yet accounted for last listed in flight,
+        # and how long the window still runs on this replica's clock.
+        in_flight = {c.get("call_id") for r in mine if r.get("agent") not in acked and r.get("run_id") not in acks
+                     for c in r.get("inflight") or [] if isinstance(c, dict)}
+        return {**doc, "acknowledged": sorted(acked), "waiting_for": sorted(set(doc["agents"]) - set(acked)),
+                "never_ran": sorted(never_ran), "calls_in_flight": len(in_flight),
+                "remaining_s": round(max(0.0, float(doc["deadline"]) - self.clock()), 3)}
 
     async def terminations(self) -> list[Doc]:
         return await self.store.list_docs("termination")
@@ -225,14 +233,16 @@ class TerminationService:
                 acks[run["run_id"]] = ack
         return mine, acks
 
-    async def _acks(self, doc: Doc) -> dict[str, Doc]:
-        """Agents all of whose runs acknowledged quiescence (or had already stopped or terminated)."""
+    async def _acks(self, doc: Doc) -> tuple[dict[str, Doc], set[str]]:
+        """Agents all of whose runs acknowledged quiescence (or had already stopped or terminated), and the
+        agents with no run at all (nothing to wait for: proto.advance)."""
         mine, acks = await self.facts(doc)
-        return runs.accounted(doc["agents"], mine, acks)
+        return runs.accounted(doc["agents"], mine, acks), set(doc["agents"]) - {r.get("agent") for r in mine}
 
     async def drive(self, doc: Doc) -> None:
-        acks = await self._acks(doc)
-        step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s)
+        acks, never_ran = await self._acks(doc)
+        step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s,
+                             never_ran=never_ran)
         new = step.doc
         for action in step.actions:
             if action == proto.WRITE_RECORD:
@@ -368,12 +378,14 @@ class TerminationService:
     async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
                              links: set[str], digest: Any = None) -> int:
         """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many.
-        ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
+        The store copies each entry's text, made when its report arrived, so nothing is decoded or encoded
+        here. ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
         staged = 0
-        async for page in _ahead(self.store.report_pages(sorted(agents), RECORD_PAGE)):
-            page = [r for r in page if _reported_under(r, links)]
-            holders = await self.store.call_holders([r["call_id"] for r in page])
-            staged = await self._stage(record_id, staged, builder.take(page, holders), digest)
+        async for page in _ahead(self.store.stage_reports(record_id, 0, sorted(agents), links, RECORD_PAGE)):
+            builder.count([cid for cid, _ in page.entries], page.holders)
+            if digest is not None and page.entries:
+                await asyncio.to_thread(_digest, digest, [text for _, text in page.entries], staged == 0)
+            staged += len(page.entries)
         return staged
 
     async def _stage(self, record_id: str, start: int, entries: list[Doc], digest: Any = None) -> int:
@@ -416,8 +428,13 @@ def _encoded(entries: list[Doc], digest: Any = None, first: bool = True) -> list
     """Each entry's (call id, reported, canonical JSON); added to ``digest`` (after a comma unless ``first``)."""
     out = [(e["call_id"], e.get("reported", True) is not False, proto.encode_entry(e)) for e in entries]
     if digest is not None:
-        digest.update((("" if first else ",") + ",".join(text for _, _, text in out)).encode())
+        _digest(digest, [text for _, _, text in out], first)
     return out
+
+
+def _digest(digest: Any, texts: list[str], first: bool) -> None:
+    """Entries' texts added to a record's hash as they sit in its canonical JSON (after a comma unless first)."""
+    digest.update((("" if first else ",") + ",".join(texts)).encode())
 
 
 def _links_of(doc: Doc, graph: Graph) -> set[str]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tether.capability.errors import STORE_UNWRITABLE  # noqa: F401  (every code is in tether/capability/errors.py; kept importable here)
 
+from ..termination import entry_text
 from .health import WriteHealth
 
 Doc = dict[str, Any]
@@ -45,6 +46,19 @@ class Stored(tuple[int, int]):
         stored = super().__new__(cls, (len(new_ids), total - len(new_ids)))
         stored.new_ids = frozenset(new_ids)
         return stored
+
+
+Holders = tuple[str | None, tuple[str, ...]]  # (record holding a call as reported, records listing it unknown)
+
+
+@dataclass(frozen=True)
+class StagedPage:
+    """What ``stage_reports`` staged of one page of reports: ``entries``, (call id, entry text) in the record's
+    order; ``holders``, what the log's index says of every call of the page it lists (a call some record holds
+    as reported was left out)."""
+
+    entries: list[tuple[str, str]]
+    holders: dict[str, Holders]
 
 
 class StoreUnavailable(Exception):
@@ -151,6 +165,25 @@ class Store(abc.ABC):
     async def link_by_jti(self, jti: str) -> Doc | None: ...
 
     @abc.abstractmethod
+    async def jtis_beginning(self, prefix: str, limit: int = 21) -> list[str]:
+        """Up to ``limit`` registered jtis that begin with ``prefix`` (a link named by a prefix; served from the
+        jti index, never a walk over the links' documents)."""
+
+    async def link_named(self, text: str) -> Doc | None:
+        """The link whose jti is ``text``, or the one whose jti a prefix of 8 or more hex characters begins
+        (tether/capability/jti.py; several: ``tether.jti_ambiguous``). None when nothing matches."""
+        from tether.capability import jti
+
+        link = await self.link_by_jti(text)
+        given = jti.normalize(text)
+        if link is None and given != text and len(given) == jti.FULL:
+            link = await self.link_by_jti(given)  # copied with an ellipsis or in capitals
+        if link is None and jti.is_prefix(given):
+            matches = await self.jtis_beginning(given)
+            link = await self.link_by_jti(jti.resolve(given, matches)) if matches else None
+        return link
+
+    @abc.abstractmethod
     async def all_links(self) -> list[Doc]: ...
 
     @abc.abstractmethod
@@ -245,7 +278,9 @@ class Store(abc.ABC):
     # -- reconciliation records: one hash chain -------------------------------------------------------
     # A record is stored as its header (every field but ``calls``) and its call entries apart, each entry as
     # its canonical JSON text (``controlplane.termination.encode_entry``), so a record of any size is written a
-    # page at a time and read a page at a time; ``records()`` still gives whole records.
+    # page at a time and read a page at a time; ``records()`` still gives whole records. Each final report has
+    # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
+    # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
     @abc.abstractmethod
     async def append_record(self, record: Doc, staged: int | None = None) -> bool:
         """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
@@ -296,6 +331,21 @@ class Store(abc.ABC):
     def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
         """These agents' final reports in a record's order (``controlplane.termination.in_order_key``: by
         ``started_at``, missing as 0, then ``call_id``), a page at a time, as of when the first page is read."""
+
+    async def stage_reports(self, record_id: str, start: int, agents: list[str], links: set[str],
+                            page: int = 5000) -> AsyncIterator[StagedPage]:
+        """Stage, from position ``start``, the call entries of these agents' final reports that came from a run
+        of one of ``links`` (or carry no link) and that no appended record holds as reported, in the record's
+        order, a page at a time; each page is staged before it is yielded. This one decodes every report;
+        the stores override it with one that copies the entry text kept beside each report
+        (``termination.entry_text``)."""
+        async for reports in self.report_pages(agents, page):
+            reports = [r for r in reports if r.get("link") is None or r.get("link") in links]
+            holders = await self.call_holders([r["call_id"] for r in reports])
+            entries = [(r["call_id"], entry_text(r)) for r in reports if holders.get(r["call_id"], (None,))[0] is None]
+            await self.stage_calls(record_id, start, [(cid, True, text) for cid, text in entries])
+            start += len(entries)
+            yield StagedPage(entries, holders)
 
     @abc.abstractmethod
     async def reports_among(self, call_ids: list[str]) -> list[Doc]:

@@ -56,8 +56,8 @@ from tether.capability import jsonpieces
 from tether.capability.budget import MAX_SLICE
 from tether.capability.errors import BAD_REQUEST, TetherError
 
-from ..termination import encode_entry
-from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable, StoreUnwritable
+from ..termination import encode_entry, entry_text
+from .base import Doc, Event, Holders, LinkConflict, StagedPage, Store, Stored, StoreUnavailable, StoreUnwritable
 
 log = logging.getLogger("tether.store.redis")
 
@@ -85,15 +85,6 @@ def _start_field(doc: Doc) -> str:
 
 def _dump(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
-
-
-def _id_args(ids: list[str]) -> list[str]:
-    """('1 ID' | '0 ID') -> (ID, '1' | '0'), as _INDEX_CALLS takes them."""
-    out: list[str] = []
-    for item in ids:
-        flag, _, call_id = item.partition(" ")
-        out += [call_id, flag]
-    return out
 
 
 class _Cursor:
@@ -211,22 +202,77 @@ redis.call('PUBLISH', ARGV[3], seq)
 return seq
 """
 
-# KEYS: reports, order, counter, then per report its agent's two indexes (by arrival; by start, for a
-# record's order: equal scores sort by member, i.e. by call id). ARGV: (call_id, doc, start) per report.
+# KEYS: reports, order, counter, entries, links, then per report its agent's two indexes (by arrival; by start,
+# for a record's order: equal scores sort by member, i.e. by call id). ARGV: (call_id, doc, start, entry, link)
+# per report: its entry text in a record (``termination.entry_text``) and its link ('-' for none) are kept apart
+# from the report, so a record is staged without decoding one.
 _PUT_REPORTS = """
 local new = {}
-for i = 1, #ARGV, 3 do
+for i = 1, #ARGV, 5 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     local n = redis.call('INCR', KEYS[3])
-    local k = (i + 2) / 3
+    local k = (i + 4) / 5
+    redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 3])
+    redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 4])
     redis.call('ZADD', KEYS[2], n, ARGV[i])
-    redis.call('ZADD', KEYS[2 + 2 * k], n, ARGV[i])
-    redis.call('ZADD', KEYS[3 + 2 * k], ARGV[i + 2], ARGV[i])
+    redis.call('ZADD', KEYS[4 + 2 * k], n, ARGV[i])
+    redis.call('ZADD', KEYS[5 + 2 * k], ARGV[i + 2], ARGV[i])
     new[#new + 1] = ARGV[i]
   end
 end
 return new
 """
+
+# KEYS: links of reports, owner index, unknown index, the record's staged calls and their ids. ARGV: staged TTL
+# (ms), the number of links, the links, then call ids in the record's order. Part of a page of a record staged
+# inside Redis: each call under one of the links (or none) that no record holds as reported is appended to the
+# record's calls as '' (its text is the one kept beside its report) and its id to their ids. Only ids and short
+# values pass through the script. Returns {1, staged ids, holders (call id, owner or '', unknown records or '')
+# of every call a record lists}, or {0, ids without a kept link} having written nothing (reports stored before
+# they were kept: the caller adds theirs and asks again).
+_STAGE_REPORTS = """
+local nlinks = tonumber(ARGV[2])
+local allowed = {}
+for i = 3, 2 + nlinks do allowed[ARGV[i]] = true end
+local first = 3 + nlinks
+local ids = {unpack(ARGV, first, #ARGV)}
+local links = redis.call('HMGET', KEYS[1], unpack(ids))
+local missing = {}
+for j, v in ipairs(links) do
+  if not v then missing[#missing + 1] = ids[j] end
+end
+if #missing > 0 then return {0, missing} end
+local owners = redis.call('HMGET', KEYS[2], unpack(ids))
+local unknowns = redis.call('HMGET', KEYS[3], unpack(ids))
+local staged, refs, marks, holders = {}, {}, {}, {}
+for j, link in ipairs(links) do
+  if link == '-' or allowed[link] then
+    local cid, owner, unknown = ids[j], owners[j], unknowns[j]
+    if owner or unknown then
+      holders[#holders + 1] = cid
+      holders[#holders + 1] = owner or ''
+      holders[#holders + 1] = unknown or ''
+    end
+    if not owner then
+      staged[#staged + 1] = cid
+      refs[#refs + 1] = ''
+      marks[#marks + 1] = '1 ' .. cid
+    end
+  end
+end
+if #staged > 0 then
+  redis.call('RPUSH', KEYS[4], unpack(refs))
+  redis.call('RPUSH', KEYS[5], unpack(marks))
+  redis.call('PEXPIRE', KEYS[4], ARGV[1])
+  redis.call('PEXPIRE', KEYS[5], ARGV[1])
+end
+return {1, staged, holders}
+"""
+# KEYS: a sorted set. ARGV: lowest score, offset, count. ZRANGEBYSCORE ... WITHSCORES LIMIT, as a flat list.
+_ZSLICE = """
+return redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf', 'WITHSCORES', 'LIMIT', ARGV[2], ARGV[3])
+"""
+STAGE_PART = 1000  # call ids per script: Redis, and every replica's requests, wait for 1,000 calls' staging at most
 
 # KEYS: docs, versions, order, counter. ARGV: id, expected version ('' = unconditional), version, doc.
 # The order is of last write, as in SQLite (INSERT OR REPLACE gives the row a new rowid).
@@ -273,6 +319,27 @@ for i = 2, #ARGV, 2 do
   end
 end
 return 1
+"""
+
+# KEYS: owner index, unknown index, a record's ids ('1 ID' | '0 ID'). ARGV: record id, first, last position.
+# ``_INDEX_CALLS`` over a slice of the record's ids, read inside Redis. Returns how many ids it read.
+_INDEX_LISTED = """
+local rid = ARGV[1]
+local listed = redis.call('LRANGE', KEYS[3], ARGV[2], ARGV[3])
+for _, item in ipairs(listed) do
+  local cid = string.sub(item, 3)
+  if string.sub(item, 1, 1) == '1' then
+    redis.call('HSETNX', KEYS[1], cid, rid)
+  else
+    local have = redis.call('HGET', KEYS[2], cid)
+    if not have then
+      redis.call('HSET', KEYS[2], cid, rid)
+    elseif not string.find(' ' .. have .. ' ', ' ' .. rid .. ' ', 1, true) then
+      redis.call('HSET', KEYS[2], cid, have .. ' ' .. rid)
+    end
+  end
+end
+return #listed
 """
 
 # KEYS: indexed count. ARGV: expected, next. How many records (oldest first) are in the call index.
@@ -408,6 +475,9 @@ class RedisStore(Store):
             ("put_doc", _PUT_DOC),
             ("append_record", _APPEND_RECORD),
             ("index_calls", _INDEX_CALLS),
+            ("index_listed", _INDEX_LISTED),
+            ("stage_reports", _STAGE_REPORTS),
+            ("zslice", _ZSLICE),
             ("advance", _ADVANCE),
             ("split_record", _SPLIT_RECORD),
             ("try_lease", _TRY_LEASE),
@@ -523,6 +593,17 @@ class RedisStore(Store):
     async def link_by_jti(self, jti: str) -> Doc | None:
         link_hash = await self.r.hget(self._key("links", "jti"), jti)
         return await self.get_link(link_hash) if link_hash else None
+
+    @_guarded
+    async def jtis_beginning(self, prefix: str, limit: int = 21) -> list[str]:
+        # HSCAN over the jti index: field names only, matched server-side (a prefix holds only hex characters,
+        # so nothing in it is a glob character)
+        found: list[str] = []
+        async for jti, _ in self.r.hscan_iter(self._key("links", "jti"), match=f"{prefix}*", count=1000):
+            found.append(jti)
+            if len(found) >= limit:
+                break
+        return sorted(found)
 
     @_guarded
     async def all_links(self) -> list[Doc]:
@@ -652,11 +733,13 @@ class RedisStore(Store):
     async def put_reports(self, reports: list[Doc]) -> Stored:
         if not reports:
             return Stored(set(), 0)
-        keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n")]
+        keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n"),
+                self._key("reports", "entry"), self._key("reports", "link")]
         args: list[str] = []
         for report in reports:
             keys += [self._key("reports", "agent", report["agent"]), self._key("reports", "started", report["agent"])]
-            args += [report["call_id"], _dump(report), repr(float(report.get("started_at") or 0))]
+            args += [report["call_id"], _dump(report), repr(float(report.get("started_at") or 0)),
+                     entry_text(report), report.get("link") or "-"]
         new = {str(i) for i in await self._scripts["put_reports"](keys=keys, args=args)}  # decoded: str
         by_agent: dict[str, list[str]] = {}
         for report in reports:
@@ -812,8 +895,18 @@ class RedisStore(Store):
             raise StoreUnwritable(f"Redis at {self.url} refuses writes: a record stored whole cannot be split yet")
         return heads
 
-    def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
-        return self._pages(self._calls_key(record_id), page)
+    async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+        """A page of the record's calls; an entry staged from a report ('') is the text kept beside it."""
+        at = 0
+        async for texts in self._pages(self._calls_key(record_id), page):
+            if "" in texts:
+                marks = await self._lrange(self._ids_key(record_id), at, at + len(texts) - 1)
+                refs = [i for i, text in enumerate(texts) if text == ""]
+                kept = await self._texts([marks[i][2:] for i in refs])
+                for i, text in zip(refs, kept, strict=True):
+                    texts[i] = text
+            at += len(texts)
+            yield texts
 
     async def _pages(self, key: str, page: int) -> AsyncIterator[list[str]]:
         start = 0
@@ -870,15 +963,21 @@ class RedisStore(Store):
                 await self._run("split_record", [self._key("records"), self._calls_key(head["record_id"])],
                                 [done, raw, jsonpieces.dumps(head), *texts])
             rid = head["record_id"]
-            legacy = not await self.r.exists(self._ids_key(rid))  # split from a whole record: decode its entries
-            pages = self.record_calls(rid, 1000) if legacy else self._pages(self._ids_key(rid), 5000)
-            async for page in pages:
-                pairs = await asyncio.to_thread(_holder_args, page) if legacy else _id_args(page)
-                await self._run("index_calls", [self._key("records", "owner"), self._key("records", "unknown")],
-                                [rid, *pairs])
+            indexes = [self._key("records", "owner"), self._key("records", "unknown")]
+            if await self.r.exists(self._ids_key(rid)):  # the ids beside its calls, read inside Redis
+                at = 0
+                while await self._run("index_listed", [*indexes, self._ids_key(rid)], [rid, at, at + 4999]) == 5000:
+                    at += 5000
+            else:  # split from a whole record: decode its entries
+                async for page in self.record_calls(rid, 1000):
+                    await self._run("index_calls", indexes, [rid, *await asyncio.to_thread(_holder_args, page)])
             await self._run("advance", [counter], [done, done + 1])
 
     async def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
+        async for ids in self._ordered_ids(agents, page):
+            yield await self._hmget(self._key("reports"), ids)
+
+    async def _ordered_ids(self, agents: list[str], page: int) -> AsyncIterator[list[str]]:
         """The agents' indexes by start, merged: each read a slice at a time from where it stopped (by score,
         then by member), so no command's cost grows with the termination (a ZUNIONSTORE of 200,000 members
         holds Redis, and every replica's requests, for most of a second). A report stored meanwhile is
@@ -910,15 +1009,75 @@ class RedisStore(Store):
                     n += 1
                 ids += lowest.take(max(1, n))
             if ids:
-                yield await self._hmget(self._key("reports"), ids)
+                yield ids
             if len(ids) < page:
                 return
+
+    async def stage_reports(self, record_id: str, start: int, agents: list[str], links: set[str],
+                            page: int = 5000) -> AsyncIterator[StagedPage]:
+        """Ids in the record's order (``_ordered_ids``); per part of a page, one script that stages the calls
+        inside Redis (``_STAGE_REPORTS``: references to the entry texts kept beside the reports); then the texts
+        of the staged calls, read in one command, to be hashed. Nothing is decoded or encoded here, but the
+        entries of reports stored before entries were kept."""
+        await self._index_records()
+        keys = [self._key("reports", "link"), self._key("records", "owner"), self._key("records", "unknown"),
+                self._calls_key(record_id), self._ids_key(record_id)]
+        head = [STAGED_TTL_MS, len(links), *sorted(links)]
+        async for ids in self._ordered_ids(agents, page):
+            staged: list[str] = []
+            holders: dict[str, Holders] = {}
+            for at in range(0, len(ids), STAGE_PART):
+                part = ids[at:at + STAGE_PART]
+                reply = await self._stage_part(keys, [*head, *part])
+                if int(reply[0]) == 0:  # reports from before entries were kept beside them: theirs first
+                    await self._keep_entries(reply[1])
+                    reply = await self._stage_part(keys, [*head, *part])
+                    if int(reply[0]) == 0:
+                        raise ValueError(f"record {record_id}: no report for {len(reply[1])} calls of the index")
+                staged += reply[1]
+                flat = reply[2]
+                holders.update({flat[i]: (flat[i + 1] or None, tuple(flat[i + 2].split()))
+                                for i in range(0, len(flat), 3)})
+            texts = await self._texts(staged)
+            yield StagedPage(list(zip(staged, texts, strict=True)), holders)
+
+    @_guarded
+    @_writes
+    async def _stage_part(self, keys: list[str], args: list[Any]) -> list[Any]:
+        return list(await self._scripts["stage_reports"](keys=keys, args=args))
+
+    @_guarded
+    async def _texts(self, call_ids: list[str]) -> list[str]:
+        """The entry texts kept beside these calls' reports, in order."""
+        texts: list[str] = []
+        for at in range(0, len(call_ids), 5000):
+            part = await self.r.hmget(self._key("reports", "entry"), call_ids[at:at + 5000])
+            if not all(part):
+                raise ValueError("a staged call has no entry text kept beside its report")
+            texts += part
+        return texts
+
+    @_guarded
+    @_writes
+    async def _keep_entries(self, call_ids: list[str]) -> None:
+        """Entries and links for reports stored before they were kept beside them (once: then as any other)."""
+        docs = await self._hmget(self._key("reports"), call_ids)
+        entries = await asyncio.to_thread(lambda: {d["call_id"]: entry_text(d) for d in docs})
+        links = {d["call_id"]: d.get("link") or "-" for d in docs}
+        for at in range(0, len(docs), 1000):
+            cids = [d["call_id"] for d in docs[at:at + 1000]]
+            async with self.r.pipeline(transaction=False) as pipe:  # the entry first: a link means it is there
+                pipe.hset(self._key("reports", "entry"), mapping={c: entries[c] for c in cids})
+                pipe.hset(self._key("reports", "link"), mapping={c: links[c] for c in cids})
+                await pipe.execute()
 
     @_guarded
     async def _fill(self, cursor: _Cursor, n: int) -> None:
         low = "-inf" if cursor.score is None else repr(cursor.score)
-        rows = await self.r.zrangebyscore(cursor.key, low, "+inf", start=cursor.at_score, num=n, withscores=True)
-        cursor.refill([(float(score), member) for member, score in rows], n)
+        # Through a script: its flat reply skips redis-py's per-member score conversion (the larger part of
+        # reading a big termination's index on the loop); the scores are Redis's own spelling, read exactly.
+        flat = await self._scripts["zslice"](keys=[cursor.key], args=[low, cursor.at_score, n])
+        cursor.refill([(float(flat[i + 1]), flat[i]) for i in range(0, len(flat), 2)], n)
 
     @_guarded
     async def _index_starts(self, agent: str) -> None:

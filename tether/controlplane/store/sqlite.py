@@ -5,7 +5,8 @@ transaction, committed before the API answers. The few whose size grows with a t
 reports, the records) run in worker threads, each with a connection of its own: WAL lets them read while
 the loop writes. A record is stored as a header row and one row per call entry, staged a page at a time
 (1,000 rows per transaction) before the header is appended, so the loop's writers never wait on the lock
-for more than one such insert, whatever the record's size.
+for more than one such insert, whatever the record's size. A report keeps its entry text beside it (column
+``entry``); a row staged from it refers to that text (an empty ``entry``) instead of copying it.
 
 A file that cannot take a write (a full disk, a read-only file system) raises ``StoreUnwritable`` with the
 reason, never an internal error, and ``/healthz`` says so until a write succeeds again
@@ -17,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
+import itertools
 import json
 import os
 import sqlite3
@@ -28,8 +31,8 @@ from typing import Any
 from tether.capability import jsonpieces
 from tether.capability.budget import slice_size
 
-from ..termination import encode_entry
-from .base import Doc, Event, LinkConflict, Store, Stored, StoreUnavailable, StoreUnwritable
+from ..termination import encode_entry, entry_text
+from .base import Doc, Event, Holders, LinkConflict, StagedPage, Store, Stored, StoreUnavailable, StoreUnwritable
 
 EVENT_RETENTION = 10_000
 
@@ -42,8 +45,8 @@ CREATE TABLE IF NOT EXISTS revocations (jti TEXT PRIMARY KEY, doc TEXT NOT NULL)
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, target TEXT,
     payload TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, doc TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS reports (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS reports_agent ON reports(agent);
+CREATE TABLE IF NOT EXISTS reports (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL,
+    started REAL, link TEXT, entry TEXT);
 CREATE TABLE IF NOT EXISTS starts (call_id TEXT PRIMARY KEY, agent TEXT NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS starts_agent ON starts(agent);
 CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, id TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
@@ -89,6 +92,12 @@ def _dump(doc: Any) -> str:
 _INSERT_ENTRY = "INSERT OR REPLACE INTO record_calls (record_id, seq, call_id, reported, entry) VALUES (?, ?, ?, ?, ?)"
 
 
+# A call entry's text is its row's, or, when the row's is '' (staged by ``stage_reports``), the report's own.
+_READ_ENTRIES = ("SELECT c.seq, CASE WHEN c.entry = '' THEN r.entry ELSE c.entry END FROM record_calls AS c "
+                 "LEFT JOIN reports AS r ON c.entry = '' AND r.call_id = c.call_id "
+                 "WHERE c.record_id = ? AND c.seq > ? ORDER BY c.seq LIMIT ?")
+
+
 def _entry_rows(record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> list[tuple[Any, ...]]:
     return [(record_id, start + i, cid, int(reported), text) for i, (cid, reported, text) in enumerate(entries)]
 
@@ -118,6 +127,53 @@ def _records_apart(db: sqlite3.Connection) -> None:
         db.execute("CREATE INDEX IF NOT EXISTS records_id ON records(record_id)")
         db.execute("DELETE FROM record_calls WHERE NOT EXISTS "
                    "(SELECT 1 FROM records WHERE records.record_id = record_calls.record_id)")
+
+
+_ENTRIES_KEPT = 1  # the file's user_version once every report has the columns a record is written from
+
+
+def _reports_entries(db: sqlite3.Connection) -> None:
+    """A file from before each report kept its record entry: the columns a record is written from (``started``,
+    ``link``, ``entry``) are added and ``started`` and ``link`` filled in; ``entry`` stays empty for those old
+    reports and is made from the report when a record lists it."""
+    if db.execute("PRAGMA user_version").fetchone()[0] >= _ENTRIES_KEPT:
+        return  # nothing to write: a file on a full disk or a read-only file system still opens
+    columns = {row[1] for row in db.execute("PRAGMA table_info(reports)")}
+    missing = [c for c in ("started", "link", "entry") if c not in columns]
+    with _transaction(db):
+        for column, kind in (("started", "REAL"), ("link", "TEXT"), ("entry", "TEXT")):
+            if column in missing:
+                db.execute(f"ALTER TABLE reports ADD COLUMN {column} {kind}")
+        db.execute("UPDATE reports SET started = COALESCE(json_extract(doc, '$.started_at'), 0), "
+                   "link = json_extract(doc, '$.link') WHERE started IS NULL")
+        db.execute("CREATE INDEX IF NOT EXISTS reports_order ON reports(agent, started, call_id)")
+        db.execute("DROP INDEX IF EXISTS reports_agent")  # reports_order serves every lookup by agent
+        db.execute(f"PRAGMA user_version = {_ENTRIES_KEPT}")
+
+
+def _holders(db: sqlite3.Connection, call_ids: list[str]) -> dict[str, Holders]:
+    """``Store.call_holders`` on this connection."""
+    owner: dict[str, str] = {}
+    unknown: dict[str, list[str]] = {}
+    for part in range(0, len(call_ids), 500):
+        ids = call_ids[part:part + 500]
+        marks = ",".join("?" * len(ids))
+        for cid, rid, reported in db.execute(
+                "SELECT record_calls.call_id, record_calls.record_id, record_calls.reported FROM record_calls "
+                f"JOIN records USING (record_id) WHERE record_calls.call_id IN ({marks}) "
+                "ORDER BY records.pos, record_calls.seq", ids):
+            if reported:
+                owner.setdefault(cid, rid)
+            elif rid not in unknown.setdefault(cid, []):
+                unknown[cid].append(rid)
+    return {cid: (owner.get(cid), tuple(unknown.get(cid, ()))) for cid in {*owner, *unknown}}
+
+
+def _insert_entries(db: sqlite3.Connection, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
+    rows = _entry_rows(record_id, start, entries)
+    for part in range(0, len(rows), 1000):  # the loop's writers wait for 1,000 rows' insert at most
+        with _transaction(db):
+            db.executemany(_INSERT_ENTRY, rows[part:part + 1000])
 
 
 def _has_index(db: sqlite3.Connection, name: str) -> bool:
@@ -164,6 +220,7 @@ class SqliteStore(Store):
         db.execute("PRAGMA busy_timeout=5000")
         db.executescript(_SCHEMA)
         _records_apart(db)
+        _reports_entries(db)
         self._db = db
 
     async def close(self) -> None:
@@ -183,6 +240,7 @@ class SqliteStore(Store):
             self.db  # noqa: B018 - raises StoreUnavailable when the store is closed
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA busy_timeout=5000")
+            db.execute("PRAGMA synchronous=NORMAL")  # as the loop's connection: WAL, a sync at each checkpoint
             self._local.db = db
             with self._thread_lock:
                 self._thread_dbs.append(db)
@@ -259,6 +317,11 @@ class SqliteStore(Store):
     async def link_by_jti(self, jti: str) -> Doc | None:
         row = self.db.execute("SELECT doc FROM links WHERE jti = ?", (jti,)).fetchone()
         return json.loads(row[0]) if row else None
+
+    async def jtis_beginning(self, prefix: str, limit: int = 21) -> list[str]:
+        # A range over the unique jti index (jtis are lower-case hex: prefix + "g" sorts after every extension)
+        return [r[0] for r in self.db.execute("SELECT jti FROM links WHERE jti >= ? AND jti < ? ORDER BY jti LIMIT ?",
+                                              (prefix, prefix + "g", limit))]
 
     async def all_links(self) -> list[Doc]:
         return [json.loads(r[0]) for r in self.db.execute("SELECT doc FROM links ORDER BY rowid")]
@@ -341,9 +404,12 @@ class SqliteStore(Store):
         with self._tx() as db:
             new: set[str] = set()
             for report in reports:
+                # Beside the report, its entry in a record (so a record is written without encoding a call).
                 cur = db.execute(
-                    "INSERT OR IGNORE INTO reports (call_id, agent, doc) VALUES (?, ?, ?)",
-                    (report["call_id"], report["agent"], _dump(report)),
+                    "INSERT OR IGNORE INTO reports (call_id, agent, doc, started, link, entry) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (report["call_id"], report["agent"], _dump(report), report.get("started_at") or 0,
+                     report.get("link"), entry_text(report)),
                 )
                 if cur.rowcount:
                     new.add(report["call_id"])
@@ -443,13 +509,7 @@ class SqliteStore(Store):
 
     @_writes
     async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
-        def stage(db: sqlite3.Connection) -> None:
-            rows = _entry_rows(record_id, start, entries)
-            for part in range(0, len(rows), 1000):  # the loop's writers wait for 1,000 rows' insert at most
-                with _transaction(db):
-                    db.executemany(_INSERT_ENTRY, rows[part:part + 1000])
-
-        await self._off_loop(stage)
+        await self._off_loop(lambda db: _insert_entries(db, record_id, start, entries))
 
     @_writes
     async def drop_staged(self, record_id: str) -> None:
@@ -467,32 +527,15 @@ class SqliteStore(Store):
     async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         after = -1
         while True:
-            rows = await self._off_loop(lambda db, after=after: db.execute(
-                "SELECT seq, entry FROM record_calls WHERE record_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-                (record_id, after, page)).fetchall())
+            rows = await self._off_loop(
+                lambda db, after=after: db.execute(_READ_ENTRIES, (record_id, after, page)).fetchall())
             if not rows:
                 return
             after = rows[-1][0]
             yield [r[1] for r in rows]
 
-    async def call_holders(self, call_ids: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
-        def read(db: sqlite3.Connection) -> dict[str, tuple[str | None, tuple[str, ...]]]:
-            owner: dict[str, str] = {}
-            unknown: dict[str, list[str]] = {}
-            for part in range(0, len(call_ids), 500):
-                ids = call_ids[part:part + 500]
-                marks = ",".join("?" * len(ids))
-                for cid, rid, reported in db.execute(
-                        "SELECT record_calls.call_id, record_calls.record_id, record_calls.reported FROM record_calls "
-                        f"JOIN records USING (record_id) WHERE record_calls.call_id IN ({marks}) "
-                        "ORDER BY records.pos, record_calls.seq", ids):
-                    if reported:
-                        owner.setdefault(cid, rid)
-                    elif rid not in unknown.setdefault(cid, []):
-                        unknown[cid].append(rid)
-            return {cid: (owner.get(cid), tuple(unknown.get(cid, ()))) for cid in {*owner, *unknown}}
-
-        return await self._off_loop(read) if call_ids else {}
+    async def call_holders(self, call_ids: list[str]) -> dict[str, Holders]:
+        return await self._off_loop(lambda db: _holders(db, call_ids)) if call_ids else {}
 
     async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
         def read(db: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
@@ -516,7 +559,7 @@ class SqliteStore(Store):
         try:
             cursor = await asyncio.to_thread(
                 db.execute, f"SELECT doc FROM reports WHERE agent IN ({marks}) "
-                "ORDER BY COALESCE(json_extract(doc, '$.started_at'), 0), call_id", agents)
+                "ORDER BY started, call_id", agents)
             while True:
                 docs = await asyncio.to_thread(lambda: [json.loads(r[0]) for r in cursor.fetchmany(page)])
                 if not docs:
@@ -524,6 +567,54 @@ class SqliteStore(Store):
                 yield docs
         finally:
             await asyncio.to_thread(db.close)
+
+    async def stage_reports(self, record_id: str, start: int, agents: list[str], links: set[str],
+                            page: int = 5000) -> AsyncIterator[StagedPage]:
+        """One query in a connection of its own (a snapshot), in the record's order from the index on (agent,
+        started, call_id), and per page, in one worker thread: the log's holders of its calls, and an insert of
+        the entry texts kept beside the reports (made from the report only for one stored before they were)."""
+        if not agents:
+            return
+        reader = await asyncio.to_thread(sqlite3.connect, self.path, isolation_level=None, check_same_thread=False)
+
+        def stage(rows_in: Iterator[tuple[Any, ...]], at: int) -> StagedPage | None:
+            fetched = list(itertools.islice(rows_in, page))
+            if not fetched:
+                return None
+            rows = [r for r in fetched if r[2] is None or r[2] in links]
+            db = self._thread_db()
+            holders = _holders(db, [r[1] for r in rows])
+            entries = [(cid, entry if entry is not None else entry_text(json.loads(doc)), entry is not None)
+                       for _, cid, _, entry, doc in rows if holders.get(cid, (None,))[0] is None]
+            # A row whose text is the report's own refers to it ('': reports are never changed or deleted).
+            _insert_entries(db, record_id, at, [(cid, True, "" if kept else text) for cid, text, kept in entries])
+            return StagedPage([(cid, text) for cid, text, _ in entries], holders)
+
+        def open_rows() -> Iterator[tuple[Any, ...]]:
+            """One read transaction (a snapshot) and a cursor per agent, each in the record's order from the index
+            on (agent, started, call_id), merged: no sort of the reports, whatever their number."""
+            reader.execute("BEGIN")
+            cursors = [reader.execute(
+                "SELECT started, call_id, link, entry, CASE WHEN entry IS NULL THEN doc END FROM reports "
+                "WHERE agent = ? ORDER BY started, call_id", (agent,)) for agent in sorted(set(agents))]
+            return cursors[0] if len(cursors) == 1 else heapq.merge(*cursors, key=lambda row: (row[0], row[1]))
+
+        try:
+            rows_in = await asyncio.to_thread(open_rows)
+            while True:
+                staged = await self._stage_page(stage, rows_in, start)
+                if staged is None:
+                    return
+                start += len(staged.entries)
+                yield staged
+        finally:
+            await asyncio.to_thread(reader.close)
+
+    @_writes
+    async def _stage_page(self, stage: Callable[[Iterator[tuple[Any, ...]], int], StagedPage | None],
+                          rows: Iterator[tuple[Any, ...]], at: int) -> StagedPage | None:
+        """One page of ``stage_reports`` (a write: its refusal goes to the store's write health); None at the end."""
+        return await asyncio.to_thread(stage, rows, at)
 
     async def reports_among(self, call_ids: list[str]) -> list[Doc]:
         def read(db: sqlite3.Connection) -> list[Doc]:

@@ -7,6 +7,8 @@ async function readFile(input) {
   return JSON.parse(await file.text());
 }
 
+export async function render() { return "Audit"; }
+
 export function bind() {
   document.getElementById("audit-form").addEventListener("submit", async (e) => {
     e.preventDefault();

@@ -5,7 +5,10 @@ export function confirmAction({ title, body, terminate = false, okLabel = "Confi
   const dialog = document.getElementById("confirm");
   document.getElementById("confirm-title").textContent = title;
   replace(document.getElementById("confirm-body"), body);
-  document.getElementById("confirm-terminate").hidden = !terminate;
+  document.getElementById("confirm-terminate").hidden = !terminate;  // revoke takes a reason only
+  document.getElementById("confirm-mode").value = "drain";
+  document.getElementById("confirm-window").value = "30";
+  document.getElementById("confirm-reason").value = "";
   const error = document.getElementById("confirm-error");
   error.textContent = "";
   const ok = document.getElementById("confirm-ok");
