@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tether.cli.main import build_parser
-from tether.cli.run import sidecar_argv
+from tether.cli.run import sidecar_namespace
 from tether.cli.sidecar import SIDECAR_OPTIONS, Option
 
 from . import harness
@@ -36,13 +36,11 @@ def sample(option: Option) -> tuple[list[str], object]:
 @pytest.mark.parametrize("option", [o for o in SIDECAR_OPTIONS if o.dest not in ("chain", "key", "state_dir",
                                                                                   "ready_file")],
                          ids=lambda o: o.flag)
-def test_every_sidecar_option_is_accepted_by_run_and_forwarded_as_given(option: Option) -> None:
+def test_every_sidecar_option_is_accepted_by_run_and_reaches_its_sidecar_as_given(option: Option) -> None:
     use, value = sample(option)
     args = build_parser().parse_args(["run", "--chain", "c", "--key", "k", *use, "--", "true"])
     assert getattr(args, option.dest) == value
-    argv = sidecar_argv(args, chain="c", key="k", state_dir=Path("s"), ready=Path("r"))
-    assert argv[:4] == [PYTHON, "-m", "tether", "sidecar"]
-    forwarded = build_parser().parse_args(argv[3:])  # what the sidecar it starts will read
+    forwarded = sidecar_namespace(args, chain="c", key="k", state_dir=Path("s"), ready=Path("r"))  # what it reads
     assert getattr(forwarded, option.dest) == value
     for other in SIDECAR_OPTIONS:  # and nothing else changed on the way
         if other.dest not in (option.dest, "chain", "key", "state_dir", "ready_file", "listen"):
@@ -53,8 +51,7 @@ def test_every_sidecar_option_is_accepted_by_run_and_forwarded_as_given(option: 
 def test_run_hands_on_the_chain_key_state_dir_and_ready_file_it_resolved() -> None:
     args = build_parser().parse_args(["run", "--chain", "given", "--key", "given.key", "--state-dir", "root",
                                       "--", "true"])
-    forwarded = build_parser().parse_args(sidecar_argv(args, chain="c", key="k", state_dir=Path("root/agent"),
-                                                       ready=Path("r"))[3:])
+    forwarded = sidecar_namespace(args, chain="c", key="k", state_dir=Path("root/agent"), ready=Path("r"))
     assert (forwarded.chain, forwarded.key, forwarded.state_dir, forwarded.ready_file) == ("c", "k", "root/agent", "r")
     assert forwarded.listen == "127.0.0.1:0"  # run's own default: a free port
 

@@ -27,6 +27,7 @@ from . import (
     keys,
     login,
     mcp_stdio,
+    node,
     operators,
     ops,
     run,
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     controlplane.add_controlplane_group(sub)
     sidecar.add_sidecar(sub)
     run.add_run(sub)
+    node.add_node(sub)
     mcp_stdio.add_mcp(sub)
     grant.add_keygen(sub)
     keys.add_keys(sub)

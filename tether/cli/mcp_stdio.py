@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 from tether.capability.errors import BAD_REQUEST, TetherError
 
 from .remote import add_controlplane
-from .run import die_with_parent
 from .sidecar import SIDECAR_OPTIONS, default_state_root
+from .spawn import die_with_parent
 
 if TYPE_CHECKING:
     from tether.proxy.stdio_bridge import Endpoint, HostRelay
@@ -133,7 +133,7 @@ class Bridge:
         from tether.capability.catalog import stdio_endpoint
         from tether.proxy.stdio_bridge import LINE_LIMIT, Endpoint, HostRelay, host_pipes, say
 
-        from .run import wait_ready
+        from .spawn import wait_ready
 
         args = self.args
         token = secrets.token_urlsafe(32)
@@ -260,7 +260,8 @@ class Bridge:
         return [*argv, "--", *self.command]
 
     def _start_sidecar(self, state_dir: Path, ready: Path, log_path: Path, route: str) -> subprocess.Popen:
-        from .run import sidecar_argv, without_authority
+        from .run import without_authority
+        from .spawn import sidecar_argv
 
         args = self._sidecar_args(route)
         argv = sidecar_argv(args, chain=args.chain, key=args.key, state_dir=state_dir, ready=ready)
@@ -271,7 +272,7 @@ class Bridge:
                                     preexec_fn=die_with_parent)
 
     def _stop_sidecar(self) -> None:
-        from .run import stop_sidecar
+        from .spawn import stop_sidecar
 
         if self.sidecar is not None:
             stop_sidecar(self.sidecar, self.args.stop_window)

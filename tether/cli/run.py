@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +29,9 @@ from tether.capability.errors import BAD_REQUEST, TetherError
 
 from .delegation import DELEGATE_VARIABLE
 from .grant import CAP_METAVAR
+from .node import SOCKET_VARIABLE, served_by
 from .remote import DEFAULT_CONTROLPLANE, add_controlplane
-from .sidecar import SIDECAR_OPTIONS, default_state_root
+from .sidecar import RETIRED, SIDECAR_OPTIONS, default_state_root
 
 CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
 # tether's own authority: an agent holding one could approve its own held calls or revoke and terminate others.
@@ -71,19 +73,22 @@ def add_run(sub: Any) -> None:
                    "running the command as this unprivileged user (e.g. nobody)")
     # Set by the tether run that delegates for an enforced command (tether/cli/delegation.py): the sub-agent's own
     # environment and working directory are its command's, never this process's.
+    p.add_argument("--node", metavar="SOCKET", default=os.environ.get(SOCKET_VARIABLE),
+                   help="run as a fork of the node server listening on SOCKET (tether node serve), sharing its loaded "
+                        f"code (default: ${SOCKET_VARIABLE}, else a process of its own)")
     p.add_argument("--command-env", metavar="F", help=argparse.SUPPRESS)
     p.add_argument("--command-cwd", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
     p.set_defaults(func=cmd_run)
 
 
-def sidecar_argv(args: argparse.Namespace, *, chain: str, key: str, state_dir: Path, ready: Path) -> list[str]:
-    """The ``tether sidecar`` command line for this run: every sidecar option as given to run."""
-    argv = [sys.executable, "-m", "tether", "sidecar", "--controlplane", args.controlplane or DEFAULT_CONTROLPLANE]
+def sidecar_namespace(args: argparse.Namespace, *, chain: str, key: str, state_dir: Path, ready: Path,
+                      fds: tuple[int, int] | None = None) -> argparse.Namespace:
+    """What the sidecar this run serves reads (``config_from_args``): every sidecar option as given to run, the
+    ones in ``SET_BY_RUN`` as run resolved them, and the enclosure's sockets."""
     resolved = {"chain": chain, "key": key, "state_dir": str(state_dir), "ready_file": str(ready)}
-    for option in SIDECAR_OPTIONS:
-        argv += option.argv(resolved[option.dest] if option.dest in SET_BY_RUN else getattr(args, option.dest))
-    return argv
+    values = {o.dest: resolved[o.dest] if o.dest in SET_BY_RUN else getattr(args, o.dest) for o in SIDECAR_OPTIONS}
+    return argparse.Namespace(controlplane=args.controlplane or DEFAULT_CONTROLPLANE, enclosure_fds=fds, **values)
 
 
 def _delegate(args: argparse.Namespace, state_root: Path) -> tuple[str, str, str]:
@@ -129,6 +134,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (args.user or not args.cooperative) and (args.transparent_listen or args.dns_listen):
         raise TetherError("an enforced run chooses the transparent and DNS listeners itself: drop "
                           "--transparent-listen and --dns-listen (or give --cooperative)", code=BAD_REQUEST)
+    base = _base_env(args.command_env)
+    cwd = args.command_cwd or os.getcwd()
+    try:
+        check_command(command[0], base.get("PATH", os.defpath), cwd)
+    except CommandNotFound as exc:  # a shell's status for it, with tether's line
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return COMMAND_NOT_FOUND_STATUS
+    node_socket = served_by()
+    if args.node and node_socket is None and args.command_env is None:  # (a delegated sub-agent runs here)
+        from .node import run_on_node
+
+        return run_on_node(args.node, sys.argv[1:])
+    drop_authority()  # before anything is started: the sidecar is this process
+    unreachable = _unreachable(args.controlplane or DEFAULT_CONTROLPLANE)
+    if unreachable:  # said now, not once the sidecar's code is loaded; the sidecar keeps trying and saying so
+        print(f"tether: waiting for the control plane at {args.controlplane or DEFAULT_CONTROLPLANE}: {unreachable}, "
+              "still trying (Ctrl-C to give up)", file=sys.stderr, flush=True)
     from tether.proxy.secrets import SecretSpec
 
     secrets = [SecretSpec.parse(text) for text in args.secret or []]  # before anything is written
@@ -137,79 +159,219 @@ def cmd_run(args: argparse.Namespace) -> int:
     state_dir = state_root / agent
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     mode = "cooperative" if args.cooperative else "as-user" if args.user else "enforced"
-    isolation = enclosure = None
-    if mode == "as-user":
-        from tether.proxy.isolate import DNS_PORT, TRANSPARENT_PORT, Isolation
-
-        os.chmod(state_dir, 0o700)  # the CA key, spool and captures: the sidecar's, not the command's
-        isolation = Isolation.create(args.user)
-        host = isolation.plan.host_ip
-        args = argparse.Namespace(**{**vars(args), "transparent_listen": f"{host}:{TRANSPARENT_PORT}",
-                                     "dns_listen": f"{host}:{DNS_PORT}"})
-    elif mode == "enforced":
-        from tether.proxy.rootless import Enclosure
-
-        enclosure = Enclosure.open()  # before the sidecar: it serves the sockets the enclosure makes
-    ready = Path(args.ready_file) if args.ready_file else state_dir / "sidecar.ready"
-    ready.unlink(missing_ok=True)
-    log_path = state_dir / "sidecar.log"
-    sidecar = delegation = None
+    run = Run(args, agent=agent, waiting_said=bool(unreachable), command=command, cwd=cwd, base=base,
+              secrets=secrets, state_root=state_root, chain_path=chain_path, key_path=key_path,
+              covered=[Path(p) for p in (node_socket, args.node) if p])
     try:
-        if isolation is not None:
-            isolation.check_unreadable([Path(key_path), *(Path(s.ref) for s in secrets if s.kind == "file")])
-        argv = sidecar_argv(args, chain=chain_path, key=key_path, state_dir=state_dir, ready=ready)
-        fds: tuple[int, ...] = ()
-        if enclosure is not None:
-            fds = (enclosure.listener, enclosure.resolver)
-            argv += ["--enclosure-fds", f"{fds[0]},{fds[1]}"]
-        with open(log_path, "ab") as log_file:
-            sidecar = subprocess.Popen(argv, stdout=log_file, stderr=log_file, start_new_session=True,
-                                       env=without_authority(os.environ), pass_fds=fds,
-                                       preexec_fn=die_with_parent)
-        if enclosure is not None:
-            enclosure.close_sockets()  # the sidecar's alone now
-        info = wait_ready(sidecar, ready, log_path)
-        env = _command_env(info, secrets, isolation, enclosure, state_dir, _base_env(args.command_env))
-        env.update({"TETHER_AGENT": agent, "TETHER_CONTROLPLANE": args.controlplane or DEFAULT_CONTROLPLANE})
+        if mode == "as-user":
+            from tether.proxy.isolate import DNS_PORT, TRANSPARENT_PORT, Isolation
+
+            os.chmod(state_dir, 0o700)  # the CA key, spool and captures: the sidecar's, not the command's
+            run.isolation = Isolation.create(args.user)
+            host = run.isolation.plan.host_ip
+            run.args = argparse.Namespace(**{**vars(args), "transparent_listen": f"{host}:{TRANSPARENT_PORT}",
+                                             "dns_listen": f"{host}:{DNS_PORT}"})
+            run.isolation.check_unreadable([Path(key_path), *(Path(s.ref) for s in secrets if s.kind == "file")])
+        elif mode == "enforced":
+            from tether.proxy.rootless import Enclosure
+
+            run.enclosure = Enclosure.open()  # before the sidecar: it serves the sockets the enclosure makes
+        return run.serve()
+    finally:
+        run.close()
+
+
+def _unreachable(url: str, timeout_s: float = 1.0) -> str | None:
+    """Whether the control plane's port takes a connection: why not, or None (the sidecar finds out the rest)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        return f"unreachable ({getattr(exc, 'strerror', None) or exc})"
+
+
+class CommandNotFound(TetherError):
+    code = "tether.command_not_found"
+
+
+COMMAND_NOT_FOUND_STATUS = 127  # what a shell answers for a command it cannot find
+
+
+def check_command(name: str, path: str, cwd: str) -> None:
+    """Refuse, before any sidecar starts, a command that cannot be run: not on ``path`` (a bare name) or not an
+    executable file (a path, relative to ``cwd``)."""
+    if os.sep in name:
+        found = os.path.join(cwd, name)
+        if os.path.isfile(found) and os.access(found, os.X_OK):
+            return
+        why = "no such file" if not os.path.exists(found) else "not an executable file"
+        raise CommandNotFound(f"{name}: {why} (tether run starts nothing for it)")
+    if shutil.which(name, path=path) is None:
+        raise CommandNotFound(f"{name}: command not found on PATH (tether run starts nothing for it)")
+
+
+def drop_authority() -> None:
+    """This process is the sidecar, and its environment as it started stays readable in /proc/PID/environ to
+    processes of the same user (a cooperative command): with a tether token in it, start again without."""
+    if not any(name in os.environ for name in AUTHORITY_VARIABLES):
+        return
+    flags = ["-I"] if sys.flags.isolated else []
+    os.execve(sys.executable, [sys.executable, *flags, "-m", "tether", *sys.argv[1:]], without_authority(os.environ))
+
+
+class Run:
+    """One ``tether run``: the sidecar served in this process, the command supervised by it, then the stop."""
+
+    def __init__(self, args: argparse.Namespace, *, agent: str, waiting_said: bool, command: list[str], cwd: str,
+                 base: Mapping[str, str], secrets: list, state_root: Path, chain_path: str, key_path: str,
+                 covered: list[Path]) -> None:
+        self.args, self.agent, self.command, self.cwd, self.base = args, agent, command, cwd, base
+        self.covered = covered  # besides the state root and the keys: the node server's socket
+        self.secrets, self.state_root, self.chain_path, self.key_path = secrets, state_root, chain_path, key_path
+        self.state_dir = state_root / agent
+        self.log_path = self.state_dir / "sidecar.log"
+        self.isolation: Any = None
+        self.enclosure: Any = None
+        self.delegation: Any = None
+        self.child: subprocess.Popen | None = None
+        self._log: Any = None
+        self._waiting_said = waiting_said  # run said so already: the sidecar's first such line goes to the log only
+
+    def sidecar_args(self) -> argparse.Namespace:
+        """What the sidecar reads: every sidecar option as given to run, with the chain, key, state dir and ready
+        file as run resolved them, and the enclosure's sockets."""
+        return sidecar_namespace(self.args, chain=self.chain_path, key=self.key_path, state_dir=self.state_dir,
+                                 ready=self.ready_path(),
+                                 fds=(self.enclosure.listener, self.enclosure.resolver) if self.enclosure else None)
+
+    def ready_path(self) -> Path:
+        return Path(self.args.ready_file) if self.args.ready_file else self.state_dir / "sidecar.ready"
+
+    def serve(self) -> int:
+        import asyncio
+
+        from .sidecar import config_from_args, serve_sidecar, setup_logging
+
+        ready = self.ready_path()
+        ready.unlink(missing_ok=True)
+        self._log = open(self.log_path, "a", buffering=1)
+        setup_logging(self._log)
+        config = config_from_args(self.sidecar_args())
+
+        async def main() -> int:
+            loop = asyncio.get_running_loop()
+            task = asyncio.current_task()
+            assert task is not None
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)  # until the command runs: stop starting
+            return await serve_sidecar(config, str(ready), serve=self.supervise, say=self.say)
+
+        try:
+            code = asyncio.run(main())
+        except asyncio.CancelledError:  # SIGTERM before the command started
+            return 128 + signal.SIGTERM
+        if self.child is None and code == RETIRED:  # the sidecar may not serve: the command never started
+            raise TetherError("the sidecar did not start: its chain may not serve (above; the log "
+                              f"{self.log_path} has the rest)", code="tether.sidecar_failed")
+        return code
+
+    def say(self, text: str) -> None:
+        """The sidecar's status lines: all in the log; on the terminal all but where it listens (run says how the
+        command runs instead)."""
+        print(f"tether: {text}", file=self._log, flush=True)
+        if text.startswith("waiting for the control plane") and self._waiting_said:
+            self._waiting_said = False
+        elif not text.startswith("sidecar for "):
+            print(f"tether: {text}", file=sys.stderr, flush=True)
+
+    async def supervise(self, info: dict[str, Any]) -> int:
+        """While the sidecar serves: start the command, pass it SIGTERM and SIGINT, wait for its end; its exit
+        status, a death by signal N as 128+N (so Ctrl-C, which the command gets too, ends run with 130 as it does
+        the command). Its sub-agents and its enclosure go before the sidecar stops."""
+        import asyncio
+
+        if self.enclosure is not None:
+            self.enclosure.handed_over()  # the sidecar's alone now
+        loop = asyncio.get_running_loop()
+        child = await asyncio.to_thread(self.start_command, info)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda sig=sig: _signal(child, sig))
+        code = await asyncio.to_thread(child.wait)
+        await asyncio.to_thread(self.close_command)
+        return 128 - code if code < 0 else code
+
+    def start_command(self, info: dict[str, Any]) -> subprocess.Popen:
+        args, agent, isolation, enclosure = self.args, self.agent, self.isolation, self.enclosure
+        controlplane = args.controlplane or DEFAULT_CONTROLPLANE
+        env = _command_env(info, self.secrets, isolation, enclosure, self.state_dir, self.base)
+        env.update({"TETHER_AGENT": agent, "TETHER_CONTROLPLANE": controlplane})
         if enclosure is None:  # enclosed, the chain and state dir are covered: naming them would only mislead
-            env.update({"TETHER_CHAIN": os.path.abspath(chain_path), "TETHER_STATE_DIR": os.path.abspath(state_root)})
+            env.update({"TETHER_CHAIN": os.path.abspath(self.chain_path),
+                        "TETHER_STATE_DIR": os.path.abspath(self.state_root)})
         if isolation is None and enclosure is None:  # an isolated command cannot read the key
-            env["TETHER_KEY"] = os.path.abspath(key_path)
+            env["TETHER_KEY"] = os.path.abspath(self.key_path)
         if enclosure is not None:
             from .delegation import DelegationServer
 
             chain_copy = enclosure.workdir / "chain"  # the chain is no secret: the command may read and show it
-            chain_copy.write_text(Path(chain_path).read_text())
-            delegation = DelegationServer(enclosure.workdir / "delegate.sock",
-                                          controlplane=args.controlplane or DEFAULT_CONTROLPLANE,
-                                          parent_chain=os.path.abspath(chain_path),
-                                          parent_key=os.path.abspath(key_path), state_root=os.path.abspath(state_root))
-            env.update({"TETHER_CHAIN": str(chain_copy), DELEGATE_VARIABLE: str(delegation.path)})
-            print(f"tether: {agent} runs enforced: its only way out is its sidecar (log {log_path})",
+            chain_copy.write_text(Path(self.chain_path).read_text())
+            self.delegation = DelegationServer(enclosure.workdir / "delegate.sock", controlplane=controlplane,
+                                               parent_chain=os.path.abspath(self.chain_path),
+                                               parent_key=os.path.abspath(self.key_path),
+                                               state_root=os.path.abspath(self.state_root))
+            env.update({"TETHER_CHAIN": str(chain_copy), DELEGATE_VARIABLE: str(self.delegation.path)})
+            print(f"tether: {agent} runs enforced: its only way out is its sidecar (log {self.log_path})",
                   file=sys.stderr, flush=True)
-            _enclose(enclosure, command, env, info, secrets,
-                     [state_root, Path(key_path), *([Path(args.parent_key)] if args.parent_key else [])],
-                     args.command_cwd or os.getcwd())
-            return _wait_command(enclosure.process)
+            covered = [self.state_root, Path(self.key_path), *([Path(args.parent_key)] if args.parent_key else []),
+                       *self.covered]
+            _enclose(enclosure, self.command, env, info, self.secrets, covered, self.cwd)
+            self.child = enclosure.process
+            return enclosure.process
         where = info["proxy"] if isolation is None else \
-            f"{isolation.plan.host_ip}:{TRANSPARENT_PORT} (isolated in {isolation.plan.netns} as {isolation.user.name})"
-        print(f"tether: {agent} runs behind its sidecar at {where} (log {log_path})", file=sys.stderr, flush=True)
+            f"{isolation.plan.host_ip}:{isolation.plan.tport} (isolated in {isolation.plan.netns} as " \
+            f"{isolation.user.name})"
+        print(f"tether: {agent} runs behind its sidecar at {where} (log {self.log_path})", file=sys.stderr,
+              flush=True)
         if isolation is None:
             print(COOPERATIVE_WARNING, file=sys.stderr, flush=True)
-        return _run_command(isolation.wrap(command) if isolation is not None else command, env)
-    finally:
-        if delegation is not None:
-            delegation.close()  # its children first: each stops its own sidecar
-        if enclosure is not None:
-            if enclosure.process.poll() is None:
-                enclosure.process.terminate()  # the command first: its calls are the sidecar's to finish
+        self.child = subprocess.Popen(isolation.wrap(self.command) if isolation is not None else self.command,
+                                      env=env, cwd=self.cwd)
+        return self.child
+
+    def close_command(self) -> None:
+        """The command's sub-agents (each stops its own sidecar), then the enclosure; idempotent."""
+        if self.delegation is not None:
+            self.delegation.close()
+            self.delegation = None
+        if self.enclosure is not None:
+            if self.enclosure.process.poll() is None:
+                self.enclosure.process.terminate()  # the command first: its calls are the sidecar's to finish
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    enclosure.process.wait(timeout=5)
-            enclosure.destroy()
-        if sidecar is not None:
-            stop_sidecar(sidecar, args.stop_window)
-        if isolation is not None:
-            isolation.destroy()
+                    self.enclosure.process.wait(timeout=5)
+            self.enclosure.destroy()
+            self.enclosure = None
+
+    def close(self) -> None:
+        """Whatever happened: no command, sub-agent, enclosure or namespace is left behind."""
+        if self.child is not None and self.child.poll() is None:
+            self.child.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.child.wait(timeout=5)
+        self.close_command()
+        if self.isolation is not None:
+            self.isolation.destroy()
+            self.isolation = None
+        if self._log is not None:
+            self._log.close()
+
+
+def _signal(child: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        child.send_signal(sig)
 
 
 def _enclose(enclosure: Any, command: list[str], env: dict[str, str], info: dict, secrets: list,
@@ -289,78 +451,3 @@ def _command_env(info: dict, secrets: list, isolation: Any, enclosure: Any, stat
                     "LOGNAME": isolation.user.name})
     env.update(dict.fromkeys(CA_VARIABLES, ca))
     return env
-
-
-def _run_command(command: list[str], env: dict[str, str]) -> int:
-    return _wait_command(subprocess.Popen(command, env=env))
-
-
-def _wait_command(child: subprocess.Popen) -> int:
-    """Wait for the command's end, passing it SIGTERM and SIGINT; its exit status, a death by signal N as 128+N
-    (so Ctrl-C, which the command gets too, ends run with 130 as it does the command)."""
-    previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
-
-
-def die_with_parent() -> None:
-    """In the sidecar child: if `tether run` dies (even by SIGKILL), the kernel sends us SIGTERM."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the sidecar outlives a killed parent; stop it by hand
-        pass
-
-
-def wait_ready(sidecar: subprocess.Popen, ready: Path, log_path: Path, timeout: float = 45.0) -> dict:
-    """Wait for the sidecar's ready file, showing its status lines as they come: while it says it is still
-    trying to reach the control plane, so does run (Ctrl-C gives up)."""
-    deadline = time.monotonic() + timeout
-    shown = log_path.stat().st_size if log_path.exists() else 0
-    while time.monotonic() < deadline:
-        if ready.exists():
-            return json.loads(ready.read_text())
-        shown, waiting = _relay_status(log_path, shown)
-        if waiting:
-            deadline = time.monotonic() + timeout
-        if sidecar.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise TetherError("the sidecar did not start:\n  " + "\n  ".join(tail), code="tether.sidecar_failed")
-        time.sleep(0.05)
-    raise TetherError(f"the sidecar did not become ready within {timeout:.0f}s (see {log_path})",
-                      code="tether.sidecar_failed")
-
-
-def _relay_status(log_path: Path, offset: int) -> tuple[int, bool]:
-    """Print the sidecar's new ``tether: waiting ...`` lines; returns how far the log was read and whether
-    there was one."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            chunk = f.read()
-    except OSError:
-        return offset, False
-    complete = chunk[: chunk.rfind(b"\n") + 1]
-    waiting = [line for line in complete.decode(errors="replace").splitlines() if line.startswith("tether: waiting")]
-    for line in waiting:
-        print(line, file=sys.stderr, flush=True)
-    return offset + len(complete), bool(waiting)
-
-
-def stop_sidecar(sidecar: subprocess.Popen, window_s: float) -> None:
-    """SIGTERM, then time for the sidecar's own stop: its window, the cut calls' last events, its reports."""
-    if sidecar.poll() is not None:
-        return
-    sidecar.send_signal(signal.SIGTERM)
-    try:
-        sidecar.wait(timeout=window_s + 15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            sidecar.kill()
-        sidecar.wait()

@@ -27,7 +27,7 @@ from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 if TYPE_CHECKING:
     import logging
 
-    from tether.proxy.sidecar import Sidecar, SidecarConfig
+    from tether.proxy.sidecar import SidecarConfig
 
 RETIRED = 3  # the exit status of a sidecar whose chain was revoked or expired before it could serve
 # While the control plane cannot be reached at start-up, a status line this often (the sidecar keeps trying).
@@ -175,15 +175,17 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         enclosure_fds=getattr(args, "enclosure_fds", None),
         stdio_routes=parse_routes(args.stdio_route or []),
         trust=keys.load_public(read_file(args.trust, "trust key"), args.trust) if args.trust else None,
-        # Each start-up attempt gives up this soon; serve_sidecar says so and starts the next (never gives up).
-        startup_timeout_s=STATUS_EVERY_S,
+        # One start-up attempt gives up at its first unreachable answer: keep_trying says so at once (not after a
+        # first attempt's own retries) and starts the next, with a status line every STATUS_EVERY_S (never gives up).
+        startup_timeout_s=0.0,
     )
 
 
-def setup_logging() -> None:
+def setup_logging(stream: Any = None) -> None:
+    """The sidecar's log lines to ``stream`` (standard error unless told: ``tether run`` gives its log file)."""
     import logging
 
-    logging.basicConfig(level=os.environ.get("TETHER_LOG", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get("TETHER_LOG", "INFO").upper(), stream=stream or sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("mitmproxy").setLevel(logging.WARNING)
     logging.getLogger("tether.sidecar").addFilter(said_by_status)
@@ -200,7 +202,7 @@ def status(text: str) -> None:
     print(f"tether: {text}", file=sys.stderr, flush=True)
 
 
-async def keep_trying(step: Callable[[], Awaitable[None]], url: str) -> None:
+async def keep_trying(step: Callable[[], Awaitable[None]], url: str, say: Callable[[str], None] = status) -> None:
     """A start-up step, retried for as long as the control plane cannot be reached (down, or too slow to
     answer), with a status line every few seconds; any other error is bad input, the caller's to report."""
     from tether.capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
@@ -218,18 +220,19 @@ async def keep_trying(step: Callable[[], Awaitable[None]], url: str) -> None:
             attempt += 1
             if attempt == 1 or time.monotonic() - said >= STATUS_EVERY_S:
                 said = time.monotonic()
-                status(f"waiting for the control plane at {url}: unreachable for {said - started:.0f}s "
+                say(f"waiting for the control plane at {url}: unreachable for {said - started:.0f}s "
                        f"({exc.message}), still trying (Ctrl-C to give up)")
             await sleep_backoff(attempt)
 
 
-async def prepare(sidecar: Sidecar, url: str) -> None:
-    """Start-up up to the proxy: trust, catalog, chain, registration, first lease (each kept trying)."""
-    await keep_trying(sidecar.prepare, url)
+async def serve_sidecar(config: SidecarConfig, ready_file: str | None, *,
+                        serve: Callable[[dict[str, Any]], Awaitable[int]] | None = None,
+                        say: Callable[[str], None] = status) -> int:
+    """Serve until SIGTERM (exit 0) or SIGINT (exit 130); ``RETIRED`` when the chain may no longer serve.
 
-
-async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
-    """Serve until SIGTERM (exit 0) or SIGINT (exit 130); ``RETIRED`` when the chain may no longer serve."""
+    With ``serve`` (``tether run``: the sidecar supervises the command in its own process), serve while it runs,
+    given what the ready file says, and stop once it returns: its result is the exit status. ``say`` takes the
+    status lines (the ``tether:`` lines on standard error unless told)."""
     import gc
 
     from tether.proxy.sidecar import Sidecar
@@ -237,18 +240,18 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     check_listen(config.listen_host, config.listen_port)  # before registering a run that could never serve
     sidecar = Sidecar(config)
     try:
-        await prepare(sidecar, config.controlplane)
+        await keep_trying(sidecar.prepare, config.controlplane, say)
         retired = await sidecar.retire() if sidecar.retired else None
     except BaseException:
         await sidecar.close_sessions()
         raise
     if retired is not None:
         await sidecar.close_sessions()  # before the one line: nothing may follow it on stderr
-        status(retired)
+        say(retired)
         return RETIRED
     try:
         host, port = await sidecar.start_proxy()
-        await keep_trying(sidecar.begin, config.controlplane)
+        await keep_trying(sidecar.begin, config.controlplane, say)
     except BaseException:
         await sidecar.stop()  # registered and leased: say goodbye, so no run is left looking alive
         raise
@@ -258,14 +261,22 @@ async def serve_sidecar(config: SidecarConfig, ready_file: str | None) -> int:
     await _ca_written(sidecar.ca_cert)
     info = {"agent": sidecar.agent, "proxy": f"http://{host}:{port}", "ca": str(sidecar.ca_cert), "pid": os.getpid(),
             "state_dir": str(config.state_dir)}
-    status(f"sidecar for {sidecar.agent} on http://{host}:{port} (CA {sidecar.ca_cert})")
+    say(f"sidecar for {sidecar.agent} on http://{host}:{port} (CA {sidecar.ca_cert})")
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(json.dumps(info))
         os.replace(tmp, ready_file)
-    stopped_by = await wait_for_signal()
+    if serve is None:
+        stopped_by = await wait_for_signal()
+        code = 130 if stopped_by == signal.SIGINT else 0
+    else:
+        try:
+            code = await serve(info)
+        except BaseException:
+            await sidecar.stop()
+            raise
     await sidecar.stop()
-    return 130 if stopped_by == signal.SIGINT else 0
+    return code
 
 
 async def _ca_written(ca: Path, timeout_s: float = 10.0) -> None:

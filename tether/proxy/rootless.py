@@ -389,8 +389,12 @@ class Enclosure:
         if "error" in doc:
             raise IsolationUnavailable(f"cannot enclose the command: {doc['error']}")
 
+    def handed_over(self) -> None:
+        """The sidecar serving in this process owns the listener and resolver now (it closes them)."""
+        self.listener = self.resolver = -1
+
     def close_sockets(self) -> None:
-        """Once the sidecar holds them: the listener and resolver are the sidecar's alone."""
+        """Close the listener and resolver where no sidecar took them."""
         for fd in (self.listener, self.resolver):
             with contextlib.suppress(OSError):
                 os.close(fd)
