@@ -20,6 +20,7 @@ from .conftest import World, build_world, teardown_world
 from .harness import PYTHON, wait_until
 
 AGENT = """import os, sys, time, urllib.request
+print('PID', os.getpid(), flush=True)
 def call(tag):
     with urllib.request.urlopen(sys.argv[1] + f'/repos/node/{tag}/issues', timeout=20) as r:
         print('STATUS', tag, r.status, flush=True)
@@ -95,9 +96,13 @@ def test_runs_forked_by_a_node_serve_their_own_agents_and_one_killed_takes_no_ot
     agents = {x["agent"]: x for x in world.cp.client().request("GET", "/v1/agents")["agents"]}
     assert agents["node-a"]["sidecar"] and agents["node-b"]["sidecar"]
 
+    command_a = int(next(line.split()[1] for line in out_a.read_text().splitlines() if line.startswith("PID ")))
     os.kill(fork_a, signal.SIGKILL)  # a crash of one agent's process
     assert a.wait(30) == 2
     assert "tether.sidecar_failed" in out_a.read_text()
+    # Its command goes with it (it would find no way out anyway): nothing of the crashed agent is left running.
+    wait_until(lambda: not Path(f"/proc/{command_a}").exists()
+               or "zombie" in Path(f"/proc/{command_a}/status").read_text(), 30, what="the crashed agent's command")
     go_b.touch()  # the other still serves its agent, and its command's status comes back through the shim
     assert b.wait(60) == 5, out_b.read_text()
     assert "STATUS second 200" in out_b.read_text()

@@ -208,9 +208,9 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
     if not args.trust:
         raise TetherError("give --trust CONTROLPLANE.pub (offline) or --controlplane URL", code=USAGE)
     trust = keys.load_public(read_file(args.trust, "trust key"), args.trust)
-    revoked = revoked_in_chain(args.revoked or [], [link.jti for link in parse_chain_unverified(wire)])
     now = time.time()
-    try:
+    try:  # a chain that does not even parse is an invalid chain (exit 1 with its code), not bad input
+        revoked = revoked_in_chain(args.revoked or [], [link.jti for link in parse_chain_unverified(wire)])
         verified = Verifier(trust).verify(wire, now=now, revoked=revoked)
     except ChainError as exc:
         if args.json:

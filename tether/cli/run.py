@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -339,7 +339,7 @@ class Run:
         if isolation is None:
             print(COOPERATIVE_WARNING, file=sys.stderr, flush=True)
         self.child = subprocess.Popen(isolation.wrap(self.command) if isolation is not None else self.command,
-                                      env=env, cwd=self.cwd)
+                                      env=env, cwd=self.cwd, preexec_fn=_die_with_parent(os.getpid()))
         return self.child
 
     def close_command(self) -> None:
@@ -367,6 +367,21 @@ class Run:
             self.isolation = None
         if self._log is not None:
             self._log.close()
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """In the command's child before exec: it is SIGKILLed if this process dies, even SIGKILLed itself (an
+    enclosed command goes with its enclosure already), so no agent outlives its sidecar. The kernel sends it when
+    the thread that started the command ends: asyncio's worker threads last until the run has ended."""
+
+    def arm() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # this process died between the fork and the prctl
+            os._exit(137)
+
+    return arm
 
 
 def _signal(child: subprocess.Popen, sig: int) -> None:
