@@ -321,7 +321,8 @@ class Demo:
         return data["tree"] if {"root", "researcher", "writer", "summarizer"} <= live else None
 
     def _export_har(self, record: dict) -> Path:
-        from tether.proxy.capture import CAPTURE_FILE, read_flows, to_har
+        from tether.capture.har import to_har
+        from tether.capture.segments import CAPTURE_FILE, read_flows
 
         flows = []
         for agent_dir in sorted((self.dir / "agents").iterdir()):

@@ -179,7 +179,7 @@ class Console:
                 "witnesses": witnesses}
 
     async def h_har(self, request: web.Request) -> web.Response:
-        from tether.proxy.capture import export, parse_when, selection
+        from tether.capture.har import export, parse_when, selection
 
         if self.captures is None:
             raise ApiError(404, "tether.capture_unavailable", "this control plane reads no captures: start it with "
