@@ -509,6 +509,14 @@ class CaptureWriter:
         self._file = f
         return f
 
+    def _cut_back(self, f: IO[bytes], start: int) -> None:
+        try:
+            f.truncate(start)
+        except Exception as exc:
+            log.error("cannot cut the failed capture write off %s (%s); no flow is appended until it can be",
+                      self.path, exc)
+            self._clean_end = start
+
     def _seal_leftover(self) -> None:
         """An active segment an earlier run left (its index unknown) is sealed as it is; maintenance indexes it."""
         try:
