@@ -31,6 +31,7 @@ from .segments import (
 log = logging.getLogger("tether.capture")
 MAINTAIN_EVERY_S = 30.0
 NODE_LOCK = ".capture-prune.lock"
+TIDY_LOCK = ".tidy.lock"
 
 
 def compress(path: Path) -> Path:
@@ -63,7 +64,16 @@ def build_index(path: Path, seq: int) -> Index:
 
 
 def tidy(active: Path, compress_sealed: bool) -> None:
-    """Index and compress the capture's sealed segments that need it; remove compressions left half done."""
+    """Index and compress the capture's sealed segments that need it; remove compressions left half done. One
+    tidier per capture at a time (the sidecar's thread, ``tether capture prune``): a ``.gz.tmp`` seen while holding
+    the capture's lock is one a process that died left."""
+    if not active.parent.is_dir():
+        return
+    with _locked(active.parent / TIDY_LOCK):
+        _tidy(active, compress_sealed)
+
+
+def _tidy(active: Path, compress_sealed: bool) -> None:
     for stale in active.parent.glob(f"{active.name.removesuffix('.mitm')}.*.gz.tmp"):
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
@@ -79,11 +89,15 @@ def tidy(active: Path, compress_sealed: bool) -> None:
             log.warning("cannot compress capture segment %s: %s", f.path, exc)
 
 
-@contextlib.contextmanager
-def node_lock(root: Path) -> Iterator[None]:
+def node_lock(root: Path) -> contextlib.AbstractContextManager[None]:
     """One pruner at a time over a state root (sidecars and ``tether capture prune`` alike)."""
+    return _locked(root / NODE_LOCK)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
     try:
-        fd = os.open(root / NODE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         yield  # a root we cannot write: the pruner's own deletions still suffer no race worse than "gone already"
         return

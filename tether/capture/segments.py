@@ -145,8 +145,11 @@ def read_file(path: Path) -> Iterator[http.HTTPFlow]:
 
     try:
         f = open_segment(path)
-    except FileNotFoundError:  # pruned while we looked: it held nothing a hold keeps
-        return
+    except FileNotFoundError:
+        try:  # compressed since it was listed (the plain file goes once the compressed one is whole)
+            f = open_segment(path.with_name(path.name + ".gz"))
+        except FileNotFoundError:  # pruned while we looked: it held nothing a hold keeps
+            return
     with f:
         try:
             for flow in mio.FlowReader(f).stream():
