@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -520,9 +521,10 @@ class CaptureWriter:
     def _seal_leftover(self) -> None:
         """An active segment an earlier run left (its index unknown) is sealed as it is; maintenance indexes it."""
         try:
-            if self.path.stat().st_size == 0:
-                return
-        except FileNotFoundError:
+            st = self.path.stat()
+        except OSError:
+            return
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:  # (not a file: opening it fails, and says why)
             return
         os.replace(self.path, sealed_name(self.path, next_seq(self.path)))
         self.maintenance.request()
