@@ -154,6 +154,7 @@ GAUGES = {
     "tether_capture_disk_low": "1 while free space is under twice the floor (--capture-min-free): captures are "
                                "pruned harder, and calls are refused tether.capture_unavailable once the disk is full.",
     "tether_capture_pruned_bytes_total": "Bytes of sealed segments this sidecar deleted.",
+    "tether_capture_written_bytes_total": "Bytes of flows this sidecar appended to its capture, every segment.",
     "tether_capture_failures_total": "Capture writes that failed (each refused its call unless --allow-uncaptured).",
 }
 

@@ -8,8 +8,8 @@ its flows: docs/operations.md, "Capture retention"). Rules, applied in order:
 1. **Age.** A sealed segment whose last flow started more than ``keep_s`` ago goes.
 2. **The agent's cap.** While an agent's segments, plus room for its active segment and one compression in
    progress, pass ``max_bytes``, its oldest unheld segment goes.
-3. **The node's cap.** While all agents' segments under the state root pass ``node_max_bytes``, the oldest unheld
-   segment of any agent goes (oldest by its last flow).
+3. **The node's cap.** While all agents' segments under the state root, plus the same room, pass
+   ``node_max_bytes``, the oldest unheld segment of any agent goes (oldest by its last flow).
 4. **The disk's floor.** While the file system would have less than ``min_free_bytes`` free, the oldest unheld
    segment of any agent goes. Below twice the floor the disk is *low*: the sidecar logs it and says so in its
    metrics, before anything is refused.
@@ -149,7 +149,7 @@ def plan(usages: Iterable[Usage], holds: Iterable[Hold], policy: Policy, now: fl
     node = sum(u.bytes for u in usages) - sum(s.bytes for s, _ in out.delete)
     free = None if free_bytes is None else free_bytes + sum(s.bytes for s, _ in out.delete)
     for s in left:
-        over_node = node > policy.node_max_bytes
+        over_node = node + policy.reserve > policy.node_max_bytes  # room for the writer's next segment here too
         under_floor = free is not None and free < policy.min_free_bytes
         if not (over_node or under_floor):
             break
@@ -160,7 +160,7 @@ def plan(usages: Iterable[Usage], holds: Iterable[Hold], policy: Policy, now: fl
         if free is not None:
             free += size
     out.held = sum(1 for s in left if (s.agent, s.seq) not in gone and held(s))
-    if node > policy.node_max_bytes:
+    if node + policy.reserve > policy.node_max_bytes:
         out.over.append(f"node: {node} bytes, held segments keep it over {policy.node_max_bytes}")
     out.free_after, out.node_bytes_after = free, node
     out.low = free is not None and free < 2 * policy.min_free_bytes

@@ -439,6 +439,7 @@ class CaptureWriter:
         self._file: IO[bytes] | None = None
         self._clean_end: int | None = None  # where the file must be cut back to before the next write
         self.failures = 0
+        self.written = 0  # bytes appended by this writer, every segment
         self.conns = ConnectionStates()
         self.secret = _SECRET
         self.values: Callable[[], Sequence[bytes]] = tuple
@@ -470,6 +471,7 @@ class CaptureWriter:
                 self._cut_back(f, start)
                 raise
             self.last_error = None
+            self.written += len(data)
         except Exception as exc:  # any failure to capture affects this call only, never the sidecar
             self.failures += 1
             self.last_error = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
@@ -658,6 +660,7 @@ class Maintenance:
             "tether_capture_disk_low": int(decided.low),
             "tether_capture_pruned_bytes_total": self.pruned,
             "tether_capture_failures_total": w.failures,
+            "tether_capture_written_bytes_total": w.written,
         })
         self.rounds += 1
         return outcome
