@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -155,11 +156,13 @@ def main() -> None:
     p.add_argument("--segment", help="segment size (default 16M; 2M with --quick)")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--keep", action="store_true", help="keep the state root (its path is printed) for a look")
     args = p.parse_args()
     calls = args.calls or (5000 if args.quick else 200_000)
     cap = args.cap or ("24M" if args.quick else "256M")
     segment = args.segment or ("2M" if args.quick else "16M")
     directory = Path(tempfile.mkdtemp(prefix="tether-soak-"))
+    print(f"state root: {directory / 'cp' / 'sidecars'}", file=sys.stderr, flush=True)
     tools = ToolServer().start()
     cp = prepare_controlplane(directory / "cp", tools.port, free_port(), free_port(), lease_ttl=10.0, grace=5.0)
     cp.start()
@@ -206,6 +209,8 @@ def main() -> None:
                 sc.stop()
         cp.stop()
         tools.stop()
+        if not args.keep:
+            shutil.rmtree(directory, ignore_errors=True)
     if args.json:
         print(json.dumps(result, indent=1))
         return

@@ -391,3 +391,17 @@ def test_bad_retention_options_are_refused_with_a_code(world: World) -> None:
                           str(ident.chain_path), "--key", str(ident.key_path), "--capture-max-bytes", "lots"],
                          capture_output=True, text=True, timeout=60, env=world.cp.env())
     assert out.returncode == 2 and "tether.bad_request" in out.stderr and "'lots'" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--capture-keep=0", "--capture-max-bytes=1K", "--capture-hold=0",
+                                  "--no-capture-compress"])
+def test_a_delegated_child_may_set_no_retention_option(flag: str) -> None:
+    """A command under enforcement could otherwise shorten how long its own traffic is kept."""
+    from tether.cli.delegation import requested
+    from tether.cli.main import build_parser
+
+    base = ["run", "--chain", "c", "--key", "k"]
+    defaults = build_parser().parse_args([*base, "--", "true"])
+    with pytest.raises(TetherError) as err:
+        requested(build_parser().parse_args([*base, flag, "--", "true"]), defaults)
+    assert err.value.code == "tether.bad_request" and flag.split("=")[0] in str(err.value)

@@ -3,7 +3,7 @@
 A capture is a sequence of segments (tether/capture/segments.py): the active one being written and sealed ones,
 each compressed once sealed. ``plan()`` answers which sealed segments to delete, in what order, and whether the
 disk is low. The active segment is never a candidate, and neither is a *held* one (a termination's record may name
-its flows: docs/operations.md, "Capture retention"). Rules, applied in order:
+its flows: docs/captures.md). Rules, applied in order:
 
 1. **Age.** A sealed segment whose last flow started more than ``keep_s`` ago goes.
 2. **The agent's cap.** While an agent's segments, plus room for its active segment and one compression in

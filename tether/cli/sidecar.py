@@ -110,7 +110,7 @@ SIDECAR_OPTIONS: tuple[Option, ...] = (
            "bridge's loopback address (set by tether mcp stdio; repeat)", action="append", metavar="NAME=H:P"),
     Option("--dns-listen", "dns_listen", "answer DNS here: every name resolves to the transparent listener's "
            "address (used by tether run --isolate)", metavar="H:P"),
-    # Capture retention (docs/operations.md, "Capture retention"); sizes in powers of 1024, durations as 7d/12h/30m/S.
+    # Capture retention (docs/captures.md); sizes in powers of 1024, durations as 7d/12h/30m/S.
     Option("--capture-max-bytes", "capture_max_bytes", "this agent's captures stay under this size on disk; the "
            "oldest segments go first, never one a termination holds", default="1G", metavar="SIZE"),
     Option("--capture-keep", "capture_keep", "delete captured flows older than this (unless a termination holds "
