@@ -273,10 +273,12 @@ def test_prune_keeps_held_segments_until_exported(tmp_path: Path) -> None:
     assert read_holds(path.parent) == []  # a released hold's file goes too
 
 
-def test_a_hold_written_twice_keeps_its_widest_cover(tmp_path: Path) -> None:
+def test_a_hold_written_again_keeps_its_first_cover(tmp_path: Path) -> None:
+    """A standing command comes with every heartbeat: it must not stretch the hold (an agent calling on after its
+    termination would keep everything it writes)."""
     write_hold(tmp_path, Hold("t", "a", 100.0, 200.0, 300.0))
     write_hold(tmp_path, Hold("t", "a", 150.0, 400.0, 350.0))
-    assert read_holds(tmp_path) == [Hold("t", "a", 100.0, 400.0, 350.0)]
+    assert read_holds(tmp_path) == [Hold("t", "a", 100.0, 200.0, 300.0)]
 
 
 def test_an_index_is_what_its_file_says(tmp_path: Path) -> None:
@@ -405,3 +407,27 @@ def test_a_delegated_child_may_set_no_retention_option(flag: str) -> None:
     with pytest.raises(TetherError) as err:
         requested(build_parser().parse_args([*base, flag, "--", "true"]), defaults)
     assert err.value.code == "tether.bad_request" and flag.split("=")[0] in str(err.value)
+
+
+def test_a_disk_under_the_floor_is_said_and_pruned_and_calls_go_on(world: World) -> None:
+    """A floor no disk here meets (1000 TiB free): the sidecar says the disk is low in its log and its gauges,
+    prunes every unheld sealed segment, and keeps forwarding (and capturing) calls. Last in this module: the floor
+    reaches every agent's captures under the state root."""
+    ident = world.cp.issue("ret-low", {"issues.write": "direct"})
+    sc = world.sidecar(ident, "--capture-min-free", "1000T", "--capture-segment-bytes", "64K")
+    captures = sc.state_dir / "captures"
+    with requests.Session() as s:
+        for i in range(20):
+            r = s.post(f"{world.tools.base}/repos/low/r{i}/issues", json={"pad": secrets.token_hex(8000)},
+                       proxies=sc.proxies(), timeout=10)
+            assert r.status_code == 200
+    wait_until(lambda: "capture disk low" in sc.log_text, 30, what="the low-disk log line")
+    metrics = captures / "metrics.prom"
+    wait_until(lambda: metrics.exists() and 'tether_capture_disk_low{agent="ret-low"} 1' in metrics.read_text(),
+               30, what="the low-disk gauge")
+    wait_until(lambda: sealed(captures / "flows.mitm") == [], 30, what="every sealed segment pruned")
+    assert read_capture(captures / "flows.mitm")  # the active segment is never pruned
+    pruned = next(line for line in metrics.read_text().splitlines()
+                  if line.startswith("tether_capture_pruned_bytes_total"))
+    assert float(pruned.rsplit(" ", 1)[1]) > 0
+    sc.stop()

@@ -212,13 +212,12 @@ def _hold_path(captures: Path, termination_id: str) -> Path:
 
 
 def write_hold(captures: Path, hold: Hold) -> Path:
-    """Write (or extend) a termination's hold: a hold written again keeps its earliest start and latest ends."""
+    """Write a termination's hold, once: a command seen again (every heartbeat while it stands) keeps the first
+    hold as it was, so an agent that keeps calling after its termination cannot stretch what is held."""
     path = _hold_path(captures, hold.termination_id)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    old = read_hold(path)
-    if old is not None:
-        hold = Hold(hold.termination_id, hold.agent, min(old.held_at, hold.held_at),
-                    max(old.covers_until, hold.covers_until), max(old.expires_at, hold.expires_at), old.exported_at)
+    if read_hold(path) is not None:
+        return path
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(asdict(hold)))
     os.replace(tmp, path)

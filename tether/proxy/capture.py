@@ -448,6 +448,7 @@ class CaptureWriter:
         self.root = root  # the state root whose node cap this sidecar helps keep (None: its own capture only)
         self.clock = clock
         self._segment: _Active | None = None  # what the active segment holds (for its index)
+        self._held: set[str] = set()  # terminations whose hold this run wrote (or found) already
         self.maintenance = Maintenance(self)
 
     def protect(self, headers: frozenset[bytes], values: Callable[[], Sequence[bytes]]) -> None:
@@ -555,6 +556,9 @@ class CaptureWriter:
     def hold(self, termination_id: str, window_s: float) -> None:
         """A termination's record will name flows of this capture: keep every segment opened until its window and a
         grace have passed, until the record is exported or the hold's retention ends (tether/capture/retention.py)."""
+        if termination_id in self._held:
+            return
+        self._held.add(termination_id)
         now = self.clock()
         try:
             write_hold(self.path.parent, Hold(termination_id, self.agent, now, now + window_s + HOLD_GRACE_S,
@@ -579,6 +583,7 @@ class CaptureWriter:
         self.maintenance.stop()
 
 
+MAINTAIN_IDLE_S = 600.0  # a round at least this often once the writer has written
 HOLD_GRACE_S = 300.0  # beyond a termination's window: the grace it waits for acknowledgements, and then some
 
 
@@ -634,7 +639,7 @@ class Maintenance:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait()
+            self._wake.wait(MAINTAIN_IDLE_S)  # an idle capture still ages, and the node's other captures grow
             self._wake.clear()
             if self._stopped:
                 return
