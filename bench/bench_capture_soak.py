@@ -50,6 +50,7 @@ from tests.harness import (  # noqa: E402
     wait_until,
 )
 from tether.capture.retention import parse_size, size_text  # noqa: E402
+from tether.capture.segments import sealed  # noqa: E402
 
 
 def disk_use(root: Path) -> int:
@@ -180,9 +181,13 @@ def main() -> None:
         sampler.start()
         started = time.monotonic()
 
+        held_segments = {f.path.name.removesuffix(".gz") for f in sealed(held_sc.state_dir / "captures" / "flows.mitm")}
+
         def progress(done: int) -> None:
+            now_held = {f.path.name.removesuffix(".gz") for f in sealed(held_sc.state_dir / "captures" / "flows.mitm")}
             print(f"  {done} calls, {time.monotonic() - started:.0f} s, disk {size_text(disk_use(root))}, peak "
-                  f"{size_text(sampler.peak)}", file=sys.stderr, flush=True)
+                  f"{size_text(sampler.peak)}, held agent's segments still there {len(now_held & held_segments)}/"
+                  f"{len(held_segments)}", file=sys.stderr, flush=True)
         counts = drive(soak_sc, tools.base, calls, args.threads, 100, "soak", progress)
         elapsed = time.monotonic() - started
         metrics = soak_sc.state_dir / "captures" / "metrics.prom"

@@ -119,12 +119,12 @@ class Outcome:
 
 
 def prune(root: Path, policy: Policy, now: float, *, own: tuple[str, Path] | None = None,
-          dry_run: bool = False, policies: dict[str, Policy] | None = None) -> Outcome:
+          dry_run: bool = False) -> Outcome:
     """Apply the retention policy to every capture under ``root`` (and ``own``, a sidecar's capture)."""
     with node_lock(root) if root.is_dir() else contextlib.nullcontext():
         usages, holds = node_usage(root, own)
         free = free_bytes(own[1].parent if own else root)
-        decided = plan(usages, holds, policy, now, own=own[0] if own else None, free_bytes=free, policies=policies)
+        decided = plan(usages, holds, policy, now, own=own[0] if own else None, free_bytes=free)
         freed = 0 if dry_run else delete(s for s, _ in decided.delete)
         if not dry_run:
             places = {u.agent: root / u.agent / "captures" for u in usages}

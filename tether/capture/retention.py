@@ -111,10 +111,10 @@ class Plan:
 
 
 def plan(usages: Iterable[Usage], holds: Iterable[Hold], policy: Policy, now: float, *,
-         own: str | None = None, free_bytes: int | None = None, policies: dict[str, Policy] | None = None) -> Plan:
+         own: str | None = None, free_bytes: int | None = None) -> Plan:
     """The deletions that bring the captures within ``policy``. ``own``: only that agent's age and cap are applied
-    (a sidecar applies its own settings; the node's cap and the floor reach every agent). ``policies`` gives an
-    agent its own age and cap (what its sidecar was started with); ``free_bytes``: free space on the file system."""
+    (a sidecar applies its own settings to its own capture; the node's cap and the floor reach every agent);
+    ``free_bytes``: free space on the file system (None: unknown, no floor)."""
     usages = list(usages)
     force = [h for h in holds if h.in_force(now)]
     out = Plan()
@@ -131,7 +131,7 @@ def plan(usages: Iterable[Usage], holds: Iterable[Hold], policy: Policy, now: fl
     for usage in usages:
         if own is not None and usage.agent != own:
             continue
-        mine = (policies or {}).get(usage.agent, policy)
+        mine = policy
         total = usage.bytes
         for s in sorted(usage.sealed, key=lambda s: s.seq):
             if not held(s) and s.last_at < now - mine.keep_s:
