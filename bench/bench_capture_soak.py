@@ -1,11 +1,13 @@
 """A soak of 200,000 calls through one sidecar under a capture retention cap: disk use stays under the cap, and
 nothing a termination's record names is lost.
 
-Run: python bench/bench_capture_soak.py            (200,000 calls, 256 MiB cap: 10-20 minutes on 2 cores)
-     python bench/bench_capture_soak.py --quick    (5,000 calls, 24 MiB cap: about a minute)
+Run: python bench/bench_capture_soak.py            (200,000 calls, 256 MiB cap: over an hour on a busy 2-core machine)
+     python bench/bench_capture_soak.py --quick    (5,000 calls, 24 MiB cap: about two minutes)
+     python bench/bench_capture_soak.py --calls 20000 --cap 64M --segment 4M   (the run in bench/RESULTS.md)
 
 Real parts: a control plane subprocess, the harness's aiohttp tool server, two real sidecar subprocesses on one
-state root. First agent ``held`` makes ``--held-calls`` calls and is terminated (drain): its sidecar writes a hold.
+state root. First agent ``held`` makes ``--held-calls`` calls (in 512 KiB segments, so several are sealed) and is
+terminated (drain): its sidecar writes a hold.
 Then agent ``soak`` makes ``--calls`` calls (4 client threads, keep-alive; bodies of 2 KiB, one call in 100 of
 256 KiB, random so compression cannot shrink them away; the tool echoes each body back), with
 ``--capture-node-max-bytes CAP --capture-max-bytes CAP --capture-segment-bytes SEG``: every agent's captures under
@@ -172,7 +174,9 @@ def main() -> None:
     held_sc = soak_sc = None
     try:
         held = cp.issue("held", {"issues.write": "direct"})
-        held_sc = SidecarProcess(cp, held, options).start()
+        # Small segments for the held agent: several sealed ones, which the soak's pressure on the node's cap
+        # would prune first (they are the oldest) were they not held.
+        held_sc = SidecarProcess(cp, held, [*options, "--capture-segment-bytes", "512K"]).start()
         drive(held_sc, tools.base, args.held_calls, 2, 100, "held")
         held_record = terminate(cp, "held")
         soak = cp.issue("soak", {"issues.write": "direct"})
