@@ -553,12 +553,17 @@ class CaptureWriter:
         self._segment = _Active(self.clock())
         self.maintenance.request()
 
-    def hold(self, termination_id: str, window_s: float) -> None:
+    def hold(self, termination_id: str, window_s: Any) -> None:
         """A termination's record will name flows of this capture: keep every segment opened until its window and a
-        grace have passed, until the record is exported or the hold's retention ends (tether/capture/retention.py)."""
+        grace have passed, until the record is exported or the hold's retention ends (tether/capture/retention.py).
+        Never raises: a hold that cannot be written is logged, and the termination goes on."""
         if termination_id in self._held:
             return
         self._held.add(termination_id)
+        try:
+            window_s = max(0.0, float(window_s or 0))
+        except (TypeError, ValueError):
+            window_s = 0.0
         now = self.clock()
         try:
             write_hold(self.path.parent, Hold(termination_id, self.agent, now, now + window_s + HOLD_GRACE_S,

@@ -370,7 +370,7 @@ class Sidecar:
                                                "spooled": self.reporter.count})
         command = answer.get("command")
         if command and command.get("termination_id"):
-            self.capture.hold(command["termination_id"], float(command.get("window_s") or 0))
+            self.capture.hold(command["termination_id"], command.get("window_s"))
             await self.acknowledge(command)
             done = f"acknowledged termination {command['termination_id']}"
         else:
@@ -525,7 +525,7 @@ class Sidecar:
     def on_command(self, command: dict[str, Any]) -> None:
         tid = command.get("termination_id")
         if tid:  # its record will name this capture's flows: none of them is pruned until exported
-            self.capture.hold(tid, float(command.get("window_s") or 0))
+            self.capture.hold(tid, command.get("window_s"))
         if self.state.mode == TERMINATED:
             # Already quiesced (an earlier termination of this agent or an ancestor): nothing is in flight,
             # so a new termination is acknowledged at once.
