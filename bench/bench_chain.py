@@ -2,7 +2,7 @@
 
 Run: python bench/bench_chain.py
 
-Targets (DESIGN.md section 4 caches verification by link hash; these say what that must buy):
+Targets (docs/contract.md section 4 caches verification by link hash; these say what that must buy):
   - cold verification costs at most 1.3x a raw Ed25519 signature check per link;
   - a cached 5-link chain plus its revocation check (against ~10,000 revoked jtis) costs under 10 us.
 

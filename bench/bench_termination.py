@@ -21,7 +21,7 @@ call is tagged too; one refused after its sidecar acknowledged (``tether.termina
 record, every other one must be in it. Throughout, ``/healthz`` is polled every 20 ms: its slowest answer
 bounds how long the control plane's event loop stalled (writing a big record included).
 
-Targets (DESIGN.md section 6):
+Targets (docs/contract.md section 6):
   - the record is written (state ``terminated``) within the drain window + 1 s of the request;
   - zero calls missing: every call the clients started is in the record, with its resolution;
   - (heavy) 0 agents unaccounted, and no event-loop stall over 100 ms in the control plane.

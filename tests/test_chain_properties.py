@@ -2,7 +2,7 @@
 
 A change to one link either keeps its old signature (or flips a signature bit, or re-signs with a key
 that is not the parent's), and then the chain is refused for a bad signature at exactly that link; or it
-is re-signed with the right key, and then the DESIGN.md section 4 rules decide: a change to a link that
+is re-signed with the right key, and then the docs/contract.md section 4 rules decide: a change to a link that
 has a child breaks the child's ``prf`` (refused), and a change to the leaf is accepted exactly when it
 still satisfies every rule against its parent (a narrowing, a fresh jti, another subject key), and is
 refused with the reason of the rule it breaks otherwise.
@@ -158,7 +158,7 @@ def mutate(draw: st.DrawFn, kind: str, claims: dict[str, Any], chain: Chain, ind
 
 
 def leaf_verdict(kind: str, old: dict[str, Any], new: dict[str, Any], parent: dict[str, Any] | None) -> str | None:
-    """The rule a re-signed leaf breaks, or None when the rules accept it. The oracle, from DESIGN.md section 4."""
+    """The rule a re-signed leaf breaks, or None when the rules accept it. The oracle: docs/contract.md section 4."""
     if kind == "prf":
         return "broken_prf"
     if kind == "cat":

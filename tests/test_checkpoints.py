@@ -35,25 +35,71 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         redis.stop()
 
 
-def start_witness(tmp_path: Path, log_vkey: str) -> tuple[subprocess.Popen, int, str]:
-    """`tether witness serve` for one log; its process, port and cosignature verifier key."""
+def start_witness(tmp_path: Path, log_vkey: str, name: str = "witness.test") -> tuple[subprocess.Popen, int, str]:
+    """`tether witness serve` for one log, its files in ``tmp_path``; its process, port and cosignature
+    verifier key."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     if not (tmp_path / "witness.key").exists():
         assert tether("keygen", "--out", "witness.key", cwd=tmp_path).returncode == 0
     witness_key = keys.load_private((tmp_path / "witness.key").read_bytes())
     port = free_port()
     log = tmp_path / "witness.log"
     log.write_text("")
-    proc = subprocess.Popen([PYTHON, "-m", "tether", "witness", "serve", "--name", "witness.test", "--key",
+    proc = subprocess.Popen([PYTHON, "-m", "tether", "witness", "serve", "--name", name, "--key",
                              "witness.key", "--log", log_vkey, "--state", "wstate", "--listen", f"127.0.0.1:{port}"],
                             cwd=tmp_path, stderr=open(log, "ab"))
     wait_until(lambda: "listening" in log.read_text(), 30, what="the witness")
-    return proc, port, Verifier("witness.test", witness_key.public_key(), COSIGNATURE_V1).vkey()
+    return proc, port, Verifier(name, witness_key.public_key(), COSIGNATURE_V1).vkey()
 
 
 def witnessed(tmp_path: Path) -> int:
     """The log size the witness has cosigned last (its state file)."""
+    return witness_state(tmp_path)["size"]
+
+
+def witness_state(tmp_path: Path) -> dict:
     (state,) = (tmp_path / "wstate").glob("*.json")
-    return json.loads(state.read_text())["size"]
+    return json.loads(state.read_text())
+
+
+class Backup:
+    """A whole store copied while its control plane is stopped, and put back later: the SQLite files, or every
+    key of the Redis database (DUMP and RESTORE, with their expiries)."""
+
+    def __init__(self, store: str, directory: Path) -> None:
+        self.store, self.directory = store, directory
+        self.keys: dict[bytes, tuple[int, bytes]] = {}
+
+    def _db(self) -> Path:
+        return Path(self.store.removeprefix("sqlite:///"))
+
+    def take(self) -> None:
+        if self.store.startswith("sqlite"):
+            for suffix in ("", "-wal", "-shm"):
+                if Path(f"{self._db()}{suffix}").exists():
+                    shutil.copy(f"{self._db()}{suffix}", self.directory / f"backup{suffix}")
+            return
+        import redis
+
+        r = redis.Redis.from_url(self.store)
+        self.keys = {k: (max(r.pttl(k), 0), r.dump(k)) for k in r.scan_iter(count=1000)}
+        r.close()
+        assert self.keys
+
+    def restore(self) -> None:
+        if self.store.startswith("sqlite"):
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{self._db()}{suffix}").unlink(missing_ok=True)
+                if (self.directory / f"backup{suffix}").exists():
+                    shutil.copy(self.directory / f"backup{suffix}", f"{self._db()}{suffix}")
+            return
+        import redis
+
+        r = redis.Redis.from_url(self.store)
+        r.flushdb()
+        for key, (ttl, value) in self.keys.items():
+            r.restore(key, ttl, value)
+        r.close()
 
 
 def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_log(tmp_path: Path,
@@ -135,11 +181,12 @@ def test_checkpoints_reach_a_witness_and_catch_a_dropped_tail_and_a_rewritten_lo
         stop_process(witness)
 
 
-def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path) -> None:
+def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path, store: str) -> None:
     """Killed between a record and its checkpoint: after the restart the checkpoint comes, and verifies. A store
     restored from a backup older than what the witness cosigned: the witness refuses the shorter log, the control
     plane says records were lost, and verify --checkpoint names the dropped tail."""
-    cp = prepare_controlplane(tmp_path, 1, 2, 3)
+    cp = prepare_controlplane(tmp_path, 1, 2, 3, store=store)
+    backup = Backup(store, tmp_path)
     log_vkey = Verifier(ORIGIN, keys.load_private(cp.signing_key_path.read_bytes()).public_key()).vkey()
     witness, port, _ = start_witness(tmp_path, log_vkey)
     latest = tmp_path / "checkpoints" / "latest"
@@ -150,9 +197,7 @@ def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path) -> 
         _terminate_one(cp, tmp_path, "a")
         wait_until(lambda: latest.exists() and witnessed(tmp_path) == 1, 30, what="checkpoint 1 witnessed")
         cp.stop()
-        for suffix in ("", "-wal", "-shm"):  # stopped: the files are the whole store
-            if (tmp_path / f"tether.db{suffix}").exists():
-                shutil.copy(tmp_path / f"tether.db{suffix}", tmp_path / f"backup.db{suffix}")
+        backup.take()  # stopped: the store is all there is
 
         cp.start()
         _terminate_one(cp, tmp_path, "b")
@@ -165,10 +210,7 @@ def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path) -> 
         (tmp_path / "witnessed.txt").write_text(latest.read_text())
         cp.stop()
 
-        for suffix in ("", "-wal", "-shm"):  # the restore: the log is one record shorter than what was witnessed
-            (tmp_path / f"tether.db{suffix}").unlink(missing_ok=True)
-            if (tmp_path / f"backup.db{suffix}").exists():
-                shutil.copy(tmp_path / f"backup.db{suffix}", tmp_path / f"tether.db{suffix}")
+        backup.restore()  # the log is one record shorter than what was witnessed
         cp.start()
         try:
             wait_until(lambda: "records were lost or rolled back" in (tmp_path / "controlplane.log").read_text(),
@@ -183,6 +225,133 @@ def test_a_restored_backup_and_a_crash_before_the_checkpoint(tmp_path: Path) -> 
             assert fork.returncode == 1 and "a fork" in fork.stdout and "dropped tail" not in fork.stdout, fork.stdout
             assert witnessed(tmp_path) == 2  # the first witness still refuses: its size-2 tree is not this one
             assert "records were lost" in (tmp_path / "controlplane.log").read_text()
+        finally:
+            cp.stop()
+    finally:
+        stop_process(witness)
+        cp.stop()
+
+
+def test_a_fork_shown_to_two_witnesses(tmp_path: Path, store: str) -> None:
+    """Whoever holds the store and the key shows one history to one witness and another to a second: each
+    cosigned checkpoint then convicts the other history (verify --checkpoint names a fork), and the first
+    witness refuses to cosign the second history."""
+    cp = prepare_controlplane(tmp_path, 1, 2, 3, store=store)
+    log_vkey = Verifier(ORIGIN, keys.load_private(cp.signing_key_path.read_bytes()).public_key()).vkey()
+    one, port_one, vkey_one = start_witness(tmp_path / "w1", log_vkey, "witness.one")
+    two, port_two, vkey_two = start_witness(tmp_path / "w2", log_vkey, "witness.two")
+    latest = tmp_path / "checkpoints" / "latest"
+    history = Backup(store, tmp_path)
+    try:
+        cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(tmp_path / "checkpoints"), "--witness",
+                      f"http://127.0.0.1:{port_one}")
+        cp.start()
+        _terminate_one(cp, tmp_path, "a")
+        wait_until(lambda: witnessed(tmp_path / "w1") == 1, 30, what="witness one at size 1")
+        cp.stop()
+        history.take()  # the common past of the two histories
+        cp.start()
+        _terminate_one(cp, tmp_path, "b")  # history A: a, b
+        wait_until(lambda: witnessed(tmp_path / "w1") == 2 and latest.read_text().split("\n")[1] == "2", 30,
+                   what="witness one at size 2")
+        (tmp_path / "seen-by-one.txt").write_text(latest.read_text())
+        log_a = json.loads(tether("records", "list", "--json", cwd=tmp_path, env=cp.env()).stdout)
+        cp.stop()
+
+        history.restore()  # history B grows from the common past: a, c; shown to both witnesses
+        cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(tmp_path / "checkpoints-b"), "--witness",
+                      f"http://127.0.0.1:{port_one}", "--witness", f"http://127.0.0.1:{port_two}")
+        cp.start()
+        try:
+            _terminate_one(cp, tmp_path, "c")
+            latest_b = tmp_path / "checkpoints-b" / "latest"
+            wait_until(lambda: latest_b.exists() and latest_b.read_text().split("\n")[1] == "2"
+                       and witnessed(tmp_path / "w2") == 2, 30, what="witness two cosigning history B")
+            wait_until(lambda: "a fork" in (tmp_path / "controlplane.log").read_text(), 30,
+                       what="the control plane naming witness one's refusal")
+            seen_by_two = latest_b.read_text()
+            assert "witness.two" in seen_by_two and "witness.one" not in seen_by_two  # one did not cosign B
+            state_one = witness_state(tmp_path / "w1")
+            assert state_one["size"] == 2 and "witness.one" not in seen_by_two
+
+            # Whoever holds witness one's checkpoint sees that the log it is shown now is another history.
+            fork = tether("records", "verify", "--checkpoint", "seen-by-one.txt", "--witness-key", vkey_one,
+                          cwd=tmp_path, env=cp.env())
+            assert fork.returncode == 1 and "a fork" in fork.stdout, fork.stdout + fork.stderr
+            ok = tether("records", "verify", "--checkpoint", str(latest_b), "--witness-key", vkey_two,
+                        cwd=tmp_path, env=cp.env())
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            # B's checkpoint asked of witness one's key: not cosigned by it.
+            lone = tether("records", "verify", "--checkpoint", str(latest_b), "--witness-key", vkey_one,
+                          cwd=tmp_path, env=cp.env())
+            assert lone.returncode == 1 and "no cosignature by witness.one" in lone.stdout, lone.stdout
+        finally:
+            cp.stop()
+        # And history A, offline, against B's witnessed checkpoint: the same fork, seen from the other side.
+        (tmp_path / "log-a.json").write_text(json.dumps(log_a))
+        other = tether("records", "verify", "--file", "log-a.json", "--trust", f"{cp.signing_key_path}.pub",
+                       "--checkpoint", str(tmp_path / "checkpoints-b" / "latest"), cwd=tmp_path)
+        assert other.returncode == 1 and "a fork" in other.stdout, other.stdout
+    finally:
+        stop_process(one)
+        stop_process(two)
+        cp.stop()
+
+
+def test_a_witness_refuses_a_log_rewritten_with_the_signing_key(tmp_path: Path, store: str) -> None:
+    """The whole chain re-signed by whoever holds the key, in a new store the control plane is then pointed at:
+    every hash and signature checks, but the witness that cosigned the real log refuses the rewritten one, the
+    control plane says so, and the witnessed checkpoint convicts it."""
+    import asyncio
+
+    from tether.controlplane.store import open_store_url
+
+    cp = prepare_controlplane(tmp_path, 1, 2, 3, store=store)
+    signing = keys.load_private(cp.signing_key_path.read_bytes())
+    witness, port, witness_vkey = start_witness(tmp_path, Verifier(ORIGIN, signing.public_key()).vkey())
+    latest = tmp_path / "checkpoints" / "latest"
+    cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(tmp_path / "checkpoints"), "--witness",
+                  f"http://127.0.0.1:{port}")
+    try:
+        cp.start()
+        for agent in ("a", "b", "c"):
+            _terminate_one(cp, tmp_path, agent)
+        wait_until(lambda: witnessed(tmp_path) == 3, 30, what="the witness at size 3")
+        (tmp_path / "witnessed.txt").write_text(latest.read_text())
+        log = json.loads(tether("records", "list", "--json", cwd=tmp_path, env=cp.env()).stdout)
+        cp.stop()
+
+        rewritten, prev = [], ""
+        for record in log:
+            body = {k: v for k, v in record.items() if k not in ("hash", "signature", "key_id")}
+            body = {**body, "prev_hash": prev, **({"reason": "rewritten"} if not rewritten else {})}
+            rewritten.append(seal(body, signing))
+            prev = rewritten[-1]["hash"]
+        forged = (f"sqlite:///{tmp_path / 'forged.db'}" if store.startswith("sqlite")
+                  else store.rsplit("/", 1)[0] + "/1")
+
+        async def write() -> None:
+            target = open_store_url(forged)
+            await target.open()
+            try:
+                for record in rewritten:
+                    assert await target.append_record(record)
+            finally:
+                await target.close()
+
+        asyncio.run(write())
+        cp.store = forged
+        cp.start()
+        try:
+            wait_until(lambda: "another log of the same size" in (tmp_path / "controlplane.log").read_text(), 30,
+                       what="the control plane naming the witness's refusal")
+            state = witness_state(tmp_path)
+            assert state["size"] == 3
+            chain = tether("records", "verify", cwd=tmp_path, env=cp.env())
+            assert chain.returncode == 0, chain.stdout  # the chain alone: every hash and signature checks
+            caught = tether("records", "verify", "--checkpoint", "witnessed.txt", "--witness-key", witness_vkey,
+                            cwd=tmp_path, env=cp.env())
+            assert caught.returncode == 1 and "not the log the checkpoint commits to" in caught.stdout, caught.stdout
         finally:
             cp.stop()
     finally:

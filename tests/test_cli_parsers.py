@@ -1,4 +1,4 @@
-"""The parser as a user reads it: every command of DESIGN.md section 7 is there, and every option says what it
+"""The parser as a user reads it: every command of docs/contract.md section 7 is there, and every option says what it
 is for (and, through the help formatter, its default)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The security team's console (DESIGN.md section 10, Console), in a real browser against real processes.
+"""The security team's console (docs/contract.md section 10, Console), in a real browser against real processes.
 
 Debian's chromium, driven by Playwright (nothing is downloaded): sign in, the agent tree, a held call shown
 with its body and approved (the tool server receives it), another denied, a subtree terminated with the

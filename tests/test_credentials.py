@@ -1,4 +1,4 @@
-"""Credentials the agent never holds (DESIGN.md section 10), end to end with real processes.
+"""Credentials the agent never holds (docs/contract.md section 10), end to end with real processes.
 
 The tool server here speaks plain HTTP on loopback, so every credential says ``insecure_plain_http: loopback``
 (tests/test_credential_tls.py covers the TLS rule itself).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -47,7 +48,46 @@ def demo_once(tmp_path: Path) -> None:
     assert record["requested_by"] == "rita" and record["operator"] == {"operator": "rita", "via": "token"}
     assert "requested by rita" in out and "tether operators add alice --role approver" in out
     har = json.loads((tmp_path / "captures.har").read_text())
-    assert har["log"]["entries"]
+    assert_har_lines_up_with(record, har)
     assert "demo-tool-secret" not in (tmp_path / "captures.har").read_text()  # Authorization redacted
     pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "agents").glob("*/sidecar.ready")]
     assert len(pids) == 4 and not [pid for pid in pids if alive(pid)]
+
+
+def assert_har_lines_up_with(record: dict, har: dict) -> None:
+    """The demo's HAR is `tether capture export --termination`'s: one entry per call of the record, in time
+    order, each entry's `_tether` naming that call, and a cut call's entry saying what the record says."""
+    entries = har["log"]["entries"]
+    calls = {c["call_id"]: c for c in record["calls"]}
+    assert sorted(e["_tether"]["call_id"] for e in entries) == sorted(
+        c["call_id"] for c in record["calls"] if c.get("capture_ref"))
+    started = [e["startedDateTime"] for e in entries]
+    assert started == sorted(started)
+    for entry in entries:
+        mark, call = entry["_tether"], calls[entry["_tether"]["call_id"]]
+        assert (mark["agent"], mark["capability"], mark["resolution"], mark["capture_ref"]) == (
+            call["agent"], call["capability"], call["resolution"], call["capture_ref"]), (mark, call)
+        assert entry["request"]["method"] == call["method"]
+        assert entry["request"]["url"].split("?")[0] == call["url"]
+        response = entry["response"]
+        if call["resolution"] == "completed":
+            assert response["status"] == call["status"]
+        elif call["resolution"] == "refused":  # tether's refusal, as the agent got it
+            headers = {h["name"].lower(): h["value"] for h in response["headers"]}
+            assert headers.get("tether-error") == call["code"], (entry, call)
+        else:  # no answer came back: the entry says what the record says, not what the socket last said
+            assert response["_error"] == entry["comment"] == f"tether: {call['resolution']} ({call['code']})"
+            assert response["content"]["size"] == 0
+
+
+def test_example_tools_name_the_flag_when_the_address_is_taken() -> None:
+    """`tether example tools` on a port someone holds: one line with the code and the flag to change, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = subprocess.run([PYTHON, "-m", "tether", "example", "tools", "--http", f"127.0.0.1:{port}",
+                                 "--mcp", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: tether.listen_failed: ") and "--http" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,5 +1,5 @@
 """The deployment files: the Dockerfile linted, every Kubernetes manifest validated against the API schemas,
-and the invariants the design rests on (DESIGN.md section 9) checked in the compose and Kubernetes files.
+and the invariants the design rests on (docs/contract.md section 9) checked in the compose and Kubernetes files.
 
 No container engine or cluster is needed; what those would check at run time is asserted here instead.
 """

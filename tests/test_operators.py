@@ -119,6 +119,47 @@ def test_an_operator_is_named_with_how_they_signed_in() -> None:
 
 # -- both stores, two replicas ------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
+async def test_a_single_sign_on_name_is_one_persons(kind: str, tmp_path: Path) -> None:
+    """A provider account may not sign in under a token operator's name, nor under a name another account of the
+    provider signed in with first; a token operator may not be added under a single sign-on person's name. Two
+    replicas see the same owner."""
+    server = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    url = server.url(0) if server else f"sqlite:///{tmp_path / 'tether.db'}"
+    stores = [open_store_url(url), open_store_url(url)]
+    try:
+        for store in stores:
+            await store.open()
+        a, b = (OperatorService(store, Metrics([]), lambda: 1000.0) for store in stores)
+        admin = Operator("admin", frozenset({"admin"}))
+        issuer = "https://idp.example"
+        await a.add("alice", ["approver"], None, admin)
+        with pytest.raises(ApiError) as held:
+            await b.sign_in("alice", ("approver",), 3600, "sub-mallory", issuer)
+        assert (held.value.code, held.value.details["reason"]) == ("tether.forbidden", "name_held_by_token_operator")
+
+        token, rita = await a.sign_in("rita", ("responder",), 3600, "sub-rita", issuer)
+        assert rita.name == "rita" and await b.by_token(token, 1000.0) is not None
+        again, _ = await b.sign_in("rita", ("responder",), 3600, "sub-rita", issuer)  # the same person, again
+        assert again != token
+        for subject, iss in (("sub-mallory", issuer), ("sub-rita", "https://other.example")):
+            with pytest.raises(ApiError) as taken:
+                await b.sign_in("rita", ("admin",), 3600, subject, iss)
+            assert (taken.value.code, taken.value.details["reason"]) == ("tether.forbidden", "name_taken")
+        with pytest.raises(ApiError) as clash:
+            await b.add("rita", ["viewer"], None, admin)
+        assert clash.value.code == "tether.conflict" and clash.value.http_status == 409
+
+        await a.revoke("alice", admin)  # a revoked token operator's name is free for the person who signs in
+        _, alice = await b.sign_in("alice", ("approver",), 3600, "sub-alice", issuer)
+        assert alice.via == "oidc"
+    finally:
+        for store in stores:
+            await store.close()
+        if server:
+            server.stop()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
 async def test_operators_hold_across_replicas_of_either_store(kind: str, tmp_path: Path) -> None:
     """What one replica adds, rotates or revokes, the other sees at once; two replicas adding one name at
     the same time make one operator."""

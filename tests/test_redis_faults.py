@@ -1,4 +1,4 @@
-"""Two control plane replicas over one Redis, under faults, with real processes (DESIGN.md section 8).
+"""Two control plane replicas over one Redis, under faults, with real processes (docs/contract.md section 8).
 
 What a deployment relies on when something breaks:
 

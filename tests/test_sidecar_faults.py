@@ -1,4 +1,4 @@
-"""The sidecar under faults and hostile input (DESIGN.md sections 1.4 and 5).
+"""The sidecar under faults and hostile input (docs/contract.md sections 1.4 and 5).
 
 A control plane that goes away (the lease fails closed, reports are spooled and arrive once), tools
 that fail, reset or hang (that call only, resolved and reported, never retried), and bad input from

@@ -1,4 +1,4 @@
-"""Nothing a sidecar started is lost, whatever happens to it (DESIGN.md section 10, Write-ahead).
+"""Nothing a sidecar started is lost, whatever happens to it (docs/contract.md section 10, Write-ahead).
 
 Real parts throughout: a control plane process, sidecar processes, the aiohttp tool server whose own log
 of requests is the ground truth. A sidecar SIGKILLed with calls at the tool and restarted on its state

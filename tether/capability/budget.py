@@ -1,4 +1,4 @@
-"""Budgets on capabilities (DESIGN.md section 10): the grant value, the narrowing rules, slice arithmetic.
+"""Budgets on capabilities (docs/contract.md section 10): the grant value, the narrowing rules, slice arithmetic.
 
 A capability in a link's ``caps`` is a tier (``"direct"``) or ``{"tier": T, "calls": N, "per_minute": M}``.
 ``calls`` bounds the calls forwarded under the link by its holder and every descendant, across all their

@@ -1,4 +1,4 @@
-"""Grant links and capability chains (DESIGN.md section 4).
+"""Grant links and capability chains (docs/contract.md section 4).
 
 A link is a compact JWS (``typ: tether-grant+jwt``, ``alg: EdDSA`` only). A chain is its links, root
 first. Minting refuses to produce a link that could not verify; verification checks every rule and
@@ -35,7 +35,7 @@ MAX_LINK_BYTES = 8 * 1024
 MAX_CHAIN_BYTES = 64 * 1024
 LEEWAY_S = 5  # clock skew tolerated between issuer, control plane and sidecar
 CONTROLPLANE_PRINCIPAL = "tether:controlplane"
-# DESIGN.md section 10: an agent id is 1-128 of letters, digits, ".", "_", ":", "-" (ASCII). Checked at
+# docs/contract.md section 10: an agent id is 1-128 of letters, digits, ".", "_", ":", "-" (ASCII). Checked at
 # minting and wherever a link is parsed, for ``sub`` and ``iss`` (which names the parent's agent, or the
 # control plane as "tether:controlplane"): ids land in URL paths, logs, terminals and record files.
 AGENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -76,7 +76,7 @@ class Link(NamedTuple):
     caps: Mapping[str, str]  # capability -> tier (the claim's objects reduced to their tier)
     dpth: int
     cat: str
-    budgets: Mapping[str, Grant] = {}  # the budgeted capabilities' full grants (DESIGN.md section 10)
+    budgets: Mapping[str, Grant] = {}  # the budgeted capabilities' full grants (docs/contract.md section 10)
 
     def grant(self, capability: str) -> Grant | None:
         tier = self.caps.get(capability)

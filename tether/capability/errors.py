@@ -1,6 +1,6 @@
 """Every refusal tether can make, as a typed exception with a stable code.
 
-Codes are part of the contract (DESIGN.md section 5): outside checks match on them, so a code never
+Codes are part of the contract (docs/contract.md section 5): outside checks match on them, so a code never
 changes once shipped. Chain failures carry a sub-reason (``bad_signature``, ``widened_capability`` ...)
 that says which rule broke.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Codes a sidecar answers with (DESIGN.md section 5).
+# Codes a sidecar answers with (docs/contract.md section 5).
 CAPABILITY_ABSENT = "tether.capability_absent"
 UNKNOWN_DESTINATION = "tether.unknown_destination"
 CHAIN_INVALID = "tether.chain_invalid"
@@ -21,8 +21,8 @@ TERMINATED = "tether.terminated"
 APPROVAL_DENIED = "tether.approval_denied"
 APPROVAL_TIMEOUT = "tether.approval_timeout"
 CAPTURE_UNAVAILABLE = "tether.capture_unavailable"
-CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # DESIGN.md section 10: no secret, no token
-# Budgets (DESIGN.md section 10): no slice of a capability's calls budget, or its rate window, is left.
+CREDENTIAL_UNAVAILABLE = "tether.credential_unavailable"  # docs/contract.md section 10: no secret, no token
+# Budgets (docs/contract.md section 10): no slice of a capability's calls budget, or its rate window, is left.
 BUDGET_EXHAUSTED = "tether.budget_exhausted"
 RATE_LIMITED = "tether.rate_limited"
 # The call's start cannot be written ahead to the spool (a full disk): it is refused, never sent unrecorded.

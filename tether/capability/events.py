@@ -8,7 +8,7 @@ spells them alone.
 
 from __future__ import annotations
 
-# Event kinds on /v1/events (DESIGN.md section 4).
+# Event kinds on /v1/events (docs/contract.md section 4).
 REVOKE = "revoke"  # a link was revoked: every chain containing it dies
 COMMAND = "command"  # a termination's drain or abort, for every run of one link
 APPROVAL = "approval"  # a held call was decided

@@ -38,7 +38,7 @@ def make_proof(
     link: str | None = None, run: str | None = None,
 ) -> str:
     """Sign a request. ``link`` is the hash of the link whose ``cnf`` is ``key``'s public half; ``run`` names
-    the sidecar run making it (every sidecar start is a run: DESIGN.md section 10, Identity)."""
+    the sidecar run making it (every sidecar start is a run: docs/contract.md section 10, Identity)."""
     claims: dict[str, Any] = {
         "sub": agent,
         "htm": method.upper(),

@@ -3,7 +3,7 @@
 The sidecar makes it from its call table (``proxy.state.Call.report``; a call still in flight is reported
 by ``Call.summary``, the fields known before it ends); the control plane reads every report, start and
 acknowledgement through ``read_doc`` (``CallReport.read`` without the object) and stores what it returns;
-a reconciliation record lists each call with ``RECORD_FIELDS`` (DESIGN.md section 6). Pure: no I/O, no
+a reconciliation record lists each call with ``RECORD_FIELDS`` (docs/contract.md section 6). Pure: no I/O, no
 clock.
 """
 
@@ -21,7 +21,7 @@ MAX_CALL_ID = 200
 MAX_RUN_ID = 64
 MAX_TEXT = 64 * 1024  # a URL, a detail: long, never unbounded
 
-# The fields of each call in a reconciliation record (DESIGN.md section 6), in the record's order.
+# The fields of each call in a reconciliation record (docs/contract.md section 6), in the record's order.
 RECORD_FIELDS = ("call_id", "agent", "capability", "method", "url", "started_at", "resolution", "status",
                  "capture_ref")
 

@@ -19,7 +19,7 @@ from .budget import GrantError, parse_cap_spec
 from .catalog import TIERS, Catalog, parse_catalog
 from .errors import BAD_REQUEST, CATALOG_INVALID, FILE_EXISTS, TetherError
 
-# What became of a call (DESIGN.md section 5): the sidecar resolves each call to one of these, the control
+# What became of a call (docs/contract.md section 5): the sidecar resolves each call to one of these, the control
 # plane records them. ``cancelled``: an MCP call the client cancelled or disconnected from after it left, before
 # its answer reached it (the server may have acted on it; a re-send is a new call, ``reissue_of`` this one).
 RESOLUTIONS = ("completed", "refused", "failed_not_sent", "cancelled_not_sent", "unknown", "cancelled")

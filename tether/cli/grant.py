@@ -31,6 +31,7 @@ def add_grant(sub: Any) -> None:
     add_grant_delegate(grant)
     add_grant_register(grant)
     add_grant_verify(grant)
+    add_grant_proof(grant)
 
 
 def add_grant_issue(sub: Any) -> None:
@@ -78,6 +79,21 @@ def add_grant_verify(sub: Any) -> None:
     p.add_argument("--revoked", nargs="*", metavar="JTI", help="offline: treat these links as revoked")
     add_controlplane(p, "verify online at this control plane (when --trust is not given)")
     p.set_defaults(func=cmd_grant_verify)
+
+
+def add_grant_proof(sub: Any) -> None:
+    p = sub.add_parser("proof", help="print a Tether-Proof header for one request, signed as the chain's holder",
+                       description="Sign one control-plane request as the holder of --chain (what a sidecar does "
+                       "for every request it makes) and print the Tether-Proof header's value. A proof is good "
+                       "once, within 60 s, for exactly this method, path (with its query) and body: curl -H "
+                       "\"Tether-Proof: $(tether grant proof --chain F --key K /v1/events?after=-1)\" "
+                       "$TETHER_CONTROLPLANE/v1/events?after=-1")
+    p.add_argument("path", help="the request's path and query string, as sent (/v1/events?after=-1)")
+    p.add_argument("--chain", required=True, metavar="F", help="the chain you hold")
+    p.add_argument("--key", required=True, metavar="F", help="your private key (the chain leaf's subject)")
+    p.add_argument("--method", default="GET", help="the request's method")
+    p.add_argument("--data", default="", metavar="BODY", help="the request's body, exactly as it will be sent")
+    p.set_defaults(func=cmd_grant_proof)
 
 
 # -- commands --------------------------------------------------------------------------------------------
@@ -195,4 +211,21 @@ def cmd_grant_verify(args: argparse.Namespace) -> int:
         print("note: offline check: no revocation list was consulted (give --revoked JTI... or --controlplane URL)")
     else:
         print(f"revocation: checked against the {len(set(args.revoked))} jti(s) given with --revoked only")
+    return 0
+
+
+def cmd_grant_proof(args: argparse.Namespace) -> int:
+    import time
+
+    from tether.capability.errors import BAD_REQUEST, TetherError
+    from tether.capability.proof import make_proof
+
+    from .remote import signer_from
+
+    if not args.path.startswith("/"):
+        raise TetherError(f"the path is the request's path from its first /, such as /v1/events?after=-1 (got "
+                          f"{args.path!r})", code=BAD_REQUEST)
+    signer = signer_from(args.chain, args.key)
+    print(make_proof(signer.key, agent=signer.agent, method=args.method, path=args.path,
+                     body=args.data.encode(), now=time.time(), link=signer.link))
     return 0

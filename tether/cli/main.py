@@ -20,6 +20,7 @@ from . import (
     budgets,
     capture,
     controlplane,
+    example,
     grant,
     keys,
     login,
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tether {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     add_demo(sub)
+    example.add_example(sub)
     controlplane.add_controlplane_group(sub)
     sidecar.add_sidecar(sub)
     run.add_run(sub)

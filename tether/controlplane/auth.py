@@ -19,13 +19,13 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from tether.capability import keys
+from tether.capability import keys, protocol
 from tether.capability.errors import BAD_REQUEST, FORBIDDEN, UNAUTHORIZED, ApiError
 from tether.capability.proof import MAX_AGE_S, Proof, check_fresh, check_signed, read_proof
 
 from .store import Doc, Store
 
-PROOF_HEADER = "Tether-Proof"
+PROOF_HEADER = protocol.PROOF_HEADER
 SESSION_COOKIE = "tether_session"  # over plain HTTP
 TLS_SESSION_COOKIE = "__Host-tether_session"  # over TLS: Secure, host-only, Path=/
 CSRF_HEADER = "X-CSRF-Token"

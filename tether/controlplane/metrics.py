@@ -2,7 +2,7 @@
 and their text exposition (``GET /metrics``).
 
 Label sets are bounded on purpose: a capability label is a catalog capability name (anything else a
-sidecar reports is ``other``), a resolution one of the five of DESIGN.md section 5, a code one of tether's
+sidecar reports is ``other``), a resolution one of the five of docs/contract.md section 5, a code one of tether's
 codes. URLs and agent ids never become labels, so a fleet of ten thousand agents does not make ten
 thousand series. No client library: the exposition format is a few lines of text.
 """
@@ -192,18 +192,17 @@ def process_metrics() -> list[str]:
     return lines
 
 
-async def revocations_acknowledged(store: Any, metrics: Metrics, run: dict[str, Any], heartbeat: dict[str, Any],
+async def revocations_acknowledged(store: Any, metrics: Metrics, run: dict[str, Any], held: dict[str, Any] | None,
                                    now: float) -> list[str]:
     """Observe how long revocations took to reach a sidecar run; returns the jtis it has acknowledged so far
     (kept in the run's document so each is observed once).
 
-    A heartbeat carries ``revocations_held``: {jti: seconds since the sidecar learned it}, measured on the
-    sidecar's monotonic clock. The moment it learned is then ``now - age`` on the control plane's own clock
-    (no clock skew between hosts; the error is the heartbeat's one-way transit), and the propagation time
-    is that moment minus the revocation's publication (``at``). A run that started after the revocation
-    learned it at start-up, not by propagation: it is acknowledged but not observed."""
+    A heartbeat carries ``revocations_held`` (``held`` here): {jti: seconds since the sidecar learned it}, measured
+    on the sidecar's monotonic clock. The moment it learned is then ``now - age`` on the control plane's own clock
+    (no clock skew between hosts; the error is the heartbeat's one-way transit), and the propagation time is that
+    moment minus the revocation's publication (``at``). A run that started after the revocation learned it at
+    start-up, not by propagation: it is acknowledged but not observed."""
     done = [j for j in run.get("revocations_acknowledged") or [] if isinstance(j, str)]
-    held = heartbeat.get("revocations_held")
     if not isinstance(held, dict):
         return done
     fresh = {jti: float(age) for jti, age in held.items() if isinstance(jti, str) and jti not in done

@@ -94,7 +94,7 @@ def document(routes: list[Any]) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "tether control plane", "version": "1",
                  "description": "Every refusal is {\"error\": {\"code\", \"message\", ...}} with the code in the "
-                                "Tether-Error header (DESIGN.md section 5)."},
+                                "Tether-Error header (docs/contract.md section 5)."},
         "paths": paths,
         "components": {
             "schemas": COMPONENTS,

@@ -3,7 +3,7 @@
 Every sidecar start is a *run* (``run_id``, made by the sidecar and named in every request it signs).
 Heartbeats, in-flight lists, acknowledgements and the final states below belong to a run of one link,
 never to a bare agent id: a second sidecar under the same id (a respawn, a re-grant, an impostor) has
-its own runs and can neither answer for nor overwrite another's (DESIGN.md section 10, Identity).
+its own runs and can neither answer for nor overwrite another's (docs/contract.md section 10, Identity).
 
 A run reaches a final state only by something it said itself: ``terminated`` (it acknowledged a
 termination: it never forwards again), ``stopped`` (its command exited and it said goodbye after its
@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tether.capability.protocol import STOPPED, TERMINATED  # the states a run reports of itself
+
 Doc = dict[str, Any]
 
-TERMINATED, STOPPED, SUPERSEDED = "terminated", "stopped", "superseded"
+SUPERSEDED = "superseded"  # the control plane's own final state: a restart on the same state dir took over
 FINAL_STATES = (TERMINATED, STOPPED, SUPERSEDED)
 LAPSED = "lapsed"  # no final word and no live lease: it cannot forward, but it never said it stopped
 CONTROL_PLANE_OWNER = "control-plane"  # the owner of an id whose newest claim is a root grant

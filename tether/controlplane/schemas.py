@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tether.capability import protocol
 from tether.capability.chain import MAX_LINKS
 from tether.capability.events import APPROVAL_BODY_LIMIT, APPROVED, CANCELLED, DENIED, EXPIRED, FILED, HELD, PENDING
 from tether.capability.shared import RESOLUTIONS
@@ -52,7 +53,7 @@ def ref(name: str) -> Schema:
 TIER: Schema = {"type": "string", "enum": ["direct", "approval", "absent"]}
 STRINGS = array(STR)
 
-# -- the refusal every route may answer (DESIGN.md section 5), also named in the Tether-Error header --------
+# -- the refusal every route may answer (docs/contract.md section 5), also named in the Tether-Error header --------
 ERROR: Schema = obj({
     "error": obj({
         "code": {"type": "string", "pattern": r"^tether\.[a-z_]+$", "examples": ["tether.bad_request"]},
@@ -115,18 +116,7 @@ FINAL_CALL: Schema = {**CALL, "required": ["call_id", "resolution"], "properties
 # A write-ahead start names no resolution.
 START: Schema = {**CALL, "properties": {**CALL["properties"], "resolution": {"type": "null"}},
                  "description": "A call's write-ahead start (capability.report.read_start): no resolution yet"}
-HEARTBEAT_REQUEST = obj({
-    "state": {"type": ["string", "null"], "maxLength": 32},
-    "inflight": nullable(array(ANY_OBJ)),
-    "seq": nullable(INT),
-    "proxy": nullable({"type": "string", "maxLength": 200}),
-    "pid": nullable(INT),
-    "started_at": nullable(NUM),
-    "spooled": {"type": ["integer", "null"], "minimum": 0},
-    "supersedes": nullable({"type": "string", "maxLength": 64}),
-    "revocations_held": nullable({"type": "object", "additionalProperties": NUM,
-                                  "description": "jti -> seconds since the sidecar learned of its revocation"}),
-})
+HEARTBEAT_REQUEST = protocol.Heartbeat.schema()  # declared once, with the message both sides use
 REPORTS_REQUEST = obj({"reports": nullable(array(FINAL_CALL)), "starts": nullable(array(START))})
 HELD_REQUEST: Schema = obj({
     "method": {"type": "string", "maxLength": 32},
@@ -153,13 +143,8 @@ APPROVAL_REQUEST = obj({
     "request": nullable(HELD_REQUEST),
     "call_hash": nullable(STR),
 }, "call_id")
-QUIESCED_REQUEST = obj({
-    "termination_id": {"type": "string", "maxLength": 200},
-    "reports": nullable(array(FINAL_CALL)),
-    "starts": nullable(array(START)),
-    "calls": nullable(ANY_OBJ),
-    "state": STR,
-}, "termination_id")
+QUIESCED_REQUEST = protocol.Quiesced.schema()
+QUIESCED_REQUEST["properties"].update(reports=nullable(array(FINAL_CALL)), starts=nullable(array(START)))
 APPROVE_REQUEST = obj({"call_hash": nullable({"type": "string", "maxLength": 200,
                                               "description": "the call_hash shown with the approval"})})
 SIGN_IN_REQUEST = obj({"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, "token")
@@ -235,8 +220,7 @@ APPROVAL_SUMMARY = obj({
 }, "pending", "held", "filed", "agents", "limits")
 EVENTS = obj({"events": array(ref("Event")), "next": INT, "resync": BOOL, "revoked": STRINGS,
               "command": nullable(ANY_OBJ), "approvals": array(ref("Approval"))}, "events", "next")
-LEASE = obj({"lease_ttl_s": NUM, "lease_expires_at": NUM, "now": NUM, "run_id": STR, "command": nullable(ANY_OBJ),
-             "revoked": STRINGS}, "lease_ttl_s", "lease_expires_at", "now", "run_id", "revoked")
+LEASE = protocol.Lease.schema()
 ACCEPTED = obj({"accepted": {"type": "integer", "minimum": 0}, "duplicates": {"type": "integer", "minimum": 0}},
                "accepted", "duplicates")
 REPORTS = array(ref("Call"))

@@ -1,6 +1,6 @@
 """The termination protocol as a pure state machine, and the reconciliation record it ends in.
 
-States (DESIGN.md section 6)::
+States (docs/contract.md section 6)::
 
     requested -> draining  -> reconciling -> terminated
     requested -> aborting  -> reconciling -> terminated

@@ -1,4 +1,4 @@
-"""tether's behaviour inside mitmproxy, as addons with one concern each (STYLE.md).
+"""tether's behaviour inside mitmproxy, as addons with one concern each (docs/contract.md section 12).
 
 Order matters and is fixed by ``proxy.sidecar``: Tracker (opens a call for every request), the enforcement
 addons of ``proxy.enforce`` (decide, hold, forward), McpFilter (hides ungranted MCP items; a refused JSON-RPC

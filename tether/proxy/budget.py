@@ -1,4 +1,4 @@
-"""The sidecar's slices of its chain's call budgets (DESIGN.md section 10).
+"""The sidecar's slices of its chain's call budgets (docs/contract.md section 10).
 
 The control plane owns every budget; this sidecar leases slices of it (``tether/controlplane/budgets.py``) and
 spends them locally, one unit per forwarded call of a budgeted capability, with no round trip per call.

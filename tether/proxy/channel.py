@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from tether.capability import protocol
 from tether.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
 from tether.capability.errors import ApiError
 from tether.capability.proof import make_proof
@@ -75,7 +76,7 @@ class ControlChannel:
     def _headers(self, method: str, path: str, data: bytes) -> dict[str, str]:
         proof = make_proof(self.key, agent=self.agent, method=method, path=path, body=data, now=time.time(),
                            link=self.link, run=self.run)
-        return {"Content-Type": "application/json", "Tether-Proof": proof}
+        return {"Content-Type": "application/json", protocol.PROOF_HEADER: proof}
 
     async def stream_events(self, after: int, idle_s: float = 35.0) -> AsyncIterator[dict[str, Any]]:
         """Follow ``GET /v1/events/stream``: yields the long poll's documents, one per line, until the
@@ -105,25 +106,30 @@ class ControlChannel:
 
     # -- the calls a sidecar makes -------------------------------------------------------------------
     async def register(self, wire: str) -> Any:
-        return await self.call("POST", "/v1/chains/register", {"chain": wire})
+        return await self.call("POST", protocol.REGISTER, {"chain": wire})
 
-    async def heartbeat(self, doc: dict[str, Any]) -> Any:
-        return await self.call("POST", "/v1/sidecars/heartbeat", doc, timeout=5.0)
+    async def heartbeat(self, beat: protocol.Heartbeat) -> protocol.Lease:
+        """Renew the lease; a malformed answer is refused like an unreachable control plane (nothing renewed)."""
+        answer = await self.call("POST", protocol.HEARTBEAT, beat.to_doc(), timeout=5.0)
+        try:
+            return protocol.Lease.read(answer)
+        except ApiError as exc:
+            raise ApiError(503, UNREACHABLE, f"the control plane's heartbeat answer: {exc.message}") from None
 
     async def events(self, after: int, wait: float) -> Any:
-        return await self.call("GET", f"/v1/events?after={after}&wait={wait:g}", timeout=wait + 10.0)
+        return await self.call("GET", f"{protocol.EVENTS}?after={after}&wait={wait:g}", timeout=wait + 10.0)
 
     async def reports(self, lines: list[str], starts: Sequence[str] = ()) -> Any:
         """Deliver reports (and the starts of calls in flight) given as their JSON encodings (the spool's
         lines): nothing is encoded twice."""
         more = f',"starts":[{",".join(starts)}]' if starts else ""
-        return await self.call("POST", "/v1/reports", encoded=f'{{"reports":[{",".join(lines)}]{more}}}'.encode())
+        return await self.call("POST", protocol.REPORTS, encoded=f'{{"reports":[{",".join(lines)}]{more}}}'.encode())
 
     async def ask_approval(self, doc: dict[str, Any]) -> Any:
-        return await self.call("POST", "/v1/approvals", doc)
+        return await self.call("POST", protocol.APPROVALS, doc)
 
-    async def quiesced(self, doc: dict[str, Any]) -> Any:
-        return await self.call("POST", "/v1/sidecars/quiesced", doc, timeout=15.0)
+    async def quiesced(self, ack: protocol.Quiesced) -> Any:
+        return await self.call("POST", protocol.QUIESCED, ack.to_doc(), timeout=15.0)
 
     async def public(self, path: str) -> Any:
         return await self.call("GET", path, signed=False)

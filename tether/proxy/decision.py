@@ -3,7 +3,7 @@
 ``decide`` answers for one request as the agent sent it: ``Allow`` (forward it once the final look, the budget
 and the write-ahead record let it leave), ``Hold`` (a person decides first), ``ReadBody`` (a JSON-RPC POST to
 an MCP server: decide again once its body is here) or ``Refused`` with a ``Refusal`` that carries a stable
-code from DESIGN.md section 5. Every answer also says what the call matched (capability, tier, MCP server),
+code from docs/contract.md section 5. Every answer also says what the call matched (capability, tier, MCP server),
 for the report and for the error body. ``decide_tunnel`` answers for a CONNECT, ``after_approval`` for a held
 call once the person's decision (or its absence) is known.
 

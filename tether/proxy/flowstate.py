@@ -1,7 +1,7 @@
 """What tether knows about one flow, kept in one object under one ``flow.metadata`` key; and refusing a flow.
 
 Every addon reads and writes the flow's ``FlowState`` (``state_of``), never ad-hoc metadata keys. ``refuse``
-answers the client from the sidecar in the DESIGN.md section 5 shape (a JSON-RPC error for an MCP POST).
+answers the client from the sidecar in the docs/contract.md section 5 shape (a JSON-RPC error for an MCP POST).
 Addons and the credential injector import this module; it imports no addon.
 """
 

@@ -3,7 +3,7 @@
 mitmproxy hands every hook of every flow to every addon in its chain: for each addon a coroutine and a
 context manager, then a second pass over all of them for the ``update`` hook, whether the addon handles
 the hook or not. On a sidecar's hot path that dispatch cost as much as tether's own decisions. Run as one
-entry, tether's addons pay it once, and each still reads alone (STYLE.md: one concern, one small class).
+entry, tether's addons pay it once, and each still reads alone (docs/contract.md section 12).
 
 What mitmproxy guarantees its addons holds here too: they run in order; an exception in one is logged and
 the next still runs; an awaitable one returns (an approval hold) is awaited before the next one runs.

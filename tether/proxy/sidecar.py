@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from mitmproxy import ctx, http, options
 
 from tether.capability import errors as codes
-from tether.capability import keys
+from tether.capability import keys, protocol
 from tether.capability.catalog import Catalog, catalog_from, empty_catalog
 from tether.capability.chain import Verifier, parse_chain_unverified
 from tether.capability.errors import ApiError, ChainError, TetherError
@@ -351,8 +351,9 @@ class Sidecar:
                         "(they stay in %s)", self.reporter.spool_path)
             return
         if self.state is not None and self.state.registered and self.state.mode != TERMINATED:
-            await self.channel.heartbeat({"state": "stopped", "inflight": [], "seq": self.seq, "pid": os.getpid(),
-                                          "started_at": self.started_at, "spooled": self.reporter.count})
+            await self.channel.heartbeat(protocol.Heartbeat(
+                state=protocol.STOPPED, seq=self.seq, pid=os.getpid(), started_at=self.started_at,
+                spooled=self.reporter.count))
 
     async def retire(self) -> str:
         """This run may never serve (its chain was revoked or expired, or its agent terminated, before it
@@ -365,17 +366,17 @@ class Sidecar:
             if attempt == 1:
                 log.warning("retiring: waiting to deliver %d spooled report(s)", self.reporter.count)
             await sleep_backoff(attempt)
-        answer = await self.channel.heartbeat({"state": "retiring", "inflight": [], "pid": os.getpid(),
-                                               "started_at": self.started_at, "supersedes": self.supersedes,
-                                               "spooled": self.reporter.count})
-        command = answer.get("command")
+        lease = await self.channel.heartbeat(protocol.Heartbeat(
+            state=protocol.RETIRING, pid=os.getpid(), started_at=self.started_at, supersedes=self.supersedes or None,
+            spooled=self.reporter.count))
+        command = lease.command
         if command and command.get("termination_id"):
             self.capture.hold(command["termination_id"], command.get("window_s"))
             await self.acknowledge(command)
             done = f"acknowledged termination {command['termination_id']}"
         else:
-            await self.channel.heartbeat({"state": "stopped", "inflight": [], "pid": os.getpid(),
-                                          "started_at": self.started_at, "spooled": self.reporter.count})
+            await self.channel.heartbeat(protocol.Heartbeat(
+                state=protocol.STOPPED, pid=os.getpid(), started_at=self.started_at, spooled=self.reporter.count))
             done = "told the control plane it stopped"
         return f"{self.agent} will not serve: {self.retired}; spooled reports delivered, {done}"
 
@@ -399,20 +400,18 @@ class Sidecar:
     # -- control plane loops -------------------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
         sent = time.monotonic()
-        doc = {"state": self.state.mode, "inflight": self.calls.snapshot(), "seq": self.seq, "pid": os.getpid(),
-               "proxy": f"{self.address[0]}:{self.address[1]}" if self.address else None,
-               "started_at": self.started_at, "spooled": self.reporter.count}
-        if self.supersedes:
-            doc["supersedes"] = self.supersedes
-        if self.state.learned:
-            doc["revocations_held"] = self.state.revocations_held(time.monotonic())
-        answer = await self.channel.heartbeat(doc)
+        beat = protocol.Heartbeat(
+            state=self.state.mode, inflight=self.calls.snapshot(), seq=self.seq, pid=os.getpid(),
+            proxy=f"{self.address[0]}:{self.address[1]}" if self.address else None, started_at=self.started_at,
+            spooled=self.reporter.count, supersedes=self.supersedes or None,
+            revocations_held=self.state.revocations_held(time.monotonic()) if self.state.learned else None)
+        lease = await self.channel.heartbeat(beat)
         self.supersedes = None
-        self.state.renewed(sent, float(answer.get("lease_ttl_s", self.state.lease_ttl_s)))
-        if answer.get("revoked") and self.state.revoke(answer["revoked"], time.monotonic()):
-            log.warning("revoked (learned from the heartbeat): %s", ", ".join(answer["revoked"]))
-        if answer.get("command"):
-            self.on_command(answer["command"])
+        self.state.renewed(sent, lease.lease_ttl_s)
+        if lease.revoked and self.state.revoke(lease.revoked, time.monotonic()):
+            log.warning("revoked (learned from the heartbeat): %s", ", ".join(lease.revoked))
+        if lease.command:
+            self.on_command(lease.command)
 
     async def heartbeat_loop(self) -> None:
         failures = 0
@@ -673,8 +672,9 @@ class Sidecar:
         while True:
             try:
                 await self.reporter.flush(mark, batch=ACK_BATCH)
-                await self.channel.quiesced({"termination_id": tid, "reports": self.reporter.pending_until(mark),
-                                             "calls": dict(self.calls.counts), "state": TERMINATED})
+                await self.channel.quiesced(protocol.Quiesced(
+                    termination_id=tid, reports=self.reporter.pending_until(mark), calls=dict(self.calls.counts),
+                    state=TERMINATED))
                 self._acked.add(tid)
                 log.warning("quiesced and acknowledged termination %s; refusing everything from now on", tid)
                 return

@@ -5,7 +5,7 @@ its answer.) It is the chain state ``proxy.decision`` reads: the tiers, and it h
 the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
 the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
 
-``CallTable`` follows every call from arrival to one of the five resolutions of DESIGN.md section 5.
+``CallTable`` follows every call from arrival to one of the five resolutions of docs/contract.md section 5.
 """
 
 from __future__ import annotations
@@ -16,15 +16,19 @@ from typing import Any
 from tether.capability import errors as codes
 from tether.capability.chain import VerifiedChain, Verifier
 from tether.capability.errors import ChainError
+from tether.capability.protocol import (  # a run's states, as on the wire
+    ABORTING,
+    DRAINING,
+    SERVING,
+    STOPPING,
+    TERMINATED,
+)
 from tether.capability.report import IN_FLIGHT_FIELDS, CallReport
 from tether.capability.shared import RESOLUTIONS
 
 from .decision import Refusal
 
 __all__ = ["Call", "CallTable", "Refusal", "SidecarState", "error_resolution"]  # Refusal: its old home, still read
-
-SERVING, DRAINING, ABORTING, TERMINATED = "serving", "draining", "aborting", "terminated"
-STOPPING = "stopping"  # the sidecar's own stop: not the control plane's decision, so not a termination
 
 
 class SidecarState:

@@ -153,8 +153,8 @@ class Demo:
         self.step("Start a control plane and two tool servers",
                   "The control plane keeps grants, revocations, reports and records in one SQLite file.")
         (self.dir / "catalog.yaml").write_text(CATALOG.format(http=self.ports["http"], mcp=self.ports["mcp"]))
-        self.start("tickets", [py, "-m", "tether.cli.demo.tools", "http", str(self.ports["http"])])
-        self.start("mcp", [py, "-m", "tether.cli.demo.tools", "mcp", str(self.ports["mcp"])])
+        self.start("tools", [py, "-m", "tether", "example", "tools", "--http", f"127.0.0.1:{self.ports['http']}",
+                             "--mcp", f"127.0.0.1:{self.ports['mcp']}"])
         self.start("controlplane", [py, "-m", "tether", "controlplane", "serve", "--listen",
                                     f"127.0.0.1:{self.ports['cp']}", "--store", "sqlite:///tether.db",
                                     "--catalog", "catalog.yaml", "--signing-key", "signing.key",
@@ -321,16 +321,16 @@ class Demo:
         return data["tree"] if {"root", "researcher", "writer", "summarizer"} <= live else None
 
     def _export_har(self, record: dict) -> Path:
-        from tether.capture.har import to_har
-        from tether.capture.segments import CAPTURE_FILE, read_flows
-
-        flows = []
-        for agent_dir in sorted((self.dir / "agents").iterdir()):
-            path = agent_dir / "captures" / CAPTURE_FILE
-            if path.exists():
-                flows += read_flows(path)
+        """The HAR ``tether capture export --termination`` writes: each entry lined up with the record's call."""
         out = self.dir / "captures.har"
-        out.write_text(json.dumps(to_har(flows), indent=1))
+        self.note(f"$ tether capture export --termination {record['termination_id']} --captures agents "
+                  "--har captures.har")
+        done = subprocess.run([sys.executable, "-m", "tether", "capture", "export", "--termination",
+                               record["termination_id"], "--captures", "agents", "--har", out.name],
+                              cwd=self.dir, env=self.env, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise DemoFailed(f"tether capture export failed: {(done.stderr or done.stdout).strip()}")
+        self.note(done.stdout.strip())
         return out
 
 

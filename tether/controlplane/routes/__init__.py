@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tether.capability import protocol
 from tether.capability.chain import parse_chain_unverified, split_chain
 from tether.capability.errors import (
     BAD_REQUEST,
@@ -218,7 +219,7 @@ def enforced(route: Route, auth: Authenticator) -> Handler:
 # -- errors ------------------------------------------------------------------------------------------------
 def json_error(status: int, code: str, message: str, **details: Any) -> web.Response:
     body = {"error": {"code": code, "message": message, **{k: v for k, v in details.items() if v is not None}}}
-    return web.json_response(body, status=status, headers={"Tether-Error": code})
+    return web.json_response(body, status=status, headers={protocol.ERROR_HEADER: code})
 
 
 @web.middleware

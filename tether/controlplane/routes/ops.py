@@ -8,7 +8,7 @@ from collections.abc import Callable
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tether.capability import keys
+from tether.capability import keys, protocol
 from tether.capability.catalog import Catalog
 from tether.capability.errors import STORE_UNAVAILABLE
 
@@ -49,7 +49,7 @@ class OpsRoutes:
             else:
                 store, code, reason = "unwritable", STORE_UNWRITABLE, status.reason
         return web.json_response({"status": "unhealthy", "store": store, "code": code, "reason": reason, **doc},
-                                 status=503, headers={"Tether-Error": code})
+                                 status=503, headers={protocol.ERROR_HEADER: code})
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. Series labelled by agent id name the fleet's agents, so they go to an admin only

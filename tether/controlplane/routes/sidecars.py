@@ -7,6 +7,8 @@ import asyncio
 
 from aiohttp import web
 
+from tether.capability import protocol
+
 from .. import schemas as sc
 from ..body import query_int, query_number
 from ..event_stream import KEEPALIVE_S, Subscriber, encode
@@ -82,18 +84,8 @@ class SidecarRoutes:
 
     async def h_heartbeat(self, request: web.Request) -> web.Response:
         who = caller(request)
-        fields = await body(request, "the heartbeat body")
-        beat = {
-            "inflight": fields.objects("inflight"),
-            "state": fields.string("state", "serving", max_len=32) or "serving",
-            "seq": fields.integer("seq", nullable=True),
-            "proxy": fields.string("proxy", max_len=200),
-            "pid": fields.integer("pid", nullable=True),
-            "started_at": fields.number("started_at", nullable=True),
-            "spooled": fields.integer("spooled", 0, nullable=True, minimum=0),
-            "supersedes": fields.string("supersedes", max_len=64),
-        }
-        return web.json_response(await self.sidecars.heartbeat(who, beat, fields.doc))
+        beat = protocol.Heartbeat.read((await body(request, "the heartbeat body")).doc)
+        return web.json_response((await self.sidecars.heartbeat(who, beat)).to_doc())
 
     async def h_reports_in(self, request: web.Request) -> web.Response:
         fields = await body(request, "the report batch")
@@ -113,7 +105,7 @@ class SidecarRoutes:
                   "JSON lines, each a long-poll answer; resume with after=SEQ", SIDECAR, "sidecar",
                   content="application/x-ndjson", ok={"type": "string"},
                   query=(("after", sc.INT, "the last sequence number seen (-1 or absent: a resync)"),)),
-            Route("POST", "/v1/sidecars/heartbeat", self.h_heartbeat, "Renew the sidecar run's lease", RUN,
+            Route("POST", protocol.HEARTBEAT, self.h_heartbeat, "Renew the sidecar run's lease", RUN,
                   "sidecar", body=sc.HEARTBEAT_REQUEST, ok=sc.LEASE),
             Route("POST", "/v1/reports", self.h_reports_in, "Ingest call reports (idempotent on call_id)", RUN,
                   "sidecar", body=sc.REPORTS_REQUEST, ok=sc.ACCEPTED),

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from tether.capability import protocol
+
 from .. import schemas as sc
 from .. import termination as proto
 from ..openapi import REFUSALS, refusal
@@ -39,10 +41,9 @@ class TerminationRoutes:
         return web.json_response(await self.terminations.get(request.match_info["id"], principal(request)))
 
     async def h_quiesced(self, request: web.Request) -> web.Response:
-        fields = await body(request, "the acknowledgement")
-        tid = str(fields.string("termination_id", required=True, nullable=False, max_len=200))
-        answer = await self.terminations.quiesced(caller(request), tid, fields.objects("reports"),
-                                                  fields.objects("starts"), fields.obj("calls"))
+        ack = protocol.Quiesced.read((await body(request, "the acknowledgement")).doc)
+        answer = await self.terminations.quiesced(caller(request), ack.termination_id, ack.reports, ack.starts,
+                                                  ack.calls)
         return web.json_response(answer)
 
     async def h_records(self, request: web.Request) -> web.StreamResponse:
@@ -65,7 +66,7 @@ class TerminationRoutes:
                   ok=sc.TERMINATIONS),
             Route("GET", "/v1/terminations/{id}", self.h_get, "A termination's state", ADMIN_OR_ANCESTOR,
                   "termination", ok=sc.TERMINATION_VIEW),
-            Route("POST", "/v1/sidecars/quiesced", self.h_quiesced, "A sidecar run acknowledges quiescence", RUN,
+            Route("POST", protocol.QUIESCED, self.h_quiesced, "A sidecar run acknowledges quiescence", RUN,
                   "termination", body=sc.QUIESCED_REQUEST, ok=sc.QUIESCED),
             Route("GET", "/v1/records", self.h_records, "Reconciliation records, oldest first", ADMIN, "records",
                   ok=sc.RECORDS),

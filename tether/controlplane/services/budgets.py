@@ -1,4 +1,4 @@
-"""The control plane's side of budgets (DESIGN.md section 10): it is the one owner of every budget.
+"""The control plane's side of budgets (docs/contract.md section 10): it is the one owner of every budget.
 
 A sidecar leases a *slice* of a capability's calls (``POST /v1/budgets/slices``): the control plane finds
 every budgeted link of the sidecar's registered chain for that capability and takes the slice from all of

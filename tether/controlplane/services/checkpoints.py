@@ -154,10 +154,21 @@ class CheckpointService:
                               "resolved", witness.url, witness.size, self.origin, tree.size)
                     return ""
                 continue
-            log.error("witness %s refused checkpoint %d: %d %s", witness.url, tree.size, resp.status_code,
-                      resp.text.strip()[:200])
+            log.error("witness %s refused checkpoint %d: %s", witness.url, tree.size,
+                      _refusal(resp.status_code, resp.text, old, tree.size))
             return ""
         return ""
+
+
+def _refusal(status: int, text: str, old: int, size: int) -> str:
+    """What a witness's refusal means for this log, in words a responder can act on."""
+    if status == 409 and old == size:
+        return (f"it holds another log of the same size {size}: this log is not the one it cosigned (a history "
+                "rewritten with the signing key, or a fork shown to another party); it will not cosign it")
+    if status == 422:
+        return (f"this log does not extend the {old} records it cosigned (a history rewritten with the signing "
+                f"key, or a fork): {text.strip()[:200]}")
+    return f"{status} {text.strip()[:200]}"
 
 
 def _b64(data: bytes) -> str:

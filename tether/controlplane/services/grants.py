@@ -64,7 +64,7 @@ class GrantService:
     # -- issuing and registering ---------------------------------------------------------------------------
     def caps(self, role: str | None, caps: dict[str, Any]) -> dict[str, Any]:
         """A role's presets overlaid with explicit grants, each a tier or {tier, calls, per_minute}
-        (DESIGN.md section 10, Budgets); every name must be in the catalog."""
+        (docs/contract.md section 10, Budgets); every name must be in the catalog."""
         out: dict[str, Any] = dict(self.catalog.role(role)) if role else {}
         for name, tier in caps.items():
             try:

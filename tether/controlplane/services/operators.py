@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from tether.capability.errors import BAD_REQUEST, CONFLICT, NOT_FOUND, ApiError
+from tether.capability.errors import BAD_REQUEST, CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 
 from ..auth import BOOTSTRAP, ROLES, Operator, token_hash
 from ..metrics import Metrics
@@ -23,6 +23,7 @@ from ..store import Doc, Store
 
 OPERATOR, TOKEN = "operator", "operator_token"
 SIGN_IN = "oidc_sign_in"  # one single sign-on (by the hash of the token it was given): a CLI's or a console's
+OIDC_NAME = "oidc_name"  # by name: the provider account (issuer, subject) that first signed in under that name
 VIA_OIDC = "oidc"
 NAME = re.compile(r"[a-z][a-z0-9._-]{0,63}")
 MAX_EXPIRY_S = 10 * 365 * 86400
@@ -92,6 +93,7 @@ class OperatorService:
         """A token for a person the provider signed in (returned once, kept as its hash) and who it proves:
         ``name`` with the provider's roles, ``via: oidc``, until ``ttl_s`` from now or ``operators revoke``."""
         now = self.clock()
+        await self._claim_name(name, subject, issuer, now)
         token = _new_token()
         digest = token_hash(token)
         await self.store.put_doc(SIGN_IN, digest, {
@@ -99,6 +101,28 @@ class OperatorService:
             "created_at": now, "expires_at": now + ttl_s, "revoked_at": None})
         self.metrics.inc("tether_operator_sign_ins_total")
         return token, Operator(name, frozenset(roles), VIA_OIDC, digest)
+
+    async def _claim_name(self, name: str, subject: str, issuer: str, now: float) -> None:
+        """A name is one person's: the provider account that first signed in under it, and never a token
+        operator's. Providers often let users choose the claim tether names them by; without this a user
+        who chose ``alice`` would be attributed alice's decisions and share her separation of duties."""
+        held = await self.store.get_doc(OPERATOR, name)
+        if held is not None and not held.get("revoked_at"):
+            raise ApiError(403, FORBIDDEN, f"the name {name} belongs to an operator with a token: a single sign-on "
+                           "may not take it (ask an admin to revoke that operator first, or sign in under another "
+                           "name claim)", reason="name_held_by_token_operator", operator=name)
+        owner = {"name": name, "subject": subject, "issuer": issuer, "first_at": now, "version": 1}
+        for _ in range(2):  # create it, or read the one another replica created at the same moment
+            bound = await self.store.get_doc(OIDC_NAME, name)
+            if bound is None and await self.store.cas_doc(OIDC_NAME, name, 0, owner):
+                return
+            if bound is not None:
+                if (bound["issuer"], bound["subject"]) != (issuer, subject):
+                    raise ApiError(403, FORBIDDEN, f"the name {name} belongs to another account of the provider "
+                                   "(signed in first with another subject): it is not yours to take",
+                                   reason="name_taken", operator=name)
+                return
+        raise ApiError(409, CONFLICT, f"the name {name} is being claimed by another sign-in; try again")
 
     async def _signed_in(self, digest: str, name: str | None, now: float) -> Operator | None:
         doc = await self.store.get_doc(SIGN_IN, digest)
@@ -122,6 +146,10 @@ class OperatorService:
         old = await self.store.get_doc(OPERATOR, name)
         if old is not None and not old.get("revoked_at"):
             raise ApiError(409, CONFLICT, f"operator {name} exists; rotate its token or revoke it first")
+        bound = await self.store.get_doc(OIDC_NAME, name)
+        if bound is not None:
+            raise ApiError(409, CONFLICT, f"the name {name} belongs to a person who signs in through the provider "
+                           f"({bound['issuer']}); give the token operator another name", field="name")
         token = _new_token()
         history = (old or {}).get("history", [])
         doc = {"name": name, "roles": roles, "token_hash": token_hash(token), "created_at": now,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tether.capability.protocol import SERVING, Heartbeat, Lease
+
 from .. import runs
 from ..auth import Caller
 from ..metrics import Metrics, revocations_acknowledged
@@ -25,35 +27,31 @@ class SidecarService:
         self.replica = replica
         self.handed_out = handed_out  # a stored command as handed to the sidecar now (its window left)
 
-    async def heartbeat(self, caller: Caller, beat: Doc, sent: Doc) -> Doc:
+    async def heartbeat(self, caller: Caller, beat: Heartbeat) -> Lease:
         """Renew a run's lease. The in-flight list and state belong to this run alone: a second run (a
-        restart, a respawn under a new link) has its own document and never overwrites this one. ``beat``
-        holds the checked fields; ``sent`` the heartbeat as sent (its revocation timings)."""
+        restart, a respawn under a new link) has its own document and never overwrites this one."""
         now = self.clock()
         run = str(caller.run)
         previous = await self.store.get_sidecar(run) or {}  # bound to this link by run_of
         doc = {**previous, "run_id": run, "agent": caller.agent, "link": caller.link_hash, "last_seen": now,
-               "lease_expires": now + self.lease_ttl_s, "state": beat["state"],
-               "inflight": beat["inflight"][:MAX_INFLIGHT], "seq": beat["seq"], "proxy": beat["proxy"] or None,
-               "pid": beat["pid"], "started_at": beat["started_at"], "spooled": beat["spooled"],
+               "lease_expires": now + self.lease_ttl_s, "state": beat.state or SERVING,
+               "inflight": beat.inflight[:MAX_INFLIGHT], "seq": beat.seq, "proxy": beat.proxy or None,
+               "pid": beat.pid, "started_at": beat.started_at, "spooled": beat.spooled,
                "replica": self.replica}
-        doc["revocations_acknowledged"] = await revocations_acknowledged(self.store, self.metrics, doc, sent, now)
+        doc["revocations_acknowledged"] = await revocations_acknowledged(self.store, self.metrics, doc,
+                                                                         beat.revocations_held, now)
         if doc["state"] == runs.STOPPED and not previous.get("final"):
             doc.update(final=runs.STOPPED, final_at=now)  # the goodbye: its reports are in, nothing passes
         await self.store.put_sidecar(run, doc)
-        supersedes = beat["supersedes"]
+        supersedes = beat.supersedes
         if supersedes is not None and supersedes != run:
             await self._supersede(caller, supersedes, now)
         self.metrics.inc("tether_heartbeats_total")
-        return {
-            "lease_ttl_s": self.lease_ttl_s,
-            "lease_expires_at": doc["lease_expires"],
-            "now": now,
-            "run_id": run,
-            "command": self.handed_out(await self.store.get_doc("command", caller.link_hash)),
+        return Lease(
+            lease_ttl_s=self.lease_ttl_s, lease_expires_at=doc["lease_expires"], now=now, run_id=run,
+            command=self.handed_out(await self.store.get_doc("command", caller.link_hash)),
             # Belt and braces: a revocation whose event was lost still reaches the sidecar here.
-            "revoked": sorted(await self.store.revoked_among(chain_jtis(caller.link))),
-        }
+            revoked=sorted(await self.store.revoked_among(chain_jtis(caller.link))))
 
     async def _supersede(self, caller: Caller, old_run: str, now: float) -> None:
         """A sidecar restarted on the same state dir (whose lock proves the old process is gone) took over

@@ -1,0 +1,237 @@
+"""The wire protocol between a sidecar run and the control plane, in one place both sides import.
+
+What is here: the paths a sidecar calls, the header names both sides spell, the states a run reports, and the
+messages they exchange, each a typed class whose fields are declared once (as dataclass fields with a
+:func:`wire` spec). From that one declaration each message gets its reader (:meth:`Message.read`, which checks
+a document from the other side and refuses it with ``400 tether.bad_request`` naming the field), its writer
+(:meth:`Message.to_doc`) and its JSON Schema for ``/openapi.json`` (:meth:`Message.schema`).
+
+Adding a message is one class here plus its handler on each side: the sidecar builds it and calls
+``to_doc()``, the route reads it with ``read()``, and the OpenAPI document names its schema. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+from .errors import BAD_REQUEST, ApiError
+
+# -- paths and headers ------------------------------------------------------------------------------------------
+REGISTER = "/v1/chains/register"
+HEARTBEAT = "/v1/sidecars/heartbeat"
+QUIESCED = "/v1/sidecars/quiesced"
+EVENTS = "/v1/events"
+EVENTS_STREAM = "/v1/events/stream"
+REPORTS = "/v1/reports"
+APPROVALS = "/v1/approvals"
+
+PROOF_HEADER = "Tether-Proof"  # a sidecar run's signature over the request (tether/capability/proof.py)
+ERROR_HEADER = "Tether-Error"  # the code of every refusal, beside the JSON body (contract section 5)
+CHAIN_HEADER = "Tether-Chain"  # a chain on the wire: its links, root first, joined by commas
+
+# -- the states a run reports -------------------------------------------------------------------------------------
+SERVING, DRAINING, ABORTING, TERMINATED, STOPPED = "serving", "draining", "aborting", "terminated", "stopped"
+RETIRING = "retiring"  # a run that will never serve (its chain died before it started): it delivers and goes
+STOPPING = "stopping"  # the sidecar's own stop (a signal, the end of tether run): not a termination
+RUN_STATES = (SERVING, DRAINING, ABORTING, TERMINATED, STOPPING, STOPPED, RETIRING)
+
+
+# -- fields -------------------------------------------------------------------------------------------------------
+KINDS = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "true or false",
+         "object": "an object", "objects": "a list of objects", "strings": "a list of strings",
+         "numbers": "an object of numbers"}
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one field travels: its JSON kind, bounds and meaning."""
+
+    kind: str
+    doc: str = ""
+    required: bool = False
+    max_len: int = 4096
+    minimum: float | None = None
+    max_items: int = 100_000
+
+
+def wire(kind: str, default: Any = None, doc: str = "", **spec: Any) -> Any:
+    """A message field: ``state: str = wire("string", SERVING, max_len=32)``."""
+    assert kind in KINDS, kind
+    meta = {"wire": Wire(kind, doc, **spec)}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "something else")
+
+
+def _bad(message: str, name: str) -> ApiError:
+    return ApiError(400, BAD_REQUEST, message, field=name)
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
+    """The value as the field promises it, or a refusal naming the field (in the words the control plane's
+    body reader uses for every other route). Absent and null read as absent."""
+    kind = spec.kind
+    wrong = _bad(f"'{name}' must be {KINDS[kind]}, not {_kind(value)} ({where})", name)
+    if kind == "string":
+        if not isinstance(value, str):
+            raise wrong
+        if len(value) > spec.max_len:
+            raise _bad(f"'{name}' is longer than {spec.max_len} characters ({where})", name)
+    elif kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong
+    elif kind == "number":
+        if not _number(value):
+            raise wrong
+        value = float(value)
+    elif kind == "boolean":
+        if not isinstance(value, bool):
+            raise wrong
+    elif kind == "object":
+        if not isinstance(value, dict):
+            raise wrong
+    elif kind == "numbers":
+        if not isinstance(value, dict) or not all(_number(v) for v in value.values()):
+            raise wrong
+    else:  # objects, strings
+        item = dict if kind == "objects" else str
+        if not isinstance(value, list):
+            raise wrong
+        for index, v in enumerate(value):
+            if not isinstance(v, item):
+                what = "an object" if item is dict else "a string"
+                raise _bad(f"'{name}[{index}]' must be {what}, not {_kind(v)} ({where})", name)
+        if len(value) > spec.max_items:
+            raise _bad(f"'{name}' holds more than {spec.max_items} items ({where})", name)
+    if spec.minimum is not None and kind in ("integer", "number") and value < spec.minimum:
+        raise _bad(f"'{name}' must be at least {spec.minimum:g} ({where})", name)
+    return value
+
+
+_SCHEMA = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean", "object": "object",
+           "objects": "array", "strings": "array", "numbers": "object"}
+
+
+def _field_schema(spec: Wire) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": [_SCHEMA[spec.kind], "null"] if not spec.required else _SCHEMA[spec.kind]}
+    if spec.kind == "string" and spec.max_len != 4096:
+        schema["maxLength"] = spec.max_len
+    if spec.kind == "objects":
+        schema["items"] = {"type": "object"}
+    elif spec.kind == "strings":
+        schema["items"] = {"type": "string"}
+    elif spec.kind == "numbers":
+        schema["additionalProperties"] = {"type": "number"}
+    if spec.minimum is not None:
+        schema["minimum"] = spec.minimum
+    if spec.doc:
+        schema["description"] = spec.doc
+    return schema
+
+
+class Message:
+    """A document one side sends and the other reads; subclasses are frozen dataclasses of :func:`wire`
+    fields. ``WHAT`` names it in refusals ("the heartbeat body")."""
+
+    WHAT: ClassVar[str] = "the message"
+
+    @classmethod
+    def specs(cls) -> list[tuple[str, Wire]]:
+        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any]) -> Self:
+        """Check a document from the other side: every declared field of the right kind (absent or null: its
+        default), required ones present. Fields not declared are ignored (a newer peer may send more)."""
+        if not isinstance(doc, Mapping):
+            raise ApiError(400, BAD_REQUEST, f"{cls.WHAT} must be a JSON object, not {_kind(doc)}")
+        values: dict[str, Any] = {}
+        for name, spec in cls.specs():
+            value = doc.get(name)
+            if value is None:
+                if spec.required:
+                    raise _bad(f"{cls.WHAT} needs '{name}'", name)
+                continue
+            values[name] = _check(name, spec, value, cls.WHAT)
+        return cls(**values)
+
+    def to_doc(self) -> dict[str, Any]:
+        """The document to send: every field, null included (a reader reads null as absent)."""
+        return {name: getattr(self, name) for name, _ in self.specs()}
+
+    @classmethod
+    def schema(cls) -> dict[str, Any]:
+        specs = cls.specs()
+        schema: dict[str, Any] = {"type": "object", "properties": {n: _field_schema(s) for n, s in specs}}
+        required = [n for n, s in specs if s.required]
+        if required:
+            schema["required"] = required
+        return schema
+
+
+# -- the messages ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """A run renews its lease (``POST HEARTBEAT``), saying what it is doing."""
+
+    WHAT: ClassVar[str] = "the heartbeat body"
+    state: str = wire("string", SERVING, "the run's state: one of " + ", ".join(RUN_STATES), max_len=32)
+    inflight: list[dict[str, Any]] = wire("objects", [], "the calls in flight (call_id, capability, method, url, "
+                                          "started_at)")
+    seq: int | None = wire("integer", None, "the last event sequence number the run applied")
+    proxy: str | None = wire("string", None, "the proxy's listening address", max_len=200)
+    pid: int | None = wire("integer")
+    started_at: float | None = wire("number")
+    spooled: int = wire("integer", 0, "reports waiting in the run's spool", minimum=0)
+    supersedes: str | None = wire("string", None, "the run whose state dir this run took over", max_len=64)
+    revocations_held: dict[str, float] | None = wire("numbers", None, "jti -> seconds since the run learned of "
+                                                     "its revocation")
+
+
+@dataclass(frozen=True)
+class Lease(Message):
+    """The control plane's answer to a heartbeat: the lease, and what the run must know now."""
+
+    WHAT: ClassVar[str] = "the heartbeat's answer"
+    lease_ttl_s: float = wire("number", required=True)
+    lease_expires_at: float = wire("number", required=True)
+    now: float = wire("number", required=True, doc="the control plane's clock")
+    run_id: str = wire("string", required=True, max_len=200)
+    revoked: list[str] = wire("strings", [], "revoked jtis of the run's chain (belt and braces beside the events)",
+                              required=True)
+    command: dict[str, Any] | None = wire("object", None, "a termination command for the run, if any")
+
+
+@dataclass(frozen=True)
+class Quiesced(Message):
+    """A run acknowledges a termination (``POST QUIESCED``): its last reports, its counts, its final state."""
+
+    WHAT: ClassVar[str] = "the acknowledgement"
+    termination_id: str = wire("string", required=True, max_len=200)
+    state: str = wire("string", TERMINATED, "the run's state (terminated)", max_len=32)
+    reports: list[dict[str, Any]] = wire("objects", [], "final call reports not delivered yet")
+    starts: list[dict[str, Any]] = wire("objects", [], "starts of calls not delivered yet")
+    calls: dict[str, Any] | None = wire("object", None, "the run's call counts by resolution")
