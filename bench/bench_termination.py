@@ -63,7 +63,7 @@ from tests.harness import (  # noqa: E402
     prepare_controlplane,
     wait_until,
 )
-from tether.proxy.capture import CAPTURE_FILE, read_flows  # noqa: E402
+from tether.capture.segments import CAPTURE_FILE, read_flows  # noqa: E402
 
 RECORD_SLACK_S = 1.0
 STALL_TARGET_S = 0.100

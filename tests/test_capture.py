@@ -20,7 +20,8 @@ from mitmproxy import certs, http
 from mitmproxy.io import tnetstring
 from mitmproxy.test import tflow
 
-from tether.proxy.capture import _SECRET, ConnectionStates, _redact_state, encode_flow, read_flows, snapshot, tnet_dumps
+from tether.capture.segments import read_flows
+from tether.proxy.capture import _SECRET, ConnectionStates, _redact_state, encode_flow, snapshot, tnet_dumps
 
 FIELDS = frozenset({"api_key", "password"})
 

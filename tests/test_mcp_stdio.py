@@ -364,7 +364,7 @@ def _pending(cp: ControlPlaneProcess, agent: str) -> list[dict[str, Any]]:
 
 def test_an_approval_tier_write_is_held_until_a_person_decides_and_the_capture_holds_every_message(
         cp: ControlPlaneProcess, tmp_path: Path) -> None:
-    from tether.proxy.capture import read_flows
+    from tether.capture.segments import read_flows
 
     s = stdio_session(cp, tmp_path, "stdio-approval", {**READS, "notes.write": "approval"})
     admin = cp.client()

@@ -32,8 +32,10 @@ from aiohttp import web
 from mitmproxy import http
 from mitmproxy.test import tflow
 
+from tether.capture.har import to_har
+from tether.capture.segments import read_flows
 from tether.proxy.capture import ConnectionStates as Conns
-from tether.proxy.capture import Fields, encode_flow, read_flows, to_har
+from tether.proxy.capture import Fields, encode_flow
 from tether.proxy.credentials import spelled
 
 from .harness import (

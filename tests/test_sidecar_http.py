@@ -27,7 +27,7 @@ import requests
 from tether.capability import keys
 from tether.capability.catalog import parse_catalog
 from tether.capability.chain import mint_root
-from tether.proxy.capture import read_flows
+from tether.capture.segments import read_flows
 
 from .conftest import World, build_world, teardown_world
 from .harness import PYTHON, Identity, SidecarProcess, ToolServer, reports_for, wait_until

@@ -23,8 +23,10 @@ from mitmproxy.test import tflow
 from tether.capability import keys
 from tether.capability.chain import parse_chain_unverified
 from tether.capability.errors import TetherError
+from tether.capture.har import to_har
+from tether.capture.segments import read_flows
 from tether.controlplane.client import Signer
-from tether.proxy.capture import CaptureWriter, read_flows, to_har
+from tether.proxy.capture import CaptureWriter
 from tether.proxy.channel import ControlChannel
 from tether.proxy.reporting import RESTARTED, STATE_DIR_LOCKED, Reporter, lock_state_dir
 from tether.proxy.state import Call

@@ -12,7 +12,7 @@ import requests
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from tether.proxy.capture import read_flows
+from tether.capture.segments import read_flows
 
 from .conftest import World
 from .harness import SidecarProcess, wait_until

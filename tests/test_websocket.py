@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from tether.proxy.capture import read_flows
+from tether.capture.segments import read_flows
 
 from .conftest import World
 from .harness import SidecarProcess, reports_for, wait_until

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
+from tether.capture.segments import read_flows
 from tether.controlplane.termination import terminated_agents
-from tether.proxy.capture import read_flows
 from tether.proxy.reporting import RESTARTED
 
 from .conftest import World, build_world, teardown_world

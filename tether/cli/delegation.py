@@ -34,7 +34,8 @@ ALLOWED = {"agent": "--agent", "cap": "--cap", "ttl": "--ttl", "approval_timeout
            "call_timeout": "--call-timeout", "stop_window": "--stop-window", "redact_field": "--redact-field"}
 REFUSED = ("chain", "key", "parent_key", "state_dir", "secret", "catalog", "trust", "upstream_ca", "capture_file",
            "no_capture", "allow_uncaptured", "cooperative", "user", "listen", "transparent_listen", "dns_listen",
-           "ready_file", "no_default_redact_fields")
+           "ready_file", "no_default_redact_fields", "capture_max_bytes", "capture_keep", "capture_node_max_bytes",
+           "capture_min_free", "capture_segment_bytes", "capture_segment_age", "capture_hold", "no_capture_compress")
 
 
 def requested(args: Any, defaults: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from .remote import DEFAULT_CONTROLPLANE, add_controlplane
 if TYPE_CHECKING:
     import logging
 
+    from tether.capture.retention import Policy as CapturePolicy
     from tether.proxy.sidecar import SidecarConfig
 
 RETIRED = 3  # the exit status of a sidecar whose chain was revoked or expired before it could serve
@@ -111,6 +112,22 @@ SIDECAR_OPTIONS: tuple[Option, ...] = (
            "bridge's loopback address (set by tether mcp stdio; repeat)", action="append", metavar="NAME=H:P"),
     Option("--dns-listen", "dns_listen", "answer DNS here: every name resolves to the transparent listener's "
            "address (used by tether run --isolate)", metavar="H:P"),
+    # Capture retention (docs/captures.md); sizes in powers of 1024, durations as 7d/12h/30m/S.
+    Option("--capture-max-bytes", "capture_max_bytes", "this agent's captures stay under this size on disk; the "
+           "oldest segments go first, never one a termination holds", default="1G", metavar="SIZE"),
+    Option("--capture-keep", "capture_keep", "delete captured flows older than this (unless a termination holds "
+           "them)", default="7d", metavar="DURATION"),
+    Option("--capture-node-max-bytes", "capture_node_max_bytes", "every agent's captures under the state root (the "
+           "state dir's parent) stay under this size", default="8G", metavar="SIZE"),
+    Option("--capture-min-free", "capture_min_free", "keep this much free on the capture's file system (pruning "
+           "harder below it; warning below twice it)", default="2G", metavar="SIZE"),
+    Option("--capture-segment-bytes", "capture_segment_bytes", "seal (and compress) the active capture segment at "
+           "this size", default="64M", metavar="SIZE"),
+    Option("--capture-segment-age", "capture_segment_age", "... or at this age", default="1h", metavar="DURATION"),
+    Option("--capture-hold", "capture_hold", "how long a termination's hold keeps the flows its record names, "
+           "unless exported first (tether capture export --termination)", default="30d", metavar="DURATION"),
+    Option("--no-capture-compress", "no_capture_compress", "keep sealed capture segments uncompressed",
+           action="store_true", default=False),
 )
 
 
@@ -178,7 +195,20 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         # One start-up attempt gives up at its first unreachable answer: keep_trying says so at once (not after a
         # first attempt's own retries) and starts the next, with a status line every STATUS_EVERY_S (never gives up).
         startup_timeout_s=0.0,
+        capture_policy=capture_policy(args),
     )
+
+
+def capture_policy(args: argparse.Namespace) -> CapturePolicy:
+    """The retention options, read into the policy (bad input: ``tether.bad_request`` naming the value)."""
+    from tether.capture.retention import Policy, parse_duration, parse_size
+
+    return Policy(segment_bytes=parse_size(args.capture_segment_bytes),
+                  segment_age_s=parse_duration(args.capture_segment_age),
+                  max_bytes=parse_size(args.capture_max_bytes), keep_s=parse_duration(args.capture_keep),
+                  node_max_bytes=parse_size(args.capture_node_max_bytes),
+                  min_free_bytes=parse_size(args.capture_min_free), hold_s=parse_duration(args.capture_hold),
+                  compress=not args.no_capture_compress)
 
 
 def setup_logging(stream: Any = None) -> None:

@@ -13,6 +13,7 @@ default, plus ``--redact-field``), and every value the sidecar injected, in each
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -20,6 +21,9 @@ import json
 import logging
 import os
 import re
+import stat
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +34,14 @@ from mitmproxy import http
 from mitmproxy.net.encoding import decode as encoding_decode
 from mitmproxy.version import FLOW_FORMAT_VERSION
 
-from tether.capability.errors import BAD_REQUEST, TetherError
+from tether.capture.maintenance import MAINTAIN_EVERY_S, Outcome, Watch, prune, tidy, write_metrics
+from tether.capture.retention import Hold, Policy
+from tether.capture.segments import CAPTURE_FILE as CAPTURE_FILE  # the sidecar names its capture by it
+from tether.capture.segments import Index, index_path, next_seq, sealed_name, write_hold
 
 log = logging.getLogger("tether.sidecar.capture")
 REDACTED = "[REDACTED]"
 SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key")
-CAPTURE_FILE = "flows.mitm"
 
 
 # Field names that say secret. A JSON key (at any depth), a form field or a query parameter is redacted by default
@@ -412,22 +418,38 @@ def _metadata_free_state(flow: http.HTTPFlow) -> dict:
 
 
 class CaptureWriter:
-    """Appends flows to one capture file, each write all or nothing.
+    """Appends flows to the active segment of one capture, each write all or nothing, and rotates it.
 
     A write cut short (a full disk) is cut back off the file: a reader stops at the first flow it cannot
     parse, so torn bytes left in the middle would hide every flow written after them. If even cutting
-    back fails, nothing more is appended until the file is clean again (each attempt retries the cut)."""
+    back fails, nothing more is appended until the file is clean again (each attempt retries the cut).
 
-    def __init__(self, path: Path, redact_fields: Iterable[str] = (), *, default_fields: bool = True) -> None:
+    Rotation (tether/capture/segments.py has the layout): once the active segment reaches the policy's size or
+    age it is sealed (renamed ``flows.NNNNNN.mitm``, its index written beside it) and a new one begun; the
+    maintenance thread then compresses it and applies the retention policy (tether/capture/retention.py). A
+    capture left by an earlier run is sealed at the first write, so every sealed segment has one writer's index.
+    A failed write asks for a maintenance round at once: pruning may make room for the next call."""
+
+    def __init__(self, path: Path, redact_fields: Iterable[str] = (), *, default_fields: bool = True,
+                 policy: Policy | None = None, root: Path | None = None, agent: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.fields = Fields.of(redact_fields, defaults=default_fields)
         self.last_error: str | None = None
         self._file: IO[bytes] | None = None
         self._clean_end: int | None = None  # where the file must be cut back to before the next write
         self.failures = 0
+        self.written = 0  # bytes appended by this writer, every segment
         self.conns = ConnectionStates()
         self.secret = _SECRET
         self.values: Callable[[], Sequence[bytes]] = tuple
+        self.policy = policy or Policy()
+        self.agent = agent or path.parent.parent.name
+        self.root = root  # the state root whose node cap this sidecar helps keep (None: its own capture only)
+        self.clock = clock
+        self._segment: _Active | None = None  # what the active segment holds (for its index)
+        self._held: set[str] = set()  # terminations whose hold this run wrote (or found) already
+        self.maintenance = Maintenance(self)
 
     def protect(self, headers: frozenset[bytes], values: Callable[[], Sequence[bytes]]) -> None:
         """Also redact these headers (a credential's, whatever its name) and these values (what was injected)."""
@@ -450,19 +472,31 @@ class CaptureWriter:
                 self._cut_back(f, start)
                 raise
             self.last_error = None
-            return True
+            self.written += len(data)
         except Exception as exc:  # any failure to capture affects this call only, never the sidecar
             self.failures += 1
             self.last_error = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
             if self.failures == 1 or self.failures % 100 == 0:
                 log.error("capture failed (%d so far): %s", self.failures, self.last_error)
-            self.close()
+            self._close_file()
+            self.maintenance.request()
             return False
+        segment = self._segment
+        if segment is not None:
+            segment.add(flow.id, flow.request.timestamp_start, start + len(data))
+            now = self.clock()
+            if segment.size >= self.policy.segment_bytes or now - segment.opened_at >= self.policy.segment_age_s:
+                self.rotate()
+            elif now - self.maintenance.last >= MAINTAIN_EVERY_S:
+                self.maintenance.request()
+        return True
 
     def _open(self) -> IO[bytes]:
         if self._file is not None:
             return self._file
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self._segment is None:
+            self._seal_leftover()
         # 0600: the flows hold what the agent sent and received, redacted or not, and are the sidecar's alone
         f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab", buffering=0)
         if self._clean_end is not None:
@@ -474,6 +508,8 @@ class CaptureWriter:
                 raise
             log.info("capture file %s cut back to %d bytes: later flows are readable", self.path, self._clean_end)
             self._clean_end = None
+        if self._segment is None:
+            self._segment = _Active(self.clock())
         self._file = f
         return f
 
@@ -485,10 +521,60 @@ class CaptureWriter:
                       self.path, exc)
             self._clean_end = start
 
+    def _seal_leftover(self) -> None:
+        """An active segment an earlier run left (its index unknown) is sealed as it is; maintenance indexes it."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:  # (not a file: opening it fails, and says why)
+            return
+        os.replace(self.path, sealed_name(self.path, next_seq(self.path)))
+        self.maintenance.request()
+
+    def rotate(self) -> None:
+        """Seal the active segment (renamed, its index beside it) and begin the next with the next write."""
+        segment = self._segment
+        if segment is None or not segment.ids:
+            return
+        self._close_file()
+        seq = next_seq(self.path)
+        target = sealed_name(self.path, seq)
+        try:
+            Index(seq, segment.opened_at, self.clock(), segment.first_at,
+                  segment.last_at, list(segment.ids)).write(index_path(target))
+            os.replace(self.path, target)
+        except OSError as exc:  # a full disk: keep appending to this segment; the next write tries again
+            log.warning("cannot seal capture segment %s: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                index_path(target).unlink()
+            self.maintenance.request()
+            return
+        self._segment = _Active(self.clock())
+        self.maintenance.request()
+
+    def hold(self, termination_id: str, window_s: Any) -> None:
+        """A termination's record will name flows of this capture: keep every segment opened until its window and a
+        grace have passed, until the record is exported or the hold's retention ends (tether/capture/retention.py).
+        Never raises: a hold that cannot be written is logged, and the termination goes on."""
+        if termination_id in self._held:
+            return
+        self._held.add(termination_id)
+        try:
+            window_s = max(0.0, float(window_s or 0))
+        except (TypeError, ValueError):
+            window_s = 0.0
+        now = self.clock()
+        try:
+            write_hold(self.path.parent, Hold(termination_id, self.agent, now, now + window_s + HOLD_GRACE_S,
+                                              now + self.policy.hold_s))
+        except OSError as exc:
+            log.error("cannot write the capture hold for termination %s: %s", termination_id, exc)
+
     def ref(self, flow: http.HTTPFlow) -> str:
         return f"{self.path.name}#{flow.id}"
 
-    def close(self) -> None:
+    def _close_file(self) -> None:
         if self._file is not None:
             try:
                 self._file.close()
@@ -496,133 +582,95 @@ class CaptureWriter:
                 pass
             self._file = None
 
-
-def read_flows(path: Path) -> list[http.HTTPFlow]:
-    """The last state of every flow in a capture file, in first-seen order."""
-    from mitmproxy import io as mio
-    from mitmproxy.exceptions import FlowReadException
-
-    latest: dict[str, http.HTTPFlow] = {}
-    with open(path, "rb") as f:
-        try:
-            for flow in mio.FlowReader(f).stream():
-                if isinstance(flow, http.HTTPFlow):
-                    latest[flow.id] = flow
-        except FlowReadException as exc:  # a torn tail after a crash: keep what was read
-            log.warning("%s: %s (keeping the flows before it)", path, exc)
-    return list(latest.values())
+    def close(self) -> None:
+        """The sidecar stops: the active segment stays as it is (the next run seals it); maintenance ends."""
+        self._close_file()
+        self.maintenance.stop()
 
 
-EMPTY_CONTENT = {"size": 0, "mimeType": "x-unknown"}  # HAR 1.2: content needs both, even when empty
+MAINTAIN_IDLE_S = 600.0  # a round at least this often once the writer has written
+HOLD_GRACE_S = 300.0  # beyond a termination's window: the grace it waits for acknowledgements, and then some
 
 
-def to_har(flows: list[http.HTTPFlow], calls: dict[tuple[str, str], dict[str, Any]] | None = None,
-           agents: dict[str, str] | None = None) -> dict[str, Any]:
-    """A HAR 1.2 log of ``flows`` in time order, each entry lined up with the record's call.
+class _Active:
+    """The active segment's index as it grows."""
 
-    ``agents`` maps a flow id to the agent whose capture holds it; ``calls`` maps (agent, flow id) to that
-    call's report or record entry (joined on ``capture_ref``). Each entry carries ``_tether`` (agent,
-    call_id, capability, resolution, capture_ref). A call that got no answer (refused, cut by a
-    termination, reset) has a valid empty ``content``, the duration the record gives it, and its
-    resolution as the error."""
-    from mitmproxy.addons.savehar import SaveHar
+    __slots__ = ("first_at", "ids", "last_at", "opened_at", "size")
 
-    calls = calls or {}
-    agents = agents or {}
-    ordered = sorted(flows, key=lambda f: (f.request.timestamp_start, f.id))
-    har = SaveHar().make_har(ordered)
-    for flow, entry in zip(ordered, har["log"]["entries"], strict=True):
-        agent = agents.get(flow.id)
-        call = calls.get((agent or "", flow.id), {})
-        entry["_tether"] = {
-            "agent": agent,
-            "call_id": call.get("call_id"),
-            "capability": call.get("capability"),
-            "resolution": call.get("resolution") or ("completed" if flow.response is not None else None),
-            "capture_ref": call.get("capture_ref") or f"{CAPTURE_FILE}#{flow.id}",
-        }
-        if flow.response is None:
-            _cut_entry(flow, entry, call)
-    har["log"]["creator"] = {"name": "tether", "version": "0.1.0", "comment": "mitmproxy flows, lined up with "
-                             "tether's call reports"}
-    return har
+    def __init__(self, opened_at: float) -> None:
+        self.opened_at = opened_at
+        self.ids: dict[str, None] = {}
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.size = 0
+
+    def add(self, flow_id: str, at: float, size: int) -> None:
+        self.ids[flow_id] = None
+        self.first_at = at if self.first_at is None else min(self.first_at, at)
+        self.last_at = at if self.last_at is None else max(self.last_at, at)
+        self.size = size
 
 
-def _cut_entry(flow: http.HTTPFlow, entry: dict[str, Any], call: dict[str, Any]) -> None:
-    """An entry with no response: what tether made of the call, not what the socket last said."""
-    response = entry["response"]
-    response["content"] = dict(EMPTY_CONTENT)
-    response["bodySize"] = 0
-    response["httpVersion"] = response["httpVersion"] or flow.request.http_version
-    resolution = call.get("resolution")
-    reason = f"tether: {resolution}" + (f" ({call['code']})" if call.get("code") else "") if resolution else None
-    response["_error"] = reason or (flow.error.msg if flow.error else "no response")
-    started, ended = call.get("started_at"), call.get("ended_at")
-    if started is not None and ended is not None:
-        duration_ms = max(0.0, (float(ended) - float(started)) * 1000)
-    elif flow.error is not None:
-        duration_ms = max(0.0, (flow.error.timestamp - flow.request.timestamp_start) * 1000)
-    else:
-        duration_ms = float(entry["time"])
-    timings = entry["timings"]
-    spent = sum(v for k, v in timings.items() if k != "wait" and v is not None and v > 0)
-    timings["wait"] = max(0.0, duration_ms - spent)
-    entry["time"] = spent + timings["wait"]
-    entry["comment"] = response["_error"]
+class Maintenance:
+    """The writer's maintenance thread: compress and index sealed segments, prune by the policy (this capture's
+    age and cap, the state root's node cap, the disk's floor), write the gauges, log when the disk turns low.
+    A daemon thread: a sidecar exiting mid-compression leaves a ``.gz.tmp`` the next round removes."""
 
+    def __init__(self, writer: CaptureWriter) -> None:
+        self.writer = writer
+        self.last = 0.0  # when the last round was asked for (the writer's clock)
+        self.pruned = 0
+        self.watch = Watch()
+        self.rounds = 0
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
-def parse_when(value: str | None) -> float | None:
-    """``--since``/``--until``: epoch seconds or an ISO 8601 time (UTC when it names no zone)."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    from datetime import UTC, datetime
+    def request(self) -> None:
+        self.last = self.writer.clock()
+        with self._lock:
+            if self._stopped:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tether-capture-maintenance", daemon=True)
+                self._thread.start()
+        self._wake.set()
 
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        raise TetherError(f"{value!r} is neither epoch seconds nor an ISO 8601 time", code=BAD_REQUEST) from None
-    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._wake.set()
 
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(MAINTAIN_IDLE_S)  # an idle capture still ages, and the node's other captures grow
+            self._wake.clear()
+            if self._stopped:
+                return
+            try:
+                self.round()
+            except Exception:  # maintenance never takes the sidecar down; the next round tries again
+                log.exception("capture maintenance failed")
 
-def export(root: Path, wanted: dict[str, set[str] | None], calls: list[dict[str, Any]],
-           since: float | None = None, until: float | None = None) -> tuple[dict[str, Any], int, list[str]]:
-    """The HAR of the chosen flows: per agent (``None``: all of its flows) or by flow id, within
-    [since, until). Returns (har, entries, agents without a capture)."""
-    flows: list[http.HTTPFlow] = []
-    agents: dict[str, str] = {}
-    missing: list[str] = []
-    for agent, ids in sorted(wanted.items()):
-        path = root / agent / "captures" / CAPTURE_FILE
-        if not path.exists():
-            missing.append(agent)
-            continue
-        for flow in read_flows(path):
-            at = flow.request.timestamp_start
-            if (ids is None or flow.id in ids) and (since is None or at >= since) and (until is None or at < until):
-                flows.append(flow)
-                agents[flow.id] = agent
-    by_ref: dict[tuple[str, str], dict[str, Any]] = {}
-    for call in calls:
-        ref = call.get("capture_ref") or ""
-        if "#" in ref:
-            by_ref[call.get("agent", ""), ref.split("#", 1)[1]] = call
-    return to_har(flows, by_ref, agents), len(flows), missing
-
-
-def selection(root: Path, record: dict[str, Any] | None, agent: str | None) -> dict[str, set[str] | None]:
-    """Which flows an export covers: a record's calls, one agent's, or (neither) every agent's under root."""
-    if record is not None:
-        wanted: dict[str, set[str] | None] = {}
-        for call in record["calls"]:
-            ref = call.get("capture_ref")
-            if ref and "#" in ref:
-                wanted.setdefault(call["agent"], set()).add(ref.split("#", 1)[1])  # type: ignore[union-attr]
-        return wanted
-    if agent is not None:
-        return {agent: None}
-    return {d.name: None for d in sorted(root.iterdir()) if (d / "captures" / CAPTURE_FILE).exists()} \
-        if root.is_dir() else {}
+    def round(self) -> Outcome:
+        w = self.writer
+        tidy(w.path, w.policy.compress)
+        root = w.root if w.root is not None else w.path.parent
+        outcome = prune(root, w.policy, w.clock(), own=(w.agent, w.path))
+        self.pruned += outcome.freed
+        self.watch.observe(outcome, w.path.parent, w.policy)
+        decided = outcome.plan
+        write_metrics(w.path.parent, w.agent, {
+            "tether_capture_bytes": outcome.agent_bytes.get(w.agent, 0),
+            "tether_capture_segments": outcome.segments.get(w.agent, 0),
+            "tether_capture_held_segments": decided.held,
+            "tether_capture_node_bytes": decided.node_bytes_after,
+            "tether_capture_disk_free_bytes": decided.free_after or 0,
+            "tether_capture_disk_low": int(decided.low),
+            "tether_capture_pruned_bytes_total": self.pruned,
+            "tether_capture_failures_total": w.failures,
+            "tether_capture_written_bytes_total": w.written,
+        })
+        self.rounds += 1
+        return outcome

@@ -29,6 +29,7 @@ from tether.capability.catalog import Catalog, catalog_from, empty_catalog
 from tether.capability.chain import Verifier, parse_chain_unverified
 from tether.capability.errors import ApiError, ChainError, TetherError
 from tether.capability.events import APPROVAL, APPROVED, CANCELLED, COMMAND, DENIED, REVOKE
+from tether.capture.retention import Policy as CapturePolicy
 
 from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBound
 from .budget import Budgets
@@ -83,6 +84,7 @@ class SidecarConfig:
     stdio_routes: dict[str, tuple[str, int]] = field(default_factory=dict)
     startup_timeout_s: float = 30.0  # how long one start-up attempt waits for an unreachable control plane
     redact_default_fields: bool = True  # the field names that say secret (tether/proxy/capture.py), unless turned off
+    capture_policy: CapturePolicy | None = None  # the --capture-* retention options (tether/capture/retention.py)
 
 
 def mitmproxy_addons() -> list[Any]:
@@ -126,7 +128,8 @@ class Sidecar:
         self.retired: str | None = None  # why this run may never serve (its chain is revoked or expired)
         self.reporter = Reporter(self.channel, config.state_dir / "reports.spool")
         self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
-                                     config.redact_fields, default_fields=config.redact_default_fields)
+                                     config.redact_fields, default_fields=config.redact_default_fields,
+                                     policy=config.capture_policy, root=config.state_dir.parent, agent=self.agent)
         self.allow_uncaptured = config.allow_uncaptured
         self.calls = CallTable()
         self.credentials = Credentials(config.secrets, config.upstream_ca)
@@ -369,6 +372,7 @@ class Sidecar:
             spooled=self.reporter.count))
         command = lease.command
         if command and command.get("termination_id"):
+            self.capture.hold(command["termination_id"], command.get("window_s"))
             await self.acknowledge(command)
             done = f"acknowledged termination {command['termination_id']}"
         else:
@@ -520,6 +524,8 @@ class Sidecar:
     # -- termination ------------------------------------------------------------------------------------
     def on_command(self, command: dict[str, Any]) -> None:
         tid = command.get("termination_id")
+        if tid:  # its record will name this capture's flows: none of them is pruned until exported
+            self.capture.hold(tid, command.get("window_s"))
         if self.state.mode == TERMINATED:
             # Already quiesced (an earlier termination of this agent or an ancestor): nothing is in flight,
             # so a new termination is acknowledged at once.

@@ -67,7 +67,7 @@ def export_har(root: Path, record: Mapping[str, Any] | None, agent: str | None, 
                since: str | None = None, until: str | None = None) -> Doc:
     """The HAR of a record's captured calls, one agent's, or every agent's under ``root`` (neither), within
     [since, until) (ISO 8601 or epoch seconds), lined up with ``calls`` (``tether capture export``'s own)."""
-    from tether.proxy.capture import export, parse_when, selection  # the capture file format: imported here only
+    from tether.capture.har import export, parse_when, selection  # the capture file format: imported here only
 
     har, _count, _missing = export(root, selection(root, dict(record) if record else None, agent), calls,
                                    parse_when(since), parse_when(until))
