@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from . import keys
 from .chain import LEEWAY_S
 from .errors import UNAUTHORIZED, ApiError
+from .protocol import finite_number
 
 PROOF_TYP = "tether-proof+jwt"
 RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -94,21 +94,11 @@ def read_proof(compact: str) -> Proof:
         raise _unauthorized(f"Tether-Proof must be an EdDSA JWS of typ {PROOF_TYP}")
     if not isinstance(claims, dict) or not all(
         isinstance(claims.get(k), str) for k in ("sub", "htm", "htu", "bh", "jti")
-    ) or not _finite_number(claims.get("iat")):
+    ) or not finite_number(claims.get("iat")):
         raise _unauthorized("Tether-Proof lacks sub, htm, htu, bh, jti or a finite numeric iat")
     if "run" in claims and not (isinstance(claims["run"], str) and RUN_ID.fullmatch(claims["run"])):
         raise _unauthorized("Tether-Proof names a malformed run id (1-64 of letters, digits, '.', '_', ':', '-')")
     return Proof(claims, f"{h}.{p}".encode("ascii"), signature)
-
-
-def _finite_number(value: Any) -> bool:
-    """A JSON number a float can hold (``10**400`` cannot; JSON numbers are never booleans)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
 
 
 def check_proof(

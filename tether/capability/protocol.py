@@ -67,7 +67,8 @@ def wire(kind: str, default: Any = None, doc: str = "", **spec: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """A JSON value's kind in words, for a refusal ("not a string")."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -81,7 +82,8 @@ def _bad(message: str, name: str) -> ApiError:
     return ApiError(400, BAD_REQUEST, message, field=name)
 
 
-def _number(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
+    """A JSON number a float can hold (``10**400`` cannot; JSON numbers are never booleans)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     try:
@@ -94,7 +96,7 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
     """The value as the field promises it, or a refusal naming the field (in the words the control plane's
     body reader uses for every other route). Absent and null read as absent."""
     kind = spec.kind
-    wrong = _bad(f"'{name}' must be {KINDS[kind]}, not {_kind(value)} ({where})", name)
+    wrong = _bad(f"'{name}' must be {KINDS[kind]}, not {kind_of(value)} ({where})", name)
     if kind == "string":
         if not isinstance(value, str):
             raise wrong
@@ -104,7 +106,7 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise wrong
     elif kind == "number":
-        if not _number(value):
+        if not finite_number(value):
             raise wrong
         value = float(value)
     elif kind == "boolean":
@@ -114,7 +116,7 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise wrong
     elif kind == "numbers":
-        if not isinstance(value, dict) or not all(_number(v) for v in value.values()):
+        if not isinstance(value, dict) or not all(finite_number(v) for v in value.values()):
             raise wrong
     else:  # objects, strings
         item = dict if kind == "objects" else str
@@ -123,7 +125,7 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
         for index, v in enumerate(value):
             if not isinstance(v, item):
                 what = "an object" if item is dict else "a string"
-                raise _bad(f"'{name}[{index}]' must be {what}, not {_kind(v)} ({where})", name)
+                raise _bad(f"'{name}[{index}]' must be {what}, not {kind_of(v)} ({where})", name)
         if len(value) > spec.max_items:
             raise _bad(f"'{name}' holds more than {spec.max_items} items ({where})", name)
     if spec.minimum is not None and kind in ("integer", "number") and value < spec.minimum:
@@ -167,7 +169,7 @@ class Message:
         """Check a document from the other side: every declared field of the right kind (absent or null: its
         default), required ones present. Fields not declared are ignored (a newer peer may send more)."""
         if not isinstance(doc, Mapping):
-            raise ApiError(400, BAD_REQUEST, f"{cls.WHAT} must be a JSON object, not {_kind(doc)}")
+            raise ApiError(400, BAD_REQUEST, f"{cls.WHAT} must be a JSON object, not {kind_of(doc)}")
         values: dict[str, Any] = {}
         for name, spec in cls.specs():
             value = doc.get(name)

@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from tether.capability.errors import BAD_REQUEST, ApiError
+from tether.capability.protocol import kind_of
 
 MAX_BODY = 8 * 1024 * 1024  # a report batch of ~10k calls fits; aiohttp's client_max_size is set to this too
 MAX_DEPTH = 32  # deeper than any document tether reads; the deepest legitimate one (a surface) is 5
@@ -114,7 +115,7 @@ def parse(raw: bytes, what: str = "the request body") -> Fields:
     """An object body (an empty body reads as ``{}``)."""
     value = loads(raw, what) if raw.strip() else {}
     if not isinstance(value, dict):
-        raise bad(f"{what} must be a JSON object, not {_kind(value)}")
+        raise bad(f"{what} must be a JSON object, not {kind_of(value)}")
     return Fields(value, what)
 
 
@@ -122,20 +123,6 @@ async def read_json(request: web.Request) -> tuple[Fields, bytes]:
     """Read and parse in one step, for handlers that need no proof over the raw bytes first."""
     raw = await raw_body(request)
     return parse(raw), raw
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    return "an object"
 
 
 class Fields:
@@ -160,7 +147,7 @@ class Fields:
 
     @staticmethod
     def _wrong(name: str, expected: str, value: Any) -> ApiError:
-        return bad(f"'{name}' must be {expected}, not {_kind(value)}", field=name)
+        return bad(f"'{name}' must be {expected}, not {kind_of(value)}", field=name)
 
     def raw(self, name: str, default: Any = None) -> Any:
         """The field as sent, for a value a later check reads in full (a surface document, a chain)."""
@@ -232,7 +219,7 @@ class Fields:
             raise bad(f"'{name}' holds more than {max_items} items", field=name)
         for index, item in enumerate(value):
             if not isinstance(item, dict):
-                raise bad(f"'{name}[{index}]' must be an object, not {_kind(item)}", field=name)
+                raise bad(f"'{name}[{index}]' must be an object, not {kind_of(item)}", field=name)
         return value
 
     def strings(self, name: str, *, required: bool = False, max_items: int = 10_000) -> list[str]:
