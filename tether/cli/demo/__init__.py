@@ -32,6 +32,8 @@ from tether.capability.errors import ApiError
 from tether.controlplane.client import Client, Signer
 from tether.controlplane.termination import verify_records
 
+from ..text import colour
+
 CATALOG = """\
 # The demo's capability catalog: what each capability means on the wire.
 capabilities:
@@ -46,7 +48,7 @@ roles:
   lead: {{tickets.read: direct, tickets.write: approval, research.read: direct, kb.lookup: direct, mail.send: approval}}
 """
 
-BOLD, DIM, RESET = ("\033[1m", "\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "", "")
+BOLD, DIM, RESET = ("\033[1m", "\033[2m", "\033[0m") if colour(sys.stdout) else ("", "", "")  # never under NO_COLOR
 
 
 def free_port() -> int:
