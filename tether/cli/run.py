@@ -374,10 +374,12 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     enclosed command goes with its enclosure already), so no agent outlives its sidecar. The kernel sends it when
     the thread that started the command ends: asyncio's worker threads last until the run has ended."""
 
-    def arm() -> None:
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child imports nothing after the fork
+
+    def arm() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # this process died between the fork and the prctl
             os._exit(137)
 
