@@ -544,11 +544,13 @@ def main(argv: list[str]) -> int:
         ipv6 = _network(iptables, ip6tables)
         tcp, udp = _sockets(ipv6)
     except Exception as exc:  # the outside turns it into tether.isolation_unavailable
-        send(chan, {"error": str(exc)})
+        _tell(chan, {"error": str(exc)})
         return 1
-    send(chan, {"ipv6": ipv6}, fds=[tcp.fileno(), udp.fileno()])
+    told = _tell(chan, {"ipv6": ipv6}, fds=[tcp.fileno(), udp.fileno()])
     tcp.close()
     udp.close()
+    if not told:
+        return 1
     try:
         doc, _ = receive(chan)
     except (OSError, EOFError):
@@ -558,7 +560,7 @@ def main(argv: list[str]) -> int:
         _apply(plan.mounts)
         os.unshare(os.CLONE_NEWPID)  # only now: the next fork is the namespace's PID 1
     except OSError as exc:
-        send(chan, {"error": str(exc)})
+        _tell(chan, {"error": str(exc)})
         return 1
 
     def init() -> int:
@@ -567,8 +569,18 @@ def main(argv: list[str]) -> int:
         return _init(plan, uid, gid)
 
     child = _fork(init)
-    send(chan, {"started": True})
+    _tell(chan, {"started": True})
     return _supervise(child)
+
+
+def _tell(chan: socket.socket, doc: dict[str, Any], fds: list[int] | None = None) -> bool:
+    """Send to the outside; False, quietly, when it is gone (a ``tether run`` interrupted while the enclosure
+    was being made: this process follows it, by PDEATHSIG, with nothing to report)."""
+    try:
+        send(chan, doc, fds=fds)
+    except (BrokenPipeError, ConnectionError):
+        return False
+    return True
 
 
 if __name__ == "__main__":
