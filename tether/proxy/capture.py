@@ -637,10 +637,15 @@ class Maintenance:
                 self._thread.start()
         self._wake.set()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10.0) -> None:
+        """No more rounds; a round under way is waited for (up to ``wait_s``), so nothing of the capture
+        changes after the writer closed."""
         with self._lock:
             self._stopped = True
+            thread = self._thread
         self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
     def _run(self) -> None:
         while True:
