@@ -205,11 +205,28 @@ def test_run_relays_the_sidecars_wait_and_ctrl_c_ends_it_with_130(tmp_path: Path
         bg.wait_for(f"waiting for the control plane at {cp.url}")
         status = bg.interrupt()
         assert "Traceback" not in bg.text and "never runs" not in bg.text
-        if status == -2:  # a known bug (README limitations): ended by the signal itself, nothing ran or leaked
-            pytest.xfail("a Ctrl-C early in tether run's start-up escapes main's handler (exit by SIGINT, not 130)")
         assert status == 130
     finally:
         bg.stop()
+
+
+def test_a_ctrl_c_that_ends_code_run_from_a_string_still_exits_130(tmp_path: Path) -> None:
+    """A Ctrl-C that lands while a module is imported often ends code run from a string (every ``@dataclass``
+    is): CPython then marks the interrupt unhandled, and under ``python -m`` kills itself by SIGINT at exit
+    whatever status was returned, unless tether's handler clears that mark. Raised here on purpose, in the
+    same place, so the check does not depend on when a signal lands."""
+    (tmp_path / "interrupted_start.py").write_text(
+        "import sys\n"
+        "from tether.cli import main as cli\n"
+        "class Interrupting:\n"
+        "    def parse_args(self, argv):\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "cli.build_parser = Interrupting\n"
+        "sys.exit(cli.main([]))\n")
+    result = subprocess.run([PYTHON, "-m", "interrupted_start"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 130, result.stderr
+    clean(result)
 
 
 def test_ctrl_c_ends_a_running_command_under_run_with_130(world: World, tmp_path: Path) -> None:

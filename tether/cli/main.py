@@ -167,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _forget_interrupt()
         return 130
     except BrokenPipeError:  # `tether records show ID | head`: the reader left, nothing is wrong
         _quiet_stdout()
@@ -177,6 +178,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {IO_FAILED}: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}",
               file=sys.stderr)
         return 2
+
+
+def _forget_interrupt() -> None:
+    """Tell CPython the Ctrl-C was handled, so ``python -m tether`` exits 130 and not by SIGINT.
+
+    A KeyboardInterrupt that ends code run from a string (``exec("...")``, as every ``@dataclass`` runs when a
+    module defining one is imported) sets an interpreter flag that a caller catching the exception does not
+    clear; under ``-m`` the interpreter checks it at exit and kills itself with SIGINT, whatever status the
+    program returned. So a Ctrl-C that landed during an import ended ``tether run`` by the signal. The flag is
+    cleared at the start of every string evaluation: one that ends normally leaves it cleared."""
+    exec("pass")
 
 
 def _quiet_stdout() -> None:

@@ -348,8 +348,10 @@ class Run:
             self.delegation.close()
             self.delegation = None
         if self.enclosure is not None:
-            if self.enclosure.process.poll() is None:
-                self.enclosure.process.terminate()  # the command first: its calls are the sidecar's to finish
+            if self.child is not None and self.enclosure.process.poll() is None:
+                # The command first: its calls are the sidecar's to finish. (Before the command started, the
+                # enclosure holds SIGTERM blocked for it: there is nothing to wait for, destroy kills it.)
+                self.enclosure.process.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.enclosure.process.wait(timeout=5)
             self.enclosure.destroy()
