@@ -59,6 +59,7 @@ BAD = [
     ("status out of range", {"status": 1000}, "status", "HTTP status"),
     ("status of another type", {"status": "200"}, "status", "must be an integer"),
     ("started_at of another type", {"started_at": "yesterday"}, "started_at", "must be a number"),
+    ("ended_at no float can hold", {"ended_at": 10**400}, "ended_at", "must be a finite number"),
 ]
 
 

@@ -9,12 +9,12 @@ clock.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .budget import TIERS
 from .errors import BAD_REQUEST, TetherError
+from .protocol import finite_number, kind_of
 from .shared import RESOLUTIONS  # the documented list, imported where it is named (never copied)
 
 MAX_CALL_ID = 200
@@ -96,25 +96,17 @@ _NAMES = tuple(_KINDS)
 def _checked(name: str, kind: str, value: Any, where: str) -> Any:
     if kind == "str":
         if not isinstance(value, str):
-            raise ReportInvalid(f"{where}: '{name}' must be a string, not {_kind(value)}", field=name)
+            raise ReportInvalid(f"{where}: '{name}' must be a string, not {kind_of(value)}", field=name)
         limit = _LIMITS.get(name, MAX_TEXT)
         if len(value) > limit:
             raise ReportInvalid(f"{where}: '{name}' is longer than {limit} characters", field=name)
         return value
     if isinstance(value, bool) or not isinstance(value, int | float) or (kind == "int" and not isinstance(value, int)):
         expected = "an integer" if kind == "int" else "a number"
-        raise ReportInvalid(f"{where}: '{name}' must be {expected}, not {_kind(value)}", field=name)
-    if isinstance(value, float) and not math.isfinite(value):
+        raise ReportInvalid(f"{where}: '{name}' must be {expected}, not {kind_of(value)}", field=name)
+    if not finite_number(value):  # NaN, infinities, and integers no float can hold (10**400)
         raise ReportInvalid(f"{where}: '{name}' must be a finite number", field=name)
     return value
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")
 
 
 _STATUS_RANGE = (100, 599)
