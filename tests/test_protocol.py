@@ -71,3 +71,22 @@ def test_the_openapi_schema_is_the_declaration(message: type[protocol.Message]) 
     served = {protocol.Heartbeat: schemas.HEARTBEAT_REQUEST, protocol.Lease: schemas.LEASE,
               protocol.Quiesced: schemas.QUIESCED_REQUEST}[message]
     assert list(served["properties"]) == names
+
+
+@pytest.mark.parametrize("message", MESSAGES)
+def test_the_schema_states_every_bound_the_reader_enforces(message: type[protocol.Message]) -> None:
+    properties = message.schema()["properties"]
+    smallest = {name: "x" if spec.kind == "string" else 1 if spec.kind in ("integer", "number") else []
+                for name, spec in message.specs() if spec.required}
+    for name, spec in message.specs():
+        if spec.kind == "string":
+            assert properties[name]["maxLength"] == spec.max_len
+            over = {name: "x" * (spec.max_len + 1)}
+        elif spec.kind in ("objects", "strings"):
+            assert properties[name]["maxItems"] == spec.max_items
+            over = {name: [{} if spec.kind == "objects" else "x"] * (spec.max_items + 1)}
+        else:
+            continue
+        with pytest.raises(ApiError) as refused:
+            message.read({**smallest, **over})
+        assert refused.value.details["field"] == name

@@ -139,12 +139,14 @@ _SCHEMA = {"string": "string", "integer": "integer", "number": "number", "boolea
 
 def _field_schema(spec: Wire) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": [_SCHEMA[spec.kind], "null"] if not spec.required else _SCHEMA[spec.kind]}
-    if spec.kind == "string" and spec.max_len != 4096:
+    if spec.kind == "string":  # every bound the reader enforces is stated, the defaults included
         schema["maxLength"] = spec.max_len
     if spec.kind == "objects":
         schema["items"] = {"type": "object"}
     elif spec.kind == "strings":
         schema["items"] = {"type": "string"}
+    if spec.kind in ("objects", "strings"):
+        schema["maxItems"] = spec.max_items
     elif spec.kind == "numbers":
         schema["additionalProperties"] = {"type": "number"}
     if spec.minimum is not None:
