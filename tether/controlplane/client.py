@@ -1,33 +1,25 @@
-"""A small synchronous client for the control plane API, used by the CLI (stdlib only)."""
+"""The CLI's synchronous transport to the control plane API (standard library only).
+
+What a request and its answer mean is the client core's (``tether/capability/transport.py``), shared with the
+sidecar's async transport; this module only moves the bytes with ``urllib``. It does not retry: a command
+reports a failure and lets the person decide (``tether terminate --wait`` polls on its own).
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from tether.capability import transport
+from tether.capability.errors import CONTROLPLANE_UNREACHABLE
+from tether.capability.transport import Signer
 
-from tether.capability.errors import CONTROLPLANE_UNREACHABLE, ApiError
-from tether.capability.proof import make_proof
+__all__ = ["DEFAULT_URL", "UNREACHABLE", "Client", "Signer"]
 
 DEFAULT_URL = "http://127.0.0.1:7000"
 UNREACHABLE = CONTROLPLANE_UNREACHABLE
-
-
-@dataclass
-class Signer:
-    """Signs requests as a chain holder: the agent, the hash of its leaf link, the link's key, and (for a
-    sidecar) the run it speaks for."""
-
-    agent: str
-    link: str
-    key: Ed25519PrivateKey
-    run: str | None = None
 
 
 class Client:
@@ -41,32 +33,15 @@ class Client:
     def request(
         self, method: str, path: str, body: Any = None, *, signer: Signer | None = None, admin: bool = True
     ) -> Any:
-        data = b"" if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if signer is not None:
-            headers["Tether-Proof"] = make_proof(
-                signer.key, agent=signer.agent, method=method, path=path, body=data, now=time.time(),
-                link=signer.link, run=signer.run)
-        elif admin and self.admin_token:
-            headers["Authorization"] = f"Bearer {self.admin_token}"
-        req = urllib.request.Request(
-            self.url + path, data=data if method != "GET" else None, method=method, headers=headers
-        )
+        prepared = transport.prepare(self.url, method, path, body, signer=signer,
+                                     bearer=self.admin_token if admin else None)
+        req = urllib.request.Request(prepared.url, data=prepared.body if method != "GET" else None, method=method,
+                                     headers=prepared.headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-                ctype = resp.headers.get("Content-Type", "")
+                status, raw, ctype = resp.status, resp.read(), resp.headers.get("Content-Type")
         except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                err = json.loads(raw)["error"]
-                details = {k: v for k, v in err.items() if k not in ("code", "message")}
-                raise ApiError(exc.code, err["code"], err["message"], **details) from None
-            except (ValueError, KeyError, TypeError):
-                raise ApiError(exc.code, "tether.http_error", f"{method} {path}: HTTP {exc.code}") from None
+            status, raw, ctype = exc.code, exc.read(), exc.headers.get("Content-Type") if exc.headers else None
         except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ApiError(503, UNREACHABLE, f"cannot reach the control plane at {self.url}: {reason}") from None
-        if "json" in ctype:
-            return json.loads(raw)
-        return raw.decode()
+            raise transport.unreachable(self.url, str(getattr(exc, "reason", exc))) from None
+        return transport.read_answer(status, raw, ctype, f"{method} {self.url}{path}", text_ok=True)

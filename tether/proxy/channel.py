@@ -1,27 +1,25 @@
-"""The sidecar's only line to the control plane: signed requests over aiohttp.
+"""The sidecar's only line to the control plane: its async transport, signed requests over aiohttp.
 
 Every request carries a fresh ``Tether-Proof`` signed with the chain's key, so the control plane knows
-which agent speaks and no agent can read another's commands or forge its reports.
+which agent speaks and no agent can read another's commands or forge its reports. How a request is signed and
+encoded and how an answer or a refusal is read is the client core's (``tether/capability/transport.py``, shared
+with the CLI's transport); this module moves the bytes and follows the event stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import os
-import random
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tether.capability import protocol
+from tether.capability import protocol, transport
 from tether.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
 from tether.capability.errors import ApiError
-from tether.capability.proof import make_proof
 
 COMPRESS_ABOVE = 16 * 1024  # bytes of a request body above which it is sent gzip-compressed
 
@@ -48,35 +46,26 @@ class ControlChannel:
 
     async def call(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0,
                    signed: bool = True, encoded: bytes | None = None) -> Any:
-        """``body`` is JSON-encoded here, unless the caller already has its bytes (``encoded``)."""
-        data = encoded if encoded is not None else b"" if body is None else json.dumps(body).encode()
-        headers = self._headers(method, path, data) if signed else {"Content-Type": "application/json"}
-        sent = data
-        if len(data) > COMPRESS_ABOVE:
-            # Report batches are repetitive JSON: compressed they cross a slow or narrow link several times
-            # faster (an acknowledgement that must carry a drain's worth of refusals most of all). The proof
-            # signs the body as the control plane reads it, decompressed.
-            sent = gzip.compress(data, compresslevel=1)
-            headers = {**headers, "Content-Encoding": "gzip"}
+        """``body`` is JSON-encoded here, unless the caller already has its bytes (``encoded``). Report batches
+        are repetitive JSON: past ``COMPRESS_ABOVE`` they are sent compressed, so they cross a slow or narrow
+        link several times faster (an acknowledgement that must carry a drain's worth of refusals most of all)."""
+        request = transport.prepare(self.url, method, path, body, encoded=encoded,
+                                    signer=self.signer if signed else None, compress_above=COMPRESS_ABOVE)
         try:
-            async with self.session.request(method, self.url + path, data=sent or None, headers=headers,
+            async with self.session.request(method, request.url, data=request.body or None, headers=request.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 raw = await resp.read()
-                status = resp.status
+                status, ctype = resp.status, resp.headers.get("Content-Type")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise ApiError(503, UNREACHABLE, f"control plane {self.url} unreachable: {why(exc)}") from None
-        try:
-            doc = json.loads(raw) if raw else None
-        except ValueError:
-            raise ApiError(status, "tether.bad_response", f"{method} {path}: not JSON (HTTP {status})") from None
-        if status >= 400:
-            raise _refusal(status, doc, f"{method} {self.url}{path}")
-        return doc
+            raise transport.unreachable(self.url, why(exc)) from None
+        return transport.read_answer(status, raw, ctype, f"{method} {self.url}{path}")
+
+    @property
+    def signer(self) -> transport.Signer:
+        return transport.Signer(self.agent, self.link, self.key, self.run)
 
     def _headers(self, method: str, path: str, data: bytes) -> dict[str, str]:
-        proof = make_proof(self.key, agent=self.agent, method=method, path=path, body=data, now=time.time(),
-                           link=self.link, run=self.run)
-        return {"Content-Type": "application/json", protocol.PROOF_HEADER: proof}
+        return transport.prepare(self.url, method, path, encoded=data, signer=self.signer).headers
 
     async def stream_events(self, after: int, idle_s: float = 35.0) -> AsyncIterator[dict[str, Any]]:
         """Follow ``GET /v1/events/stream``: yields the long poll's documents, one per line, until the
@@ -88,12 +77,7 @@ class ControlChannel:
             async with self.session.get(self.url + path, headers=self._headers("GET", path, b""),
                                         timeout=timeout) as resp:
                 if resp.status >= 400:
-                    raw = await resp.read()
-                    try:
-                        doc = json.loads(raw) if raw else None
-                    except ValueError:
-                        doc = None
-                    raise _refusal(resp.status, doc, f"GET {self.url}{path}")
+                    transport.read_answer(resp.status, await resp.read(), None, f"GET {self.url}{path}")
                 buffer = b""
                 async for chunk in resp.content.iter_any():  # lines may be longer than any reader limit
                     buffer += chunk
@@ -102,7 +86,7 @@ class ControlChannel:
                         if line.strip():
                             yield json.loads(line)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            raise ApiError(503, UNREACHABLE, f"event stream from {self.url} broken: {exc!r}") from None
+            raise ApiError(503, UNREACHABLE, f"event stream from {self.url} broken: {why(exc)}") from None
 
     # -- the calls a sidecar makes -------------------------------------------------------------------
     async def register(self, wire: str) -> Any:
@@ -135,17 +119,9 @@ class ControlChannel:
         return await self.call("GET", path, signed=False)
 
 
-def _refusal(status: int, doc: Any, what: str) -> ApiError:
-    err = (doc or {}).get("error", {}) if isinstance(doc, dict) else {}
-    if not isinstance(err, dict) or "code" not in err:  # not a tether answer: say where it came from
-        return ApiError(status, "tether.http_error", f"{what}: HTTP {status}, not a tether control plane's answer "
-                        "(is the URL right?)")
-    return ApiError(status, err["code"], err.get("message", f"HTTP {status}"))
-
-
 async def sleep_backoff(attempt: int, cap: float = 2.0) -> None:
-    """Exponential, with jitter: a fleet that lost its replica at once must not come back at once."""
-    await asyncio.sleep(min(cap, 0.1 * 2 ** min(attempt, 6)) * random.uniform(0.5, 1.0))
+    """Wait before another try (``transport.backoff_s``: exponential, with jitter)."""
+    await asyncio.sleep(transport.backoff_s(attempt, cap))
 
 
 def why(exc: BaseException) -> str:
