@@ -196,7 +196,9 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     b_caller.start()
     wait_until(lambda: world.tools.hits_for(ISSUES) >= 4, 30, what="calls under way")
     world.cp.kill()  # replica A dies mid-run; its sidecar's next slice needs it back
+    down = time.monotonic()
     world.cp.start()  # a restart on the same Redis: no count lost
+    print(f"replica A was down {time.monotonic() - down:.1f}s")
     for caller in (a_caller, b_caller):
         caller.join(120)
         assert caller.error is None, caller.error
@@ -220,9 +222,9 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     assert b_caller.outcomes["forwarded"] <= 15
     view = budget_view(b, root.jti)["budgets"]["issues.read"]
     assert view["used"] + view["leased"] == 20 and view["left"] == 0
-    if hits < 20:  # a known limitation (README): seen about once in five fresh-clone runs on a loaded machine
-        pytest.xfail(f"{20 - hits} call(s) of the budget stayed leased after replica A's crash: a slice whose "
-                     "answer the crash lost stays leased to the live run until it stops (counted spent then)")
+    # Liveness: the whole budget is delivered. A slice whose answer the crash lost is one the root's sidecar
+    # gave up on; its next heartbeat does not hold it and the sweep returns it to the budget.
+    assert hits == 20, (view, a_caller.outcomes, b_caller.outcomes)
     for caller in (a_caller, b_caller):
         assert all(k == "forwarded" or k.startswith("429 tether.budget_exhausted") for k in caller.outcomes), \
             caller.outcomes

@@ -44,6 +44,7 @@ from .grants import GrantService
 log = logging.getLogger("tether.budgets")
 SWEEP_INTERVAL_S = 1.0
 MAX_SETTLE = 10_000
+MAX_SEQ = 10**12 - 1  # a slice's request number survives Redis's Lua JSON (14 significant digits) exactly
 
 
 def given_up(slice_doc: Doc, held: HeldSlices | None) -> bool:
@@ -133,8 +134,8 @@ class BudgetService:
         if not isinstance(tag, str) or not 1 <= len(tag) <= 64 or "/" in tag:
             raise bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters, no '/'), so a retry "
                       "takes nothing twice")
-        if seq is not None and (type(seq) is not int or not 1 <= seq < 2**53):
-            raise bad("'seq', when given, numbers the run's slice requests: a whole number from 1")
+        if seq is not None and (type(seq) is not int or not 1 <= seq <= MAX_SEQ):
+            raise bad(f"'seq', when given, numbers the run's slice requests: a whole number from 1 to {MAX_SEQ}")
         await self.settle(who, settle or [])  # used-up slices, piggybacked on the next take
         chain = await self._live_chain(who)
         if capability not in who.link["claims"]["caps"]:
