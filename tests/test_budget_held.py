@@ -58,6 +58,8 @@ def slice_doc(tag: str, seq: int | None, run: str = RUN) -> dict[str, Any]:
     ({**slice_doc("a", 3), "seq": True}, HeldSlices(3, frozenset()), False),  # not a number: kept
     # The tag is what follows the run's own id: a tag another run's id ends with is not this slice's.
     (slice_doc("x/a", 2, run="r"), HeldSlices(2, frozenset({"a"})), True),
+    ({**slice_doc("a", 2), "run": "other"}, HeldSlices(2, frozenset()), False),  # not named as take() names
+    ({**slice_doc("a", 2), "run": None}, HeldSlices(2, frozenset()), False),
 ])
 def test_given_up_by_table(doc: dict[str, Any], held: HeldSlices | None, returned: bool) -> None:
     assert given_up(doc, held) is returned

@@ -26,6 +26,7 @@ from .conftest import World, build_world, teardown_world
 from .harness import ControlPlaneProcess, Identity, RedisServer, SidecarProcess, close_loop, free_port, wait_until
 
 ISSUES = "/repos/o/r/issues"
+REDIS_LEASE_S = 45.0  # the two-replica fixture's lease TTL (its sidecars heartbeat every 15 s)
 QUIET_S = 1.0  # a caller stops once every call has been refused this long (refusals are remembered 0.25 s)
 
 
@@ -286,8 +287,11 @@ def test_a_slice_whose_answer_was_lost_goes_back_to_the_budget(world: World) -> 
 def redis_world(tmp_path: Path, test_ca: harness.TestCA) -> Iterator[tuple[World, ControlPlaneProcess]]:
     redis = RedisServer(tmp_path / "redis").start()
     store = redis.url(0)
-    world = build_world(tmp_path, test_ca, store=store, lease_ttl=10.0)
-    b = ControlPlaneProcess(tmp_path / "cp-b", store=store, lease_ttl=10.0, grace=world.cp.grace)
+    # A lease well past the longest restart the harness waits for (20 s): on a loaded machine replica A takes
+    # 10 s and more to come back, and a run whose lease lapses meanwhile is refused (tether.lease_expired) and
+    # its slices counted spent (fail closed) — a different rule from the one this fixture's test is about.
+    world = build_world(tmp_path, test_ca, store=store, lease_ttl=REDIS_LEASE_S)
+    b = ControlPlaneProcess(tmp_path / "cp-b", store=store, lease_ttl=REDIS_LEASE_S, grace=world.cp.grace)
     b.directory.mkdir(parents=True)
     for path in (world.cp.catalog_path, world.cp.signing_key_path):  # one deployment: same catalog, same key
         shutil.copy(path, b.directory / path.name)
@@ -320,7 +324,7 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     for caller in (a_caller, b_caller):
         caller.join(120)
         assert caller.error is None, caller.error
-    deadline = time.monotonic() + 150  # a slice stranded by the crash comes back when its lease (10 s) runs out
+    deadline = time.monotonic() + 150  # a slice the crash kept from its sidecar comes back at its next heartbeat
     while time.monotonic() < deadline:
         if a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] >= 20:
             break

@@ -56,11 +56,12 @@ def given_up(slice_doc: Doc, held: HeldSlices | None) -> bool:
     for after the beat (its answer perhaps still on its way) has a greater ``seq`` and is kept, however late
     the beat is read; so is one without a ``seq`` (a sidecar that numbers none) and every slice of a run whose
     heartbeat names none (fail closed: those count as leased until the run stops)."""
-    seq = slice_doc.get("seq")
+    seq, slice_id, run = slice_doc.get("seq"), slice_doc.get("id"), slice_doc.get("run")
     if held is None or isinstance(seq, bool) or not isinstance(seq, int):
         return False
-    tag = str(slice_doc.get("id", "")).removeprefix(f"{slice_doc.get('run')}/")
-    return seq <= held.asked and tag not in held.held
+    if not isinstance(slice_id, str) or not isinstance(run, str) or not slice_id.startswith(f"{run}/"):
+        return False  # not a slice as take() names them: nothing to compare the tags with
+    return seq <= held.asked and slice_id[len(run) + 1:] not in held.held
 
 
 def held_by(run: Doc | None) -> HeldSlices | None:
