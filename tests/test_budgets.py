@@ -2,7 +2,8 @@
 mitmproxy sidecars and an aiohttp tool server. A root with ``calls=20`` delegates a child ``calls=15``; both
 call as fast as they can from separate sidecars. What a user relies on: the tool server sees exactly the
 budget, the child never more than its own, every other call is refused 429 ``tether.budget_exhausted``, and
-a sidecar killed holding a slice never lets the total exceed the budget.
+a sidecar killed holding a slice never lets the total exceed the budget, and a slice whose answer never reached
+its sidecar (a link that loses it; a replica crashing between the take and the answer) goes back to the budget.
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     world.cp.kill()  # replica A dies mid-run; its sidecar's next slice needs it back
     down = time.monotonic()
     world.cp.start()  # a restart on the same Redis: no count lost
-    print(f"replica A was down {time.monotonic() - down:.1f}s")
+    print(f"replica A was down {time.monotonic() - down:.1f}s")  # shown when the test fails: the machine's load
     for caller in (a_caller, b_caller):
         caller.join(120)
         assert caller.error is None, caller.error
