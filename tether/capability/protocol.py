@@ -225,8 +225,8 @@ class Heartbeat(Message):
 @dataclass(frozen=True)
 class HeldSlices:
     """What a heartbeat's ``budget_slices`` says: the sequence number of the run's last slice request when the
-    beat was built (``asked``), and the tags of the slices it held then, was still asking for, or had not had
-    the settlement of acknowledged (``held``). A slice asked for at or before ``asked`` and not held is one
+    beat was built (``asked``), and the tags of the slices it held then, was still asking for, or had sent
+    for settlement without an acknowledgement yet (``held``). A slice asked for at or before ``asked`` and not held is one
     the run gave up on (its answer was lost) and will never spend."""
 
     asked: int
