@@ -226,8 +226,8 @@ class Heartbeat(Message):
 class HeldSlices:
     """What a heartbeat's ``budget_slices`` says: the sequence number of the run's last slice request when the
     beat was built (``asked``), and the tags of the slices it held then, was still asking for, or had sent
-    for settlement without an acknowledgement yet (``held``). A slice asked for at or before ``asked`` and not held is one
-    the run gave up on (its answer was lost) and will never spend."""
+    for settlement without an acknowledgement yet (``held``). A slice asked for at or before ``asked`` and not
+    held is one the run gave up on (its answer was lost) and will never spend."""
 
     asked: int
     held: frozenset[str]
