@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.conftest import build_world, teardown_world
 from tests.harness import make_test_ca
-from tether.capability import keys
+from tether.capability import keys, protocol
 from tether.capability.chain import Verifier
 from tether.proxy.budget import Budgets
 from tether.proxy.channel import ControlChannel
@@ -93,7 +93,7 @@ async def shared(world, clients: int, budget: int) -> None:
         verified = Verifier(trust).verify(child.wire, now=time.time())
         channel = ControlChannel(world.cp.url, child.agent, verified.leaf.hash, key, f"run-bench-{i}")
         await channel.register(child.wire)
-        await channel.heartbeat({"state": "serving", "inflight": []})
+        await channel.heartbeat(protocol.Heartbeat(state=protocol.SERVING))
         holders.append(Budgets(verified, channel))
     spent = [0] * clients
     first_refusal: list[int] = []

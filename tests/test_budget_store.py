@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from tether.capability.budget import slice_size
+from tether.capability.protocol import HeldSlices
+from tether.controlplane.services.budgets import MAX_SEQ, given_up
 from tether.controlplane.store import Store
 
 from . import test_store_contract as contract
@@ -88,3 +90,40 @@ async def test_two_replicas_racing_never_take_more_than_the_budget(backend: Back
     got = await asyncio.gather(drain(a, "a"), drain(b, "b"))
     assert sum(got) == budget
     assert await a.budget_counts(["shared"]) == {"shared": (0, budget)}
+
+
+async def test_a_slice_keeps_its_request_number_and_one_given_up_returns_whole_once(store: Store) -> None:
+    """The sweep's rule for a live run's slices (``services/budgets.given_up``) reads the request number the
+    slice was stored with: it must come back exactly, on both stores (Redis passes it through Lua's JSON)."""
+    counters = [("root/svc.call", 50), ("child/svc.call", 20)]
+    kept, lost = "run-1/kept", "run-1/lost"  # as the control plane names a run's slices
+    await store.take_slice({**doc(kept), "seq": MAX_SEQ}, counters, want=4, fraction=1.0)
+    await store.take_slice({**doc(lost), "seq": 7}, counters, want=5, fraction=1.0)
+    opened = {d["id"]: d for d in await store.open_slices()}
+    assert opened[kept]["seq"] == MAX_SEQ and type(opened[kept]["seq"]) is int
+    assert opened[lost]["seq"] == 7
+    beat = HeldSlices(asked=7, held=frozenset())  # built after "lost" was asked, before "kept"
+    assert [i for i, d in opened.items() if given_up(d, beat)] == [lost]
+    returned = await store.settle_slice(lost, 0, at=5.0)
+    assert returned is not None and returned["used"] == 0 and returned["n"] == 5
+    assert await store.budget_counts(["root/svc.call", "child/svc.call"]) == {
+        "root/svc.call": (0, 4), "child/svc.call": (0, 4)}  # all five back on every counter
+    # Once returned it is closed: a late settlement (or sweep) of it moves nothing.
+    assert await store.settle_slice(lost, 5, at=6.0) is None
+    assert await store.budget_counts(["root/svc.call"]) == {"root/svc.call": (0, 4)}
+    assert [d["id"] for d in await store.open_slices()] == [kept]
+
+
+async def test_two_replicas_returning_and_sweeping_one_slice_settle_it_once(backend: Backend) -> None:
+    """One replica returns a slice as given up while another settles it as spent (its run's lease lapsed):
+    whichever comes first counts, once."""
+    a, b = await backend.replica(), await backend.replica()
+    for i in range(20):
+        await a.take_slice({**doc(f"s{i}"), "seq": i + 1}, [("k", 1000)], want=3, fraction=1.0)
+    outcomes = await asyncio.gather(*(replica.settle_slice(f"s{i}", used, at=1.0)
+                                      for i in range(20) for replica, used in ((a, 0), (b, 3))))
+    winners = [o for o in outcomes if o is not None]
+    assert len(winners) == 20 and sorted(o["id"] for o in winners) == sorted(f"s{i}" for i in range(20))
+    used = sum(o["used"] for o in winners)
+    assert await b.budget_counts(["k"]) == {"k": (used, 0)}
+    assert await a.open_slices() == []

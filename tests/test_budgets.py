@@ -2,26 +2,32 @@
 mitmproxy sidecars and an aiohttp tool server. A root with ``calls=20`` delegates a child ``calls=15``; both
 call as fast as they can from separate sidecars. What a user relies on: the tool server sees exactly the
 budget, the child never more than its own, every other call is refused 429 ``tether.budget_exhausted``, and
-a sidecar killed holding a slice never lets the total exceed the budget.
+a sidecar killed holding a slice never lets the total exceed the budget, and a slice whose answer never reached
+its sidecar (a link that loses it; a replica crashing between the take and the answer) goes back to the budget.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import requests
+from aiohttp import web
 
 from . import harness
 from .conftest import World, build_world, teardown_world
-from .harness import ControlPlaneProcess, Identity, RedisServer, SidecarProcess, wait_until
+from .harness import ControlPlaneProcess, Identity, RedisServer, SidecarProcess, close_loop, free_port, wait_until
 
 ISSUES = "/repos/o/r/issues"
+REDIS_LEASE_S = 45.0  # the two-replica fixture's lease TTL (its sidecars heartbeat every 15 s)
 QUIET_S = 1.0  # a caller stops once every call has been refused this long (refusals are remembered 0.25 s)
 
 
@@ -163,13 +169,130 @@ def test_per_minute_refuses_rate_limited_within_each_window(tmp_path: Path, test
         teardown_world(world)
 
 
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+class LossyLink:
+    """A link between a sidecar and its control plane that passes everything through, byte for byte (the
+    proof signs the path and body, not the address), except that it loses the answers to the slice requests
+    it is told to: the control plane took the slice, the sidecar never hears of it (what a replica crashing
+    between the two does)."""
+
+    def __init__(self, upstream: str, lose: set[int]) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.lose = lose  # which slice requests (1, 2, ...) lose their answer
+        self.slice_requests = 0
+        self.lost = 0
+        self.port = free_port()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _relay(self, request: web.Request) -> web.StreamResponse:
+        session = request.app[SESSION]
+        number = 0
+        if request.method == "POST" and request.path == "/v1/budgets/slices":
+            self.slice_requests += 1
+            number = self.slice_requests
+        # The body as the control plane reads it: aiohttp's server decompressed it already.
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "content-encoding", "transfer-encoding")}
+        async with session.request(request.method, self.upstream + request.path_qs, data=await request.read(),
+                                   headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as upstream:
+            if number in self.lose:
+                await upstream.read()  # the control plane answered: the slice is taken
+                self.lost += 1
+                assert request.transport is not None
+                request.transport.abort()  # ... and the answer never arrives
+                raise ConnectionResetError("the answer is lost on its way")
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items()
+                if k.lower() not in ("content-length", "transfer-encoding")})  # still compressed, if it was
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():  # the event stream too, as it comes
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    def start(self) -> LossyLink:
+        ready = threading.Event()
+
+        async def session_ctx(app: web.Application) -> Any:
+            app[SESSION] = aiohttp.ClientSession(auto_decompress=False)
+            yield
+            await app[SESSION].close()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            app = web.Application()
+            app.cleanup_ctx.append(session_ctx)
+            app.router.add_route("*", "/{tail:.*}", self._relay)
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+            loop.run_until_complete(runner.setup())
+            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(runner.cleanup())
+                close_loop(loop)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        assert ready.wait(10), "the lossy link did not start"
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+def test_a_slice_whose_answer_was_lost_goes_back_to_the_budget(world: World) -> None:
+    """The control plane takes a slice and its answer never reaches the sidecar (here a link that loses it;
+    in life a replica that crashed between the two). The sidecar's next heartbeat does not hold it, so the
+    sweep returns it: the tool sees the whole budget, never more, with the sidecar still running."""
+    root = world.cp.issue("root", budgeted(calls=20))
+    link = LossyLink(world.cp.url, lose={2, 4}).start()  # the 2nd and 4th slices: taken, never received
+    try:
+        car = world.sidecar(root, "--controlplane", link.url)  # the last --controlplane is the one it uses
+        caller = Caller(world, car)
+        run_callers(caller)
+        deadline = time.monotonic() + 90
+        while caller.outcomes["forwarded"] < 20 and time.monotonic() < deadline:
+            again = Caller(world, car)  # the lost slices come back within a heartbeat or two: call again
+            run_callers(again)
+            caller.outcomes.update(again.outcomes)
+        assert link.lost == 2
+        assert world.tools.hits_for(ISSUES) == caller.outcomes["forwarded"] == 20, caller.outcomes
+        only_budget_refusals(caller)
+        view = budget_view(world.cp, root.jti)["budgets"]["issues.read"]
+        assert view["used"] + view["leased"] == 20 and view["left"] == 0
+        log = (world.cp.directory / "controlplane.log").read_text(errors="replace")
+        assert log.count("never reached it (its heartbeat does not hold it); returned to the budget") == 2, log[-3000:]
+        car.stop()
+        after = budget_view(world.cp, root.jti)["budgets"]["issues.read"]
+        assert (after["used"], after["leased"], after["left"]) == (20, 0, 0)
+    finally:
+        link.stop()
+
+
 # -- two replicas on Redis, one killed mid-run ---------------------------------------------------------------
 @pytest.fixture
 def redis_world(tmp_path: Path, test_ca: harness.TestCA) -> Iterator[tuple[World, ControlPlaneProcess]]:
     redis = RedisServer(tmp_path / "redis").start()
     store = redis.url(0)
-    world = build_world(tmp_path, test_ca, store=store, lease_ttl=10.0)
-    b = ControlPlaneProcess(tmp_path / "cp-b", store=store, lease_ttl=10.0, grace=world.cp.grace)
+    # A lease well past the longest restart the harness waits for (20 s): on a loaded machine replica A takes
+    # 10 s and more to come back, and a run whose lease lapses meanwhile is refused (tether.lease_expired) and
+    # its slices counted spent (fail closed) — a different rule from the one this fixture's test is about.
+    world = build_world(tmp_path, test_ca, store=store, lease_ttl=REDIS_LEASE_S)
+    b = ControlPlaneProcess(tmp_path / "cp-b", store=store, lease_ttl=REDIS_LEASE_S, grace=world.cp.grace)
     b.directory.mkdir(parents=True)
     for path in (world.cp.catalog_path, world.cp.signing_key_path):  # one deployment: same catalog, same key
         shutil.copy(path, b.directory / path.name)
@@ -196,11 +319,13 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     b_caller.start()
     wait_until(lambda: world.tools.hits_for(ISSUES) >= 4, 30, what="calls under way")
     world.cp.kill()  # replica A dies mid-run; its sidecar's next slice needs it back
+    down = time.monotonic()
     world.cp.start()  # a restart on the same Redis: no count lost
+    print(f"replica A was down {time.monotonic() - down:.1f}s")  # shown when the test fails: the machine's load
     for caller in (a_caller, b_caller):
         caller.join(120)
         assert caller.error is None, caller.error
-    deadline = time.monotonic() + 150  # a slice stranded by the crash comes back when its lease (10 s) runs out
+    deadline = time.monotonic() + 150  # a slice the crash kept from its sidecar comes back at its next heartbeat
     while time.monotonic() < deadline:
         if a_caller.outcomes["forwarded"] + b_caller.outcomes["forwarded"] >= 20:
             break
@@ -220,9 +345,9 @@ def test_two_replicas_on_redis_share_the_budget_through_a_replica_crash(
     assert b_caller.outcomes["forwarded"] <= 15
     view = budget_view(b, root.jti)["budgets"]["issues.read"]
     assert view["used"] + view["leased"] == 20 and view["left"] == 0
-    if hits < 20:  # a known limitation (README): seen about once in five fresh-clone runs on a loaded machine
-        pytest.xfail(f"{20 - hits} call(s) of the budget stayed leased after replica A's crash: a slice whose "
-                     "answer the crash lost stays leased to the live run until it stops (counted spent then)")
+    # Liveness: the whole budget is delivered. A slice whose answer the crash lost is one the root's sidecar
+    # gave up on; its next heartbeat does not hold it and the sweep returns it to the budget.
+    assert hits == 20, (view, a_caller.outcomes, b_caller.outcomes)
     for caller in (a_caller, b_caller):
         assert all(k == "forwarded" or k.startswith("429 tether.budget_exhausted") for k in caller.outcomes), \
             caller.outcomes

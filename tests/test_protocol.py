@@ -21,7 +21,10 @@ calls = st.lists(st.dictionaries(st.sampled_from(["call_id", "url"]), text, max_
 heartbeats = st.builds(protocol.Heartbeat, state=st.sampled_from(protocol.RUN_STATES), inflight=calls,
                        seq=st.none() | st.integers(-1, 10**9), proxy=st.none() | text, pid=st.none() | st.integers(1),
                        started_at=st.none() | num, spooled=st.integers(0, 10**6), supersedes=st.none() | text,
-                       revocations_held=st.none() | st.dictionaries(text, num, max_size=3))
+                       revocations_held=st.none() | st.dictionaries(text, num, max_size=3),
+                       budget_slices=st.none() | st.fixed_dictionaries({
+                           "asked": st.integers(0, 10**9),
+                           "held": st.lists(st.text(min_size=1, max_size=64), max_size=3)}))
 leases = st.builds(protocol.Lease, lease_ttl_s=num, lease_expires_at=num, now=num, run_id=text,
                    revoked=st.lists(text, max_size=3), command=st.none() | st.dictionaries(text, text, max_size=2))
 acks = st.builds(protocol.Quiesced, termination_id=text, state=st.sampled_from(protocol.RUN_STATES), reports=calls,
@@ -38,6 +41,7 @@ def test_what_one_side_writes_the_other_reads_back(message: protocol.Message) ->
     ({"inflight": [1]}, "inflight"), ({"inflight": {}}, "inflight"), ({"spooled": -1}, "spooled"),
     ({"started_at": "now"}, "started_at"), ({"revocations_held": {"j": "1"}}, "revocations_held"),
     ({"revocations_held": [1]}, "revocations_held"), ({"pid": False}, "pid"),
+    ({"budget_slices": []}, "budget_slices"), ({"budget_slices": {"asked": 1, "held": [7]}}, "budget_slices"),
 ])
 def test_a_field_that_does_not_fit_is_refused_by_name(doc: dict, field: str) -> None:
     with pytest.raises(ApiError) as refused:

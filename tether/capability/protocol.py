@@ -213,6 +213,43 @@ class Heartbeat(Message):
     supersedes: str | None = wire("string", None, "the run whose state dir this run took over", max_len=64)
     revocations_held: dict[str, float] | None = wire("numbers", None, "jti -> seconds since the run learned of "
                                                      "its revocation")
+    budget_slices: dict[str, Any] | None = wire(
+        "object", None, "the budget slices the run holds as of this beat: {asked: the sequence number of its last "
+        "slice request when the beat was built, held: the tags of every slice it holds, is still asking for, or "
+        "has not had its settlement acknowledged}; an open slice of the run asked for at or before 'asked' and "
+        "not held goes back to its budget")
+
+    def __post_init__(self) -> None:
+        if self.budget_slices is not None:
+            HeldSlices.read(self.budget_slices)  # refused here, naming the field, rather than misread later
+
+
+@dataclass(frozen=True)
+class HeldSlices:
+    """What a heartbeat's ``budget_slices`` says: the sequence number of the run's last slice request when the
+    beat was built (``asked``), and the tags of the slices it held then, was still asking for, or had sent
+    for settlement without an acknowledgement yet (``held``). A slice asked for at or before ``asked`` and not
+    held is one the run gave up on (its answer was lost) and will never spend."""
+
+    asked: int
+    held: frozenset[str]
+
+    MAX_HELD: ClassVar[int] = 10_000
+
+    @classmethod
+    def read(cls, doc: Any) -> HeldSlices:
+        where = "the heartbeat body"
+        if not isinstance(doc, Mapping):
+            raise _bad(f"'budget_slices' must be an object, not {kind_of(doc)} ({where})", "budget_slices")
+        asked, held = doc.get("asked"), doc.get("held")
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+            raise _bad(f"'budget_slices.asked' must be a whole number, 0 or more ({where})", "budget_slices")
+        if not isinstance(held, list) or not all(isinstance(t, str) and 1 <= len(t) <= 64 for t in held):
+            raise _bad(f"'budget_slices.held' must be a list of slice tags (1-64 characters) ({where})",
+                       "budget_slices")
+        if len(held) > cls.MAX_HELD:
+            raise _bad(f"'budget_slices.held' holds more than {cls.MAX_HELD} tags ({where})", "budget_slices")
+        return cls(asked, frozenset(held))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ unit whose call never left (refused after the spend, failed before sending). A c
 waits for the slice being fetched; when the control plane has none to give, the call is refused 429
 ``tether.budget_exhausted`` (or ``tether.rate_limited``), and that verdict is remembered for a moment so a
 fast agent does not turn every refused call into a request to the control plane.
+
+Every heartbeat names the slices the sidecar holds (:meth:`Budgets.held`): its slice requests are numbered, and a
+beat says the number of the last one asked and the tags of every slice it holds, is still asking for, or has
+not had its settlement acknowledged. The control plane returns to the budget an open slice of this run asked for
+at or before that number and not named (a replica crashed with the answer: the sidecar gave up on it and never
+spends it); one asked for later, whose answer may still be on its way, is left alone (docs/architecture.md,
+"Budget slices a heartbeat holds").
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ NOT_SENT = ("refused", "failed_not_sent", "cancelled_not_sent")
 @dataclass(eq=False)
 class Slice:
     id: str
+    tag: str  # the sidecar's name for it (the id is the control plane's: the run, then the tag)
     n: int
     window_end: float | None  # monotonic; a rate-window slice is spendable only inside its window
     spent: int = 0
@@ -79,6 +87,9 @@ class Budgets:
         self.channel = channel
         self.by_call: dict[str, list[Slice]] = {}
         self.to_settle: list[Slice] = []
+        self.settling: dict[str, Slice] = {}  # settlements sent and not acknowledged: still held
+        self.asked = 0  # slice requests made (each numbered in order: a heartbeat says the last one)
+        self.asking: set[str] = set()  # tags of the slice requests whose answer has not come back yet
         self.closed = False
         self.requests = 0  # slice traffic to the control plane (takes and returns), for the benchmark
 
@@ -136,20 +147,30 @@ class Budgets:
 
     # -- the control plane --------------------------------------------------------------------------------
     async def _fetch(self, pool: Pool) -> None:
+        tag = os.urandom(8).hex()
+        batch: list[Slice] = []
+        accounted = False  # the batch of settlements acknowledged or put back
         try:
             now = time.monotonic()
             if pool.last_size:
                 pool.want = next_want(pool.want, now - pool.started_at, HORIZON_S)
-            body: dict[str, Any] = {"capability": pool.capability, "want": pool.want, "slice": os.urandom(8).hex(),
-                                    "settle": self._settlements()}
+            self.asked += 1  # numbered and named as asked in one step: a beat built from here on lists it
+            self.asking.add(tag)
+            batch = self._settlements()
+            body: dict[str, Any] = {"capability": pool.capability, "want": pool.want, "slice": tag,
+                                    "seq": self.asked, "settle": self._items(batch)}
             sent = time.monotonic()  # a window's end is counted from here: never later than the control plane's
             try:
                 self.requests += 1
                 answer = await self.channel.call("POST", "/v1/budgets/slices", body, timeout=5.0)
             except ApiError as exc:
+                accounted = True
+                self._unanswered(batch, exc)
                 self._refused(pool, Refusal(codes.BUDGET_EXHAUSTED, f"no slice of {pool.capability}'s budget "
                                             f"could be leased: {exc.message}", reason="slice_unavailable"))
                 return
+            accounted = True
+            self._acknowledged(batch)
             if not answer.get("calls"):
                 error = answer.get("error") or {}
                 code = error.get("code") if error.get("code") in (codes.RATE_LIMITED, codes.BUDGET_EXHAUSTED) \
@@ -162,9 +183,12 @@ class Budgets:
             now = time.monotonic()
             ends = answer.get("window_ends_in")
             size = int(answer["calls"])
-            pool.slices.append(Slice(answer["slice"], size, None if ends is None else sent + float(ends)))
+            pool.slices.append(Slice(answer["slice"], tag, size, None if ends is None else sent + float(ends)))
             pool.last_size, pool.started_at, pool.refusal = size, now, None
         finally:
+            self.asking.discard(tag)  # held now, or given up on: an answer after this is never spent
+            if not accounted:  # cancelled on its way: sent again with the next one
+                self._unanswered(batch, None)
             pool.fetching = None
 
     def _refused(self, pool: Pool, refusal: Refusal, memory: float = REFUSAL_MEMORY_S) -> None:
@@ -172,12 +196,45 @@ class Budgets:
         pool.refused_until = time.monotonic() + memory
         pool.want = 1  # what is left is little: come back small
 
-    def _settlements(self) -> list[dict[str, Any]]:
-        out = [{"slice": s.id, "used": s.spent} for s in self.to_settle if not s.settled]
-        for s in self.to_settle:
-            s.settled = True
+    def _settlements(self) -> list[Slice]:
+        """The slices to settle now. Their use is final from here (a unit refunded later stays spent), and
+        each stays held (named in every heartbeat) until the control plane acknowledges its settlement: one
+        the control plane thought unheld would be returned whole, its used calls with it."""
+        batch = list(self.to_settle)
         self.to_settle.clear()
-        return out
+        for s in batch:
+            s.settled = True
+            self.settling[s.id] = s
+        return batch
+
+    @staticmethod
+    def _items(batch: list[Slice]) -> list[dict[str, Any]]:
+        return [{"slice": s.id, "used": s.spent} for s in batch]
+
+    def _acknowledged(self, batch: list[Slice]) -> None:
+        for s in batch:
+            self.settling.pop(s.id, None)
+
+    def _unanswered(self, batch: list[Slice], exc: ApiError | None) -> None:
+        """A settlement whose answer did not come: sent again with the next one (settling is idempotent, a
+        slice is settled once). One the control plane refused (4xx) is not sent again; it stays held, so it
+        is counted spent when the run stops (fail closed), never returned whole."""
+        retry = exc is None or exc.http_status >= 500
+        for s in batch:
+            if s.id in self.settling and retry and s not in self.to_settle:
+                self.to_settle.append(s)
+
+    def held(self) -> dict[str, Any] | None:
+        """What the next heartbeat says this sidecar holds (``Heartbeat.budget_slices``): the number of its
+        last slice request and the tags of every slice it may still spend or settle. Built in one step of
+        the event loop, so no slice is between two of these sets while it is read."""
+        if not self.active:
+            return None
+        tags = set(self.asking)
+        tags.update(s.tag for pool in self.pools.values() for s in pool.slices)
+        tags.update(s.tag for s in self.to_settle)
+        tags.update(s.tag for s in self.settling.values())
+        return {"asked": self.asked, "held": sorted(tags)}
 
     def on_resolved(self, call: Call) -> None:
         """A unit whose call never left goes back to its slice (or, settled already, stays spent)."""
@@ -192,10 +249,7 @@ class Budgets:
         now = time.monotonic()
         for pool in self.pools.values():
             self._head(pool, now)
-        items = self._settlements()
-        if items:
-            self.requests += 1
-            await self.channel.call("POST", "/v1/budgets/slices/return", {"slices": items}, timeout=5.0)
+        await self._settle(self._settlements())
 
     async def release(self) -> None:
         """Stop spending and hand every slice back with what it used (stop, drain, abort)."""
@@ -208,12 +262,28 @@ class Budgets:
                     await pool.fetching
             self.to_settle.extend(pool.slices)
             pool.slices.clear()
-        items = self._settlements()
-        if items:
-            self.requests += 1
-            answer = await self.channel.call("POST", "/v1/budgets/slices/return", {"slices": items}, timeout=5.0)
+        batch = self._settlements()
+        answer = await self._settle(batch)
+        if answer is not None:
             returned = sum(s["returned"] for s in answer.get("settled", []))
-            log.info("returned %d unused call(s) of %d budget slice(s)", returned, len(items))
+            log.info("returned %d unused call(s) of %d budget slice(s)", returned, len(batch))
+
+    async def _settle(self, batch: list[Slice]) -> Any:
+        """Send a batch of settlements; the answer, or None when there was nothing to send."""
+        if not batch:
+            return None
+        self.requests += 1
+        try:
+            answer = await self.channel.call("POST", "/v1/budgets/slices/return", {"slices": self._items(batch)},
+                                             timeout=5.0)
+        except ApiError as exc:
+            self._unanswered(batch, exc)
+            raise
+        except BaseException:
+            self._unanswered(batch, None)
+            raise
+        self._acknowledged(batch)
+        return answer
 
     async def run(self) -> None:
         if not self.active:

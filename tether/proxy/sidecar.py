@@ -405,7 +405,8 @@ class Sidecar:
             state=self.state.mode, inflight=self.calls.snapshot(), seq=self.seq, pid=os.getpid(),
             proxy=f"{self.address[0]}:{self.address[1]}" if self.address else None, started_at=self.started_at,
             spooled=self.reporter.count, supersedes=self.supersedes or None,
-            revocations_held=self.state.revocations_held(time.monotonic()) if self.state.learned else None)
+            revocations_held=self.state.revocations_held(time.monotonic()) if self.state.learned else None,
+            budget_slices=self.budgets.held())
         lease = await self.channel.heartbeat(beat)
         self.supersedes = None
         self.state.renewed(sent, lease.lease_ttl_s)

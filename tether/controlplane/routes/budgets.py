@@ -16,7 +16,7 @@ class BudgetRoutes:
     async def h_take(self, request: web.Request) -> web.Response:
         doc = parse(await body_bytes(request)).doc  # the API's one JSON reader (depth, size, finite numbers)
         return web.json_response(await self.budgets.take(caller(request), doc.get("capability"), doc.get("want", 1),
-                                                         doc.get("slice"), doc.get("settle")))
+                                                         doc.get("slice"), doc.get("settle"), doc.get("seq")))
 
     async def h_return(self, request: web.Request) -> web.Response:
         doc = parse(await body_bytes(request)).doc

@@ -6,8 +6,11 @@ their counters at once, all or nothing (``Store.take_slice``: a transaction in S
 Redis), so any replica may answer and a restart loses no count. The sidecar spends it without a round trip
 per call and returns what it did not use (``POST /v1/budgets/slices/return``). A slice whose run stopped
 without returning it, or whose lease lapsed, is settled as fully spent by a sweep on every replica (fail
-closed: a sidecar that died with a slice may have spent all of it). ``GET /v1/budgets/{jti}`` shows a link's
-subtree with granted, used and leased per budgeted capability. No HTTP here: ``routes/budgets.py`` answers.
+closed: a sidecar that died with a slice may have spent all of it). A live run's heartbeat names the slices it
+holds (``Heartbeat.budget_slices``); the sweep returns whole an open slice of that run which the run gave up on
+(asked for at or before the beat and not held: a replica crashed with its answer), by :func:`given_up`.
+``GET /v1/budgets/{jti}`` shows a link's subtree with granted, used and leased per budgeted capability. No HTTP
+here: ``routes/budgets.py`` answers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tether.capability.budget import (
     window_of,
 )
 from tether.capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
+from tether.capability.protocol import HeldSlices
 
 from .. import runs
 from ..auth import Caller
@@ -40,6 +44,35 @@ from .grants import GrantService
 log = logging.getLogger("tether.budgets")
 SWEEP_INTERVAL_S = 1.0
 MAX_SETTLE = 10_000
+MAX_SEQ = 10**12 - 1  # a slice's request number survives Redis's Lua JSON (14 significant digits) exactly
+
+
+def given_up(slice_doc: Doc, held: HeldSlices | None) -> bool:
+    """Whether an open slice is one its (live) run will never spend, by what the run's last heartbeat held:
+    asked for at or before the beat was built (``seq <= asked``) and not among the slices the run held, was
+    still asking for, or was settling then. The sidecar names a request as asked and as asking in one step,
+    holds a slice from its answer until its settlement is acknowledged, and never takes an answer after it
+    stopped asking, so such a slice is never spent: returning it whole double-spends nothing. A slice asked
+    for after the beat (its answer perhaps still on its way) has a greater ``seq`` and is kept, however late
+    the beat is read; so is one without a ``seq`` (a sidecar that numbers none) and every slice of a run whose
+    heartbeat names none (fail closed: those count as leased until the run stops)."""
+    seq, slice_id, run = slice_doc.get("seq"), slice_doc.get("id"), slice_doc.get("run")
+    if held is None or isinstance(seq, bool) or not isinstance(seq, int):
+        return False
+    if not isinstance(slice_id, str) or not isinstance(run, str) or not slice_id.startswith(f"{run}/"):
+        return False  # not a slice as take() names them: nothing to compare the tags with
+    return seq <= held.asked and slice_id[len(run) + 1:] not in held.held
+
+
+def held_by(run: Doc | None) -> HeldSlices | None:
+    """A run document's last word on the slices it holds; None when it said none (or nothing readable)."""
+    value = (run or {}).get("budget_slices")
+    if value is None:
+        return None
+    try:
+        return HeldSlices.read(value)
+    except ApiError:
+        return None
 
 
 def window_from_env(default: float = DEFAULT_WINDOW_S) -> float:
@@ -92,14 +125,18 @@ class BudgetService:
         self.window_s = window_s or window_from_env()
 
     # -- slices ---------------------------------------------------------------------------------------
-    async def take(self, who: Caller, capability: Any, want: Any, tag: Any, settle: Any) -> Doc:
+    async def take(self, who: Caller, capability: Any, want: Any, tag: Any, settle: Any, seq: Any = None) -> Doc:
         """Lease up to ``want`` calls of ``capability`` for ``who``'s run from every budgeted link of its chain:
-        ``{slice, calls, window_ends_in}``, or ``{slice: None, calls: 0, error}`` when a budget is spent."""
+        ``{slice, calls, window_ends_in}``, or ``{slice: None, calls: 0, error}`` when a budget is spent.
+        ``seq`` numbers the run's slice requests in order (its heartbeat names the last one: see
+        :func:`given_up`)."""
         if not isinstance(capability, str) or type(want) is not int or want < 1:
             raise bad("body needs 'capability' (a name) and 'want' (a whole number of calls, 1 or more)")
-        if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
-            raise bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters), so a retry "
+        if not isinstance(tag, str) or not 1 <= len(tag) <= 64 or "/" in tag:
+            raise bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters, no '/'), so a retry "
                       "takes nothing twice")
+        if seq is not None and (type(seq) is not int or not 1 <= seq <= MAX_SEQ):
+            raise bad(f"'seq', when given, numbers the run's slice requests: a whole number from 1 to {MAX_SEQ}")
         await self.settle(who, settle or [])  # used-up slices, piggybacked on the next take
         chain = await self._live_chain(who)
         if capability not in who.link["claims"]["caps"]:
@@ -114,6 +151,8 @@ class BudgetService:
         slice_id = f"{who.run}/{tag}"  # the run owns its slices: only it may return them
         doc = {"id": slice_id, "run": who.run, "agent": who.agent, "link": who.link_hash,
                "capability": capability, "taken_at": now, "window_end": window_end if rated else None}
+        if seq is not None:
+            doc["seq"] = seq
         ttl = 2 * self.window_s + 3600 if rated else 0  # rate-window counters are forgotten after a while
         granted, worst = await self.store.take_slice(
             doc, [(c.key, c.limit) for c in counters], min(want, MAX_SLICE), SLICE_FRACTION, ttl)
@@ -203,7 +242,8 @@ class BudgetService:
     # -- the sweep: slices nobody will return -------------------------------------------------------------
     async def sweep_once(self) -> int:
         """Settle as spent every open slice whose run said it stopped (without returning it) or whose lease
-        lapsed: such a sidecar may have spent all of it. Any replica may run it; settling is idempotent."""
+        lapsed: such a sidecar may have spent all of it. Return whole every open slice its live run gave up
+        on (:func:`given_up`). Any replica may run it; a slice is settled once, whichever settles it first."""
         now = self.clock()
         grace = max(1.0, self.lease_ttl_s / 3)
         settled = 0
@@ -221,6 +261,11 @@ class BudgetService:
                 settled += 1
                 log.warning("slice %s of run %s (%s, %d calls) was never returned; counted as spent",
                             doc["id"], run_id, doc.get("capability"), doc["n"])
+            elif not gone and given_up(doc, held_by(run)) and await self.store.settle_slice(doc["id"], 0, now):
+                settled += 1
+                self.metrics.inc("tether_budget_slices_given_up_total")
+                log.warning("slice %s of run %s (%s, %d calls) never reached it (its heartbeat does not hold "
+                            "it); returned to the budget", doc["id"], run_id, doc.get("capability"), doc["n"])
         return settled
 
     async def run(self) -> None:

@@ -37,7 +37,7 @@ class SidecarService:
                "lease_expires": now + self.lease_ttl_s, "state": beat.state or SERVING,
                "inflight": beat.inflight[:MAX_INFLIGHT], "seq": beat.seq, "proxy": beat.proxy or None,
                "pid": beat.pid, "started_at": beat.started_at, "spooled": beat.spooled,
-               "replica": self.replica}
+               "replica": self.replica, "budget_slices": beat.budget_slices}  # the sweep reads it (budgets.py)
         doc["revocations_acknowledged"] = await revocations_acknowledged(self.store, self.metrics, doc,
                                                                          beat.revocations_held, now)
         if doc["state"] == runs.STOPPED and not previous.get("final"):
