@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from .harness import PYTHON
+
+CONTROLPLANE = Path(__file__).resolve().parent.parent / "tether" / "controlplane"
 
 
 def loaded_after(code: str) -> list[str]:
@@ -88,3 +91,63 @@ def test_the_capture_format_imports_neither_side(module: str) -> None:
     modules = loaded_after(f"import tether.capture.{module}")
     assert f"tether.capture.{module}" in modules
     assert layers(modules) & {"proxy", "controlplane", "cli"} == set()
+
+
+# -- routes and the console reach the store only through the services ----------------------------------------
+# What a route module may import from the store package: the errors it turns into 503s, nothing that reads.
+STORE_ERRORS = {"STORE_UNWRITABLE", "StoreUnavailable", "StoreUnwritable", "LinkConflict", "Doc"}
+
+
+def store_reaches(source: str, package: str) -> list[str]:
+    """Where a module of ``package`` (dotted, e.g. ``tether.controlplane.routes``) reaches the store past the
+    services: an attribute named ``store`` or ``_store`` read anywhere (``self.store``, ``cp.store``,
+    ``self.events.store``), or an import from the store package of anything but its error names (the ``Store``
+    class, a backend module). Each finding is ``line: what``."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("store", "_store"):
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(package, node.module, node.level)
+            if base == "tether.controlplane.store" or base.startswith("tether.controlplane.store."):
+                names = {alias.name for alias in node.names}
+                if base != "tether.controlplane.store" or names - STORE_ERRORS:
+                    found.append(f"{node.lineno}: from {base} import {', '.join(sorted(names))}")
+            elif base == "tether.controlplane" and {a.name for a in node.names} & {"store"}:
+                found.append(f"{node.lineno}: from {base} import store")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if a.name.startswith("tether.controlplane.store")]
+    return found
+
+
+def _absolute(package: str, module: str | None, level: int) -> str:
+    if level == 0:
+        return module or ""
+    parts = package.split(".")
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+@pytest.mark.parametrize("folder", ["routes", "console"])
+def test_routes_and_the_console_touch_the_store_only_through_services(folder: str) -> None:
+    """Every store read and write from a route or the console page goes through a service method: a route
+    parses, calls a service, answers (docs/architecture.md, "routes over services over a store")."""
+    files = sorted((CONTROLPLANE / folder).rglob("*.py"))
+    assert len(files) >= 4  # the check below read the real modules
+    found = {str(f.relative_to(CONTROLPLANE)): store_reaches(f.read_text(), f"tether.controlplane.{folder}")
+             for f in files}
+    assert {name: where for name, where in found.items() if where} == {}
+
+
+def test_the_store_check_finds_a_route_reaching_past_the_services() -> None:
+    """The check above is not vacuous: each way past the services it looks for is found."""
+    package = "tether.controlplane.routes"
+    assert store_reaches("async def h(self):\n    return await self.store.reports(None)\n", package) == [
+        "2: .store"]
+    assert store_reaches("x = cp.events.store\n", package) == ["1: .store"]
+    assert store_reaches("from ..store import Store\n", package) == ["1: from tether.controlplane.store import Store"]
+    assert store_reaches("from ..store.sqlite import SqliteStore\n", package) != []
+    assert store_reaches("import tether.controlplane.store.redis\n", package) != []
+    assert store_reaches("from ..store import StoreUnavailable\nfrom ..services.records import RecordService\n",
+                         package) == []

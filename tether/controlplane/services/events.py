@@ -61,13 +61,17 @@ class EventService:
             shared.add_done_callback(lambda _f, key=after: self._reads.pop(key, None))
         return await asyncio.shield(shared)
 
+    async def bounds(self) -> tuple[int, int]:
+        """The lowest and highest sequence numbers the log holds (a stream's opening, ``/metrics``)."""
+        return await self.store.event_bounds()
+
     def out_of_range(self, after: int, low: int, high: int) -> bool:
         """A sequence the log cannot resume from (none yet, pruned, or from the future): resync in full."""
         return after < 0 or after < low - 1 or after > high
 
     async def poll(self, link_hash: str, chain_jtis: set[str], after: int, wait: float) -> Doc:
         """The long poll: the events this link may see after ``after``, waiting up to ``wait`` seconds for one."""
-        low, high = await self.store.event_bounds()
+        low, high = await self.bounds()
         if self.out_of_range(after, low, high):
             return await self.resync(link_hash, chain_jtis, high)
         deadline = self.clock() + wait

@@ -62,6 +62,10 @@ class SidecarService:
         await self.store.put_sidecar(old_run, {**old, "final": runs.SUPERSEDED, "final_at": now,
                                                "superseded_by": caller.run})
 
+    async def runs(self) -> dict[str, Doc]:
+        """Every run's document, by run id (the fleet gauges of ``/metrics``)."""
+        return await self.store.all_sidecars()
+
     async def mark_final(self, caller: Caller, state: str) -> None:
         run = str(caller.run)
         doc = await self.store.get_sidecar(run) or {"run_id": run, "agent": caller.agent, "link": caller.link_hash}

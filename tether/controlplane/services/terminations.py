@@ -122,6 +122,10 @@ class TerminationService:
     async def terminations(self) -> list[Doc]:
         return await self.store.list_docs("termination")
 
+    async def in_flight(self) -> int:
+        """Terminations not yet terminated (``/metrics``)."""
+        return sum(1 for t in await self.terminations() if t["state"] != proto.TERMINATED)
+
     async def record(self, record_id: str, caller: Caller | None) -> Doc:
         """A record's header (every field but its calls: ``records.text`` streams it whole), to an admin or to
         the principal that requested its termination."""
