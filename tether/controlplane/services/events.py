@@ -16,6 +16,7 @@ from tether.capability.events import PENDING
 from ..event_stream import EventHub, visible
 from ..metrics import Metrics
 from ..store import Doc, Event, Store
+from . import kinds
 
 BATCH = 500  # events read from the store at a time
 
@@ -104,8 +105,8 @@ class EventService:
         """Everything a sidecar must know when it cannot resume: its chain's revocations, its link's
         command, its link's decided approvals."""
         revocations = await self.store.revocations()
-        command = self.handed_out(await self.store.get_doc("command", link_hash))
-        approvals = [a for a in await self.store.list_docs("approval")
+        command = self.handed_out(await self.store.get_doc(kinds.COMMAND, link_hash))
+        approvals = [a for a in await self.store.list_docs(kinds.APPROVAL)
                      if a.get("link") == link_hash and a["status"] != PENDING]
         self.metrics.inc("tether_event_resyncs_total")
         return {"resync": True, "next": high, "revoked": sorted(chain_jtis & set(revocations)), "command": command,

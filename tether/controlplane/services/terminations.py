@@ -27,6 +27,7 @@ from ..auth import Caller, Operator
 from ..graph import Graph
 from ..metrics import Metrics
 from ..store import Doc, Store, StoreUnavailable
+from . import kinds
 from .approvals import ApprovalService
 from .budgets import budget_use
 from .clock import ClockService
@@ -88,7 +89,7 @@ class TerminationService:
                                     self.grace_s)
         doc["links"] = sorted(link["hash"] for link in subtree)
         doc["operator"] = operator.attribution() if operator is not None and caller is None else None
-        if not await self.store.cas_doc("termination", tid, 0, doc):
+        if not await self.store.cas_doc(kinds.TERMINATION, tid, 0, doc):
             raise ApiError(409, CONFLICT, "termination id collision; retry")
         self.metrics.inc("tether_terminations_requested_total")
         self.metrics.termination_requested(mode)
@@ -104,7 +105,7 @@ class TerminationService:
             raise ApiError(403, FORBIDDEN, f"{caller.agent} did not request this termination")
 
     async def get(self, tid: str, caller: Caller | None) -> Doc:
-        doc = await self.store.get_doc("termination", tid)
+        doc = await self.store.get_doc(kinds.TERMINATION, tid)
         self.may_follow(caller, doc["requested_by"] if doc else None)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no termination {tid}")
@@ -120,7 +121,7 @@ class TerminationService:
                 "remaining_s": round(max(0.0, float(doc["deadline"]) - self.clock()), 3)}
 
     async def terminations(self) -> list[Doc]:
-        return await self.store.list_docs("termination")
+        return await self.store.list_docs(kinds.TERMINATION)
 
     async def in_flight(self) -> int:
         """Terminations not yet terminated (``/metrics``)."""
@@ -140,13 +141,13 @@ class TerminationService:
     async def quiesced(self, caller: Caller, tid: str, reports: list[Any], starts: list[Any], calls: Any) -> Doc:
         """A sidecar run acknowledges a termination of its link: its last reports (through the one way
         reports come in), and it never forwards again."""
-        term = await self.store.get_doc("termination", tid)
+        term = await self.store.get_doc(kinds.TERMINATION, tid)
         if term is None or caller.link_hash not in _links_of(term, await self.grants.graph()):
             raise ApiError(404, NOT_FOUND, f"{caller.agent}'s link is not part of termination {tid}")
         await self.records.ingest(caller, reports, starts)
         ack = {"agent": caller.agent, "link": caller.link_hash, "run_id": caller.run, "termination_id": tid,
                "at": self.clock(), "calls": calls, "state": runs.TERMINATED}
-        await self.store.put_doc("ack", f"{tid}:{caller.run}", ack)
+        await self.store.put_doc(kinds.ACK, f"{tid}:{caller.run}", ack)
         await self.sidecars.mark_final(caller, runs.TERMINATED)
         self.wake()
         return {"ok": True, "run_id": caller.run}
@@ -171,7 +172,7 @@ class TerminationService:
 
     async def drive_all(self) -> None:
         now = self.clock()
-        todo = [doc for doc in await self.store.list_docs("termination") if not (
+        todo = [doc for doc in await self.store.list_docs(kinds.TERMINATION) if not (
             doc["state"] == proto.TERMINATED
             and (not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S))]
         # A skewed clock takes no lease: ahead, it would judge every other replica's lease expired and every
@@ -232,7 +233,7 @@ class TerminationService:
         mine = [r for r in (await self.store.all_sidecars()).values() if r.get("link") in links and r.get("run_id")]
         acks: dict[str, Doc] = {}
         for run in mine:
-            ack = await self.store.get_doc("ack", f"{doc['id']}:{run['run_id']}")
+            ack = await self.store.get_doc(kinds.ACK, f"{doc['id']}:{run['run_id']}")
             if ack is not None and ack.get("link") == run.get("link"):  # only the run's own link speaks for it
                 acks[run["run_id"]] = ack
         return mine, acks
@@ -272,7 +273,7 @@ class TerminationService:
             log.info("termination %s: %s", doc["id"], new["state"])
 
     async def _save(self, old: Doc, new: Doc) -> bool:
-        if not await self.store.cas_doc("termination", old["id"], old["version"], new):
+        if not await self.store.cas_doc(kinds.TERMINATION, old["id"], old["version"], new):
             log.info("termination %s changed under us; re-reading", old["id"])
             return False
         return True
@@ -292,7 +293,7 @@ class TerminationService:
             await self.revoke_subtree(doc)
         elif action == proto.DENY_APPROVALS:
             links = set(doc.get("links") or ())
-            for approval in await self.store.list_docs("approval"):
+            for approval in await self.store.list_docs(kinds.APPROVAL):
                 of_ours = approval.get("link") in links if approval.get("link") else approval["agent"] in doc["agents"]
                 if of_ours and approval["status"] == PENDING:
                     try:
@@ -316,7 +317,7 @@ class TerminationService:
             graph = await self.grants.graph()
             for link_hash in sorted(_links_of(doc, graph)):
                 agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
-                await self.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
+                await self.store.put_doc(kinds.COMMAND, link_hash, {**command, "agent": agent, "link": link_hash})
                 await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
                                                                "remaining_s": proto.remaining(command, self.clock())})
 
