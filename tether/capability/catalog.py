@@ -14,7 +14,7 @@ import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from .budget import TIERS, GrantError, read_grant
@@ -22,6 +22,9 @@ from .credentials import PLAIN_HTTP_LOOPBACK, Credential, Route, is_loopback, pa
 from .errors import CatalogError, UnknownCapability
 from .glob import MAX_GLOB, admits, included
 from .jsonpieces import canonical_json
+
+if TYPE_CHECKING:
+    from .kinds import CapabilityKind
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
@@ -244,9 +247,7 @@ class Capability:
         """The one scheme, host and port this capability's requests go to, when the catalog names all three
         (an ``http`` match with ``scheme`` and ``port``; an ``mcp`` server's URL always does): its kind's
         answer (``capability/kinds/``), worked out once."""
-        from .kinds import match_of  # the kinds build on this module's matches: see _kinds
-
-        kind, match = match_of(self)
+        kind, match = _kind_of(self)
         return kind.route(match)
 
 
@@ -464,9 +465,8 @@ class Catalog:
 
     def to_dict(self) -> dict[str, Any]:
         caps: dict[str, Any] = {}
-        match_of = _kinds()[1]
         for c in self.capabilities.values():
-            kind, match = match_of(c)
+            kind, match = _kind_of(c)
             entry: dict[str, Any] = {kind.name: kind.to_dict(match)}
             if c.description:
                 entry["description"] = c.description
@@ -572,7 +572,7 @@ def parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
 def _check_route(source: str, cap: Capability, credential: Credential) -> None:
     """A credential goes to one scheme, host and port, over TLS; plain HTTP only by the credential's explicit
     ``insecure_plain_http: loopback``, and only to a loopback upstream."""
-    where = f"capability {cap.name!r}.{_kinds()[1](cap)[0].name}"
+    where = f"capability {cap.name!r}.{_kind_of(cap)[0].name}"
     route = cap.route
     if route is None:
         raise _fail(source, where, f"injects the credential {credential.name!r}: name the scheme and port it is "
@@ -627,7 +627,7 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
     if not isinstance(caps_raw, dict) or not caps_raw:
         raise _fail(source, "capabilities", "expected a non-empty mapping of capability names")
     credentials = parse_credentials(source, raw.get("credentials"))
-    kinds_by_key = _kinds()[0]
+    kinds_by_key = _kind_registry()
     caps: dict[str, Capability] = {}
     for name, spec in caps_raw.items():
         where = f"capability {name!r}"
@@ -682,13 +682,19 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
     return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source, credentials=credentials)
 
 
-def _kinds() -> tuple[Mapping[str, Any], Any]:
-    """The registry of capability kinds (``capability/kinds/``) and its ``match_of``. Imported when a catalog is
-    read or written, not when this module loads: each kind's module builds on this one (its match class, its
-    parser), so this module can only reach them once it is whole."""
-    from .kinds import KINDS, match_of
+# The registry of capability kinds (capability/kinds/) is imported when a catalog is read or written, not when
+# this module loads: each kind's module builds on this one (its match class, its parser), so this module can
+# reach them only once it is whole.
+def _kind_registry() -> Mapping[str, CapabilityKind]:
+    from .kinds import KINDS
 
-    return KINDS, match_of
+    return KINDS
+
+
+def _kind_of(cap: Capability) -> tuple[CapabilityKind, Any]:
+    from .kinds import match_of
+
+    return match_of(cap)
 
 
 def empty_catalog(source: str = "<empty catalog>") -> Catalog:
