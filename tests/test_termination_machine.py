@@ -68,6 +68,29 @@ def test_table_is_exactly_the_design_paths() -> None:
     assert proto.TRANSITIONS[proto.TERMINATED] == ()
 
 
+@pytest.mark.parametrize("mode", proto.MODES)
+def test_every_action_the_machine_answers_is_in_its_action_list(mode: str) -> None:
+    """``proto.ACTIONS`` is every action ``advance`` answers, in any state, acknowledged or not, early or late:
+    the list the driver's table is checked against below."""
+    answered: set[str] = set()
+    for state in STATES:
+        doc = at_state(state, mode)
+        for acked, now in itertools.product(((), doc["agents"]), (T0, T0 + 1000)):
+            answered.update(proto.advance(doc, acked, now).actions)
+    assert answered == set(proto.ACTIONS)
+
+
+def test_the_driver_dispatches_every_action_from_one_table() -> None:
+    """The termination service carries out each action through ``TerminationService.ACTIONS``, which has one
+    coroutine per action of the machine and nothing else (no branch elsewhere decides what an action does)."""
+    import inspect
+
+    from tether.controlplane.services.terminations import TerminationService
+
+    assert set(TerminationService.ACTIONS) == set(proto.ACTIONS)
+    assert all(inspect.iscoroutinefunction(handler) for handler in TerminationService.ACTIONS.values())
+
+
 @pytest.mark.parametrize(("src", "dst"), list(itertools.product(STATES, STATES)))
 def test_every_edge_is_legal_or_raises(src: str, dst: str) -> None:
     mode = "abort" if src == proto.ABORTING else "drain"

@@ -13,7 +13,8 @@ import re
 import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from .budget import TIERS, GrantError, read_grant
@@ -22,11 +23,14 @@ from .errors import CatalogError, UnknownCapability
 from .glob import MAX_GLOB, admits, included
 from .jsonpieces import canonical_json
 
+if TYPE_CHECKING:
+    from .kinds import CapabilityKind
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
-_CAP_KEYS = {"http", "mcp", "description", "credential"}
+_CAP_FIELDS = {"description", "credential"}  # beside the one match, under its kind's key (capability/kinds/)
 _HTTP_KEYS = {"host", "port", "scheme", "methods", "path", "websocket"}
 HTTP_SCHEMES = ("http", "https")
 # An ``mcp`` match names its server and exactly one item: a tool, a resource (a URI glob or URI template), a
@@ -238,16 +242,13 @@ class Capability:
     description: str = ""
     credential: str | None = None  # what the sidecar injects for it (a name in the catalog's credentials)
 
-    @property
+    @cached_property
     def route(self) -> Route | None:
         """The one scheme, host and port this capability's requests go to, when the catalog names all three
-        (an ``http`` match with ``scheme`` and ``port``; an ``mcp`` server's URL always does)."""
-        if self.http is not None:
-            h = self.http
-            return Route(h.scheme, h.host, h.port) if h.scheme is not None and h.port is not None else None
-        if self.mcp is not None:
-            return url_route(self.mcp.server)
-        return None
+        (an ``http`` match with ``scheme`` and ``port``; an ``mcp`` server's URL always does): its kind's
+        answer (``capability/kinds/``), worked out once."""
+        kind, match = _kind_of(self)
+        return kind.route(match)
 
 
 def url_route(url: str) -> Route:
@@ -465,11 +466,8 @@ class Catalog:
     def to_dict(self) -> dict[str, Any]:
         caps: dict[str, Any] = {}
         for c in self.capabilities.values():
-            entry: dict[str, Any] = {}
-            if c.http is not None:
-                entry["http"] = c.http.to_dict()
-            if c.mcp is not None:
-                entry["mcp"] = c.mcp.to_dict()
+            kind, match = _kind_of(c)
+            entry: dict[str, Any] = {kind.name: kind.to_dict(match)}
             if c.description:
                 entry["description"] = c.description
             if c.credential:
@@ -498,7 +496,8 @@ def _check_keys(source: str, where: str, value: Any, allowed: set[str], required
     return value
 
 
-def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
+def parse_http(source: str, where: str, raw: Any) -> HttpMatch:
+    """An ``http`` match (``capability/kinds/http.py`` reads a catalog entry with it)."""
     raw = _check_keys(source, where, raw, _HTTP_KEYS, {"host", "methods", "path"})
     host = raw["host"]
     if not isinstance(host, str) or not _HOST.fullmatch(host.lower()) or (
@@ -530,7 +529,8 @@ def _parse_http(source: str, where: str, raw: Any) -> HttpMatch:
                      scheme=scheme)
 
 
-def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
+def parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
+    """An ``mcp`` match (``capability/kinds/mcp.py`` reads a catalog entry with it)."""
     raw = _check_keys(source, where, raw, _MCP_KEYS, {"url"})
     url = raw["url"]
     if not isinstance(url, str):
@@ -572,8 +572,7 @@ def _parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
 def _check_route(source: str, cap: Capability, credential: Credential) -> None:
     """A credential goes to one scheme, host and port, over TLS; plain HTTP only by the credential's explicit
     ``insecure_plain_http: loopback``, and only to a loopback upstream."""
-    kind = "http" if cap.http is not None else "mcp"
-    where = f"capability {cap.name!r}.{kind}"
+    where = f"capability {cap.name!r}.{_kind_of(cap)[0].name}"
     route = cap.route
     if route is None:
         raise _fail(source, where, f"injects the credential {credential.name!r}: name the scheme and port it is "
@@ -628,15 +627,16 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
     if not isinstance(caps_raw, dict) or not caps_raw:
         raise _fail(source, "capabilities", "expected a non-empty mapping of capability names")
     credentials = parse_credentials(source, raw.get("credentials"))
+    kinds_by_key = _kind_registry()
     caps: dict[str, Capability] = {}
     for name, spec in caps_raw.items():
         where = f"capability {name!r}"
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise _fail(source, where, "capability names are letters, digits and . _ : -")
-        spec = _check_keys(source, where, spec, _CAP_KEYS, set())
-        kinds = [k for k in ("http", "mcp") if k in spec]
+        spec = _check_keys(source, where, spec, _CAP_FIELDS | set(kinds_by_key), set())
+        kinds = [k for k in kinds_by_key if k in spec]
         if len(kinds) != 1:
-            raise _fail(source, where, "needs exactly one match: 'http' or 'mcp'")
+            raise _fail(source, where, f"needs exactly one match: {' or '.join(repr(k) for k in kinds_by_key)}")
         description = spec.get("description", "")
         if not isinstance(description, str):
             raise _fail(source, f"{where}.description", "expected a string")
@@ -644,12 +644,9 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
         if credential is not None and credential not in credentials:
             raise _fail(source, f"{where}.credential", f"names {credential!r}, which is not in credentials "
                         f"(known: {', '.join(sorted(credentials)) or 'none'})")
-        if kinds[0] == "http":
-            caps[name] = Capability(name, http=_parse_http(source, f"{where}.http", spec["http"]),
-                                    description=description, credential=credential)
-        else:
-            caps[name] = Capability(name, mcp=_parse_mcp(source, f"{where}.mcp", spec["mcp"]),
-                                    description=description, credential=credential)
+        kind = kinds_by_key[kinds[0]]
+        match = kind.parse(source, f"{where}.{kind.name}", spec[kind.name])
+        caps[name] = Capability(name, **{kind.name: match}, description=description, credential=credential)
     servers: dict[str, str | None] = {}
     for cap in caps.values():  # an MCP session is one stream of requests: one credential per server
         if cap.mcp is not None:
@@ -683,6 +680,21 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
     catalog = Catalog(capabilities=caps, roles=roles, hash="", source=source, credentials=credentials)
     digest = hashlib.sha256(canonical_json(catalog.to_dict())).hexdigest()
     return Catalog(capabilities=caps, roles=roles, hash=f"sha256:{digest}", source=source, credentials=credentials)
+
+
+# The registry of capability kinds (capability/kinds/) is imported when a catalog is read or written, not when
+# this module loads: each kind's module builds on this one (its match class, its parser), so this module can
+# reach them only once it is whole.
+def _kind_registry() -> Mapping[str, CapabilityKind]:
+    from .kinds import KINDS
+
+    return KINDS
+
+
+def _kind_of(cap: Capability) -> tuple[CapabilityKind, Any]:
+    from .kinds import match_of
+
+    return match_of(cap)
 
 
 def empty_catalog(source: str = "<empty catalog>") -> Catalog:

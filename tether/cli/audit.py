@@ -99,13 +99,11 @@ def offline_surface(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _wire_text(wire: Mapping[str, Any]) -> str:
-    if "http" in wire:
-        h = wire["http"]
-        port = f":{h['port']}" if h.get("port") is not None else ""
-        return f"{','.join(h['methods'])} {h['host']}{port}{h['path']}"
-    from tether.capability import mcpwire
+    """A surface's wire (one key: its kind) as its kind prints it (capability/kinds/)."""
+    from tether.capability.kinds import KINDS
 
-    return mcpwire.text(wire["mcp"])
+    ((name, value),) = wire.items()
+    return KINDS[name].text(value)
 
 
 def _budget_text(budget: Mapping[str, Any] | None) -> str:

@@ -39,6 +39,7 @@ from .services.checkpoints import CheckpointService
 from .services.clock import ClockService
 from .services.events import EventService
 from .services.grants import GrantService
+from .services.health import HealthService
 from .services.operators import OperatorService
 from .services.records import RecordService
 from .services.sidecars import SidecarService
@@ -83,14 +84,15 @@ class ControlPlane:
         self.loop_watch = LoopWatch()
         self.clock_watch = ClockService(store, clock, self.replica)
         self.auth.proof_clock = self.clock_watch
+        self.health = HealthService(store, self.clock_watch, self.replica, catalog.hash)
         self._wire_services(budget_window_s)
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.clock_watch.run,
                                                                  self.terminations.run, self.budgets.run,
                                                                  self.checkpoints.run]
-        ops = OpsRoutes(store=store, replica=self.replica, catalog=catalog, signing_key=signing_key, auth=self.auth,
-                        metrics=self.metrics, loop_watch=self.loop_watch, events=self.events, routes=self.routes,
-                        clock=clock, clock_watch=self.clock_watch)
+        ops = OpsRoutes(health=self.health, catalog=catalog, signing_key=signing_key, auth=self.auth,
+                        metrics=self.metrics, loop_watch=self.loop_watch, events=self.events, sidecars=self.sidecars,
+                        terminations=self.terminations, routes=self.routes, clock=clock, clock_watch=self.clock_watch)
         self.add(*ops.table(), *GrantRoutes(self.grants).table(),
                  *SidecarRoutes(self.events, self.sidecars, self.records).table(),
                  *ApprovalRoutes(self.approvals).table(),

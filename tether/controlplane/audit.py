@@ -15,8 +15,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tether.capability import mcpwire
-from tether.capability.catalog import TIERS, Catalog, host_key
-from tether.capability.glob import Budget, GlobTooLong, compare
+from tether.capability.catalog import TIERS, Catalog
+from tether.capability.glob import Budget
+from tether.capability.kinds import KINDS, Change, match_of
+from tether.capability.kinds.http import HOST as HOST
+from tether.capability.kinds.http import METHODS as METHODS
+from tether.capability.kinds.http import PATH as PATH
+from tether.capability.kinds.http import PORT as PORT
 
 VERSION = 2
 _RANK = {"absent": 0, "approval": 1, "direct": 2}
@@ -24,8 +29,9 @@ _BUDGET_FIELDS = ("calls", "per_minute")
 
 # Kinds of widening, as ``audit diff --json`` names them.
 TIER, CAPABILITY_ADDED, AGENT_ADDED = "tier_raised", "capability_added", "agent_added"
-WIRE, HOST, PORT, METHODS, PATH = "wire_changed", "host_changed", "port_widened", "methods_added", "path_widened"
-MCP_URL, MCP_TOOL, BUDGET = mcpwire.MCP_URL, mcpwire.MCP_TOOL, "budget_widened"
+# Each kind names its own (capability/kinds/http.py: host, port, methods, path; capability/mcpwire.py: MCP's).
+WIRE, BUDGET = "wire_changed", "budget_widened"
+MCP_URL, MCP_TOOL = mcpwire.MCP_URL, mcpwire.MCP_TOOL
 
 
 class SurfaceError(ValueError):
@@ -44,12 +50,9 @@ def grant_entry(value: Any) -> tuple[str, dict[str, Any] | None]:
 
 
 def wire(catalog: Catalog, name: str) -> dict[str, Any]:
-    cap = catalog.capabilities[name]
-    if cap.http is not None:
-        h = cap.http
-        return {"http": {"host": h.host, "port": h.port, "methods": list(h.methods), "path": h.path}}
-    assert cap.mcp is not None  # the catalog parser requires exactly one of the two
-    return {"mcp": cap.mcp.to_dict()}  # {url, tool} as before; or resource, prompt, logging, completion ...
+    """What a capability means on the wire, under its kind's key (the kind says what: capability/kinds/)."""
+    kind, match = match_of(catalog.capabilities[name])
+    return {kind.name: kind.wire(match)}
 
 
 def _join_budgets(budgets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -130,14 +133,11 @@ def _entry(value: Any, version: int, where: str) -> Entry:
 
 
 def _check_wire(w: Any, where: str) -> Mapping[str, Any]:
-    if isinstance(w, Mapping) and set(w) == {"http"} and isinstance(h := w["http"], Mapping):
-        port = h.get("port")
-        if (isinstance(h.get("host"), str) and isinstance(h.get("path"), str)
-                and isinstance(h.get("methods"), list) and all(isinstance(m, str) for m in h["methods"])
-                and (port is None or (isinstance(port, int) and not isinstance(port, bool)))):
+    if isinstance(w, Mapping) and len(w) == 1:
+        ((name, value),) = w.items()
+        kind = KINDS.get(name)
+        if kind is not None and kind.wire_ok(value):
             return w
-    if isinstance(w, Mapping) and set(w) == {"mcp"} and mcpwire.kind_of(w["mcp"]) is not None:
-        return w
     raise SurfaceError(f"{where}: wire must be {{http: {{host, port, methods, path}}}} or {{mcp: {{url, tool}}}} "
                        "(or resource, prompt, logging, completion, subscriptions in place of tool)")
 
@@ -219,37 +219,12 @@ def diff(
     return found, notes
 
 
-Change = tuple[str, Any, Any, str]
-
-
 def _wire_widenings(old: Mapping[str, Any], new: Mapping[str, Any], budget: Budget) -> list[Change]:
+    """Both wires were read by ``_check_wire``: one key each, a kind of the registry."""
     if set(old) != set(new):
         return [(WIRE, dict(old), dict(new), "the capability now matches a different kind of call")]
-    if "mcp" in new:
-        return mcpwire.widenings(old["mcp"], new["mcp"], budget)
-    o, n = old["http"], new["http"]
-    out: list[Change] = []
-    if host_key(o["host"]) != host_key(n["host"]):
-        out.append((HOST, o["host"], n["host"], ""))
-    if o.get("port") is not None and n.get("port") != o.get("port"):
-        out.append((PORT, o["port"], n.get("port"), ""))
-    added = sorted(set(n["methods"]) - set(o["methods"]))
-    if added:
-        out.append((METHODS, list(o["methods"]), list(n["methods"]), f"adds {', '.join(added)}"))
-    if n["path"] != o["path"]:
-        out.extend(_path_widening(o["path"], n["path"], budget))
-    return out
-
-
-def _path_widening(old: str, new: str, budget: Budget) -> list[Change]:
-    try:
-        verdict = compare(new, old, budget)
-    except GlobTooLong as exc:  # no catalog writes such a glob: fail closed rather than spend without bound
-        return [(PATH, old, new, f"not compared, counted as widened: {exc}")]
-    if verdict.included:
-        return []
-    shortest = "" if verdict.shortest else " (not a shortest one: the diff's search budget ran out)"
-    return [(PATH, old, new, f"admits {verdict.example!r}{shortest}, which the old path refused")]
+    ((name, now),) = new.items()
+    return KINDS[name].widenings(old[name], now, budget)
 
 
 def _budget_widenings(was: Entry, now: Entry) -> list[Change]:

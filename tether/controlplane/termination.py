@@ -49,6 +49,7 @@ REVOKE_SUBTREE = "revoke_subtree"
 DENY_APPROVALS = "deny_approvals"
 SEND_COMMANDS = "send_commands"
 WRITE_RECORD = "write_record"
+ACTIONS = (REVOKE_SUBTREE, DENY_APPROVALS, SEND_COMMANDS, WRITE_RECORD)  # the driver's one table has each
 
 
 class IllegalTransition(Exception):

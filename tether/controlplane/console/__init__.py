@@ -171,7 +171,7 @@ class Console:
         return web.json_response({"widened": widened, "exit": 1 if widened else 0})
 
     async def h_verify_records(self, request: web.Request) -> web.Response:
-        records = await self.cp.store.record_heads()  # headers: a record's calls are hashed a page at a time
+        records = await self.cp.records.heads()  # headers: a record's calls are hashed a page at a time
         result = await self.cp.records.verify(self.cp.signing_key.public_key(), records)
         status = {}
         for index, record in enumerate(records):
@@ -209,7 +209,7 @@ class Console:
         if offset < 0 or limit < -1:
             raise bad("'offset' and 'limit' must not be negative", field="offset" if offset < 0 else "limit")
         agent = query.get("agent")
-        found = find_calls(await self.cp.store.reports([agent] if agent else None), query.get("q", ""), agent,
+        found = find_calls(await self.cp.records.reports(agent), query.get("q", ""), agent,
                            query.get("resolution"))
         page = found[offset:] if limit == -1 else found[offset:offset + limit]
         return web.json_response(page, headers={"Tether-Total": str(len(found))})
@@ -219,7 +219,7 @@ class Console:
         filed for it, and its captured request and response (a HAR entry, bodies cut at ``BODY_SHOWN``)."""
         call_id = request.match_info["call_id"]
         listed = await self._listed(call_id)
-        reports = await self.cp.store.reports_among([call_id])
+        reports = await self.cp.records.reports_among([call_id])
         call = reports[0] if reports else (listed[-1]["call"] if listed else None)
         if call is None:
             raise ApiError(404, NOT_FOUND, f"no call {call_id} (no sidecar reported it and no record lists it)")
@@ -244,8 +244,8 @@ class Console:
         """The records that list the call, oldest first, each with its entry for it (records are read a page
         of calls at a time, and only the lines that name the call are decoded)."""
         needle, out = json.dumps(call_id), []
-        for head in await self.cp.store.record_heads():
-            async for page in self.cp.store.record_calls(head["record_id"]):
+        for head in await self.cp.records.heads():
+            async for page in self.cp.records.calls(head["record_id"]):
                 for text in page:
                     if needle in text and (call := json.loads(text)).get("call_id") == call_id:
                         out.append({"record_id": head["record_id"], "termination_id": head["termination_id"],
@@ -259,18 +259,15 @@ class Console:
         termination, agent, call_id = query.get("termination"), query.get("agent"), query.get("call")
         record = None
         if termination:
-            record = next((r for r in await self.cp.store.records()
-                           if termination in (r["record_id"], r["termination_id"])), None)
-            if record is None:
-                raise ApiError(404, NOT_FOUND, f"no record for {termination}")
+            record = await self.cp.records.record(termination)  # by its record id or its termination's; or 404
             calls = record["calls"]
         elif call_id:
-            calls = await self.cp.store.reports_among([call_id])
+            calls = await self.cp.records.reports_among([call_id])
             if not calls:
                 raise ApiError(404, NOT_FOUND, f"no call report {call_id}")
             record = {"calls": calls}  # the flows of these calls only
         else:
-            calls = await self.cp.store.reports([agent] if agent else None)
+            calls = await self.cp.records.reports(agent)
         try:
             har = await asyncio.to_thread(export_har, self.captures, record, agent, calls, query.get("since"),
                                           query.get("until"))

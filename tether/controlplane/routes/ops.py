@@ -10,46 +10,40 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tether.capability import keys, protocol
 from tether.capability.catalog import Catalog
-from tether.capability.errors import STORE_UNAVAILABLE
 
 from .. import schemas as sc
 from ..auth import Authenticator
-from ..clock import CLOCK_SKEWED
 from ..metrics import LoopWatch, Metrics, gauge
 from ..services.clock import ClockService
 from ..services.events import EventService
-from ..store import STORE_UNWRITABLE, Store, StoreUnavailable
+from ..services.health import HealthService
+from ..services.sidecars import SidecarService
+from ..services.terminations import TerminationService
+from ..store import StoreUnavailable
 from . import NONE, Route
 
 
 class OpsRoutes:
-    """These answer for the control plane as a whole: its store, its replica, its metrics, its route table."""
+    """These answer for the control plane as a whole: its store's health, its replica, its metrics, its route
+    table. Every read of the store goes through a service (``tests/test_layers.py`` checks it)."""
 
-    def __init__(self, *, store: Store, replica: str, catalog: Catalog, signing_key: Ed25519PrivateKey,
+    def __init__(self, *, health: HealthService, catalog: Catalog, signing_key: Ed25519PrivateKey,
                  auth: Authenticator, metrics: Metrics, loop_watch: LoopWatch, events: EventService,
-                 routes: list[Route], clock: Callable[[], float], clock_watch: ClockService) -> None:
-        self.store, self.replica, self.catalog, self.signing_key = store, replica, catalog, signing_key
+                 sidecars: SidecarService, terminations: TerminationService, routes: list[Route],
+                 clock: Callable[[], float], clock_watch: ClockService) -> None:
+        self.health, self.catalog, self.signing_key = health, catalog, signing_key
         self.auth, self.metrics, self.loop_watch, self.events = auth, metrics, loop_watch, events
+        self.sidecars, self.terminations = sidecars, terminations
         self.routes, self.clock, self.clock_watch = routes, clock, clock_watch
 
     async def h_healthz(self, request: web.Request) -> web.Response:
         """200 only while the store answers and takes writes and this replica's clock is within the bound of
         the store's: a replica whose every write would fail (a full disk, Redis out of memory) or whose clock
         would void drain windows must leave the readiness rotation, not answer every caller wrongly."""
-        clock = self.clock_watch.watch.to_dict(self.clock_watch.monotonic())
-        doc: dict[str, object] = {"replica": self.replica, "catalog": self.catalog.hash, "clock": clock}
-        if not await self.store.healthy():
-            store, code, reason = "unreachable", STORE_UNAVAILABLE, f"the store {self.store.url} does not answer"
-        else:
-            status = await self.store.write_status()
-            if status.writable and not clock["skewed"]:
-                return web.json_response({"status": "ok", "store": "ok", **doc})
-            if status.writable:
-                store, code, reason = "ok", CLOCK_SKEWED, clock["reason"]
-            else:
-                store, code, reason = "unwritable", STORE_UNWRITABLE, status.reason
-        return web.json_response({"status": "unhealthy", "store": store, "code": code, "reason": reason, **doc},
-                                 status=503, headers={protocol.ERROR_HEADER: code})
+        readiness = await self.health.readiness()
+        if readiness.ready:
+            return web.json_response(readiness.to_doc())
+        return web.json_response(readiness.to_doc(), status=503, headers={protocol.ERROR_HEADER: str(readiness.code)})
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. Series labelled by agent id name the fleet's agents, so they go to an admin only
@@ -62,7 +56,7 @@ class OpsRoutes:
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 1)])
         except (StoreUnavailable, ConnectionError, OSError):
             lines += gauge("tether_store_up", "1 while the store answers.", [("", 0)])
-        writable = self.store.write_health.writable  # the verdict as it stands: /metrics does not probe
+        writable = self.health.writable()  # the verdict as it stands: /metrics does not probe
         lines += gauge("tether_store_writable", "1 unless the store's newest write was refused (a full disk...).",
                        [("", int(writable))])
         lines += self.metrics.render()
@@ -70,10 +64,10 @@ class OpsRoutes:
 
     async def _store_gauges(self, per_agent: bool) -> list[str]:
         now = self.clock()
-        sidecars = await self.store.all_sidecars()
+        sidecars = await self.sidecars.runs()
         live = sum(1 for s in sidecars.values() if s.get("lease_expires", 0) > now and not s.get("final"))
         lines = gauge("tether_sidecars_leased", "Sidecar runs holding a live lease.", [("", live)])
-        _low, high = await self.store.event_bounds()
+        _low, high = await self.events.bounds()
         lines += gauge("tether_event_seq", "Highest event sequence number.", [("", high)])
         lags: dict[str, int] = {}
         for doc in sidecars.values():
@@ -88,7 +82,7 @@ class OpsRoutes:
         if per_agent:  # series labelled by agent id name the fleet's agents: an admin's only
             lines += gauge("tether_subscriber_lag_events", "Events a live sidecar has not read yet, per agent.",
                            [(f'{{agent="{_label(agent)}"}}', lag) for agent, lag in sorted(lags.items())])
-        active = sum(1 for t in await self.store.list_docs("termination") if t["state"] != "terminated")
+        active = await self.terminations.in_flight()
         lines += gauge("tether_terminations_in_flight", "Terminations not yet terminated.", [("", active)])
         lines += gauge("tether_event_streams_open", "Sidecars following the event stream on this replica.",
                        [("", self.events.hub.open_streams)])

@@ -44,7 +44,7 @@ class SidecarRoutes:
         sub = await hub.subscribe(who.link_hash, jtis)
         try:
             position = hub.position
-            low, high = await self.events.store.event_bounds()
+            low, high = await self.events.bounds()
             if self.events.out_of_range(after, low, high):
                 opening, sent = await self.events.resync(who.link_hash, set(jtis), high), high
             else:

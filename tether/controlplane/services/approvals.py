@@ -31,6 +31,7 @@ from tether.capability.events import APPROVAL, APPROVED, EXPIRED, FILED, HELD, P
 from ..auth import BOOTSTRAP, Caller
 from ..metrics import Metrics
 from ..store import Doc, Store
+from . import kinds
 from .events import EventService
 from .grants import chain_jtis
 
@@ -80,13 +81,13 @@ class ApprovalService:
             "decided_by": None,
             "version": 1,
         }
-        await self.store.put_doc("approval", approval_id, doc)
+        await self.store.put_doc(kinds.APPROVAL, approval_id, doc)
         self.metrics.inc("tether_approvals_requested_total")
         return doc
 
     async def _room_for(self, caller: Caller, now: float) -> None:
         """Refuse a new approval when the caller's run, or its link, already has its fill waiting."""
-        pending = [d for d in await self.store.list_docs("approval")
+        pending = [d for d in await self.store.list_docs(kinds.APPROVAL)
                    if d["status"] == PENDING and d["expires_at"] > now and d.get("link") == caller.link_hash]
         of_run = sum(1 for d in pending if d.get("run_id") == caller.run)
         if of_run >= MAX_PENDING_PER_RUN or len(pending) >= MAX_PENDING_PER_LINK:
@@ -122,7 +123,7 @@ class ApprovalService:
                    offset: int = 0, limit: int | None = None) -> tuple[list[Doc], int]:
         """One page of approvals in the order an approver works through them (pending first; held calls before
         filed requests; newest first), and how many match in all. Without ``limit``, all of them."""
-        docs = [self.view(d) for d in await self.store.list_docs("approval")]
+        docs = [self.view(d) for d in await self.store.list_docs(kinds.APPROVAL)]
         docs = [d for d in docs if status in (None, d["status"]) and agent in (None, d["agent"])]
         origins = await self._origins(docs)
         docs = [{**d, "origin": origins.get(d["id"])} for d in docs]
@@ -146,7 +147,7 @@ class ApprovalService:
 
     async def get(self, approval_id: str, caller: Caller | None) -> Doc:
         """One approval: an admin's (``caller`` None), or a sidecar's own link's."""
-        doc = await self.store.get_doc("approval", approval_id)
+        doc = await self.store.get_doc(kinds.APPROVAL, approval_id)
         if doc is not None and caller is not None and doc.get("link", caller.link_hash) != caller.link_hash:
             doc = None
         if doc is None:
@@ -158,7 +159,7 @@ class ApprovalService:
                      operator: Doc | None = None) -> Doc:
         """``by``: who decided (an operator's name, or a termination); ``operator``: the operator's attribution
         (name, how they signed in), kept with the decision."""
-        doc = await self.store.get_doc("approval", approval_id)
+        doc = await self.store.get_doc(kinds.APPROVAL, approval_id)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no approval {approval_id}")
         view = self.view(doc)
@@ -173,7 +174,7 @@ class ApprovalService:
                            "look at the call again before deciding", call_hash=doc.get("call_hash"))
         new = {**doc, "status": decision, "decided_at": self.clock(), "decided_by": by, "operator": operator,
                "version": doc["version"] + 1}
-        if not await self.store.cas_doc("approval", approval_id, doc["version"], new):
+        if not await self.store.cas_doc(kinds.APPROVAL, approval_id, doc["version"], new):
             raise ApiError(409, CONFLICT, f"approval {approval_id} was decided concurrently")
         await self.events.publish(
             APPROVAL,

@@ -16,6 +16,7 @@ from tether.capability.events import PENDING
 from ..event_stream import EventHub, visible
 from ..metrics import Metrics
 from ..store import Doc, Event, Store
+from . import kinds
 
 BATCH = 500  # events read from the store at a time
 
@@ -61,13 +62,17 @@ class EventService:
             shared.add_done_callback(lambda _f, key=after: self._reads.pop(key, None))
         return await asyncio.shield(shared)
 
+    async def bounds(self) -> tuple[int, int]:
+        """The lowest and highest sequence numbers the log holds (a stream's opening, ``/metrics``)."""
+        return await self.store.event_bounds()
+
     def out_of_range(self, after: int, low: int, high: int) -> bool:
         """A sequence the log cannot resume from (none yet, pruned, or from the future): resync in full."""
         return after < 0 or after < low - 1 or after > high
 
     async def poll(self, link_hash: str, chain_jtis: set[str], after: int, wait: float) -> Doc:
         """The long poll: the events this link may see after ``after``, waiting up to ``wait`` seconds for one."""
-        low, high = await self.store.event_bounds()
+        low, high = await self.bounds()
         if self.out_of_range(after, low, high):
             return await self.resync(link_hash, chain_jtis, high)
         deadline = self.clock() + wait
@@ -100,8 +105,8 @@ class EventService:
         """Everything a sidecar must know when it cannot resume: its chain's revocations, its link's
         command, its link's decided approvals."""
         revocations = await self.store.revocations()
-        command = self.handed_out(await self.store.get_doc("command", link_hash))
-        approvals = [a for a in await self.store.list_docs("approval")
+        command = self.handed_out(await self.store.get_doc(kinds.COMMAND, link_hash))
+        approvals = [a for a in await self.store.list_docs(kinds.APPROVAL)
                      if a.get("link") == link_hash and a["status"] != PENDING]
         self.metrics.inc("tether_event_resyncs_total")
         return {"resync": True, "next": high, "revoked": sorted(chain_jtis & set(revocations)), "command": command,

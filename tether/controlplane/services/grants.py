@@ -30,6 +30,7 @@ from ..auth import Caller, Operator
 from ..graph import Graph, surface
 from ..metrics import Metrics
 from ..store import Doc, LinkConflict, Store
+from . import kinds
 from .events import EventService
 
 ADMIN = "admin"
@@ -129,7 +130,7 @@ class GrantService:
                 continue
             issuer = runs.owner_key(None if index == 0 else links[index - 1].sub)
             while True:
-                owner = await self.store.get_doc("owner", link.sub.lower())
+                owner = await self.store.get_doc(kinds.OWNER, link.sub.lower())
                 if owner is not None and owner["owner"] == issuer:
                     break
                 if owner is not None and index > 0:
@@ -140,20 +141,20 @@ class GrantService:
                 version = owner["version"] if owner is not None else 0
                 claim = {"agent": link.sub, "owner": issuer, "since": self.clock(), "link": link.hash,
                          "version": version + 1}
-                if await self.store.cas_doc("owner", link.sub.lower(), version, claim):
+                if await self.store.cas_doc(kinds.OWNER, link.sub.lower(), version, claim):
                     break
 
     async def record_owners(self) -> None:
         """Ids registered before ownership was recorded (an upgrade): each belongs to the issuer of its first
         link. Once, at start-up; racing replicas agree through the store's compare-and-set."""
-        if await self.store.list_docs("owner"):
+        if await self.store.list_docs(kinds.OWNER):
             return
         graph = await self.graph()
         for link in sorted(graph.by_hash.values(), key=lambda d: (d.get("registered_at", 0), d["hash"])):
             parent = graph.by_hash.get(link.get("prf") or "")
             claim = {"agent": link["sub"], "owner": runs.owner_key(parent["sub"] if parent else None),
                      "since": link.get("registered_at", 0), "link": link["hash"], "version": 1}
-            await self.store.cas_doc("owner", link["sub"].lower(), 0, claim)  # the first one wins
+            await self.store.cas_doc(kinds.OWNER, link["sub"].lower(), 0, claim)  # the first one wins
 
     async def verify(self, wire: str) -> Doc:
         try:

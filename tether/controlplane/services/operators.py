@@ -20,10 +20,8 @@ from tether.capability.errors import BAD_REQUEST, CONFLICT, FORBIDDEN, NOT_FOUND
 from ..auth import BOOTSTRAP, ROLES, Operator, token_hash
 from ..metrics import Metrics
 from ..store import Doc, Store
+from . import kinds
 
-OPERATOR, TOKEN = "operator", "operator_token"
-SIGN_IN = "oidc_sign_in"  # one single sign-on (by the hash of the token it was given): a CLI's or a console's
-OIDC_NAME = "oidc_name"  # by name: the provider account (issuer, subject) that first signed in under that name
 VIA_OIDC = "oidc"
 NAME = re.compile(r"[a-z][a-z0-9._-]{0,63}")
 MAX_EXPIRY_S = 10 * 365 * 86400
@@ -68,7 +66,7 @@ class OperatorService:
     # -- who a token or a session is (tether/controlplane/auth.py asks) --------------------------------------------
     async def by_token(self, token: str, now: float) -> Operator | None:
         digest = token_hash(token)
-        pointer = await self.store.get_doc(TOKEN, digest)
+        pointer = await self.store.get_doc(kinds.OPERATOR_TOKEN, digest)
         if pointer is not None:
             return await self.current(pointer["name"], digest, now)
         return await self._signed_in(digest, None, now)
@@ -76,7 +74,7 @@ class OperatorService:
     async def current(self, name: str, digest: str, now: float) -> Operator | None:
         """The operator ``name`` while ``digest`` is the hash of its current, unexpired, unrevoked token (or of
         a single sign-on of that name that is still live)."""
-        doc = await self.store.get_doc(OPERATOR, name)
+        doc = await self.store.get_doc(kinds.OPERATOR, name)
         if doc is None or doc["token_hash"] != digest:
             signed_in = await self._signed_in(digest, name, now)
             if signed_in is not None:
@@ -96,7 +94,7 @@ class OperatorService:
         await self._claim_name(name, subject, issuer, now)
         token = _new_token()
         digest = token_hash(token)
-        await self.store.put_doc(SIGN_IN, digest, {
+        await self.store.put_doc(kinds.OIDC_SIGN_IN, digest, {
             "token_hash": digest, "name": name, "roles": list(roles), "subject": subject, "issuer": issuer,
             "created_at": now, "expires_at": now + ttl_s, "revoked_at": None})
         self.metrics.inc("tether_operator_sign_ins_total")
@@ -106,15 +104,15 @@ class OperatorService:
         """A name is one person's: the provider account that first signed in under it, and never a token
         operator's. Providers often let users choose the claim tether names them by; without this a user
         who chose ``alice`` would be attributed alice's decisions and share her separation of duties."""
-        held = await self.store.get_doc(OPERATOR, name)
+        held = await self.store.get_doc(kinds.OPERATOR, name)
         if held is not None and not held.get("revoked_at"):
             raise ApiError(403, FORBIDDEN, f"the name {name} belongs to an operator with a token: a single sign-on "
                            "may not take it (ask an admin to revoke that operator first, or sign in under another "
                            "name claim)", reason="name_held_by_token_operator", operator=name)
         owner = {"name": name, "subject": subject, "issuer": issuer, "first_at": now, "version": 1}
         for _ in range(2):  # create it, or read the one another replica created at the same moment
-            bound = await self.store.get_doc(OIDC_NAME, name)
-            if bound is None and await self.store.cas_doc(OIDC_NAME, name, 0, owner):
+            bound = await self.store.get_doc(kinds.OIDC_NAME, name)
+            if bound is None and await self.store.cas_doc(kinds.OIDC_NAME, name, 0, owner):
                 return
             if bound is not None:
                 if (bound["issuer"], bound["subject"]) != (issuer, subject):
@@ -125,7 +123,7 @@ class OperatorService:
         raise ApiError(409, CONFLICT, f"the name {name} is being claimed by another sign-in; try again")
 
     async def _signed_in(self, digest: str, name: str | None, now: float) -> Operator | None:
-        doc = await self.store.get_doc(SIGN_IN, digest)
+        doc = await self.store.get_doc(kinds.OIDC_SIGN_IN, digest)
         if doc is None or doc.get("revoked_at") or doc["expires_at"] <= now or name not in (None, doc["name"]):
             return None
         return Operator(doc["name"], frozenset(doc["roles"]), VIA_OIDC, digest)
@@ -133,9 +131,9 @@ class OperatorService:
     async def _end_sign_ins(self, name: str, now: float) -> list[Doc]:
         """Every live single sign-on of ``name``, ended; the ones that were live."""
         ended = []
-        for doc in await self.store.list_docs(SIGN_IN):
+        for doc in await self.store.list_docs(kinds.OIDC_SIGN_IN):
             if doc["name"] == name and not doc.get("revoked_at") and doc["expires_at"] > now:
-                await self.store.put_doc(SIGN_IN, doc["token_hash"], {**doc, "revoked_at": now})
+                await self.store.put_doc(kinds.OIDC_SIGN_IN, doc["token_hash"], {**doc, "revoked_at": now})
                 ended.append(doc)
         return ended
 
@@ -143,10 +141,10 @@ class OperatorService:
     async def add(self, name: str, roles: list[Any], expires_in_s: float | None, by: Operator) -> Doc:
         name, roles = check_name(name), check_roles(roles)
         now = self.clock()
-        old = await self.store.get_doc(OPERATOR, name)
+        old = await self.store.get_doc(kinds.OPERATOR, name)
         if old is not None and not old.get("revoked_at"):
             raise ApiError(409, CONFLICT, f"operator {name} exists; rotate its token or revoke it first")
-        bound = await self.store.get_doc(OIDC_NAME, name)
+        bound = await self.store.get_doc(kinds.OIDC_NAME, name)
         if bound is not None:
             raise ApiError(409, CONFLICT, f"the name {name} belongs to a person who signs in through the provider "
                            f"({bound['issuer']}); give the token operator another name", field="name")
@@ -178,7 +176,7 @@ class OperatorService:
         """Revoke an operator's token, and end every live single sign-on of that name."""
         now = self.clock()
         ended = await self._end_sign_ins(name, now)
-        doc = await self.store.get_doc(OPERATOR, name)
+        doc = await self.store.get_doc(kinds.OPERATOR, name)
         if (doc is None or doc.get("revoked_at")) and ended:  # a person known only through the provider
             return {"name": name, "roles": sorted({r for d in ended for r in d["roles"]}), "status": "revoked",
                     "created_at": min(d["created_at"] for d in ended), "expires_at": None, "rotated_at": None,
@@ -193,18 +191,18 @@ class OperatorService:
 
     async def list(self) -> list[Doc]:
         now = self.clock()
-        return sorted((view(d, now) for d in await self.store.list_docs(OPERATOR)), key=lambda d: d["name"])
+        return sorted((view(d, now) for d in await self.store.list_docs(kinds.OPERATOR)), key=lambda d: d["name"])
 
     async def _live(self, name: str) -> Doc:
-        doc = await self.store.get_doc(OPERATOR, name)
+        doc = await self.store.get_doc(kinds.OPERATOR, name)
         if doc is None or doc.get("revoked_at"):
             raise ApiError(404, NOT_FOUND, f"no operator {name}" + (" (it was revoked)" if doc else ""))
         return doc
 
     async def _write(self, doc: Doc, old: Doc | None) -> None:
         # The pointer first: a token whose operator document never got its hash proves nobody.
-        await self.store.put_doc(TOKEN, doc["token_hash"], {"name": doc["name"]})
-        if not await self.store.cas_doc(OPERATOR, doc["name"], old["version"] if old else 0, doc):
+        await self.store.put_doc(kinds.OPERATOR_TOKEN, doc["token_hash"], {"name": doc["name"]})
+        if not await self.store.cas_doc(kinds.OPERATOR, doc["name"], old["version"] if old else 0, doc):
             raise ApiError(409, CONFLICT, f"operator {doc['name']} was changed concurrently; look again and retry")
 
 

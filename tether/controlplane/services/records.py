@@ -66,6 +66,18 @@ class RecordService:
     async def records(self) -> list[Doc]:
         return await self.store.records()
 
+    async def reports_among(self, call_ids: list[str]) -> list[Doc]:
+        """The final reports of these calls (those that have one)."""
+        return await self.store.reports_among(call_ids)
+
+    async def heads(self) -> list[Doc]:
+        """Every record's header (all but its calls), oldest first."""
+        return await self.store.record_heads()
+
+    def calls(self, record_id: str) -> AsyncIterator[list[str]]:
+        """A record's call entries as their canonical JSON text, a page at a time."""
+        return self.store.record_calls(record_id)
+
     async def head(self, record_id: str) -> Doc:
         """A record's header (all but its calls) by its record id or its termination's id."""
         for record in await self.store.record_heads():

@@ -12,6 +12,7 @@ from .. import runs
 from ..auth import Caller
 from ..metrics import Metrics, revocations_acknowledged
 from ..store import Doc, Store
+from . import kinds
 from .grants import chain_jtis
 
 MAX_INFLIGHT = 10_000  # calls in flight a run's document keeps
@@ -49,7 +50,7 @@ class SidecarService:
         self.metrics.inc("tether_heartbeats_total")
         return Lease(
             lease_ttl_s=self.lease_ttl_s, lease_expires_at=doc["lease_expires"], now=now, run_id=run,
-            command=self.handed_out(await self.store.get_doc("command", caller.link_hash)),
+            command=self.handed_out(await self.store.get_doc(kinds.COMMAND, caller.link_hash)),
             # Belt and braces: a revocation whose event was lost still reaches the sidecar here.
             revoked=sorted(await self.store.revoked_among(chain_jtis(caller.link))))
 
@@ -61,6 +62,10 @@ class SidecarService:
             return
         await self.store.put_sidecar(old_run, {**old, "final": runs.SUPERSEDED, "final_at": now,
                                                "superseded_by": caller.run})
+
+    async def runs(self) -> dict[str, Doc]:
+        """Every run's document, by run id (the fleet gauges of ``/metrics``)."""
+        return await self.store.all_sidecars()
 
     async def mark_final(self, caller: Caller, state: str) -> None:
         run = str(caller.run)

@@ -24,10 +24,10 @@ from tether.capability.errors import FORBIDDEN, UNAUTHORIZED, ApiError, TetherEr
 from ..auth import BOOTSTRAP, Operator
 from ..oidc import OidcClient, OidcSettings, Pending, SignedIn, operator_from
 from ..store import Store
+from . import kinds
 from .operators import OperatorService
 
 ID_TOKEN_MAX_AGE_S = 600.0  # an ID token older than this is not exchanged (it was issued for another sign-in)
-USED = "oidc_id_token_used"  # ID tokens exchanged once (by their hash), so a copied one buys nothing
 MAX_NAME = 128
 
 
@@ -117,7 +117,7 @@ class SingleSignOn:
             raise ApiError(401, UNAUTHORIZED, f"the ID token was issued more than {ID_TOKEN_MAX_AGE_S:.0f} s ago: "
                            "sign in again")
         used = keys.b64url(_digest(id_token))
-        if not await self.store.cas_doc(USED, used, 0, {"version": 1, "at": self.clock(),
+        if not await self.store.cas_doc(kinds.OIDC_ID_TOKEN_USED, used, 0, {"version": 1, "at": self.clock(),
                                                           "expires_at": claims.get("exp")}):
             raise ApiError(401, UNAUTHORIZED, "this ID token was exchanged already: sign in again")
         try:

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -27,6 +27,7 @@ from ..auth import Caller, Operator
 from ..graph import Graph
 from ..metrics import Metrics
 from ..store import Doc, Store, StoreUnavailable
+from . import kinds
 from .approvals import ApprovalService
 from .budgets import budget_use
 from .clock import ClockService
@@ -88,7 +89,7 @@ class TerminationService:
                                     self.grace_s)
         doc["links"] = sorted(link["hash"] for link in subtree)
         doc["operator"] = operator.attribution() if operator is not None and caller is None else None
-        if not await self.store.cas_doc("termination", tid, 0, doc):
+        if not await self.store.cas_doc(kinds.TERMINATION, tid, 0, doc):
             raise ApiError(409, CONFLICT, "termination id collision; retry")
         self.metrics.inc("tether_terminations_requested_total")
         self.metrics.termination_requested(mode)
@@ -104,7 +105,7 @@ class TerminationService:
             raise ApiError(403, FORBIDDEN, f"{caller.agent} did not request this termination")
 
     async def get(self, tid: str, caller: Caller | None) -> Doc:
-        doc = await self.store.get_doc("termination", tid)
+        doc = await self.store.get_doc(kinds.TERMINATION, tid)
         self.may_follow(caller, doc["requested_by"] if doc else None)
         if doc is None:
             raise ApiError(404, NOT_FOUND, f"no termination {tid}")
@@ -120,7 +121,11 @@ class TerminationService:
                 "remaining_s": round(max(0.0, float(doc["deadline"]) - self.clock()), 3)}
 
     async def terminations(self) -> list[Doc]:
-        return await self.store.list_docs("termination")
+        return await self.store.list_docs(kinds.TERMINATION)
+
+    async def in_flight(self) -> int:
+        """Terminations not yet terminated (``/metrics``)."""
+        return sum(1 for t in await self.terminations() if t["state"] != proto.TERMINATED)
 
     async def record(self, record_id: str, caller: Caller | None) -> Doc:
         """A record's header (every field but its calls: ``records.text`` streams it whole), to an admin or to
@@ -136,13 +141,13 @@ class TerminationService:
     async def quiesced(self, caller: Caller, tid: str, reports: list[Any], starts: list[Any], calls: Any) -> Doc:
         """A sidecar run acknowledges a termination of its link: its last reports (through the one way
         reports come in), and it never forwards again."""
-        term = await self.store.get_doc("termination", tid)
+        term = await self.store.get_doc(kinds.TERMINATION, tid)
         if term is None or caller.link_hash not in _links_of(term, await self.grants.graph()):
             raise ApiError(404, NOT_FOUND, f"{caller.agent}'s link is not part of termination {tid}")
         await self.records.ingest(caller, reports, starts)
         ack = {"agent": caller.agent, "link": caller.link_hash, "run_id": caller.run, "termination_id": tid,
                "at": self.clock(), "calls": calls, "state": runs.TERMINATED}
-        await self.store.put_doc("ack", f"{tid}:{caller.run}", ack)
+        await self.store.put_doc(kinds.ACK, f"{tid}:{caller.run}", ack)
         await self.sidecars.mark_final(caller, runs.TERMINATED)
         self.wake()
         return {"ok": True, "run_id": caller.run}
@@ -167,7 +172,7 @@ class TerminationService:
 
     async def drive_all(self) -> None:
         now = self.clock()
-        todo = [doc for doc in await self.store.list_docs("termination") if not (
+        todo = [doc for doc in await self.store.list_docs(kinds.TERMINATION) if not (
             doc["state"] == proto.TERMINATED
             and (not doc.get("open_agents") or now - (doc.get("completed_at") or now) > ADDENDUM_HORIZON_S))]
         # A skewed clock takes no lease: ahead, it would judge every other replica's lease expired and every
@@ -228,7 +233,7 @@ class TerminationService:
         mine = [r for r in (await self.store.all_sidecars()).values() if r.get("link") in links and r.get("run_id")]
         acks: dict[str, Doc] = {}
         for run in mine:
-            ack = await self.store.get_doc("ack", f"{doc['id']}:{run['run_id']}")
+            ack = await self.store.get_doc(kinds.ACK, f"{doc['id']}:{run['run_id']}")
             if ack is not None and ack.get("link") == run.get("link"):  # only the run's own link speaks for it
                 acks[run["run_id"]] = ack
         return mine, acks
@@ -240,35 +245,42 @@ class TerminationService:
         return runs.accounted(doc["agents"], mine, acks), set(doc["agents"]) - {r.get("agent") for r in mine}
 
     async def drive(self, doc: Doc) -> None:
+        """One step of the machine (``proto.advance``), its actions carried out in order from ``ACTIONS``. Each
+        action takes the document as stored and as the step left it, and answers the document to go on with,
+        or None when it saved what it had to itself (the record's writer); what is left is saved at the end."""
         acks, never_ran = await self._acks(doc)
         step = proto.advance(doc, acks, self.clock(), not_before=self.started_at + self.reconnect_grace_s,
                              never_ran=never_ran)
         new = step.doc
         for action in step.actions:
-            if action == proto.WRITE_RECORD:
-                if doc["state"] != proto.RECONCILING:  # say so before the (slower) record is written
-                    if not await self._save(doc, new):
-                        return
-                    doc = new
-                record_id, unaccounted = await self.write_record(doc)
-                final = proto.finish(doc, record_id, self.clock(), unaccounted)
-                if await self._save(doc, final):
-                    await telemetry.termination_finished(final, partial(self._trace_facts, final), self.clock())
-                self.metrics.inc("tether_terminations_completed_total")
-                log.info("termination %s: terminated, record %s", doc["id"], record_id)
+            went_on = await self.ACTIONS[action](self, doc, new)
+            if went_on is None:
                 return
-            if action == proto.REVOKE_SUBTREE:
-                # The subtree as it is now: a descendant registered since the request is included too.
-                agents, links = await self.revoke_subtree(new)
-                new = {**new, "agents": agents, "links": links}
-            else:
-                await self.perform(action, new)
+            new = went_on
         if new is not doc:
             await self._save(doc, new)
             log.info("termination %s: %s", doc["id"], new["state"])
 
+    async def _revoke(self, doc: Doc, new: Doc) -> Doc:
+        """The subtree as it is now: a descendant registered since the request is revoked and included too."""
+        agents, links = await self.revoke_subtree(new)
+        return {**new, "agents": agents, "links": links}
+
+    async def _write_record(self, doc: Doc, new: Doc) -> None:
+        """Reconcile: say so (reconciling) before the slower record is written, write it once, and finish."""
+        if doc["state"] != proto.RECONCILING:
+            if not await self._save(doc, new):
+                return
+            doc = new
+        record_id, unaccounted = await self.write_record(doc)
+        final = proto.finish(doc, record_id, self.clock(), unaccounted)
+        if await self._save(doc, final):
+            await telemetry.termination_finished(final, partial(self._trace_facts, final), self.clock())
+        self.metrics.inc("tether_terminations_completed_total")
+        log.info("termination %s: terminated, record %s", doc["id"], record_id)
+
     async def _save(self, old: Doc, new: Doc) -> bool:
-        if not await self.store.cas_doc("termination", old["id"], old["version"], new):
+        if not await self.store.cas_doc(kinds.TERMINATION, old["id"], old["version"], new):
             log.info("termination %s changed under us; re-reading", old["id"])
             return False
         return True
@@ -283,38 +295,49 @@ class TerminationService:
             await self.grants.revoke_link(link, by_termination(doc['id']), doc.get("reason", ""), doc["id"])
         return sorted({link["sub"] for link in links} | set(doc["agents"])), sorted(hashes)
 
-    async def perform(self, action: str, doc: Doc) -> None:
-        if action == proto.REVOKE_SUBTREE:
-            await self.revoke_subtree(doc)
-        elif action == proto.DENY_APPROVALS:
-            links = set(doc.get("links") or ())
-            for approval in await self.store.list_docs("approval"):
-                of_ours = approval.get("link") in links if approval.get("link") else approval["agent"] in doc["agents"]
-                if of_ours and approval["status"] == PENDING:
-                    try:
-                        # Nobody denied it: the termination cancelled it before it left (its own status, so
-                        # the sidecar resolves the call cancelled_not_sent, not as a person's denial).
-                        await self.approvals.decide(approval["id"], CANCELLED, by_termination(doc["id"]))
-                    except ApiError:
-                        pass  # decided meanwhile: nothing to deny
-        elif action == proto.SEND_COMMANDS:
-            command = {
-                "termination_id": doc["id"],
-                "mode": doc["mode"],
-                "window_s": doc["window_s"],
-                "deadline": doc["deadline"],
-                "grace_s": doc["grace_s"],
-                "issued_at": self.clock(),
-            }
-            # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
-            # the same id starts clean. The standing command is stored as fixed; the event carries the window
-            # left as of now (``remaining_s``), as a heartbeat's answer or a resync do when they hand it out.
-            graph = await self.grants.graph()
-            for link_hash in sorted(_links_of(doc, graph)):
-                agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
-                await self.store.put_doc("command", link_hash, {**command, "agent": agent, "link": link_hash})
-                await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
-                                                               "remaining_s": proto.remaining(command, self.clock())})
+    async def _cancel_approvals(self, doc: Doc, new: Doc) -> Doc:
+        """Every pending approval of the termination's links is cancelled (its own status, not a denial)."""
+        links = set(new.get("links") or ())
+        for approval in await self.store.list_docs(kinds.APPROVAL):
+            of_ours = approval.get("link") in links if approval.get("link") else approval["agent"] in new["agents"]
+            if of_ours and approval["status"] == PENDING:
+                try:
+                    # Nobody denied it: the termination cancelled it before it left (its own status, so
+                    # the sidecar resolves the call cancelled_not_sent, not as a person's denial).
+                    await self.approvals.decide(approval["id"], CANCELLED, by_termination(new["id"]))
+                except ApiError:
+                    pass  # decided meanwhile: nothing to deny
+        return new
+
+    async def _send_commands(self, doc: Doc, new: Doc) -> Doc:
+        """The drain or abort command to every link of the termination, stored and published."""
+        command = {
+            "termination_id": new["id"],
+            "mode": new["mode"],
+            "window_s": new["window_s"],
+            "deadline": new["deadline"],
+            "grace_s": new["grace_s"],
+            "issued_at": self.clock(),
+        }
+        # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
+        # the same id starts clean. The standing command is stored as fixed; the event carries the window
+        # left as of now (``remaining_s``), as a heartbeat's answer or a resync do when they hand it out.
+        graph = await self.grants.graph()
+        for link_hash in sorted(_links_of(new, graph)):
+            agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
+            await self.store.put_doc(kinds.COMMAND, link_hash, {**command, "agent": agent, "link": link_hash})
+            await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
+                                                           "remaining_s": proto.remaining(command, self.clock())})
+        return new
+
+    # The one table of what each action of the machine does (every action proto.advance can answer has its
+    # entry: tests/test_termination_machine.py).
+    ACTIONS: Mapping[str, Callable[[TerminationService, Doc, Doc], Awaitable[Doc | None]]] = {
+        proto.REVOKE_SUBTREE: _revoke,
+        proto.DENY_APPROVALS: _cancel_approvals,
+        proto.SEND_COMMANDS: _send_commands,
+        proto.WRITE_RECORD: _write_record,
+    }
 
     def _check_key(self, heads: list[Doc]) -> None:
         """Write no record the log's readers would reject: this replica's key must be the one in force at the
