@@ -394,3 +394,71 @@ def test_reports_stored_before_entries_were_kept_are_staged_from_the_report(tmp_
                 assert [t for entries, _ in fast for _, t in entries] == expected == back
     finally:
         redis.stop()
+
+
+# -- a record that takes longer to write than a termination's lease lasts ------------------------------------------
+async def write_with_leases(directory: Path, url: str) -> dict[str, Any]:
+    """A real ControlPlane (in this process, over the store at ``url``) whose clock reads 1 s later at every
+    reading, so a record of several pages outlives the 5 s lease it started with. Two terminations of one agent's
+    12 reports (3 a page): ``held``, whose lease another replica holds; ``mine``, whose lease this one holds."""
+    from tether.capability.catalog import parse_catalog
+    from tether.controlplane.app import ControlPlane
+    from tether.controlplane.services import terminations as service
+
+    proc = prepare_controlplane(directory, 1, 2, 3)
+    ident = proc.issue("big", {"issues.read": "direct"})
+    catalog = parse_catalog(proc.catalog_path.read_text(), str(proc.catalog_path))
+    ticks = [time.time()]
+
+    def clock() -> float:
+        ticks[0] += 1.0
+        return ticks[0]
+
+    store = open_store_url(url)
+    await store.open()
+    try:
+        plane = ControlPlane(store, keys.load_private(proc.signing_key_path.read_bytes()), catalog, ADMIN_TOKEN,
+                             clock=clock, replica="me")
+        await plane.grants.register_chain(ident.wire)
+        link = parse_chain_unverified(ident.wire)[-1].hash
+        await store.put_reports([report("big", link, i, ticks[0] - 100) for i in range(12)])
+        out: dict[str, Any] = {}
+        for name, holder in (("held", "other"), ("mine", "me")):
+            doc = {**proto.new_termination(f"term-{name}", "big", "abort", 0, "", "admin", clock(), ["big"], 5.0),
+                   "links": [link]}
+            assert await store.try_lease(f"termination:{doc['id']}", holder, service.LEASE_S, clock())
+            taken = ticks[0]
+            try:
+                out[name] = await plane.terminations.write_record(doc)
+            except service.LeaseLost:
+                out[name] = None
+            # Who holds the lease now: another owner may take it only once it expired.
+            out[f"{name}_renewed"] = not await store.try_lease(f"termination:{doc['id']}", "third",
+                                                               service.LEASE_S, taken + service.LEASE_S + 0.5)
+        out["heads"] = [h["termination_id"] for h in await store.record_heads()]
+        return out
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_record_writer_renews_its_lease_page_by_page_and_stops_when_another_replica_holds_it(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.controlplane.services import terminations as service
+
+    monkeypatch.setattr(service, "RECORD_PAGE", 3)
+    redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    try:
+        url = redis.url(0) if redis else f"sqlite:///{tmp_path / 'lease.db'}"
+        out = asyncio.run(write_with_leases(tmp_path / "cp", url))
+        if kind == "sqlite":
+            db = sqlite3.connect(tmp_path / "lease.db")
+            orphans = db.execute("SELECT COUNT(*) FROM record_calls WHERE record_id NOT IN "
+                                 "(SELECT record_id FROM records)").fetchone()[0]
+            assert orphans == 0  # what the writer that lost its lease had staged is dropped
+    finally:
+        if redis is not None:
+            redis.stop()
+    assert out["held"] is None  # another replica holds it: this one writes nothing
+    assert out["mine"] is not None and out["mine_renewed"]  # renewed past the 5 s it started with
+    assert out["heads"] == ["term-mine"]  # one record, of the termination whose lease it held
