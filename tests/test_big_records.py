@@ -32,6 +32,7 @@ from tether.controlplane import termination as proto
 from tether.controlplane.metrics import Metrics
 from tether.controlplane.services.records import RecordService
 from tether.controlplane.store import Store, open_store_url
+from tether.controlplane.store import redis as redis_store
 
 from .harness import ADMIN_TOKEN, PYTHON, ControlPlaneProcess, RedisServer, prepare_controlplane, wait_until
 
@@ -283,11 +284,16 @@ async def staged_both_ways(url: str, held: dict[str, Any], agents: list[str], li
         await store.close()
 
 
+@pytest.mark.parametrize("agents", ["abc", "a"])
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
-def test_stage_reports_copies_each_reports_kept_entry_in_the_record_order(kind: str, tmp_path: Path) -> None:
+def test_stage_reports_copies_each_reports_kept_entry_in_the_record_order(kind: str, agents: str, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several agents (merged) and one (Redis reads its ids inside the script): the same pages as the generic,
+    a page staged in several scripts (parts of 3 calls here)."""
+    monkeypatch.setattr(redis_store, "STAGE_PART", 3)
     now = 1000.0
-    reports = [{**report("abc"[i % 3], "mine" if i % 4 else "other", i, now), "started_at": now + (i * 13) % 17}
-               for i in range(40)]
+    reports = [{**report(agents[i % len(agents)], "mine" if i % 4 else "other", i, now),
+                "started_at": now + (i * 13) % 17} for i in range(40)]
     reports[5]["link"] = None  # stored before runs carried a link: goes by agent
     reports[9]["url"] = "http://127.0.0.1:9/é?q=\u2028"  # spelled as the canonical JSON spells it
     held_calls = [reports[i] for i in (1, 2, 3)]
@@ -298,7 +304,7 @@ def test_stage_reports_copies_each_reports_kept_entry_in_the_record_order(kind: 
     try:
         url = redis.url(0) if redis else f"sqlite:///{tmp_path / 'stage.db'}"
         asyncio.run(put(url, reports))
-        fast, generic, back = asyncio.run(staged_both_ways(url, held, ["a", "b", "c"], {"mine"}, 4))
+        fast, generic, back = asyncio.run(staged_both_ways(url, held, list(agents), {"mine"}, 4))
     finally:
         if redis is not None:
             redis.stop()
@@ -310,6 +316,45 @@ def test_stage_reports_copies_each_reports_kept_entry_in_the_record_order(kind: 
     holders = {cid: h for _, page in fast for cid, h in page.items()}
     assert holders == {c["call_id"]: ("rec-held", ()) for c in held_calls if c["link"] == "mine"}
     assert [e for entries, _ in fast for e in entries] == [e for entries, _ in generic for e in entries]
+    assert [len(entries) for entries, _ in fast] == [len(entries) for entries, _ in generic]
+
+
+async def staged_while_reports_arrive(url: str, reports: list[dict[str, Any]], early: dict[str, Any],
+                                      late: dict[str, Any]) -> list[str]:
+    """One agent's record staged 3 reports a page; after the first page, a report that sorts before the point
+    reached and one that sorts after it are stored. The ids staged, in order."""
+    store = open_store_url(url)
+    await store.open()
+    try:
+        await store.put_reports(reports)
+        out: list[str] = []
+        async for got in store.stage_reports("rec-arrivals", 0, ["a"], {"mine"}, 3):
+            if not out:
+                await store.put_reports([early, late])
+            out += [cid for cid, _ in got.entries]
+        return out
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_report_stored_while_a_record_is_staged_is_staged_once_or_not_at_all(kind: str, tmp_path: Path) -> None:
+    now = 1000.0
+    reports = [{**report("a", "mine", i, now), "started_at": now + i} for i in range(10)]
+    early = {**report("a", "mine", 50, now), "started_at": now - 5}
+    late = {**report("a", "mine", 51, now), "started_at": now + 100}
+    redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    try:
+        url = redis.url(0) if redis else f"sqlite:///{tmp_path / 'arrivals.db'}"
+        got = asyncio.run(staged_while_reports_arrive(url, reports, early, late))
+    finally:
+        if redis is not None:
+            redis.stop()
+    first = [r["call_id"] for r in reports]
+    assert got[:10] == first  # the snapshot's (SQLite) or the index's as read (Redis): in order, none twice
+    # SQLite reads one snapshot: nothing stored since; Redis reads on from the point reached: the one after it, once.
+    assert got[10:] == ([] if kind == "sqlite" else [late["call_id"]])
+    assert early["call_id"] not in got
 
 
 async def put(url: str, reports: list[dict[str, Any]]) -> None:
@@ -349,3 +394,71 @@ def test_reports_stored_before_entries_were_kept_are_staged_from_the_report(tmp_
                 assert [t for entries, _ in fast for _, t in entries] == expected == back
     finally:
         redis.stop()
+
+
+# -- a record that takes longer to write than a termination's lease lasts ------------------------------------------
+async def write_with_leases(directory: Path, url: str) -> dict[str, Any]:
+    """A real ControlPlane (in this process, over the store at ``url``) whose clock reads 1 s later at every
+    reading, so a record of several pages outlives the 5 s lease it started with. Two terminations of one agent's
+    12 reports (3 a page): ``held``, whose lease another replica holds; ``mine``, whose lease this one holds."""
+    from tether.capability.catalog import parse_catalog
+    from tether.controlplane.app import ControlPlane
+    from tether.controlplane.services import terminations as service
+
+    proc = prepare_controlplane(directory, 1, 2, 3)
+    ident = proc.issue("big", {"issues.read": "direct"})
+    catalog = parse_catalog(proc.catalog_path.read_text(), str(proc.catalog_path))
+    ticks = [time.time()]
+
+    def clock() -> float:
+        ticks[0] += 1.0
+        return ticks[0]
+
+    store = open_store_url(url)
+    await store.open()
+    try:
+        plane = ControlPlane(store, keys.load_private(proc.signing_key_path.read_bytes()), catalog, ADMIN_TOKEN,
+                             clock=clock, replica="me")
+        await plane.grants.register_chain(ident.wire)
+        link = parse_chain_unverified(ident.wire)[-1].hash
+        await store.put_reports([report("big", link, i, ticks[0] - 100) for i in range(12)])
+        out: dict[str, Any] = {}
+        for name, holder in (("held", "other"), ("mine", "me")):
+            doc = {**proto.new_termination(f"term-{name}", "big", "abort", 0, "", "admin", clock(), ["big"], 5.0),
+                   "links": [link]}
+            assert await store.try_lease(f"termination:{doc['id']}", holder, service.LEASE_S, clock())
+            taken = ticks[0]
+            try:
+                out[name] = await plane.terminations.write_record(doc)
+            except service.LeaseLost:
+                out[name] = None
+            # Who holds the lease now: another owner may take it only once it expired.
+            out[f"{name}_renewed"] = not await store.try_lease(f"termination:{doc['id']}", "third",
+                                                               service.LEASE_S, taken + service.LEASE_S + 0.5)
+        out["heads"] = [h["termination_id"] for h in await store.record_heads()]
+        return out
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_record_writer_renews_its_lease_page_by_page_and_stops_when_another_replica_holds_it(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.controlplane.services import terminations as service
+
+    monkeypatch.setattr(service, "RECORD_PAGE", 3)
+    redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    try:
+        url = redis.url(0) if redis else f"sqlite:///{tmp_path / 'lease.db'}"
+        out = asyncio.run(write_with_leases(tmp_path / "cp", url))
+        if kind == "sqlite":
+            db = sqlite3.connect(tmp_path / "lease.db")
+            orphans = db.execute("SELECT COUNT(*) FROM record_calls WHERE record_id NOT IN "
+                                 "(SELECT record_id FROM records)").fetchone()[0]
+            assert orphans == 0  # what the writer that lost its lease had staged is dropped
+    finally:
+        if redis is not None:
+            redis.stop()
+    assert out["held"] is None  # another replica holds it: this one writes nothing
+    assert out["mine"] is not None and out["mine_renewed"]  # renewed past the 5 s it started with
+    assert out["heads"] == ["term-mine"]  # one record, of the termination whose lease it held

@@ -43,6 +43,11 @@ RECORD_PAGE = 5000  # call entries per page: what a record's writer holds at onc
 ADDENDUM_HORIZON_S = 24 * 3600  # how long a record's unaccounted agents are watched for a late acknowledgement
 
 
+class LeaseLost(Exception):
+    """The replica writing a record no longer holds its termination's lease (another replica took it over, or
+    the store would not renew it): it stops and drops what it staged, and the lease's holder writes it."""
+
+
 class TerminationService:
     def __init__(self, store: Store, metrics: Metrics, clock: Callable[[], float], *, signing_key: Ed25519PrivateKey,
                  replica: str, lease_ttl_s: float, grace_s: float, events: EventService, grants: GrantService,
@@ -213,7 +218,11 @@ class TerminationService:
                 break
             record_id = "rec-" + os.urandom(8).hex()
             builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads, agents=late, late=True)
-            staged = await self._stage_reports(builder, record_id, late, links)
+            try:
+                staged = await self._stage_reports(builder, record_id, late, links, lease=doc["id"])
+            except LeaseLost:
+                log.warning("termination %s: lost its lease while writing an addendum; its holder writes it", doc["id"])
+                return
             addendum = proto.addendum_header(builder, record_id=record_id,
                                              prev_hash=heads[-1]["hash"] if heads else "", now=self.clock())
             if await self._append(addendum, record_id, staged):
@@ -272,7 +281,11 @@ class TerminationService:
             if not await self._save(doc, new):
                 return
             doc = new
-        record_id, unaccounted = await self.write_record(doc)
+        try:
+            record_id, unaccounted = await self.write_record(doc)
+        except LeaseLost:
+            log.warning("termination %s: lost its lease while writing the record; its holder writes it", doc["id"])
+            return
         final = proto.finish(doc, record_id, self.clock(), unaccounted)
         if await self._save(doc, final):
             await telemetry.termination_finished(final, partial(self._trace_facts, final), self.clock())
@@ -385,7 +398,7 @@ class TerminationService:
             draft, unknown = builder.finish(**inputs, now=self.clock())
             opening = proto.record_frame(draft)[0]  # every field sorting before "calls" is known by now
             digest = hashlib.sha256(opening.encode())
-            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes, digest)
+            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes, digest, lease=doc["id"])
             staged = await self._stage(record_id, staged, unknown, digest)
             header, _ = builder.finish(**inputs, now=self.clock())
             header = {**header, "key_id": proto.key_id_of(self.signing_key)}  # sorts after "calls": closing
@@ -399,17 +412,33 @@ class TerminationService:
             await store.drop_staged(record_id)
 
     async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
-                             links: set[str], digest: Any = None) -> int:
+                             links: set[str], digest: Any = None, *, lease: str | None = None) -> int:
         """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many.
         The store copies each entry's text, made when its report arrived, so nothing is decoded or encoded
-        here. ``digest``: a hash the entries' canonical JSON is added to as they are staged."""
+        here. ``digest``: a hash the entries' canonical JSON is added to as they are staged. ``lease``: the
+        termination whose lease this replica renews before each page (a record may take longer to write than
+        the lease lasts, and another replica must not start writing it over again meanwhile); LeaseLost, with
+        what was staged dropped, when it no longer holds it."""
         staged = 0
-        async for page in _ahead(self.store.stage_reports(record_id, 0, sorted(agents), links, RECORD_PAGE)):
-            builder.count([cid for cid, _ in page.entries], page.holders)
-            if digest is not None and page.entries:
-                await asyncio.to_thread(_digest, digest, [text for _, text in page.entries], staged == 0)
-            staged += len(page.entries)
+        pages = _ahead(self.store.stage_reports(record_id, 0, sorted(agents), links, RECORD_PAGE))
+        try:
+            async for page in pages:
+                if lease is not None:
+                    await self._renew(lease)
+                builder.count([cid for cid, _ in page.entries], page.holders)
+                if digest is not None and page.entries:
+                    await asyncio.to_thread(_digest, digest, [text for _, text in page.entries], staged == 0)
+                staged += len(page.entries)
+        except LeaseLost:
+            await pages.aclose()  # the page read ahead is staged or cancelled before what was staged is dropped
+            await self.store.drop_staged(record_id)
+            raise
         return staged
+
+    async def _renew(self, termination_id: str) -> None:
+        """Renew this replica's lease on the termination; LeaseLost when another replica holds it."""
+        if not await self.store.try_lease(f"termination:{termination_id}", self.replica, LEASE_S, self.clock()):
+            raise LeaseLost(termination_id)
 
     async def _stage(self, record_id: str, start: int, entries: list[Doc], digest: Any = None) -> int:
         if entries:

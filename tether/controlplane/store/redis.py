@@ -115,6 +115,26 @@ class _Cursor:
         return [member for _, member in rows]
 
 
+class _Staging:
+    """One page of ``stage_reports`` gathered from the staging scripts' replies (``_STAGE_BODY``)."""
+
+    def __init__(self) -> None:
+        self.staged: list[str] = []
+        self.texts: list[str] = []
+        self.holders: dict[str, Holders] = {}
+        self.read = 0
+
+    def add(self, reply: list[Any]) -> None:
+        self.staged += reply[1]
+        flat = reply[2]
+        self.holders.update({flat[i]: (flat[i + 1] or None, tuple(flat[i + 2].split()))
+                             for i in range(0, len(flat), 3)})
+        self.texts += reply[3]
+
+    def page(self) -> StagedPage:
+        return StagedPage(list(zip(self.staged, self.texts, strict=True)), self.holders)
+
+
 def _holder_args(texts: list[str]) -> list[str]:
     """(call_id, '1' | '0') for each call entry: reported, or listed unknown."""
     out: list[str] = []
@@ -223,19 +243,19 @@ end
 return new
 """
 
-# KEYS: links of reports, owner index, unknown index, the record's staged calls and their ids. ARGV: staged TTL
-# (ms), the number of links, the links, then call ids in the record's order. Part of a page of a record staged
-# inside Redis: each call under one of the links (or none) that no record holds as reported is appended to the
-# record's calls as '' (its text is the one kept beside its report) and its id to their ids. Only ids and short
-# values pass through the script. Returns {1, staged ids, holders (call id, owner or '', unknown records or '')
-# of every call a record lists}, or {0, ids without a kept link} having written nothing (reports stored before
-# they were kept: the caller adds theirs and asks again).
-_STAGE_REPORTS = """
+# The body both staging scripts share. KEYS: links of reports, owner index, unknown index, the record's staged
+# calls and their ids, the entry texts kept beside the reports. ARGV: staged TTL (ms), the number of links, the
+# links; ``ids``: call ids in the record's order. Each call under one of the links (or none) that no record
+# holds as reported is appended to the record's calls as '' (its text is the one kept beside its report) and
+# its id to their ids. Only ids, short values and the entry texts pass through the script. Returns {1, staged
+# ids, holders (call id, owner or '', unknown records or '') of every call a record lists, the staged calls'
+# entry texts (to be hashed: no second command for them)}, or {0, ids without a kept link} having written
+# nothing (reports stored before they were kept: the caller adds theirs and asks again).
+_STAGE_BODY = """
 local nlinks = tonumber(ARGV[2])
 local allowed = {}
 for i = 3, 2 + nlinks do allowed[ARGV[i]] = true end
-local first = 3 + nlinks
-local ids = {unpack(ARGV, first, #ARGV)}
+if #ids == 0 then return {1, {}, {}, {}} end
 local links = redis.call('HMGET', KEYS[1], unpack(ids))
 local missing = {}
 for j, v in ipairs(links) do
@@ -260,13 +280,45 @@ for j, link in ipairs(links) do
     end
   end
 end
+local texts = {}
 if #staged > 0 then
+  texts = redis.call('HMGET', KEYS[6], unpack(staged))
+  for j = 1, #staged do
+    if not texts[j] then return redis.error_reply('tether: no entry text kept beside the report of ' .. staged[j]) end
+  end
   redis.call('RPUSH', KEYS[4], unpack(refs))
   redis.call('RPUSH', KEYS[5], unpack(marks))
   redis.call('PEXPIRE', KEYS[4], ARGV[1])
   redis.call('PEXPIRE', KEYS[5], ARGV[1])
 end
-return {1, staged, holders}
+return {1, staged, holders, texts}
+"""
+# ARGV after the links: call ids in the record's order (several agents: merged by the caller).
+_STAGE_REPORTS = """
+local ids = {unpack(ARGV, 3 + tonumber(ARGV[2]), #ARGV)}
+""" + _STAGE_BODY
+# One agent: KEYS[7], its index by start; ARGV after the links: the last call id staged from it ('' for none)
+# and how many to read. The ids are read inside Redis, after the last one's rank as of now (a report stored
+# meanwhile is staged when it sorts after the point reached, and never twice), so no id crosses the wire
+# towards Redis. Its reply ends with the last id read and how many were read (the body's reply, then these).
+_STAGE_NEXT = """
+local first = 3 + tonumber(ARGV[2])
+local after, n = ARGV[first], tonumber(ARGV[first + 1])
+local from = 0
+if after ~= '' then
+  local rank = redis.call('ZRANK', KEYS[7], after)
+  if not rank then return redis.error_reply('tether: ' .. after .. ' left the index by start') end
+  from = rank + 1
+end
+local ids = redis.call('ZRANGE', KEYS[7], from, from + n - 1)
+local reply = (function()
+""" + _STAGE_BODY + """
+end)()
+if reply[1] == 1 then
+  reply[5] = ids[#ids] or ''
+  reply[6] = #ids
+end
+return reply
 """
 # KEYS: a sorted set. ARGV: lowest score, offset, count. ZRANGEBYSCORE ... WITHSCORES LIMIT, as a flat list.
 _ZSLICE = """
@@ -477,6 +529,7 @@ class RedisStore(Store):
             ("index_calls", _INDEX_CALLS),
             ("index_listed", _INDEX_LISTED),
             ("stage_reports", _STAGE_REPORTS),
+            ("stage_next", _STAGE_NEXT),
             ("zslice", _ZSLICE),
             ("advance", _ADVANCE),
             ("split_record", _SPLIT_RECORD),
@@ -1015,36 +1068,65 @@ class RedisStore(Store):
 
     async def stage_reports(self, record_id: str, start: int, agents: list[str], links: set[str],
                             page: int = 5000) -> AsyncIterator[StagedPage]:
-        """Ids in the record's order (``_ordered_ids``); per part of a page, one script that stages the calls
-        inside Redis (``_STAGE_REPORTS``: references to the entry texts kept beside the reports); then the texts
-        of the staged calls, read in one command, to be hashed. Nothing is decoded or encoded here, but the
-        entries of reports stored before entries were kept."""
+        """Per part of a page, one script that stages the calls inside Redis (``_STAGE_BODY``: references to the
+        entry texts kept beside the reports) and answers with those texts, to be hashed. One agent: the script
+        reads the ids from the agent's index by start itself (``_STAGE_NEXT``), so only the texts cross the
+        wire; several: ids in the record's order (``_ordered_ids``), merged here. Nothing is decoded or encoded
+        here, but the entries of reports stored before entries were kept."""
         await self._index_records()
         keys = [self._key("reports", "link"), self._key("records", "owner"), self._key("records", "unknown"),
-                self._calls_key(record_id), self._ids_key(record_id)]
+                self._calls_key(record_id), self._ids_key(record_id), self._key("reports", "entry")]
         head = [STAGED_TTL_MS, len(links), *sorted(links)]
+        pages = (self._stage_one(agents[0], keys, head, page) if len(set(agents)) == 1
+                 else self._stage_merged(agents, keys, head, page))
+        async for staged in pages:
+            yield staged
+
+    async def _stage_one(self, agent: str, keys: list[str], head: list[Any], page: int) -> AsyncIterator[StagedPage]:
+        """``stage_reports`` of one agent: pages of ``page`` reports read, each read and staged inside Redis
+        ``STAGE_PART`` at a time from after the last id read."""
+        await self._index_starts(agent)
+        keys = [*keys, self._key("reports", "started", agent)]
+        after = ""
+        while True:
+            out = _Staging()
+            done = False
+            while out.read < page and not done:
+                want = min(STAGE_PART, page - out.read)
+                reply = await self._staged("stage_next", keys, [*head, after, want])
+                out.add(reply)
+                read = int(reply[5])
+                out.read += read
+                after = reply[4] or after
+                done = read < want
+            if out.read:
+                yield out.page()
+            if done:
+                return
+
+    async def _stage_merged(self, agents: list[str], keys: list[str], head: list[Any],
+                            page: int) -> AsyncIterator[StagedPage]:
+        """``stage_reports`` of several agents: ids merged in the record's order here (``_ordered_ids``)."""
         async for ids in self._ordered_ids(agents, page):
-            staged: list[str] = []
-            holders: dict[str, Holders] = {}
+            out = _Staging()
             for at in range(0, len(ids), STAGE_PART):
-                part = ids[at:at + STAGE_PART]
-                reply = await self._stage_part(keys, [*head, *part])
-                if int(reply[0]) == 0:  # reports from before entries were kept beside them: theirs first
-                    await self._keep_entries(reply[1])
-                    reply = await self._stage_part(keys, [*head, *part])
-                    if int(reply[0]) == 0:
-                        raise ValueError(f"record {record_id}: no report for {len(reply[1])} calls of the index")
-                staged += reply[1]
-                flat = reply[2]
-                holders.update({flat[i]: (flat[i + 1] or None, tuple(flat[i + 2].split()))
-                                for i in range(0, len(flat), 3)})
-            texts = await self._texts(staged)
-            yield StagedPage(list(zip(staged, texts, strict=True)), holders)
+                out.add(await self._staged("stage_reports", keys, [*head, *ids[at:at + STAGE_PART]]))
+            yield out.page()
+
+    async def _staged(self, script: str, keys: list[str], args: list[Any]) -> list[Any]:
+        """One staging script's reply; reports stored before entries were kept get theirs first (once)."""
+        reply = await self._stage_part(script, keys, args)
+        if int(reply[0]) == 0:
+            await self._keep_entries(reply[1])
+            reply = await self._stage_part(script, keys, args)
+            if int(reply[0]) == 0:
+                raise ValueError(f"no report for {len(reply[1])} calls of the index")
+        return reply
 
     @_guarded
     @_writes
-    async def _stage_part(self, keys: list[str], args: list[Any]) -> list[Any]:
-        return list(await self._scripts["stage_reports"](keys=keys, args=args))
+    async def _stage_part(self, script: str, keys: list[str], args: list[Any]) -> list[Any]:
+        return list(await self._scripts[script](keys=keys, args=args))
 
     @_guarded
     async def _texts(self, call_ids: list[str]) -> list[str]:
