@@ -13,7 +13,8 @@ sends SIZE bytes through each setup:
 - *mitmdump*: bare mitmproxy, no addons of ours, with ``stream_large_bodies=1m`` (without it mitmdump holds a whole
   body before it passes it on: tether streams bodies over 1 MiB, so this is the like-for-like baseline);
 - *tether*: a real ``tether sidecar`` (full enforcement, call reports to a real control plane, capture on);
-- *tether --no-capture*: a second sidecar, capture off.
+- *tether --no-capture*: a second sidecar, capture off;
+- *tether (before)*, with ``--before DIR``: a third sidecar (capture on) run from the checkout in DIR.
 
 Rounds interleave the setups (A B A B, the order rotating), so load from other work on the machine falls on every
 setup alike. Printed per direction and scheme: the median rate of each setup (MiB/s), its ratio to direct and to
@@ -52,6 +53,7 @@ TARGET_RATIO = 0.5
 MIB = 1 << 20
 BLOCK = MIB
 DIRECT, MITMDUMP, TETHER, NOCAP = "direct", "mitmdump", "tether", "tether --no-capture"
+BEFORE = "tether (before)"  # --before DIR: a sidecar of the code in DIR, capture on, in the same rotation
 DIRECTIONS = ("download", "upload")
 STREAM_CAPS = """
   stream.down:  {{http: {{host: 127.0.0.1, port: {http}, methods: [GET], path: "/stream/down"}}}}
@@ -225,7 +227,7 @@ def report(scheme: str, direction: str, figures: dict[str, Figures]) -> list[str
         cpu = f", proxy CPU {fig.cpu_per_gib:.1f} s/GiB" if fig.cpu else ""
         lines.append(f"  {name:<22} median {fig.median:7.1f} MiB/s  {fig.median / direct:5.2f}x direct  "
                      f"{fig.median / mitm:5.2f}x mitmdump{cpu}   (each: {rates})")
-    for name in (n for n in (TETHER, NOCAP) if n in figures):
+    for name in (n for n in (TETHER, NOCAP, BEFORE) if n in figures):
         ratio = figures[name].median / direct
         lines.append(f"  target {name}: >= {TARGET_RATIO:.2f}x direct: {'met' if ratio >= TARGET_RATIO else 'MISSED'}"
                      f" ({ratio:.2f}x)")
@@ -238,6 +240,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="transfers per setup, direction and scheme")
     parser.add_argument("--schemes", default="http,https", help="http, https or both")
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
+    parser.add_argument("--before", metavar="DIR", help="also a sidecar (capture on) of the checkout in DIR, e.g. "
+                        "git archive COMMIT | tar -x -C DIR: the code before a change, in the same rotation")
     parser.add_argument("--setups", default=",".join((DIRECT, MITMDUMP, TETHER, NOCAP)),
                         help="which setups (direct and mitmdump always run: they are the baselines)")
     args = parser.parse_args()
@@ -246,7 +250,7 @@ def main() -> int:
     print(f"tether stream benchmark  {time.strftime('%Y-%m-%d %H:%M')}  nproc {os.cpu_count()}  "
           f"python {platform.python_version()}  aiohttp {aiohttp.__version__}  size {size / MIB:.0f} MiB  "
           f"rounds {args.rounds}  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    wanted = set(args.setups.split(",")) | {DIRECT, MITMDUMP}
+    wanted = set(args.setups.split(",")) | {DIRECT, MITMDUMP} | ({BEFORE} if args.before else set())
     out: list[str] = []
     with ExitStack() as stack:
         ca = make_test_ca(work / "toolca")
@@ -256,10 +260,17 @@ def main() -> int:
             "roles:", STREAM_CAPS.format(http=upstream.http_port, https=upstream.https_port).lstrip("\n") + "roles:"))
         stack.enter_context(bs.stopping(cp.start()))
         sidecars = {name: SidecarProcess(cp, cp.issue(agent, CAPS), extra=extra) for name, agent, extra in (
-            (TETHER, "stream-agent", []), (NOCAP, "stream-agent-nocap", ["--no-capture"])) if name in wanted}
-        for sc in sidecars.values():
+            (TETHER, "stream-agent", []), (NOCAP, "stream-agent-nocap", ["--no-capture"]),
+            (BEFORE, "stream-agent-before", [])) if name in wanted}
+        here = os.getcwd()
+        for name, sc in sidecars.items():
             stack.enter_context(bs.stopping(sc))
-            sc.start(upstream_ca=ca.ca_pem)
+            if name == BEFORE:  # `python -m tether` imports from its working directory
+                os.chdir(args.before)
+            try:
+                sc.start(upstream_ca=ca.ca_pem)
+            finally:
+                os.chdir(here)
         mitm = stack.enter_context(bs.stopping(StreamingMitmdump(work / "mitmdump", ca.ca_pem).start()))
         time.sleep(2.0)
         pids = {MITMDUMP: mitm.pid, **{n: sc.proc.pid for n, sc in sidecars.items()}}
