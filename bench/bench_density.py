@@ -125,13 +125,16 @@ def stop_all(agents: list[Agent]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--agents", default="1,10,30,100")
-    parser.add_argument("--setups", default="mitmdump,sidecar,run,node")
+    parser.add_argument("--setups", default="mitmdump,sidecar,run,node",
+                        help="with --before, before and node-before may be named too (else both run)")
     parser.add_argument("--cooperative", action="store_true", help="tether run --cooperative (no enclosure)")
     parser.add_argument("--before", metavar="DIR", help="also the tether run and the node server of the checkout in "
                         "DIR (setups before, node-before)")
     args = parser.parse_args()
     counts = [int(c) for c in args.agents.split(",")]
-    setups = args.setups.split(",") + (["before", "node-before"] if args.before else [])
+    setups = args.setups.split(",")
+    if args.before and not {"before", "node-before"} & set(setups):  # named in --setups: only those
+        setups += ["before", "node-before"]
     work = Path(tempfile.mkdtemp(prefix="tether-bench-density-"))
     print(f"tether density  {time.strftime('%Y-%m-%d %H:%M')}  python {platform.python_version()}  load average "
           f"{os.getloadavg()[0]:.2f}  {'cooperative' if args.cooperative else 'enforced'}", flush=True)

@@ -1,7 +1,7 @@
 """Large bodies pass mitmproxy in bulk (tether/proxy/framing.py, ``bulk_transfers()``; issue 28 item 4): reads of up
-to 1 MiB, h11's receive buffer handed over whole, TLS writes coalesced. What passes, and in what order, is what
-passed before: h11's readers against a model over random splits of the input, a reader's pieces, and large bodies
-both ways through a real sidecar over HTTP and HTTPS, chunked and not, compared byte for byte."""
+to 1 MiB, h11's receive buffer handed over whole. What passes, and in what order, is what passed before: h11's
+readers against a model over random splits of the input, a reader's pieces, and large bodies both ways through a
+real sidecar over HTTP and HTTPS, chunked and not, compared byte for byte."""
 
 from __future__ import annotations
 
