@@ -31,7 +31,7 @@ def _feed(reader: object, pieces: list[bytes]) -> tuple[bytes, bool]:
     """Run an h11 body reader over ``pieces`` arriving one by one: the body it extracted, and whether it ended."""
     buf = ReceiveBuffer()
     out = bytearray()
-    for piece in pieces:
+    for piece in pieces or [b""]:  # an empty body ends without a byte arriving
         buf += piece
         while True:
             event = reader(buf)  # type: ignore[operator]
