@@ -12,8 +12,8 @@ Setups, each started N times against one control plane and measured once all N s
   which supervises the command; the enclosure's two small processes counted with it;
 - ``node``: ``tether run --node SOCKET -- sleep`` against one ``tether node serve``: each agent a fork of the
   pre-loaded server plus the ``/bin/sh`` shim its caller became; the server's own PSS shared out over the agents;
-- ``before`` (with ``--before DIR``, a checkout of older code, e.g. ``git worktree add DIR main``): its
-  ``tether run``, the wrapper process and its sidecar.
+- ``before`` and ``node-before`` (with ``--before DIR``, a checkout of older code, e.g. ``git archive COMMIT | tar
+  -x -C DIR``): its ``tether run``, and its node server with its ``tether run --node``, in the same run.
 
 PSS charges each shared page to the processes mapping it in equal parts, so the sum over a node is what the node
 pays; USS is what an agent alone holds. Targets (issue 28): at 30 agents under 25 MiB PSS per agent including
@@ -125,12 +125,16 @@ def stop_all(agents: list[Agent]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--agents", default="1,10,30,100")
-    parser.add_argument("--setups", default="mitmdump,sidecar,run,node")
+    parser.add_argument("--setups", default="mitmdump,sidecar,run,node",
+                        help="with --before, before and node-before may be named too (else both run)")
     parser.add_argument("--cooperative", action="store_true", help="tether run --cooperative (no enclosure)")
-    parser.add_argument("--before", metavar="DIR", help="also the tether run of the checkout in DIR")
+    parser.add_argument("--before", metavar="DIR", help="also the tether run and the node server of the checkout in "
+                        "DIR (setups before, node-before)")
     args = parser.parse_args()
     counts = [int(c) for c in args.agents.split(",")]
-    setups = args.setups.split(",") + (["before"] if args.before else [])
+    setups = args.setups.split(",")
+    if args.before and not {"before", "node-before"} & set(setups):  # named in --setups: only those
+        setups += ["before", "node-before"]
     work = Path(tempfile.mkdtemp(prefix="tether-bench-density-"))
     print(f"tether density  {time.strftime('%Y-%m-%d %H:%M')}  python {platform.python_version()}  load average "
           f"{os.getloadavg()[0]:.2f}  {'cooperative' if args.cooperative else 'enforced'}", flush=True)
@@ -147,13 +151,16 @@ def main() -> int:
                 root = work / f"{setup}-{n}-{batch}"
                 root.mkdir()
                 server: subprocess.Popen | None = None
-                if setup == "node":
+                before = args.before if setup in ("before", "node-before") else None  # python -m runs DIR's code
+                if setup in ("node", "node-before"):
                     sock = root / "node.sock"
                     server = subprocess.Popen([PYTHON, "-m", "tether", "node", "serve", "--socket", str(sock)],
-                                              env=env, stdout=subprocess.DEVNULL, stderr=open(root / "node.log", "w"))
+                                              env=env, stdout=subprocess.DEVNULL, stderr=open(root / "node.log", "w"),
+                                              cwd=before)
                     wait_until(sock.exists, 60, what="the node server")
 
-                def start(i: int, setup: str = setup, root: Path = root, batch: int = batch) -> Agent:
+                def start(i: int, setup: str = setup, root: Path = root, batch: int = batch,
+                          before: str | None = before) -> Agent:
                     log = root / f"{i}.log"
                     out = open(log, "w")
                     if setup == "mitmdump":
@@ -170,12 +177,11 @@ def main() -> int:
                                 str(ident.key_path), "--listen", "127.0.0.1:0", "--state-dir", str(root / f"s{i}"),
                                 "--ready-file", str(ready)]
                     else:
-                        node = ["--node", str(root / "node.sock")] if setup == "node" else []
+                        node = ["--node", str(root / "node.sock")] if setup in ("node", "node-before") else []
                         argv = [PYTHON, "-m", "tether", "run", *node, *mode, "--chain", str(ident.chain_path),
                                 "--key", str(ident.key_path), "--state-dir", str(root / "state"), "--ready-file",
                                 str(ready), "--", "sleep", "3600"]
-                    proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env,
-                                            cwd=args.before if setup == "before" else None)
+                    proc = subprocess.Popen(argv, stdout=out, stderr=out, env=env, cwd=before)
                     agent = Agent(proc, ready)
                     wait_ready(agent, log)
                     return agent
@@ -218,7 +224,7 @@ def main() -> int:
         print(f"| {setup} | {n} | {f['rss']:.1f} | {f['pss']:.1f} | {f['uss']:.1f} | {f['pss_total'] / 1024:.2f} | "
               f"{ratio} |")
     print()
-    for setup in ("run", "node"):
+    for setup in ("run", "node", "node-before"):
         at30 = [f for s, n, f in rows if s == setup and n == 30]
         at100 = [f for s, n, f in rows if s == setup and n == 100]
         if at30:

@@ -118,6 +118,7 @@ def cmd_node_serve(args: argparse.Namespace) -> int:
     drop_authority()  # every fork's /proc/PID/environ is the server's as it started: no tether token in it
     path = Path(args.socket) if args.socket else default_socket()
     listener = _listen(path)
+    _one_malloc_arena()
     preload()
     import gc
 
@@ -149,6 +150,19 @@ def cmd_node_serve(args: argparse.Namespace) -> int:
         listener.close()
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def _one_malloc_arena() -> None:
+    """glibc gives each thread that allocates an arena of its own, whose touched pages are private to that agent's
+    fork: a sidecar's few threads (capture maintenance, the event loop's executor, delegation) share the main arena
+    instead. Set before anything is loaded, for the server and every fork. Elsewhere than glibc: nothing."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)
 
 
 def preload() -> None:

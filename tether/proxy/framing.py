@@ -22,10 +22,26 @@ Either way the answer carries ``Connection: close``: what the client still sends
 dropped (never kept), and the connection closes when the body ends or the client closes it. Closing at once
 instead would reset a connection whose client is still writing, and the client could lose the answer. HTTP/1
 only: an HTTP/2 or HTTP/3 request keeps mitmproxy's order (the body is read, then the answer sent).
+
+Large bodies in bulk. A large body's cost in mitmproxy is the number of trips its bytes make through the layer
+stack and the copies made on the way, not the bytes: ``bulk_transfers()`` (bench/bench_stream.py, bench/RESULTS.md
+"Streams") changes three things, none of what passes or in what order:
+
+* each read of a connection takes what has arrived, up to ``BULK_READ`` (1 MiB), where mitmproxy takes 64 KiB:
+  a 200 MiB body is 200 or more events, not 3,200 (a read never waits for more than is there, so small exchanges
+  are unchanged). The connection's reader then buffers up to twice that before it stops reading the socket
+  (mitmproxy's 128 KiB): at most 2 MiB in flight per connection;
+* h11's receive buffer, from which the HTTP/1 layer extracts a body, hands over its whole content without copying
+  it twice when the body takes all of it (``maybe_extract_at_most``, the body readers' one way in).
+
+The TLS layer still sends what it encrypted 64 KiB at a time: joining it into one write was tried and cost more
+than it saved (a 1 MiB buffer allocated per read of OpenSSL's memory BIO, and a copy; HTTPS uploads 0.6x as fast
+in bench/bench_stream.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Generator
@@ -33,7 +49,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import h11
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import http
+from mitmproxy.proxy import server as proxy_server
 from mitmproxy.proxy.layers import http as http_layer
 from mitmproxy.proxy.layers.http import _http1
 
@@ -41,6 +59,7 @@ log = logging.getLogger("tether.sidecar")
 
 ANSWER_BEFORE_BODY = "tether.answer_before_body"  # flow.metadata: the answer set at the headers goes at once
 BODY_LIMIT = "tether.body_limit"  # flow.metadata: a BodyLimit on the body read whole
+BULK_READ = 1 << 20  # bytes: the most one read of a connection hands mitmproxy's layers (bulk_transfers())
 
 
 class TrailerlessReader:
@@ -143,3 +162,60 @@ def answer_early() -> None:
     stream_cls.state_wait_for_request_headers = state_wait_for_request_headers  # type: ignore[method-assign]
     stream_cls.state_consume_request_body = state_consume_request_body  # type: ignore[method-assign]
     stream_cls.tether_answers_early = True  # type: ignore[attr-defined]
+
+
+def read_in_bulk(reader: asyncio.StreamReader, size: int = BULK_READ) -> None:
+    """Make ``reader.read(n)`` return what is buffered up to ``size`` bytes, whatever smaller ``n`` it is asked for;
+    its transport pauses at ``2 * size`` bytes buffered (asyncio's high-water mark is twice the limit)."""
+    if getattr(reader, "tether_reads_in_bulk", False):
+        return
+    reader._limit = max(reader._limit, size)
+    read = reader.read
+
+    async def read_bulk(n: int = -1) -> bytes:
+        return await read(size if 0 < n < size else n)
+
+    reader.read = read_bulk  # type: ignore[method-assign]
+    reader.tether_reads_in_bulk = True  # type: ignore[attr-defined]
+
+
+def _bulk_reads(size: int) -> None:
+    """Every TCP connection mitmproxy handles reads in pieces of up to ``size`` bytes. UDP and other readers
+    (``mitmproxy_rs`` streams) are left as they are."""
+    handler_cls = proxy_server.ConnectionHandler
+    handle_connection = handler_cls.handle_connection
+
+    async def handle_in_bulk(self: Any, connection: Any) -> None:
+        io = self.transports.get(connection)
+        if io is not None and isinstance(io.reader, asyncio.StreamReader):
+            read_in_bulk(io.reader, size)
+        await handle_connection(self, connection)
+
+    handler_cls.handle_connection = handle_in_bulk  # type: ignore[method-assign]
+
+
+def _extract_whole_buffers() -> None:
+    """h11's ``maybe_extract_at_most`` slices its buffer once to test it is not empty and again to extract: when
+    the count covers the whole buffer, the buffer itself is handed over (a new, empty one takes its place)."""
+    extract = ReceiveBuffer.maybe_extract_at_most
+
+    def maybe_extract_at_most(self: ReceiveBuffer, count: int) -> bytearray | None:
+        data = self._data
+        if count <= 0 or not data or count < len(data):
+            return extract(self, count)
+        self._data = bytearray()
+        self._next_line_search = 0
+        self._multiple_lines_search = 0
+        return data
+
+    ReceiveBuffer.maybe_extract_at_most = maybe_extract_at_most  # type: ignore[method-assign]
+
+
+def bulk_transfers(size: int = BULK_READ) -> None:
+    """Large bodies pass mitmproxy in pieces of up to ``size`` bytes with fewer copies (the module docstring);
+    idempotent, for this process."""
+    if getattr(proxy_server.ConnectionHandler, "tether_bulk_transfers", False):
+        return
+    _bulk_reads(size)
+    _extract_whole_buffers()
+    proxy_server.ConnectionHandler.tether_bulk_transfers = True  # type: ignore[attr-defined]

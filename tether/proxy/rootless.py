@@ -23,20 +23,19 @@ allows unprivileged user namespaces. Nothing here needs a capability on the host
   whatever the command left running with it. A fresh ``/proc`` shows the command its own processes only, and the
   processes that hold namespace rights are not dumpable (no ptrace, no ``/proc/PID/mem``).
 
-Outside, :class:`Enclosure` starts the inside (``python -m tether.proxy.rootless FD``: :func:`main`) and talks to it
-over a socket pair: the inside sends the two sockets (or why it could not), the outside sends the :class:`Plan`
-(mounts, covers, the command), the inside answers once the command runs. The plan is pure data.
+Outside, :class:`Enclosure` starts the inside (``python -I -S tether/proxy/inside.py FD``, a fresh interpreter that
+loads only C modules of the standard library: tether/proxy/inside.py) and talks to it over a socket pair: the inside
+sends the two sockets (or why it could not), the outside sends the :class:`Plan` (mounts, covers, the command), the
+inside answers once the command runs. The plan is pure data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import glob
 import json
 import os
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -48,7 +47,10 @@ from typing import Any
 
 from tether.capability.errors import ISOLATION_UNAVAILABLE, TetherError
 
-LISTEN_PORT = 15001  # inside the namespace: every TCP connection is redirected here
+from . import inside
+from .inside import network_commands  # noqa: F401 - the network's commands are the inside's; named here too
+
+LISTEN_PORT = inside.LISTEN_PORT  # inside the namespace: every TCP connection is redirected here
 DNS_ANSWER = "100.64.0.1"  # every name, inside; shared address space, so no catalog names it by accident
 ENABLE_HINT = ("enable unprivileged user namespaces (sysctl -w user.max_user_namespaces=15000; Debian's "
                "kernel.unprivileged_userns_clone=1; Ubuntu's kernel.apparmor_restrict_unprivileged_userns=0), "
@@ -61,10 +63,6 @@ TRUST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bund
                "/usr/lib/ssl/cert.pem", "/etc/pki/tls/cert.pem")
 TRUST_DIRS = ("/etc/ssl/certs", "/etc/pki/tls/certs", "/usr/lib/ssl/certs")
 JAVA_STORES = ("/etc/ssl/certs/java/cacerts", "/etc/pki/ca-trust/extracted/java/cacerts")
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 
 class IsolationUnavailable(TetherError):
@@ -93,20 +91,6 @@ class Plan:
     @classmethod
     def from_wire(cls, doc: dict[str, Any]) -> Plan:
         return cls(doc["command"], doc["env"], doc["cwd"], [Mount(**m) for m in doc["mounts"]])
-
-
-def network_commands(iptables: str, ip6tables: str | None) -> list[list[str]]:
-    """The namespace's network: loopback up, every address local, TCP to the listener, DNS to the resolver."""
-    commands = [["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "local", "default", "dev", "lo"],
-                [iptables, "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-j", "REDIRECT", "--to-ports",
-                 str(LISTEN_PORT)],
-                [iptables, "-w", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "53", "-j", "REDIRECT",
-                 "--to-ports", "53"]]
-    if ip6tables:
-        commands += [["ip", "-6", "route", "add", "local", "default", "dev", "lo"],
-                     [ip6tables, "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-j", "REDIRECT", "--to-ports",
-                      str(LISTEN_PORT)]]
-    return commands
 
 
 def trust_mounts(ca_pem: bytes, workdir: Path, path_dirs: list[str], cache: Path | None = None) -> list[Mount]:
@@ -365,12 +349,12 @@ class Enclosure:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.settimeout(timeout_s)
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C"}
-        process = subprocess.Popen([sys.executable, "-m", "tether.proxy.rootless", str(theirs.fileno()), iptables,
+        process = subprocess.Popen([sys.executable, "-I", "-S", inside.__file__, str(theirs.fileno()), iptables,
                                      ip6tables or ""], pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         try:
-            doc, fds = receive(ours)
-        except (OSError, EOFError) as exc:
+            doc, fds = inside.receive_values(ours)
+        except (OSError, EOFError, ValueError) as exc:
             process.kill()
             process.wait()
             raise IsolationUnavailable(f"the enclosure did not start ({exc}): {ENABLE_HINT}") from None
@@ -381,10 +365,10 @@ class Enclosure:
 
     def start(self, plan: Plan) -> None:
         """Mount and run the command; raises when the inside could not (the command did not start)."""
-        send(self.chan, plan.to_wire())
+        inside.send_values(self.chan, plan.to_wire())
         try:
-            doc, _ = receive(self.chan)
-        except (OSError, EOFError) as exc:
+            doc, _ = inside.receive_values(self.chan)
+        except (OSError, EOFError, ValueError) as exc:
             raise IsolationUnavailable(f"the enclosure stopped before the command started ({exc})") from None
         if "error" in doc:
             raise IsolationUnavailable(f"cannot enclose the command: {doc['error']}")
@@ -407,181 +391,3 @@ class Enclosure:
             self.process.wait()
         self.chan.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-# -- inside -----------------------------------------------------------------------------------------------------
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _c(text: str | None) -> bytes | None:
-    return text.encode() if text is not None else None
-
-
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    if _libc.mount(_c(source), _c(target), _c(fstype), ctypes.c_ulong(flags), _c(data)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-def _prctl(option: int, value: int) -> None:
-    _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0)
-
-
-def _map_self(inside_uid: int, outside_uid: int, inside_gid: int, outside_gid: int) -> None:
-    Path("/proc/self/setgroups").write_text("deny")
-    Path("/proc/self/uid_map").write_text(f"{inside_uid} {outside_uid} 1")
-    Path("/proc/self/gid_map").write_text(f"{inside_gid} {outside_gid} 1")
-
-
-def _network(iptables: str, ip6tables: str | None) -> bool:
-    """Set the namespace's network up; whether IPv6 is there (a kernel without it has none to guard)."""
-    ipv6 = Path("/proc/net/if_inet6").exists()
-    for cmd in network_commands(iptables, ip6tables if ipv6 else None):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
-    return ipv6
-
-
-def _sockets(ipv6: bool) -> tuple[socket.socket, socket.socket]:
-    if ipv6:
-        tcp = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        tcp.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        tcp.bind(("::", LISTEN_PORT))
-    else:
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        tcp.bind(("0.0.0.0", LISTEN_PORT))
-    tcp.listen(1024)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 53))
-    return tcp, udp
-
-
-def _apply(mounts: list[Mount]) -> None:
-    for m in mounts:
-        if m.source:
-            _mount(m.source, m.target, None, MS_BIND | (MS_REC if m.directory else 0))
-        else:
-            _mount("tmpfs", m.target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0500")
-        with contextlib.suppress(OSError):  # read-only is a courtesy: a flag the host's mount locks keeps it writable
-            kept = os.statvfs(m.target).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            _mount(None, m.target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept)
-
-
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-SI_KERNEL = 0x80  # a signal the terminal sent: the whole foreground group, the command included, has it already
-
-
-def _supervise(child: int) -> int:
-    """Wait for ``child``, passing on every signal sent to us (not those the terminal sent to everyone) and reaping
-    every other process that ends (PID 1 inherits orphans); the child's status, a death by signal N as 128+N."""
-    watched = {*FORWARDED, signal.SIGCHLD}
-    while True:
-        with contextlib.suppress(ChildProcessError):
-            while True:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                if pid == child:
-                    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        info = signal.sigwaitinfo(watched)
-        if info.si_signo != signal.SIGCHLD and info.si_code != SI_KERNEL:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, info.si_signo)
-
-
-def _fork(body: Any) -> int:
-    """Fork with the supervised signals held: none is lost before the parent waits for them; the child gets its
-    mask back."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, set())
-            os._exit(body())
-        except BaseException:
-            os._exit(126)
-    return pid
-
-
-def _command(plan: Plan, uid: int, gid: int) -> int:
-    """In the command's process: one user namespace deeper, as the invoking user, with no capability."""
-    try:
-        _prctl(PR_SET_DUMPABLE, 1)  # to write our own maps (the exec that follows makes it so anyway)
-        os.unshare(os.CLONE_NEWUSER | os.CLONE_NEWNS)
-        _map_self(uid, 0, gid, 0)
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)
-        os.chdir(plan.cwd)
-        os.execvpe(plan.command[0], plan.command, plan.env)
-    except FileNotFoundError:
-        print(f"tether: {plan.command[0]}: command not found", file=sys.stderr, flush=True)
-        return 127
-    except OSError as exc:
-        print(f"tether: cannot run {plan.command[0]}: {exc}", file=sys.stderr, flush=True)
-    return 126
-
-
-def _init(plan: Plan, uid: int, gid: int) -> int:
-    """PID 1 of the namespace: a fresh /proc, then the command, supervised."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {*FORWARDED, signal.SIGCHLD})
-    _prctl(PR_SET_DUMPABLE, 0)
-    with contextlib.suppress(OSError):  # where the host's /proc is partly covered, the kernel refuses a new one
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    return _supervise(_fork(lambda: _command(plan, uid, gid)))
-
-
-def main(argv: list[str]) -> int:
-    """The inside: enter the namespaces, set the network up, hand over the sockets, mount, run the command."""
-    chan = socket.socket(fileno=int(argv[0]))
-    iptables, ip6tables = argv[1], argv[2] or None
-    uid, gid = os.getuid(), os.getgid()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {*FORWARDED, signal.SIGCHLD})
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # tether run gone (even SIGKILLed): so is the enclosure
-    try:
-        os.unshare(os.CLONE_NEWUSER | os.CLONE_NEWNET | os.CLONE_NEWNS)
-        _map_self(0, uid, 0, gid)
-        _prctl(PR_SET_DUMPABLE, 0)  # after the maps: /proc/self of an undumpable process is not ours to write
-        _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        ipv6 = _network(iptables, ip6tables)
-        tcp, udp = _sockets(ipv6)
-    except Exception as exc:  # the outside turns it into tether.isolation_unavailable
-        _tell(chan, {"error": str(exc)})
-        return 1
-    told = _tell(chan, {"ipv6": ipv6}, fds=[tcp.fileno(), udp.fileno()])
-    tcp.close()
-    udp.close()
-    if not told:
-        return 1
-    try:
-        doc, _ = receive(chan)
-    except (OSError, EOFError):
-        return 1
-    plan = Plan.from_wire(doc)
-    try:
-        _apply(plan.mounts)
-        os.unshare(os.CLONE_NEWPID)  # only now: the next fork is the namespace's PID 1
-    except OSError as exc:
-        _tell(chan, {"error": str(exc)})
-        return 1
-
-    def init() -> int:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        chan.close()
-        return _init(plan, uid, gid)
-
-    child = _fork(init)
-    _tell(chan, {"started": True})
-    return _supervise(child)
-
-
-def _tell(chan: socket.socket, doc: dict[str, Any], fds: list[int] | None = None) -> bool:
-    """Send to the outside; False, quietly, when it is gone (a ``tether run`` interrupted while the enclosure
-    was being made: this process follows it, by PDEATHSIG, with nothing to report)."""
-    try:
-        send(chan, doc, fds=fds)
-    except (BrokenPipeError, ConnectionError):
-        return False
-    return True
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

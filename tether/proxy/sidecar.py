@@ -38,7 +38,7 @@ from .channel import ControlChannel, sleep_backoff
 from .credentials import CredentialRoutes, Credentials, Injector
 from .enforce import APPROVAL_BODY_LIMIT, Enforcer, Forwarder, Holds, Tunnels, filing_refused, own_destinations
 from .flowstate import state_of
-from .framing import answer_early, discard_trailers
+from .framing import answer_early, bulk_transfers, discard_trailers
 from .mcpcalls import McpCalls, McpLedger
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
 from .pipeline import Pipeline
@@ -264,6 +264,7 @@ class Sidecar:
         catalog, state = self.catalog, self.state
         discard_trailers()  # mitmproxy's HTTP/1 layer would raise on them (tether/proxy/framing.py)
         answer_early()  # refusals that must not wait for the request body (tether/proxy/framing.py)
+        bulk_transfers()  # large bodies in pieces of 1 MiB, not 64 KiB (tether/proxy/framing.py)
         spend = self.budgets.spend if self.budgets.active else None
         tracing = call_tracing(self.agent, self.run_id, self.resolved)
         mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
