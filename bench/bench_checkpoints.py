@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tether.capability import keys  # noqa: E402
-from tether.capability.shared import replace_file  # noqa: E402
 from tether.capability.catalog import Catalog  # noqa: E402
+from tether.capability.shared import replace_file  # noqa: E402
 from tether.controlplane.app import ControlPlane  # noqa: E402
 from tether.controlplane.merkle import Tree, record_leaf, verify_inclusion  # noqa: E402
 from tether.controlplane.notes import Checkpoint, signed_checkpoint  # noqa: E402

@@ -545,13 +545,14 @@ def _line_ends(buf: bytes | bytearray, pos: int = 0) -> Iterator[tuple[int, int]
             lf = buf.find(b"\n", end)
 
 
-def _lines(event: bytes) -> list[bytes]:
-    """An event's lines without their line ends (the last one empty when the event ends in a line end)."""
-    lines, start = [], 0
+def _lines(event: bytes) -> list[memoryview]:
+    """An event's lines without their line ends (the last one empty when the event ends in a line end), as views
+    of ``event``: a 10 MB ``data:`` line is not copied to be looked at."""
+    view, lines, start = memoryview(event), [], 0
     for at, end in _line_ends(event):
-        lines.append(event[start:at])
+        lines.append(view[start:at])
         start = end
-    lines.append(event[start:])
+    lines.append(view[start:])
     return lines
 
 
@@ -676,19 +677,20 @@ class SseListsFilter:
         return b"\n".join(kept) + b"\n\n"
 
 
-EventData = tuple[list[bytes], list[int], bytes]  # an event's lines, which of them are data lines, the payload
+EventData = tuple[list[memoryview], list[int], bytes]  # an event's lines, which of them are data lines, the payload
 
 
 def event_data(event: bytes) -> EventData | None:
     """An SSE event's ``data:`` payload (its data lines joined as the SSE spec joins them), or None when it has
-    none to read (no data line, or only empty ones: the SDK's priming event for resumption)."""
+    none to read (no data line, or only empty ones: the SDK's priming event for resumption). The payload is the
+    one copy made of the data (the lines are views of the event)."""
     lines = _lines(event)
-    data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
+    data_idx = [i for i, line in enumerate(lines) if line == b"data" or line[:5] == b"data:"]
     if not data_idx:
         return None
     values = [lines[i][5:] for i in data_idx]
-    payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
-    return (lines, data_idx, payload) if payload.strip() else None
+    payload = b"\n".join(v[1:] if v[:1] == b" " else v for v in values)
+    return (lines, data_idx, payload) if payload and not payload.isspace() else None  # (strip() would copy it)
 
 
 # -- large answers: parsed away from the event loop --------------------------------------------------------
@@ -785,6 +787,24 @@ class ReadAnswer:
     events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
 
 
+def whole_events(body: bytes) -> list[bytes]:
+    """The events of a whole SSE body, cut exactly as ``SseListsFilter`` cuts the same bytes streamed (a BOM at
+    the start skipped, CRLF, LF or a lone CR ending a line, a blank line ending an event, what is left after the
+    last one an event too), as slices of ``body``: an answer that is one event is ``body`` itself, not a copy
+    (the streaming cutter copies each event out of its buffer, twice: 10 MB answers pay for every copy)."""
+    if body.startswith(_BOM):
+        body = body[len(_BOM):]
+    events, begin, line_start = [], 0, 0
+    for at, end in _line_ends(body):
+        if at == line_start:  # a blank line ends the event
+            events.append(body[begin:end])
+            begin = end
+        line_start = end
+    if begin < len(body):
+        events.append(body[begin:])
+    return events
+
+
 def read_answer(body: bytes, sse: bool) -> ReadAnswer:
     """Parse a whole answer (heavy: run it in a worker thread; pure). ``Unreadable`` for a JSON body that is not
     JSON."""
@@ -793,9 +813,8 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
             return ReadAnswer(body, False, value=loads_pieces(body))
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise Unreadable("the answer is not JSON") from None
-    cutter = SseListsFilter(_nothing)
     events = []
-    for event in [*cutter.cut(body), *cutter.cut(b"")]:
+    for event in whole_events(body):
         data = event_data(event)
         value: Any = None
         if data is not None:
