@@ -453,7 +453,20 @@ def _hidden_notification(item: Any, visible: Visible) -> bool:
 
 
 def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[Any]:
-    return [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
+    """The items the agent may see. A list ``loads_pieces`` read (a ``Sourced``) keeps the text each kept item was
+    read from (a ``jsonpieces.Verbatim``): it is written back as the server wrote it, not encoded again (a 10 MB
+    list re-encoded cost the list's client more than its parse). Sound because no filter changes an item it
+    keeps, only which items a list holds: the judged field is read from the same parse that produced the text,
+    just as a whole answer with nothing removed passes as the server wrote it."""
+    if not isinstance(listed, Sourced):
+        return [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
+    kept = jsonpieces.Verbatim()
+    text, spans = listed.text, listed.spans
+    for e, (start, end) in zip(listed, spans, strict=True):
+        if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field]):
+            kept.append(e)
+            kept.texts.append(text[start:end])
+    return kept
 
 
 def _filter_tools_param(params: Any, visible: Visible) -> int:
@@ -673,7 +686,7 @@ class SseListsFilter:
         lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
-        kept.append(b"data: " + dumps_pieces(value).encode())
+        kept.append(b"data: " + _encoded(value, one_line=True))
         return b"\n".join(kept) + b"\n\n"
 
 
@@ -749,15 +762,30 @@ def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
             return obj, i
 
 
+class Sourced(list):  # type: ignore[type-arg]
+    """A list ``loads_pieces`` read element by element, with the text it read and where each element's text is in
+    it (``_kept`` writes kept elements back from it). Equal to the plain list it holds."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.spans: list[tuple[int, int]] = []
+
+
 def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
     """Each element read whole (one C call each), but a batch's (the top-level array's) messages, which are
-    walked in turn to reach their lists."""
-    items: list[Any] = []
+    walked in turn to reach their lists. Below the top, where each element's text is is kept (``Sourced``)."""
+    items: list[Any] = [] if top else Sourced(text)
     i = _skip(text, i + 1)
     if text.startswith("]", i):
         return items, i + 1
     while True:
-        item, i = _piece(text, i, depth - 1) if top else _DECODER.raw_decode(text, i)
+        if top:
+            item, i = _piece(text, i, depth - 1)
+        else:
+            start = i
+            item, i = _DECODER.raw_decode(text, i)
+            items.spans.append((start, i))  # type: ignore[attr-defined]
         items.append(item)
         i, done = _after_member(text, i, "]")
         if done:
@@ -827,8 +855,20 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
 
 
 def dumps_pieces(value: Any) -> str:
-    """``json.dumps(value)``, byte for byte, with long lists encoded element by element (``jsonpieces``)."""
+    """``json.dumps(value)``, byte for byte, with long lists encoded element by element (``jsonpieces``), but the
+    items a filter kept of a list ``loads_pieces`` read, which are written as the server wrote them (``_kept``)."""
     return jsonpieces.dumps(value, sort_keys=False, separators=(", ", ": "))
+
+
+def _encoded(value: Any, one_line: bool = False) -> bytes:
+    """A filtered value's bytes: kept items written back from the server's text may hold any character it sent
+    (a lone surrogate it escaped or encoded included), so they go back as they came. ``one_line``: for an SSE
+    ``data:`` line, which a line end inside would cut (JSON may put CR or LF between its tokens, and a line
+    that then begins with ``:`` is a comment to the client): such a value is encoded afresh instead."""
+    out = dumps_pieces(value).encode("utf-8", "surrogatepass")
+    if one_line and (b"\n" in out or b"\r" in out):
+        out = jsonpieces.dumps(value, sort_keys=False, separators=(", ", ": "), verbatim=False).encode()
+    return out
 
 
 def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> tuple[bytes, int, SseListsFilter]:
@@ -841,7 +881,7 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
             return answer.body, 0, sse
-        return (b"" if value is None else dumps_pieces(value).encode()), removed, sse
+        return (b"" if value is None else _encoded(value)), removed, sse
     out = []
     for event, data, value in answer.events:
         if data is None:
