@@ -20,7 +20,8 @@ mitmdump), and the time to read it and parse it as an MCP client does before it 
 (``json.loads`` of the body, or of each event's data). Target: tether's read + parse within 1.5x of direct's
 (what an agent waits for before it has the tools). Read alone cannot get there for any proxy that filters: the
 sidecar must parse the whole answer before it knows what to pass, which costs about what the direct client's
-own parse costs.
+own parse costs. ``--before PYTHON:TREE`` adds each tether setup again as *before ...*, its sidecar running the
+code of another checkout, so a change is measured against the code before it in the same run, interleaved.
 
 Meanwhile a second client, in a process of its own and on its own connection through the same proxy, calls
 ``add`` every 20 ms: its latency while the big answer is in flight (from the request until the big client has
@@ -52,6 +53,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import aiohttp  # noqa: E402
 import bench_sidecar as bs  # noqa: E402
 
+from tests import harness  # noqa: E402
 from tests.harness import SidecarProcess, free_port, make_test_ca, prepare_controlplane  # noqa: E402
 
 TARGET = 1.5  # tether's tools/list time against direct
@@ -178,14 +180,26 @@ def add_caller(url: str, proxy: str | None, idle_calls: int, go: Any, stop: Any,
     out.put(during)
 
 
-async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int) -> dict[str, Any]:
-    """The small call alone, then the big list with the small call repeating beside it (another process)."""
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat``): the work, which the load of a shared
+    machine does not stretch the way it stretches wall-clock times."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int, pid: int | None) -> dict[str, Any]:
+    """The small call alone, then the big list with the small call repeating beside it (another process); and
+    the CPU the proxy process ``pid`` spent from the big request until half a second after the answer (its
+    capture of the answer is written after it is sent)."""
     mp = multiprocessing.get_context("spawn")
     go, stop, out = mp.Event(), mp.Event(), mp.Queue()
     caller = mp.Process(target=add_caller, args=(url, proxy, idle_calls, go, stop, out))
     caller.start()
     try:
         idle = await asyncio.to_thread(out.get, True, 120)
+        cpu = cpu_s(pid)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as big:
             go.set()
             try:
@@ -193,11 +207,14 @@ async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int) -> 
             finally:
                 stop.set()
         during = await asyncio.to_thread(out.get, True, 120)
+        await asyncio.sleep(0.5)
+        cpu = cpu_s(pid) - cpu
     finally:
         caller.join(30)
         if caller.is_alive():
             caller.kill()
-    return {"elapsed": elapsed, "used": used, "size": size, "tools": tools, "idle": idle, "during": during}
+    return {"elapsed": elapsed, "used": used, "size": size, "tools": tools, "idle": idle, "during": during,
+            "cpu": cpu}
 
 
 def ms(seconds: float) -> str:
@@ -213,6 +230,10 @@ def main() -> int:
                         help="tether some hidden: every N-th listed tool is not granted")
     parser.add_argument("--piece", type=int, default=16384, help="bytes per write of the upstream")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before", metavar="PYTHON:TREE",
+                        help="also run each tether setup's sidecar from another checkout (the code before a change), "
+                             "as setups of the same run: TREE's tether/ imported by PYTHON, an interpreter with this "
+                             "venv's packages but not its editable install of tether")
     parser.add_argument("--quick", action="store_true", help="2 rounds of a 2 MB answer")
     args = parser.parse_args()
     if args.quick:
@@ -240,15 +261,23 @@ def main() -> int:
                   f"8 KiB holds about {MAX_GRANTS}); run with --tools {MAX_GRANTS} for it")
         setups = ("direct", "mitmdump", *grants)
         sidecars = {}
+        if args.before:
+            grants.update({k.replace("tether", "before"): v for k, v in grants.items()})
+            setups = ("direct", "mitmdump", *grants)
         for setup, granted in grants.items():
             agent = "bench-" + setup.replace(" ", "-")
             sidecar = sidecars[setup] = SidecarProcess(cp, cp.issue(agent, {"mcp.add": "direct", **{
                 f"list.{n}": "direct" for n in granted}}))
             stack.callback(sidecar.stop)
-            sidecar.start(upstream_ca=ca.ca_pem)
+            if setup.startswith("before"):
+                start_from(sidecar, *args.before.split(":", 1), ca.ca_pem)
+            else:
+                sidecar.start(upstream_ca=ca.ca_pem)
         mitm = bs.MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()
         stack.callback(mitm.stop)
         proxies = {"direct": None, "mitmdump": mitm.proxy, **{k: v.proxy for k, v in sidecars.items()}}
+        pids = {"direct": None, "mitmdump": mitm.proc.pid if mitm.proc else None,
+                **{k: v.proc.pid if v.proc else None for k, v in sidecars.items()}}
         print(f"  answer {upstream.size / 1e6:.1f} MB, {args.tools + 1} tools, granted (besides add): "
               f"{', '.join(f'{k} {len(v)}' for k, v in grants.items())}; "
               f"upstream writes of {args.piece} bytes, {args.rounds} rounds")
@@ -258,19 +287,34 @@ def main() -> int:
                 turn = r % len(setups)
                 order = setups[turn:] + setups[:turn]  # the order rotates: load hits every setup alike
                 for setup in order:
-                    results[kind, setup].append(asyncio.run(one_round(upstream.url, proxies[setup], kind, 20)))
+                    results[kind, setup].append(asyncio.run(one_round(upstream.url, proxies[setup], kind, 20,
+                                                                      pids[setup])))
             print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
         verdicts = report(results, setups)
         print(f"load average at the end {os.getloadavg()[0]:.2f}; sidecar logs under {cp.directory / 'sidecars'}")
     return 0 if all(verdicts) else 1
 
 
+def start_from(sidecar: SidecarProcess, python: str, tree: str, upstream_ca: Path) -> None:
+    """Start ``sidecar`` on the code of another checkout: ``python -m tether`` with ``tree`` first on its path."""
+    saved, path = harness.PYTHON, os.environ.get("PYTHONPATH")
+    harness.PYTHON, os.environ["PYTHONPATH"] = python, tree
+    try:
+        sidecar.start(upstream_ca=upstream_ca)
+    finally:
+        harness.PYTHON = saved
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
 def report(results: dict[tuple[str, str], list[dict[str, Any]]], setups: tuple[str, ...]) -> list[bool]:
     verdicts = []
     print()
     print("| answer | setup | read s | x direct | x mitmdump | read + parse s | x direct | tools / bytes to the client "
-          "| add p50 idle ms | add p50 during ms | add max during ms | add calls during |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| add p50 idle ms | add p50 during ms | add max during ms | add calls during | proxy CPU s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in KINDS:
         med = {s: statistics.median(r["elapsed"] for r in results[kind, s]) for s in setups}
         used = {s: statistics.median(r["used"] for r in results[kind, s]) for s in setups}
@@ -282,7 +326,7 @@ def report(results: dict[tuple[str, str], list[dict[str, Any]]], setups: tuple[s
                   f"{med[setup] / med['mitmdump']:.2f} | {used[setup]:.3f} | {used[setup] / used['direct']:.2f} | "
                   f"{rows[-1]['tools']} / {rows[-1]['size']} | {ms(statistics.median(idle))} | "
                   f"{ms(statistics.median(during)) if during else '-'} | {ms(max(during)) if during else '-'} | "
-                  f"{len(during)} |")
+                  f"{len(during)} | {statistics.median(r['cpu'] for r in rows):.3f} |")
         for setup in setups[2:]:
             ok = used[setup] / used["direct"] <= TARGET
             verdicts.append(ok)
