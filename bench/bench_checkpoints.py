@@ -1,7 +1,8 @@
 """What a signed checkpoint and its proofs cost, against sealing the record they follow (the baseline, measured
 in the same run): at 1, 1,000 and 100,000 records in the log.
 
-Run: python bench/bench_checkpoints.py
+Run: python bench/bench_checkpoints.py                  (~20 minutes on 2 loaded cores: it fills 100,000-record logs)
+     python bench/bench_checkpoints.py --sizes 1,1000    (a couple of minutes)
 
 For each log size N it times, in CPU time of this thread (the work is CPU-bound and single-threaded; the best
 of several batches, the figure least disturbed on a shared machine):
@@ -14,8 +15,8 @@ of several batches, the figure least disturbed on a shared machine):
 Targets (issue 26): a checkpoint adds under 5 % to writing a record; a proof for 100,000 records verifies
 in under 1 ms.
 
-Then, against the record write a termination really does (``--termination``, on by default; ``--store``
-sqlite, redis or both): a control plane's services (``ControlPlane``, in this process) over a real store (a
+Then, against the record write a termination really does (``--store sqlite|redis|both``, both by default;
+``none`` skips it): a control plane's services (``ControlPlane``, in this process) over a real store (a
 SQLite file; a ``redis-server`` started here) whose log holds N records, its ``TerminationService.write_record``
 writing one termination's record (an agent with ``--calls`` reported calls: the log's heads read, the calls
 staged, the record hashed, signed and appended) without a checkpoint sink (A), and the same followed by what
