@@ -9,15 +9,19 @@ tools (``--tools`` of them, descriptions padded to fit), as one SSE event (``tex
 ``--piece``-byte writes, each awaited (so the proxy reads the answer in many pieces). ``tools/call`` of ``add``
 answers a few bytes at once.
 
-Three setups, all with the same aiohttp client and rounds alternating: *direct* (no proxy), *mitmdump* (bare
-mitmproxy, no addons: the cost of the proxy alone) and *tether* (a real ``tether sidecar`` process under a real
-control plane, the agent granted ``add`` and ``--granted`` of the listed tools, so the sidecar reads and
-filters every byte and passes the granted part). Printed per answer kind and setup, medians over the rounds:
-the time to read the whole answer (its ratio to direct and to mitmdump), and the time to read it and parse it
-as an MCP client does before it can use the list (``json.loads`` of the body, or of each event's data). Target:
-tether's read + parse within 1.5x of direct's (what an agent waits for before it has the tools). Read alone
-cannot get there for any proxy that filters: the sidecar must parse the whole answer before it knows what to
-pass, which costs about what the direct client's own parse costs.
+Five setups, all with the same aiohttp client and rounds alternating (the order rotates): *direct* (no proxy),
+*mitmdump* (bare mitmproxy, no addons: the cost of the proxy alone) and three real ``tether sidecar`` processes
+under one real control plane, each an agent granted ``add`` and a share of the listed tools, so the sidecar
+reads and parses every byte: *tether all* (every listed tool granted: nothing is removed and the answer passes
+as the upstream wrote it), *tether some hidden* (every ``--hide-every``-th tool hidden: most of the answer is
+re-encoded and passed) and *tether most hidden* (``--granted`` of the tools held: 1 % passes). Printed per answer
+kind and setup, medians over the rounds: the time to read the whole answer (its ratio to direct and to
+mitmdump), and the time to read it and parse it as an MCP client does before it can use the list
+(``json.loads`` of the body, or of each event's data). Target: tether's read + parse within 1.5x of direct's
+(what an agent waits for before it has the tools). Read alone cannot get there for any proxy that filters: the
+sidecar must parse the whole answer before it knows what to pass, which costs about what the direct client's
+own parse costs. ``--before PYTHON:TREE`` adds each tether setup again as *before ...*, its sidecar running the
+code of another checkout, so a change is measured against the code before it in the same run, interleaved.
 
 Meanwhile a second client, in a process of its own and on its own connection through the same proxy, calls
 ``add`` every 20 ms: its latency while the big answer is in flight (from the request until the big client has
@@ -49,10 +53,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import aiohttp  # noqa: E402
 import bench_sidecar as bs  # noqa: E402
 
+from tests import harness  # noqa: E402
 from tests.harness import SidecarProcess, free_port, make_test_ca, prepare_controlplane  # noqa: E402
 
 TARGET = 1.5  # tether's tools/list time against direct
-SETUPS = ("direct", "mitmdump", "tether")
+MAX_GRANTS = 200  # tool grants one link can carry (a link is a JWS of at most 8 KiB: tether.chain_invalid past it)
 KINDS = ("sse", "json")
 
 # The upstream in a process of its own. argv: port, tools, MB, piece. Prints "ready" once listening.
@@ -175,14 +180,26 @@ def add_caller(url: str, proxy: str | None, idle_calls: int, go: Any, stop: Any,
     out.put(during)
 
 
-async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int) -> dict[str, Any]:
-    """The small call alone, then the big list with the small call repeating beside it (another process)."""
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat``): the work, which the load of a shared
+    machine does not stretch the way it stretches wall-clock times."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int, pid: int | None) -> dict[str, Any]:
+    """The small call alone, then the big list with the small call repeating beside it (another process); and
+    the CPU the proxy process ``pid`` spent from the big request until half a second after the answer (its
+    capture of the answer is written after it is sent)."""
     mp = multiprocessing.get_context("spawn")
     go, stop, out = mp.Event(), mp.Event(), mp.Queue()
     caller = mp.Process(target=add_caller, args=(url, proxy, idle_calls, go, stop, out))
     caller.start()
     try:
         idle = await asyncio.to_thread(out.get, True, 120)
+        cpu = cpu_s(pid)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as big:
             go.set()
             try:
@@ -190,11 +207,14 @@ async def one_round(url: str, proxy: str | None, kind: str, idle_calls: int) -> 
             finally:
                 stop.set()
         during = await asyncio.to_thread(out.get, True, 120)
+        await asyncio.sleep(0.5)
+        cpu = cpu_s(pid) - cpu
     finally:
         caller.join(30)
         if caller.is_alive():
             caller.kill()
-    return {"elapsed": elapsed, "used": used, "size": size, "tools": tools, "idle": idle, "during": during}
+    return {"elapsed": elapsed, "used": used, "size": size, "tools": tools, "idle": idle, "during": during,
+            "cpu": cpu}
 
 
 def ms(seconds: float) -> str:
@@ -206,8 +226,14 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=10.0, help="size of the tools/list answer")
     parser.add_argument("--tools", type=int, default=20000, help="tools in the list (besides add)")
     parser.add_argument("--granted", type=int, default=200, help="listed tools the agent holds (besides add)")
+    parser.add_argument("--hide-every", type=int, default=10,
+                        help="tether some hidden: every N-th listed tool is not granted")
     parser.add_argument("--piece", type=int, default=16384, help="bytes per write of the upstream")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before", metavar="PYTHON:TREE",
+                        help="also run each tether setup's sidecar from another checkout (the code before a change), "
+                             "as setups of the same run: TREE's tether/ imported by PYTHON, an interpreter with this "
+                             "venv's packages but not its editable install of tether")
     parser.add_argument("--quick", action="store_true", help="2 rounds of a 2 MB answer")
     args = parser.parse_args()
     if args.quick:
@@ -220,43 +246,79 @@ def main() -> int:
         stack.callback(upstream.stop)
         ca = make_test_ca(work / "ca")
         cp = prepare_controlplane(work / "cp", free_port(), free_port(), upstream.port, lease_ttl=15.0)
+        names = [f"tool_{i:06d}" for i in range(args.tools)]
         step = max(1, args.tools // max(1, args.granted))
-        granted = [f"tool_{i:06d}" for i in range(0, args.tools, step)][:args.granted]
-        caps = "".join(f'  list.{n}: {{mcp: {{url: "{upstream.url}", tool: {n}}}}}\n' for n in granted)
+        grants = {"tether all": names, "tether some hidden": [n for i, n in enumerate(names) if i % args.hide_every],
+                  "tether most hidden": names[::step][:args.granted]}
+        caps = "".join(f'  list.{n}: {{mcp: {{url: "{upstream.url}", tool: {n}}}}}\n' for n in names)
         cp.catalog_path.write_text(cp.catalog_path.read_text().replace("roles:", caps + "roles:"))
         cp.start()
         stack.callback(cp.stop)
-        sidecar = SidecarProcess(cp, cp.issue("bench-list", {"mcp.add": "direct", **{f"list.{n}": "direct"
-                                                                                       for n in granted}}))
-        stack.callback(sidecar.stop)
-        sidecar.start(upstream_ca=ca.ca_pem)
+        if grants["tether most hidden"] == grants["tether all"]:
+            del grants["tether most hidden"]  # a list this short is held whole: the same setup twice
+        for setup in [k for k, v in grants.items() if len(v) > MAX_GRANTS]:
+            print(f"  {setup}: skipped, {len(grants.pop(setup))} grants do not fit in one link (a JWS of at most "
+                  f"8 KiB holds about {MAX_GRANTS}); run with --tools {MAX_GRANTS} for it")
+        setups = ("direct", "mitmdump", *grants)
+        sidecars = {}
+        if args.before:
+            grants.update({k.replace("tether", "before"): v for k, v in grants.items()})
+            setups = ("direct", "mitmdump", *grants)
+        for setup, granted in grants.items():
+            agent = "bench-" + setup.replace(" ", "-")
+            sidecar = sidecars[setup] = SidecarProcess(cp, cp.issue(agent, {"mcp.add": "direct", **{
+                f"list.{n}": "direct" for n in granted}}))
+            stack.callback(sidecar.stop)
+            if setup.startswith("before"):
+                start_from(sidecar, *args.before.split(":", 1), ca.ca_pem)
+            else:
+                sidecar.start(upstream_ca=ca.ca_pem)
         mitm = bs.MitmdumpProcess(work / "mitmdump", ca.ca_pem).start()
         stack.callback(mitm.stop)
-        proxies = {"direct": None, "mitmdump": mitm.proxy, "tether": sidecar.proxy}
-        print(f"  answer {upstream.size / 1e6:.1f} MB, {args.tools + 1} tools, {len(granted) + 1} granted, "
+        proxies = {"direct": None, "mitmdump": mitm.proxy, **{k: v.proxy for k, v in sidecars.items()}}
+        pids = {"direct": None, "mitmdump": mitm.proc.pid if mitm.proc else None,
+                **{k: v.proc.pid if v.proc else None for k, v in sidecars.items()}}
+        print(f"  answer {upstream.size / 1e6:.1f} MB, {args.tools + 1} tools, granted (besides add): "
+              f"{', '.join(f'{k} {len(v)}' for k, v in grants.items())}; "
               f"upstream writes of {args.piece} bytes, {args.rounds} rounds")
-        results: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in KINDS for s in SETUPS}
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in KINDS for s in setups}
         for r in range(args.rounds):
             for kind in KINDS:
-                order = SETUPS[r % 3:] + SETUPS[:r % 3]  # the order rotates: load hits every setup alike
+                turn = r % len(setups)
+                order = setups[turn:] + setups[:turn]  # the order rotates: load hits every setup alike
                 for setup in order:
-                    results[kind, setup].append(asyncio.run(one_round(upstream.url, proxies[setup], kind, 20)))
+                    results[kind, setup].append(asyncio.run(one_round(upstream.url, proxies[setup], kind, 20,
+                                                                      pids[setup])))
             print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
-        verdicts = report(results, upstream.size)
-        print(f"load average at the end {os.getloadavg()[0]:.2f}; sidecar log {sidecar.state_dir / 'sidecar.log'}")
+        verdicts = report(results, setups)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}; sidecar logs under {cp.directory / 'sidecars'}")
     return 0 if all(verdicts) else 1
 
 
-def report(results: dict[tuple[str, str], list[dict[str, Any]]], size: int) -> list[bool]:
+def start_from(sidecar: SidecarProcess, python: str, tree: str, upstream_ca: Path) -> None:
+    """Start ``sidecar`` on the code of another checkout: ``python -m tether`` with ``tree`` first on its path."""
+    saved, path = harness.PYTHON, os.environ.get("PYTHONPATH")
+    harness.PYTHON, os.environ["PYTHONPATH"] = python, tree
+    try:
+        sidecar.start(upstream_ca=upstream_ca)
+    finally:
+        harness.PYTHON = saved
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
+def report(results: dict[tuple[str, str], list[dict[str, Any]]], setups: tuple[str, ...]) -> list[bool]:
     verdicts = []
     print()
     print("| answer | setup | read s | x direct | x mitmdump | read + parse s | x direct | tools / bytes to the client "
-          "| add p50 idle ms | add p50 during ms | add max during ms | add calls during |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| add p50 idle ms | add p50 during ms | add max during ms | add calls during | proxy CPU s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind in KINDS:
-        med = {s: statistics.median(r["elapsed"] for r in results[kind, s]) for s in SETUPS}
-        used = {s: statistics.median(r["used"] for r in results[kind, s]) for s in SETUPS}
-        for setup in SETUPS:
+        med = {s: statistics.median(r["elapsed"] for r in results[kind, s]) for s in setups}
+        used = {s: statistics.median(r["used"] for r in results[kind, s]) for s in setups}
+        for setup in setups:
             rows = results[kind, setup]
             idle = [x for r in rows for x in r["idle"]]
             during = [x for r in rows for x in r["during"]]
@@ -264,12 +326,13 @@ def report(results: dict[tuple[str, str], list[dict[str, Any]]], size: int) -> l
                   f"{med[setup] / med['mitmdump']:.2f} | {used[setup]:.3f} | {used[setup] / used['direct']:.2f} | "
                   f"{rows[-1]['tools']} / {rows[-1]['size']} | {ms(statistics.median(idle))} | "
                   f"{ms(statistics.median(during)) if during else '-'} | {ms(max(during)) if during else '-'} | "
-                  f"{len(during)} |")
-        ok = used["tether"] / used["direct"] <= TARGET
-        verdicts.append(ok)
-        print(f"|   | {kind}: tether read + parse {used['tether'] / used['direct']:.2f}x direct, target <= {TARGET}x: "
-              f"{'met' if ok else 'MISSED'}; read alone {med['tether'] / med['direct']:.2f}x direct, "
-              f"{med['tether'] / med['mitmdump']:.2f}x mitmdump |")
+                  f"{len(during)} | {statistics.median(r['cpu'] for r in rows):.3f} |")
+        for setup in setups[2:]:
+            ok = used[setup] / used["direct"] <= TARGET
+            verdicts.append(ok)
+            print(f"|   | {kind}: {setup} read + parse {used[setup] / used['direct']:.2f}x direct, target <= "
+                  f"{TARGET}x: {'met' if ok else 'MISSED'}; read alone {med[setup] / med['direct']:.2f}x direct, "
+                  f"{med[setup] / med['mitmdump']:.2f}x mitmdump |")
     return verdicts
 
 

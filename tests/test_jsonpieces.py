@@ -36,3 +36,17 @@ def test_a_record_sized_document_with_long_lists_is_identical() -> None:
     for ascii_only in (True, False):
         got, expected = both(record, ensure_ascii=ascii_only)
         assert got == expected
+
+
+def test_a_verbatim_list_is_written_as_its_texts_and_only_when_asked() -> None:
+    """``Verbatim`` (what the MCP list filter keeps of a list it read) is written as the texts it was read from;
+    with ``verbatim=False``, and for ``json.dumps``, it is any list."""
+    kept = jsonpieces.Verbatim()
+    kept.extend([{"a": 1}, {"b": "\u00e9"}])
+    kept.texts.extend(['{"a" :1}', '{"b": "\u00e9"}'])
+    doc = {"result": {"tools": kept}, "id": 1}
+    assert jsonpieces.dumps(doc, sort_keys=False, separators=(", ", ": ")) == \
+        '{"result": {"tools": [{"a" :1}, {"b": "\u00e9"}]}, "id": 1}'
+    plain = json.dumps(doc)
+    assert jsonpieces.dumps(doc, sort_keys=False, separators=(", ", ": "), verbatim=False) == plain
+    assert json.loads(plain) == {"result": {"tools": [{"a": 1}, {"b": "\u00e9"}]}, "id": 1}

@@ -73,3 +73,68 @@ def test_a_whole_json_answer_filters_as_the_json_filter_does() -> None:
     assert mcp.filter_answer(mcp.read_answer(untouched, sse=False), allowed)[:2] == (untouched, 0)
     with pytest.raises(mcp.Unreadable):
         mcp.read_answer(b"{not json", sse=False)
+
+
+# -- kept items are written back as the server wrote them (not encoded again) ----------------------------------
+def tool_text(name: str, style: int) -> str:
+    """A tool as servers spell them: json.dumps's spacing, none, pretty-printed, characters unescaped or escaped."""
+    tool = {"name": name, "description": "caf\u00e9 \u2215 \\ \"q\"", "inputSchema": {"type": "object"}}
+    return [json.dumps(tool), json.dumps(tool, separators=(",", ":"), ensure_ascii=False),
+            json.dumps(tool, indent=2), '{"description": "\\u00e9\\ud800", "name" : "' + name + '"}'][style % 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tools=st.lists(st.tuples(st.sampled_from(["add", "send_email", "delete_everything", "slow", "a\u00e9"]),
+                                st.integers(0, 3)), max_size=12),
+       sse=st.booleans(), spacing=st.sampled_from(["", " ", "\n  "]))
+def test_a_filtered_list_holds_the_kept_items_as_written_and_nothing_else(tools: list[tuple[str, int]], sse: bool,
+                                                                         spacing: str) -> None:
+    texts = [tool_text(name, style) for name, style in tools]
+    payload = ('{"jsonrpc": "2.0", "id": 7, "result": {"tools": [' + spacing + ("," + spacing).join(texts) + spacing
+               + '], "nextCursor": "c\u00e9"}}')
+    body = (b"event: message\ndata: " + payload.replace("\n", "\ndata: ").encode() + b"\n\n") if sse \
+        else payload.encode()
+    out, removed, _ = mcp.filter_answer(mcp.read_answer(body, sse), allowed)
+    want, want_removed = mcp.filter_lists_message(json.loads(payload), allowed)
+    assert removed == want_removed == sum(name not in mcp_granted() for name, _ in tools)
+    if not removed:
+        assert out == body  # nothing hidden: the answer passes as it came
+    if sse:
+        lines = [line for line in out.split(b"\n") if line]
+        assert lines[0] == b"event: message" and (len(lines) == 2 or not removed), "one data line, no line end in it"
+        data = b"\n".join(line.removeprefix(b"data: ") for line in lines[1:])
+        got = json.loads(data.decode("utf-8", "surrogatepass"))
+    else:
+        got = json.loads(out.decode("utf-8", "surrogatepass"))
+    assert got == want  # what the client reads is the filtered list, whatever was re-used
+    # A data line cannot hold a line end: an SSE list with a kept item spelled over lines is encoded afresh.
+    afresh = sse and any("\n" in tool_text(name, style) for name, style in tools if name in mcp_granted())
+    for name, style in tools:
+        if name not in mcp_granted():
+            assert f'"{name}"'.encode() not in out
+        elif removed and not afresh:
+            assert tool_text(name, style).encode("utf-8", "surrogatepass") in out  # kept as it was written
+
+
+def mcp_granted() -> set[str]:
+    return {name for name in ("add", "send_email", "delete_everything", "slow", "a\u00e9") if allowed(name)}
+
+
+def test_a_list_named_twice_is_filtered_as_read_and_the_first_spelling_never_passes() -> None:
+    """JSON keeps the last of a repeated key: the list read is the second; nothing of the first may pass."""
+    first, second = tool_text("delete_everything", 0), tool_text("add", 1) + ", " + tool_text("slow", 2)
+    body = ('{"jsonrpc": "2.0", "id": 1, "result": {"tools": [' + first + '], "tools": [' + second + ']}}').encode()
+    out, removed, _ = mcp.filter_answer(mcp.read_answer(body, sse=False), allowed)
+    assert removed == 1 and b"delete_everything" not in out and b"slow" not in out
+    assert json.loads(out) == {"jsonrpc": "2.0", "id": 1, "result": {"tools": [json.loads(tool_text("add", 1))]}}
+    assert tool_text("add", 1).encode() in out
+
+
+def test_a_server_request_s_offered_tools_keep_their_text_too() -> None:
+    """``sampling/createMessage`` params.tools, filtered the same way: the hidden tool gone, the kept as sent."""
+    kept, hidden = tool_text("send_email", 1), tool_text("delete_everything", 3)
+    body = ('{"jsonrpc": "2.0", "id": 3, "method": "sampling/createMessage", "params": {"messages": [], '
+            '"tools": [' + hidden + ", " + kept + "]}}").encode()
+    out, removed, _ = mcp.filter_answer(mcp.read_answer(body, sse=False), allowed)
+    assert removed == 1 and b"delete_everything" not in out and kept.encode() in out
+    assert json.loads(out)["params"]["tools"] == [json.loads(kept)]

@@ -97,6 +97,40 @@ def test_every_split_of_a_stream_passes_what_one_chunk_passes(eols: list[int], e
     assert (split.removed, split.dropped, split.answered) == (whole.removed, whole.dropped, whole.answered)
 
 
+@settings(max_examples=150, deadline=None)
+@given(eols=st.lists(st.integers(0, 2), min_size=1, max_size=12),
+       extra=st.lists(st.sampled_from([b"\n", b"\r", b"\r\n", b"\n\n", b"data: 1", b"\xef\xbb\xbf", b" "]),
+                      max_size=6),
+       bom=st.booleans())
+def test_a_whole_answer_is_cut_and_filtered_as_the_streaming_filter_does(eols: list[int], extra: list[bytes],
+                                                                        bom: bool) -> None:
+    """``read_answer`` cuts a whole body with ``whole_events`` (slices, no copies), not with the streaming
+    cutter: the events, and what the client then gets, must be the same bytes, whatever the line ends, a BOM,
+    an event left without its blank line, or stray line ends at the start and the end."""
+    body = (b"\xef\xbb\xbf" if bom else b"") + b"".join(extra[:2]) + stream(eols)[3:] + b"".join(extra[2:])
+    cutter = mcp.SseListsFilter(allowed)
+    assert mcp.whole_events(body) == [*cutter.cut(body), *cutter.cut(b"")]
+    streamed = mcp.SseListsFilter(allowed)
+    expected = run(streamed, [body])
+    got, removed, seen = mcp.filter_answer(mcp.read_answer(body, True), allowed)
+    assert got == expected
+    assert (removed, seen.dropped, seen.answered) == (streamed.removed, streamed.dropped, streamed.answered)
+
+
+def test_a_one_event_answer_is_read_without_copying_the_event() -> None:
+    """The one copy of a 2 MB event's data is its payload: the event is the body itself, its lines are views."""
+    body = b"event: message\ndata: " + json.dumps(listing(1, ["add", "x" * 2_000_000])).encode() + b"\n\n"
+    (event,) = mcp.whole_events(body)
+    assert event is body
+    data = mcp.event_data(event)
+    assert data is not None
+    lines, data_idx, payload = data
+    assert all(isinstance(line, memoryview) and line.obj is body for line in lines) and data_idx == [1]
+    assert payload == body[len(b"event: message\ndata: "):-2]
+    out, removed, _ = mcp.filter_answer(mcp.read_answer(body, True), allowed)
+    assert removed == 1 and json.loads(out.split(b"data: ", 1)[1]) == listing(1, ["add"])
+
+
 def test_the_lf_of_a_split_crlf_inside_an_event_is_not_read_twice() -> None:
     """``retry: 10\\r`` | ``\\n\\n...``: the CR ends the line at once, its LF follows in the next chunk, then a
     blank line. Sent on as CR LF LF the client reads the same line end and blank line (not CR LF: no blank line,

@@ -22,10 +22,20 @@ LONG = 64  # lists longer than this are encoded one element at a time
 DEPTH = 3  # how deep into nested objects long lists are looked for (a record's calls are one level down)
 
 
+class Verbatim(list):  # type: ignore[type-arg]
+    """A list written as ``texts`` (each element's JSON as it was read), not encoded again: what a filter keeps
+    of a list it read (``proxy.mcp``). ``json.dumps`` of it encodes the elements as any list's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+
 def dumps(doc: Any, *, sort_keys: bool = True, separators: tuple[str, str] = (",", ":"),
-          ensure_ascii: bool = True) -> str:
+          ensure_ascii: bool = True, verbatim: bool = True) -> str:
+    """``json.dumps(doc)``, but a ``Verbatim`` list (unless not ``verbatim``) written as its texts."""
     encode = functools.partial(json.dumps, sort_keys=sort_keys, separators=separators, ensure_ascii=ensure_ascii)
-    return "".join(_pieces(doc, encode, separators, sort_keys, DEPTH))
+    return "".join(_pieces(doc, encode, separators, sort_keys, DEPTH, verbatim))
 
 
 def canonical_json(value: Any) -> bytes:
@@ -35,9 +45,11 @@ def canonical_json(value: Any) -> bytes:
 
 
 def _pieces(value: Any, encode: Callable[[Any], str], separators: tuple[str, str], sort_keys: bool,
-            depth: int) -> Iterator[str]:
+            depth: int, verbatim: bool = True) -> Iterator[str]:
     item_sep, key_sep = separators
-    if depth > 0 and isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+    if verbatim and isinstance(value, Verbatim) and len(value.texts) == len(value):
+        yield "[" + item_sep.join(value.texts) + "]"
+    elif depth > 0 and isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
         yield "{"
         items = sorted(value.items()) if sort_keys else value.items()
         for n, (key, item) in enumerate(items):
@@ -45,7 +57,7 @@ def _pieces(value: Any, encode: Callable[[Any], str], separators: tuple[str, str
                 yield item_sep
             yield encode(key)
             yield key_sep
-            yield from _pieces(item, encode, separators, sort_keys, depth - 1)
+            yield from _pieces(item, encode, separators, sort_keys, depth - 1, verbatim)
         yield "}"
     elif isinstance(value, list) and len(value) > LONG:
         yield "["

@@ -156,12 +156,13 @@ class McpFilter:
             if calls is not None and flow is not None:
                 calls.answered(flow, item)
 
-        tools, prompts = catalog.mcp_named(server, "tool"), catalog.mcp_named(server, "prompt")
+        # One look-up per name judged, not a copy of the catalog's names of that server for every answer (with
+        # 20,000 tools in the catalog the copy cost each MCP answer about 8 ms of CPU).
         return mcp.Visible(
-            tool=lambda name: held(tools.get(name, [])),
+            tool=lambda name: held(catalog.match_mcp_item(server, "tool", name)),
             resource=lambda uri: held(catalog.match_resource(server, uri)),
             template=lambda template: held(catalog.match_resource_template(server, template)),
-            prompt=lambda name: held(prompts.get(name, [])),
+            prompt=lambda name: held(catalog.match_mcp_item(server, "prompt", name)),
             task=calls.visible_task(server) if calls is not None else mcp.Visible.task,
             observe=observe,
         )

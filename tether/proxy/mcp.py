@@ -453,7 +453,20 @@ def _hidden_notification(item: Any, visible: Visible) -> bool:
 
 
 def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[Any]:
-    return [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
+    """The items the agent may see. A list ``loads_pieces`` read (a ``Sourced``) keeps the text each kept item was
+    read from (a ``jsonpieces.Verbatim``): it is written back as the server wrote it, not encoded again (a 10 MB
+    list re-encoded cost the list's client more than its parse). Sound because no filter changes an item it
+    keeps, only which items a list holds: the judged field is read from the same parse that produced the text,
+    just as a whole answer with nothing removed passes as the server wrote it."""
+    if not isinstance(listed, Sourced):
+        return [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
+    kept = jsonpieces.Verbatim()
+    text, spans = listed.text, listed.spans
+    for e, (start, end) in zip(listed, spans, strict=True):
+        if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field]):
+            kept.append(e)
+            kept.texts.append(text[start:end])
+    return kept
 
 
 def _filter_tools_param(params: Any, visible: Visible) -> int:
@@ -545,13 +558,14 @@ def _line_ends(buf: bytes | bytearray, pos: int = 0) -> Iterator[tuple[int, int]
             lf = buf.find(b"\n", end)
 
 
-def _lines(event: bytes) -> list[bytes]:
-    """An event's lines without their line ends (the last one empty when the event ends in a line end)."""
-    lines, start = [], 0
+def _lines(event: bytes) -> list[memoryview]:
+    """An event's lines without their line ends (the last one empty when the event ends in a line end), as views
+    of ``event``: a 10 MB ``data:`` line is not copied to be looked at."""
+    view, lines, start = memoryview(event), [], 0
     for at, end in _line_ends(event):
-        lines.append(event[start:at])
+        lines.append(view[start:at])
         start = end
-    lines.append(event[start:])
+    lines.append(view[start:])
     return lines
 
 
@@ -672,23 +686,24 @@ class SseListsFilter:
         lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
-        kept.append(b"data: " + dumps_pieces(value).encode())
+        kept.append(b"data: " + _encoded(value, one_line=True))
         return b"\n".join(kept) + b"\n\n"
 
 
-EventData = tuple[list[bytes], list[int], bytes]  # an event's lines, which of them are data lines, the payload
+EventData = tuple[list[memoryview], list[int], bytes]  # an event's lines, which of them are data lines, the payload
 
 
 def event_data(event: bytes) -> EventData | None:
     """An SSE event's ``data:`` payload (its data lines joined as the SSE spec joins them), or None when it has
-    none to read (no data line, or only empty ones: the SDK's priming event for resumption)."""
+    none to read (no data line, or only empty ones: the SDK's priming event for resumption). The payload is the
+    one copy made of the data (the lines are views of the event)."""
     lines = _lines(event)
-    data_idx = [i for i, line in enumerate(lines) if line == b"data" or line.startswith(b"data:")]
+    data_idx = [i for i, line in enumerate(lines) if line == b"data" or line[:5] == b"data:"]
     if not data_idx:
         return None
     values = [lines[i][5:] for i in data_idx]
-    payload = b"\n".join(v[1:] if v.startswith(b" ") else v for v in values)
-    return (lines, data_idx, payload) if payload.strip() else None
+    payload = b"\n".join(v[1:] if v[:1] == b" " else v for v in values)
+    return (lines, data_idx, payload) if payload and not payload.isspace() else None  # (strip() would copy it)
 
 
 # -- large answers: parsed away from the event loop --------------------------------------------------------
@@ -747,15 +762,30 @@ def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
             return obj, i
 
 
+class Sourced(list):  # type: ignore[type-arg]
+    """A list ``loads_pieces`` read element by element, with the text it read and where each element's text is in
+    it (``_kept`` writes kept elements back from it). Equal to the plain list it holds."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.spans: list[tuple[int, int]] = []
+
+
 def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
     """Each element read whole (one C call each), but a batch's (the top-level array's) messages, which are
-    walked in turn to reach their lists."""
-    items: list[Any] = []
+    walked in turn to reach their lists. Below the top, where each element's text is is kept (``Sourced``)."""
+    items: list[Any] = [] if top else Sourced(text)
     i = _skip(text, i + 1)
     if text.startswith("]", i):
         return items, i + 1
     while True:
-        item, i = _piece(text, i, depth - 1) if top else _DECODER.raw_decode(text, i)
+        if top:
+            item, i = _piece(text, i, depth - 1)
+        else:
+            start = i
+            item, i = _DECODER.raw_decode(text, i)
+            items.spans.append((start, i))  # type: ignore[attr-defined]
         items.append(item)
         i, done = _after_member(text, i, "]")
         if done:
@@ -785,6 +815,24 @@ class ReadAnswer:
     events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
 
 
+def whole_events(body: bytes) -> list[bytes]:
+    """The events of a whole SSE body, cut exactly as ``SseListsFilter`` cuts the same bytes streamed (a BOM at
+    the start skipped, CRLF, LF or a lone CR ending a line, a blank line ending an event, what is left after the
+    last one an event too), as slices of ``body``: an answer that is one event is ``body`` itself, not a copy
+    (the streaming cutter copies each event out of its buffer, twice: 10 MB answers pay for every copy)."""
+    if body.startswith(_BOM):
+        body = body[len(_BOM):]
+    events, begin, line_start = [], 0, 0
+    for at, end in _line_ends(body):
+        if at == line_start:  # a blank line ends the event
+            events.append(body[begin:end])
+            begin = end
+        line_start = end
+    if begin < len(body):
+        events.append(body[begin:])
+    return events
+
+
 def read_answer(body: bytes, sse: bool) -> ReadAnswer:
     """Parse a whole answer (heavy: run it in a worker thread; pure). ``Unreadable`` for a JSON body that is not
     JSON."""
@@ -793,9 +841,8 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
             return ReadAnswer(body, False, value=loads_pieces(body))
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise Unreadable("the answer is not JSON") from None
-    cutter = SseListsFilter(_nothing)
     events = []
-    for event in [*cutter.cut(body), *cutter.cut(b"")]:
+    for event in whole_events(body):
         data = event_data(event)
         value: Any = None
         if data is not None:
@@ -808,8 +855,20 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
 
 
 def dumps_pieces(value: Any) -> str:
-    """``json.dumps(value)``, byte for byte, with long lists encoded element by element (``jsonpieces``)."""
+    """``json.dumps(value)``, byte for byte, with long lists encoded element by element (``jsonpieces``), but the
+    items a filter kept of a list ``loads_pieces`` read, which are written as the server wrote them (``_kept``)."""
     return jsonpieces.dumps(value, sort_keys=False, separators=(", ", ": "))
+
+
+def _encoded(value: Any, one_line: bool = False) -> bytes:
+    """A filtered value's bytes: kept items written back from the server's text may hold any character it sent
+    (a lone surrogate it escaped or encoded included), so they go back as they came. ``one_line``: for an SSE
+    ``data:`` line, which a line end inside would cut (JSON may put CR or LF between its tokens, and a line
+    that then begins with ``:`` is a comment to the client): such a value is encoded afresh instead."""
+    out = dumps_pieces(value).encode("utf-8", "surrogatepass")
+    if one_line and (b"\n" in out or b"\r" in out):
+        out = jsonpieces.dumps(value, sort_keys=False, separators=(", ", ": "), verbatim=False).encode()
+    return out
 
 
 def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> tuple[bytes, int, SseListsFilter]:
@@ -822,7 +881,7 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
             return answer.body, 0, sse
-        return (b"" if value is None else dumps_pieces(value).encode()), removed, sse
+        return (b"" if value is None else _encoded(value)), removed, sse
     out = []
     for event, data, value in answer.events:
         if data is None:
