@@ -63,17 +63,18 @@ def receive_values(chan: Any) -> tuple[dict[str, Any], list[int]]:
     for level, kind, data in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
-    head += _exactly(chan, 4 - len(head))
+    head += read_exactly(chan, 4 - len(head))
     size = int.from_bytes(head, "big")
     if size > MAX_MESSAGE:
         raise ValueError(f"a message of {size} bytes (at most {MAX_MESSAGE})")
-    doc = marshal.loads(_exactly(chan, size))
+    doc = marshal.loads(read_exactly(chan, size))
     if not isinstance(doc, dict):
         raise ValueError("the enclosure's channel carries dicts only")
     return doc, fds
 
 
-def _exactly(chan: Any, size: int) -> bytes:
+def read_exactly(chan: Any, size: int) -> bytes:
+    """``size`` bytes from ``chan`` (fewer only when the other side closed: EOFError)."""
     data = b""
     while len(data) < size:
         more = chan.recv(size - len(data))

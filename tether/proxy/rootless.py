@@ -295,21 +295,11 @@ def send(chan: socket.socket, doc: dict[str, Any], fds: list[int] | None = None)
 
 def receive(chan: socket.socket) -> tuple[dict[str, Any], list[int]]:
     head, fds, _flags, _addr = socket.recv_fds(chan, 4, 4)
-    while len(head) < 4:
-        more = chan.recv(4 - len(head))
-        if not more:
-            raise EOFError("the other side of the enclosure closed")
-        head += more
+    head += inside.read_exactly(chan, 4 - len(head))
     (size,) = struct.unpack("!I", head)
     if size > MAX_MESSAGE:  # the other side may be the enclosed command itself (tether/cli/delegation.py)
         raise ValueError(f"a message of {size} bytes (at most {MAX_MESSAGE})")
-    body = b""
-    while len(body) < size:
-        more = chan.recv(size - len(body))
-        if not more:
-            raise EOFError("the other side of the enclosure closed")
-        body += more
-    return json.loads(body), fds
+    return json.loads(inside.read_exactly(chan, size)), fds
 
 
 # -- outside ----------------------------------------------------------------------------------------------------
