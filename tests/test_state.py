@@ -15,6 +15,7 @@ from tether.capability.catalog import parse_catalog
 from tether.capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
 from tether.capability.shared import RESOLUTIONS
 from tether.proxy.decision import Refusal
+from tether.proxy.phases import Phase
 from tether.proxy.state import ABORTING, DRAINING, SERVING, TERMINATED, Call, CallTable, SidecarState, error_resolution
 
 CATALOG = parse_catalog("capabilities:\n  a.read: {http: {host: a.example, methods: [GET], path: /a}}\n")
@@ -164,7 +165,7 @@ def test_a_calls_report_is_a_call_report_and_reads_back_whole() -> None:
     call = Call(call_id="c-1", agent="a", method="POST", url="http://h:80/x", started_at=1.5, capability="t.write",
                 tier="direct", resolution="completed", status=201, code=None, ended_at=2.0, capture_ref="f#1",
                 termination_id="t-1", detail="ok")
-    call.phase = "done"
+    call.enter(Phase.DONE)
     assert {f.name for f in fields(CallReport)} - {f.name for f in fields(Call)} == {"run_id"}
     doc = call.report()
     assert "phase" not in doc

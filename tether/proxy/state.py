@@ -5,7 +5,10 @@ its answer.) It is the chain state ``proxy.decision`` reads: the tiers, and it h
 the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
 the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
 
-``CallTable`` follows every call from arrival to one of the five resolutions of docs/contract.md section 5.
+``CallTable`` follows every call from arrival to one of the five resolutions of docs/contract.md section 5, and is
+the one owner of which flow carries which call (``flow_of``): the drain, the cut and the watchdog find a call's flow
+there, and its resolution unlinks both at once. A call's phase changes only through ``Call.enter`` (the table in
+``proxy.phases``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tether.capability.report import IN_FLIGHT_FIELDS, CallReport
 from tether.capability.shared import RESOLUTIONS
 
 from .decision import Refusal
+from .phases import ARRIVED, DONE, LEFT, Phase, advance
 
 __all__ = ["Call", "CallTable", "Refusal", "SidecarState", "error_resolution"]  # Refusal: its old home, still read
 
@@ -128,7 +132,7 @@ class Call:
     started_at: float
     capability: str | None = None
     tier: str | None = None
-    phase: str = "arrived"  # arrived -> (held ->) forwarding -> forwarded -> done
+    phase: Phase = ARRIVED  # changed only by enter() (proxy.phases holds the table)
     resolution: str | None = None
     status: int | None = None
     code: str | None = None
@@ -137,6 +141,15 @@ class Call:
     termination_id: str | None = None
     detail: str | None = None
     reissue_of: str | None = None  # an MCP call that re-sends one the client cancelled (tether/proxy/mcpcalls.py)
+
+    def enter(self, phase: Phase) -> None:
+        """Move to ``phase``; raises ``proxy.phases.IllegalPhase`` when the table has no such edge."""
+        self.phase = advance(self.phase, phase)
+
+    @property
+    def left(self) -> bool:
+        """The request may have reached the tool (forwarding or forwarded)."""
+        return self.phase in LEFT
 
     def report(self) -> dict[str, Any]:
         """The call as a ``capability.report.CallReport`` document: the report's fields, read off the call (all
@@ -162,24 +175,43 @@ def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:
     return "cancelled_not_sent" if aborted else "failed_not_sent"
 
 
-class CallTable:
+class CallTable[Flow]:  # Flow: mitmproxy's HTTPFlow in the sidecar; this module stays free of mitmproxy
     def __init__(self) -> None:
         self.inflight: dict[str, Call] = {}
+        self._flows: dict[str, Flow] = {}
         self.counts: dict[str, int] = dict.fromkeys(RESOLUTIONS, 0)
 
-    def start(self, call: Call) -> Call:
+    def start(self, call: Call, flow: Flow | None = None) -> Call:
+        """A call arrived (on ``flow``, when one carries it): in flight until its one resolution."""
         self.inflight[call.call_id] = call
+        if flow is not None:
+            self._flows[call.call_id] = flow
         return call
+
+    def flow_of(self, call_id: str) -> Flow | None:
+        """The flow carrying the call, while it is in flight."""
+        return self._flows.get(call_id)
+
+    def leaving(self) -> list[Call]:
+        """Calls in flight that were forwarded (or are being): the ones a drain waits for and an abort cuts."""
+        return [c for c in self.inflight.values() if c.phase in LEFT]
+
+    def unsent_with_flow(self) -> bool:
+        """A call that arrived but never left is still in flight on a flow of its own (whose hooks will resolve
+        it with what its client saw)."""
+        return any(c.phase not in LEFT and c.call_id in self._flows for c in self.inflight.values())
 
     def resolve(self, call_id: str, resolution: str, now: float, *, status: int | None = None,
                 code: str | None = None, detail: str | None = None) -> Call | None:
         """Move a call to its final resolution. A call resolves once; later resolutions are ignored."""
-        call = self.inflight.pop(call_id, None)
-        if call is None:
-            return None
         if resolution not in RESOLUTIONS:
             raise ValueError(f"unknown resolution {resolution}")
-        call.resolution, call.status, call.code, call.ended_at, call.phase = resolution, status, code, now, "done"
+        call = self.inflight.pop(call_id, None)
+        self._flows.pop(call_id, None)
+        if call is None:
+            return None
+        call.enter(DONE)
+        call.resolution, call.status, call.code, call.ended_at = resolution, status, code, now
         call.detail = detail
         self.counts[resolution] += 1
         return call
