@@ -158,8 +158,8 @@ def worker_main() -> None:
     import logging
 
     from tether.capability.chain import Verifier
-    from tether.proxy.channel import ControlChannel, sleep_backoff
     from tether.proxy.approvals import on_approval
+    from tether.proxy.channel import ControlChannel, sleep_backoff
     from tether.proxy.loops import ControlLoops
     from tether.proxy.state import SidecarState
 

@@ -21,27 +21,20 @@ from mitmproxy import http
 
 from tether.capability.catalog import Catalog
 from tether.capability.chain import parse_chain_unverified
-from tether.capability.errors import ApiError
 
-from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBound
 from .approvals import Approvals
 from .budget import Budgets
 from .capture import CAPTURE_FILE, CaptureWriter
-from .channel import ControlChannel, sleep_backoff
-from .credentials import CredentialRoutes, Credentials, Injector
+from .channel import ControlChannel
+from .credentials import Credentials
 from .cutting import Cutter
-from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
-from .framing import answer_early, discard_trailers
 from .loops import ControlLoops
-from .mcpcalls import McpCalls, McpLedger
 from .pipeline import Pipeline
 from .quiesce import Drain, stop_plan
 from .reporting import Reporter, lock_state_dir
-from .startup import Proxy, SidecarConfig, learn, mitmproxy_addons, new_run, open_proxy
+from .startup import Proxy, SidecarConfig, learn, mitmproxy_addons, new_run, open_proxy, retrying, tether_addons
 from .state import Call, CallTable, SidecarState
-from .stopping import Edge, Termination, farewell, retire
-from .telemetry import call_tracing
-from .transparent import Transparent
+from .stopping import Edge, Termination, close_proxy, farewell, retire
 
 __all__ = ["Sidecar", "SidecarConfig", "mitmproxy_addons", "new_run"]
 
@@ -95,19 +88,7 @@ class Sidecar:
     # -- start-up ---------------------------------------------------------------------------------------
     async def prepare(self) -> None:
         """Trust, catalog, chain, registration, first lease. Raises TetherError when it cannot serve."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        attempt = 0
-        while True:
-            try:
-                await self._prepare_once()
-                return
-            except ApiError as exc:
-                if exc.code != "tether.controlplane_unreachable" or time.monotonic() > deadline:
-                    raise
-                attempt += 1
-                if attempt == 1:
-                    log.warning("waiting for the control plane: %s", exc.message)
-                await sleep_backoff(attempt)
+        await retrying(self._prepare_once, self.config.startup_timeout_s)
 
     async def _prepare_once(self) -> None:
         learned = await learn(self.channel, self.config, self.catalog, self.wire)
@@ -145,25 +126,10 @@ class Sidecar:
                 self.spawn(job())
 
     def addons(self) -> list[Any]:
-        """tether's addons in pipeline order, each given only what it uses (addons.py, enforce.py)."""
-        catalog, state = self.catalog, self.state
-        discard_trailers()  # mitmproxy's HTTP/1 layer would raise on them (tether/proxy/framing.py)
-        answer_early()  # refusals that must not wait for the request body (tether/proxy/framing.py)
-        spend = self.budgets.spend if self.budgets.active else None
-        tracing = call_tracing(self.agent, self.run_id, self.resolved)
-        mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
-        self.resolved.append(mcp_calls.on_resolved)
-        ours: list[Any] = [Transparent(), Tracker(self.agent, self.track), *tracing,
-                           Tunnels(catalog, state, self.track, self.resolve),
-                           Enforcer(catalog, state, own_destinations(self.config.controlplane)),
-                           CredentialRoutes(catalog),  # before an approval, a budget unit, a spooled start
-                           mcp_calls,
-                           Holds(state, self.desk.await_approval), Forwarder(state, spend, self.reporter.start),
-                           Injector(catalog, self.credentials, state), McpFilter(catalog, state.tier, mcp_calls),
-                           Streamer(), WebsocketBound()]
-        if self.config.capture:
-            ours.append(Capture(self.capture, self.config.allow_uncaptured))
-        return [*ours, Resolver(self.resolve)]
+        """tether's addons in pipeline order, each given only what it uses (``proxy.startup.tether_addons``)."""
+        return tether_addons(self.config, self.catalog, self.state, self.budgets, self.capture, self.credentials,
+                             self.reporter.start, self.desk.await_approval, self.track, self.resolve,
+                             self.resolved, self.run_id)
 
     @property
     def ca_cert(self) -> Path:
@@ -201,15 +167,7 @@ class Sidecar:
             window = self.config.stop_window_s
             await self.edge.drain(*Drain.begin(stop_plan(window), time.monotonic()),
                                   f"stopping: cutting %d call(s) still in flight after the {window:.0f}s stop window")
-            # Stop listening and close what is open while the addons still run: every call on a connection
-            # meets its end (and its report) before the last delivery, none after it.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(proxy.server.servers.update([]), 5.0)
-            if proxy.enclosure is not None:
-                proxy.enclosure[0].close()
-            if self.cutter.close_connections():
-                await asyncio.sleep(0.2)  # their last hooks resolve (and report) the calls they carried
-            proxy.master.shutdown()
+            await close_proxy(proxy, self.cutter)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, *([proxy.task] if proxy else []), return_exceptions=True)

@@ -13,24 +13,34 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from mitmproxy import options
+from mitmproxy import http, options
 
 from tether.capability import errors as codes
 from tether.capability import keys
 from tether.capability.catalog import Catalog, catalog_from, empty_catalog
 from tether.capability.chain import VerifiedChain, Verifier
-from tether.capability.errors import ChainError, TetherError
+from tether.capability.errors import ApiError, ChainError, TetherError
 from tether.capture.retention import Policy as CapturePolicy
 
-from .channel import ControlChannel
+from .addons import Capture, McpFilter, Resolver, Streamer, Tracker, WebsocketBound
+from .budget import Budgets
+from .capture import CaptureWriter
+from .channel import ControlChannel, sleep_backoff
+from .credentials import CredentialRoutes, Credentials, Injector
+from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
+from .framing import answer_early, discard_trailers
+from .mcpcalls import McpCalls, McpLedger
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
+from .state import Call, SidecarState
 from .stdio import StdioRoutes, serves_stdio
-from .transparent import serve_dns, serve_enclosure
+from .telemetry import call_tracing
+from .transparent import Transparent, serve_dns, serve_enclosure
 
 log = logging.getLogger("tether.sidecar")
 
@@ -96,6 +106,23 @@ def new_run(state_dir: Path, link: str) -> tuple[str, str | None]:
     return run_id, previous
 
 
+async def retrying(attempt: Callable[[], Awaitable[None]], timeout_s: float) -> None:
+    """Run one start-up attempt again while the control plane is unreachable, for up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    tries = 0
+    while True:
+        try:
+            await attempt()
+            return
+        except ApiError as exc:
+            if exc.code != "tether.controlplane_unreachable" or time.monotonic() > deadline:
+                raise
+            tries += 1
+            if tries == 1:
+                log.warning("waiting for the control plane: %s", exc.message)
+            await sleep_backoff(tries)
+
+
 @dataclass
 class Learned:
     """What start-up learned: the catalog, the verifier, and the verified chain, unless the run is ``retired``
@@ -134,6 +161,29 @@ async def learn(channel: ControlChannel, config: SidecarConfig, catalog: Catalog
     if answer.get("revoked"):
         retired = f"the chain is revoked ({', '.join(answer['revoked'])})"
     return Learned(catalog, verifier, verified, retired)
+
+
+def tether_addons(config: SidecarConfig, catalog: Catalog, state: SidecarState, budgets: Budgets,
+                  capture: CaptureWriter, credentials: Credentials, start: Callable[[Call], bool],
+                  await_approval: Callable[[Call], Awaitable[str]], track: Callable[[Call, http.HTTPFlow], None],
+                  resolve: Callable[..., None], resolved: list[Callable[[Call], None]], run_id: str) -> list[Any]:
+    """tether's addons in pipeline order, each given only what it uses (addons.py, enforce.py). Listeners told of
+    every call's end (tracing, the MCP ledger) join ``resolved``."""
+    discard_trailers()  # mitmproxy's HTTP/1 layer would raise on them (tether/proxy/framing.py)
+    answer_early()  # refusals that must not wait for the request body (tether/proxy/framing.py)
+    spend = budgets.spend if budgets.active else None
+    tracing = call_tracing(state.agent, run_id, resolved)
+    mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
+    resolved.append(mcp_calls.on_resolved)
+    ours: list[Any] = [Transparent(), Tracker(state.agent, track), *tracing, Tunnels(catalog, state, track, resolve),
+                       Enforcer(catalog, state, own_destinations(config.controlplane)),
+                       CredentialRoutes(catalog),  # before an approval, a budget unit, a spooled start
+                       mcp_calls, Holds(state, await_approval), Forwarder(state, spend, start),
+                       Injector(catalog, credentials, state), McpFilter(catalog, state.tier, mcp_calls),
+                       Streamer(), WebsocketBound()]
+    if config.capture:
+        ours.append(Capture(capture, config.allow_uncaptured))
+    return [*ours, Resolver(resolve)]
 
 
 @dataclass

@@ -48,6 +48,11 @@ class SidecarState:
         self.command: dict[str, Any] | None = None
         self.lease_until = float("-inf")  # monotonic; no call leaves before the first heartbeat
         self.registered = False
+        # The chain's own verdict (revocations, validity in time) is checked once, then holds while nothing it
+        # reads changed: ``_epoch`` moves with every revocation learned, and a clearance covers the wall-clock span
+        # from the time it was checked to the chain's expiry (a clock that steps back is checked again).
+        self._epoch = 0
+        self._clear: tuple[int, float, float] | None = None  # (epoch, checked at, clear until): wall clock
 
     # -- inputs ---------------------------------------------------------------------------------------
     def renewed(self, sent_at_mono: float, ttl_s: float | None = None) -> None:
@@ -59,10 +64,13 @@ class SidecarState:
     def revoke(self, jtis: set[str] | list[str], now_mono: float) -> bool:
         """Add revoked jtis (learned at ``now_mono``); True when one of them is in our chain and was not known
         yet (a heartbeat repeats what the control plane holds: said once, not at every beat)."""
-        news = (set(jtis) & set(self.chain.jtis)) - self.revoked
+        given = set(jtis)
+        news = (given & set(self.chain.jtis)) - self.revoked
         for jti in news:
             self.learned[jti] = now_mono
-        self.revoked |= set(jtis)
+        if not given <= self.revoked:
+            self.revoked |= given
+            self._epoch += 1  # the chain's clearance no longer holds: the next call checks it again
         return bool(news)
 
     def revocations_held(self, now_mono: float) -> dict[str, float]:
@@ -100,17 +108,26 @@ class SidecarState:
             raise refusal
 
     def refusal(self, now: float, now_mono: float) -> Refusal | None:
-        """Why no call may be forwarded now, or None when one may."""
+        """Why no call may be forwarded now, or None when one may.
+
+        Asked twice per call (at the decision and at the last look before it leaves) and more for one that waited;
+        the chain itself is checked once per call at most: after a clearance, only the mode, the lease and the
+        clearance's bounds are compared (O(1)). Anything the clearance does not cover checks the chain again."""
         if self.mode == TERMINATED:
             return Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
         if self.mode in (DRAINING, ABORTING):
             return Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
         if self.mode == STOPPING:
             return Refusal(codes.STOPPING, "this agent's sidecar is stopping; no new calls are accepted")
-        try:
-            self.chain.check(now, self.revoked, self.verifier.leeway)
-        except ChainError as exc:
-            return Refusal(exc.code, exc.message, reason=exc.reason)
+        clear = self._clear
+        if clear is None or clear[0] != self._epoch or not clear[1] <= now < clear[2]:
+            try:
+                self.chain.check(now, self.revoked, self.verifier.leeway)
+            except ChainError as exc:
+                return Refusal(exc.code, exc.message, reason=exc.reason)
+            # Valid now, so valid at any later instant before its expiry while no revocation arrives (nbf and the
+            # links' issue times only ever lie behind a later now).
+            self._clear = (self._epoch, now, self.chain.exp + self.verifier.leeway)
         if now_mono >= self.lease_until:
             return Refusal(codes.LEASE_EXPIRED, "no contact with the control plane within the lease; "
                            "calls resume when it is reachable again")

@@ -41,6 +41,7 @@ from .quiesce import (
     View,
 )
 from .reporting import Reporter
+from .startup import Proxy
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
 
 log = logging.getLogger("tether.sidecar")
@@ -189,6 +190,18 @@ class Termination:
                 if attempt == 1:
                     log.warning("cannot acknowledge termination %s yet: %s", tid, exc.message)
                 await sleep_backoff(attempt)
+
+
+async def close_proxy(proxy: Proxy, cutter: Cutter) -> None:
+    """Stop listening and close what is open while the addons still run (every call on a connection meets its end,
+    and its report, before the last delivery, none after it); then shut mitmproxy down."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(proxy.server.servers.update([]), 5.0)
+    if proxy.enclosure is not None:
+        proxy.enclosure[0].close()
+    if cutter.close_connections():
+        await asyncio.sleep(0.2)  # their last hooks resolve (and report) the calls they carried
+    proxy.master.shutdown()
 
 
 async def farewell(reporter: Reporter, channel: ControlChannel, loops: ControlLoops,
