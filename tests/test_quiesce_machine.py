@@ -284,3 +284,23 @@ def test_every_termination_ends_terminated_each_acknowledged_once(events: list[A
         w.tick()
     assert w.m.stage == q.TERMINATED and w.mode == "terminated" and w.swept
     assert sorted(w.acks) == sorted(commanded) and len(w.acks) == len(set(w.acks))
+
+
+def test_the_machines_read_no_clock_and_load_no_io() -> None:
+    """Pure: the clock is passed in. Neither module imports time, asyncio, mitmproxy or aiohttp (in a fresh
+    interpreter, so nothing loaded by another test hides it)."""
+    import ast
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for module in (q, phases):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+                    for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+        assert not imported & {"time", "asyncio", "mitmproxy", "aiohttp", "os", "socket"}, module.__name__
+    code = "import sys, json, tether.proxy.quiesce, tether.proxy.phases; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    loaded = {name.split(".")[0] for name in json.loads(out.stdout)}
+    assert not loaded & {"mitmproxy", "aiohttp"}

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mitmproxy import http
 
@@ -41,8 +41,10 @@ from .quiesce import (
     View,
 )
 from .reporting import Reporter
-from .startup import Proxy
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
+
+if TYPE_CHECKING:
+    from .startup import Proxy  # builds the pipeline: the addons are not this module's to load
 
 log = logging.getLogger("tether.sidecar")
 # Reports per request when an acknowledgement delivers what was pending (sent compressed): on a slow link each
