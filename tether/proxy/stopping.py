@@ -71,13 +71,15 @@ class Edge:
         self._changed.set()
 
     def view(self) -> View:
+        """The table now; a call that ends from here on wakes the next ``until``."""
+        self._changed.clear()
         calls = self.calls
         return View(leaving=frozenset(c.call_id for c in calls.leaving()), inflight=frozenset(calls.inflight),
                     unsent_on_flow=calls.unsent_with_flow())
 
     async def until(self, wake_at: float | None) -> None:
-        """Sleep until ``wake_at`` (monotonic), a call's end, or a new command, whichever comes first."""
-        self._changed.clear()
+        """Sleep until ``wake_at`` (monotonic), a call's end or a new command since the last ``view``, whichever
+        comes first."""
         timeout = SAFETY_TICK_S if wake_at is None else min(SAFETY_TICK_S, max(0.0, wake_at - time.monotonic()))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
