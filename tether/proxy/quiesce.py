@@ -20,7 +20,7 @@ A termination commanded once the sidecar is terminated is acknowledged at once (
 termination is acknowledged once: ``acked`` and ``acking`` are the machine's, not the edge's.
 
 Events: ``Quiesce.command`` (command received), ``tick`` (a call finished, or the wake-up time came: the edge
-passes the in-flight table's ``View``), ``released`` (budget handed back), ``acked`` (the acknowledgement was
+passes the in-flight table's ``View``), ``released`` (budget handed back), ``acked_one`` (the acknowledgement was
 delivered). Each returns the actions for the edge, in order. ``wake_at`` says when the edge must tick next even if
 no call finishes. An edge outside the tables (``DRAIN_TRANSITIONS``, ``QUIESCE_TRANSITIONS``) raises
 ``IllegalStage``.
