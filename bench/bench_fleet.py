@@ -9,8 +9,8 @@ catalog, same signing key), plus a SQLite replica for the ingest comparison. Loo
 (a) Revocation propagation. 1,000 subscribers, each holding its own registered chain
 ``fleet-root -> hop-1 -> hop-2 -> leaf-i`` (the leaves minted with ``mint_child`` and registered by
 ``POST /v1/chains/register``, signed with the leaf's key). Each subscriber is the sidecar's own event
-client: a ``ControlChannel`` and a ``SidecarState``, driven by ``Sidecar.sync_events`` and
-``Sidecar.on_event`` themselves (the functions, not copies). Even subscribers follow replica A, odd ones
+client: a ``ControlChannel`` and a ``SidecarState``, driven by ``ControlLoops.sync_events`` and
+``ControlLoops.on_event`` themselves (the functions, not copies). Even subscribers follow replica A, odd ones
 replica B; they run in 2 worker processes (500 asyncio long polls each). Three rounds, each revoking one
 shared link through replica A, deepest first (hop-2, hop-1, then the root): every round cuts all 1,000
 off, and every subscriber must learn of it. Per subscriber we take the time from the revoke call's
@@ -158,18 +158,19 @@ def worker_main() -> None:
     import logging
 
     from tether.capability.chain import Verifier
+    from tether.proxy.approvals import on_approval
     from tether.proxy.channel import ControlChannel, sleep_backoff
-    from tether.proxy.sidecar import Sidecar
+    from tether.proxy.loops import ControlLoops
     from tether.proxy.state import SidecarState
 
     logging.getLogger("tether").setLevel(logging.ERROR)  # every subscriber logs "revoked" otherwise
 
     class Subscriber:
-        """What ``Sidecar.apply_events`` and ``Sidecar.on_event`` need of a sidecar, and nothing else."""
+        """What ``ControlLoops.apply_events`` and ``ControlLoops.on_event`` need of a sidecar, and nothing else."""
 
-        apply_events = Sidecar.apply_events
-        on_event = Sidecar.on_event
-        on_approval = Sidecar.on_approval
+        apply_events = ControlLoops.apply_events
+        on_event = ControlLoops.on_event
+        on_approval = on_approval
 
         def __init__(self, channel: ControlChannel, state: SidecarState) -> None:
             self.channel = channel
@@ -204,7 +205,7 @@ def worker_main() -> None:
         errors: dict[str, int] = {}
 
         async def follow(sub: Subscriber) -> None:
-            """Sidecar.events_loop's streaming branch, timing each revocation as it lands in the state."""
+            """ControlLoops.events_loop's streaming branch, timing each revocation as it lands in the state."""
             attempt = 0
             while True:
                 try:

@@ -215,7 +215,8 @@ def test_tunnels_only_to_the_catalog_and_no_raw_streams(tmp_path: Path) -> None:
     assert raw.error is not None  # killed
 
 
-@pytest.mark.parametrize("module", ["addons", "enforce", "flowstate", "credentials", "decision", "state"])
+@pytest.mark.parametrize("module", ["addons", "enforce", "flowstate", "credentials", "decision", "state", "phases",
+                                    "quiesce", "stopping", "loops", "approvals", "cutting"])
 def test_no_addon_imports_the_sidecar(module: str) -> None:
     """The sidecar builds the addons; an addon (or what it imports) never imports the sidecar back, and the
     credential injector and the flow state do not need the other addons."""

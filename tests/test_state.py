@@ -8,6 +8,8 @@ checked at the instant it turns.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tether.capability import errors as codes
 from tether.capability import keys
@@ -15,6 +17,7 @@ from tether.capability.catalog import parse_catalog
 from tether.capability.chain import Verifier, mint_child, mint_root, parse_chain_unverified
 from tether.capability.shared import RESOLUTIONS
 from tether.proxy.decision import Refusal
+from tether.proxy.phases import Phase
 from tether.proxy.state import ABORTING, DRAINING, SERVING, TERMINATED, Call, CallTable, SidecarState, error_resolution
 
 CATALOG = parse_catalog("capabilities:\n  a.read: {http: {host: a.example, methods: [GET], path: /a}}\n")
@@ -164,10 +167,44 @@ def test_a_calls_report_is_a_call_report_and_reads_back_whole() -> None:
     call = Call(call_id="c-1", agent="a", method="POST", url="http://h:80/x", started_at=1.5, capability="t.write",
                 tier="direct", resolution="completed", status=201, code=None, ended_at=2.0, capture_ref="f#1",
                 termination_id="t-1", detail="ok")
-    call.phase = "done"
+    call.enter(Phase.DONE)
     assert {f.name for f in fields(CallReport)} - {f.name for f in fields(Call)} == {"run_id"}
     doc = call.report()
     assert "phase" not in doc
     assert CallReport.read(doc).to_doc() == {**doc, "run_id": None}
     assert call.summary() == {"call_id": "c-1", "capability": "t.write", "method": "POST", "url": "http://h:80/x",
                               "started_at": 1.5, "phase": "done"}
+
+
+STEPS = st.lists(st.one_of(
+    st.tuples(st.just("wall"), st.floats(-120.0, 400.0)),  # the wall clock moves, backwards too (a step)
+    st.tuples(st.just("revoke"), st.sampled_from(["other-jti", "leaf", "root"])),
+    st.tuples(st.just("ask"), st.just(0.0)),
+), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=STEPS, start=st.floats(-60.0, TTL + 60.0))
+def test_the_chain_is_checked_once_and_the_clearance_never_outlives_its_facts(steps: list, start: float) -> None:
+    """Every answer of the memoised refusal equals a fresh check of the chain at that instant, whatever the clock
+    and the revocations did in between; and asking again with nothing changed does not check the chain."""
+    state = new_state()
+    state.renewed(0.0)
+    jtis = {"leaf": state.chain.jtis[-1], "root": state.chain.jtis[0], "other-jti": "other-jti"}
+    now = T0 + start
+    for kind, value in steps:
+        if kind == "wall":
+            now += value
+        elif kind == "revoke":
+            state.revoke([jtis[value]], 0.0)
+        fresh = new_state()
+        fresh.renewed(0.0)
+        fresh.revoke(list(state.revoked), 0.0)
+        expected = fresh.refusal(now, 1.0)
+        got = state.refusal(now, 1.0)
+        assert (got.code if got else None) == (expected.code if expected else None)
+        clearance = state._clear
+        again = state.refusal(now, 1.0)
+        assert (again.code if again else None) == (got.code if got else None)
+        if got is None:
+            assert state._clear is clearance  # cleared: the second look compares, it does not check the chain

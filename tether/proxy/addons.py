@@ -26,6 +26,7 @@ from .capture import CaptureWriter
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
 from .mcpcalls import ITEM_METHODS, McpCalls
+from .phases import FORWARDED
 from .state import Call, Refusal, error_resolution
 
 log = logging.getLogger("tether.sidecar")
@@ -50,7 +51,7 @@ class Tracker:
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         state = state_of(flow)
         if state.call is not None and state.refused is None:
-            state.call.phase = "forwarded"
+            state.call.enter(FORWARDED)
 
 
 class Resolver:
@@ -70,7 +71,7 @@ class Resolver:
             self.resolve(call, "cancelled", status=flow.response.status_code if flow.response else None,
                          detail=CANCELLED_BY_CLIENT)
         elif flow.websocket is not None:
-            call.phase = "forwarded"  # the upgrade is done; the call lasts as long as the websocket
+            call.enter(FORWARDED)  # the upgrade is done; the call lasts as long as the websocket
         else:
             self.resolve(call, "completed", status=flow.response.status_code if flow.response else None)
 
@@ -121,7 +122,7 @@ class Resolver:
             return
         conn = flow.server_conn
         # Before the final look nothing was sent, whatever state a reused upstream connection is in.
-        connected = call.phase in ("forwarding", "forwarded") and conn.timestamp_tcp_setup is not None and (
+        connected = call.left and conn.timestamp_tcp_setup is not None and (
             flow.request.scheme == "http" or conn.timestamp_tls_setup is not None)
         sent = flow.response is not None
         resolution = error_resolution(connected=connected, sent=sent, aborted=bool(state.aborted))
@@ -347,7 +348,7 @@ def is_mcp_disconnect(flow: http.HTTPFlow) -> bool:
     parsed, call = state.mcp_parsed, state.call
     return (state.mcp_server is not None and flow.request.method == "POST" and not state.aborted
             and parsed is not None and any(m.is_request for m in parsed.messages)
-            and call is not None and call.phase in ("forwarding", "forwarded")
+            and call is not None and call.left
             and flow.error is not None and flow.error.msg.startswith(_CLIENT_CLOSED))
 
 

@@ -43,6 +43,7 @@ from .decision import (
 )
 from .flowstate import FlowState, refuse, state_of
 from .framing import BODY_LIMIT, BodyLimit, no_continue
+from .phases import ARRIVED, FORWARDING, HELD, advance
 from .state import Call
 
 log = logging.getLogger("tether.sidecar")
@@ -353,13 +354,13 @@ class Holds:
         return self._hold(flow, state.call)
 
     async def _hold(self, flow: http.HTTPFlow, call: Call) -> None:
-        call.phase = "held"
+        call.enter(HELD)
         try:
             decision = await self.await_approval(call)
-            call.phase = "arrived"
+            call.enter(ARRIVED)
             refusal, outcome = after_approval(decision, self.chain, call.capability, time.time(), time.monotonic())
         except Refusal as refused:  # the control plane would not file it (a full queue, a body it cannot keep)
-            call.phase = "arrived"
+            call.enter(ARRIVED)
             refuse(flow, refused)
             return
         except Exception as exc:
@@ -428,7 +429,8 @@ class Forwarder:
         self._forward(call)
 
     def _forward(self, call: Call) -> None:
+        advance(call.phase, FORWARDING)  # raises for a call resolved meanwhile (swept by a stop): it never leaves
         if not self.start(call):  # write-ahead: spooled before the first byte leaves
             raise Refusal(codes.SPOOL_UNAVAILABLE, "the call's start cannot be written to the sidecar's spool "
                           "(is its disk full?); a call is never sent without a record that survives a crash")
-        call.phase = "forwarding"
+        call.enter(FORWARDING)

@@ -5,7 +5,10 @@ its answer.) It is the chain state ``proxy.decision`` reads: the tiers, and it h
 the mode the control plane commanded (serving, draining, aborting, terminated), the revoked jtis from
 the event stream, and the lease (renewed by heartbeats; with no contact for the TTL it fails closed).
 
-``CallTable`` follows every call from arrival to one of the five resolutions of docs/contract.md section 5.
+``CallTable`` follows every call from arrival to one of the five resolutions of docs/contract.md section 5, and is
+the one owner of which flow carries which call (``flow_of``): the drain, the cut and the watchdog find a call's flow
+there, and its resolution unlinks both at once. A call's phase changes only through ``Call.enter`` (the table in
+``proxy.phases``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tether.capability.report import IN_FLIGHT_FIELDS, CallReport
 from tether.capability.shared import RESOLUTIONS
 
 from .decision import Refusal
+from .phases import ARRIVED, DONE, LEFT, Phase, advance
 
 __all__ = ["Call", "CallTable", "Refusal", "SidecarState", "error_resolution"]  # Refusal: its old home, still read
 
@@ -44,6 +48,11 @@ class SidecarState:
         self.command: dict[str, Any] | None = None
         self.lease_until = float("-inf")  # monotonic; no call leaves before the first heartbeat
         self.registered = False
+        # The chain's own verdict (revocations, validity in time) is checked once, then holds while nothing it
+        # reads changed: ``_epoch`` moves with every revocation learned, and a clearance covers the wall-clock span
+        # from the time it was checked to the chain's expiry (a clock that steps back is checked again).
+        self._epoch = 0
+        self._clear: tuple[int, float, float] | None = None  # (epoch, checked at, clear until): wall clock
 
     # -- inputs ---------------------------------------------------------------------------------------
     def renewed(self, sent_at_mono: float, ttl_s: float | None = None) -> None:
@@ -55,10 +64,13 @@ class SidecarState:
     def revoke(self, jtis: set[str] | list[str], now_mono: float) -> bool:
         """Add revoked jtis (learned at ``now_mono``); True when one of them is in our chain and was not known
         yet (a heartbeat repeats what the control plane holds: said once, not at every beat)."""
-        news = (set(jtis) & set(self.chain.jtis)) - self.revoked
+        given = set(jtis)
+        news = (given & set(self.chain.jtis)) - self.revoked
         for jti in news:
             self.learned[jti] = now_mono
-        self.revoked |= set(jtis)
+        if not given <= self.revoked:
+            self.revoked |= given
+            self._epoch += 1  # the chain's clearance no longer holds: the next call checks it again
         return bool(news)
 
     def revocations_held(self, now_mono: float) -> dict[str, float]:
@@ -96,17 +108,26 @@ class SidecarState:
             raise refusal
 
     def refusal(self, now: float, now_mono: float) -> Refusal | None:
-        """Why no call may be forwarded now, or None when one may."""
+        """Why no call may be forwarded now, or None when one may.
+
+        Asked twice per call (at the decision and at the last look before it leaves) and more for one that waited;
+        the chain itself is checked once per call at most: after a clearance, only the mode, the lease and the
+        clearance's bounds are compared (O(1)). Anything the clearance does not cover checks the chain again."""
         if self.mode == TERMINATED:
             return Refusal(codes.TERMINATED, "this agent has been terminated by the control plane")
         if self.mode in (DRAINING, ABORTING):
             return Refusal(codes.DRAINING, "this agent is being terminated; no new calls are accepted")
         if self.mode == STOPPING:
             return Refusal(codes.STOPPING, "this agent's sidecar is stopping; no new calls are accepted")
-        try:
-            self.chain.check(now, self.revoked, self.verifier.leeway)
-        except ChainError as exc:
-            return Refusal(exc.code, exc.message, reason=exc.reason)
+        clear = self._clear
+        if clear is None or clear[0] != self._epoch or not clear[1] <= now < clear[2]:
+            try:
+                self.chain.check(now, self.revoked, self.verifier.leeway)
+            except ChainError as exc:
+                return Refusal(exc.code, exc.message, reason=exc.reason)
+            # Valid now, so valid at any later instant before its expiry while no revocation arrives (nbf and the
+            # links' issue times only ever lie behind a later now).
+            self._clear = (self._epoch, now, self.chain.exp + self.verifier.leeway)
         if now_mono >= self.lease_until:
             return Refusal(codes.LEASE_EXPIRED, "no contact with the control plane within the lease; "
                            "calls resume when it is reachable again")
@@ -128,7 +149,7 @@ class Call:
     started_at: float
     capability: str | None = None
     tier: str | None = None
-    phase: str = "arrived"  # arrived -> (held ->) forwarding -> forwarded -> done
+    phase: Phase = ARRIVED  # changed only by enter() (proxy.phases holds the table)
     resolution: str | None = None
     status: int | None = None
     code: str | None = None
@@ -137,6 +158,15 @@ class Call:
     termination_id: str | None = None
     detail: str | None = None
     reissue_of: str | None = None  # an MCP call that re-sends one the client cancelled (tether/proxy/mcpcalls.py)
+
+    def enter(self, phase: Phase) -> None:
+        """Move to ``phase``; raises ``proxy.phases.IllegalPhase`` when the table has no such edge."""
+        self.phase = advance(self.phase, phase)
+
+    @property
+    def left(self) -> bool:
+        """The request may have reached the tool (forwarding or forwarded)."""
+        return self.phase in LEFT
 
     def report(self) -> dict[str, Any]:
         """The call as a ``capability.report.CallReport`` document: the report's fields, read off the call (all
@@ -162,24 +192,43 @@ def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:
     return "cancelled_not_sent" if aborted else "failed_not_sent"
 
 
-class CallTable:
+class CallTable[Flow]:  # Flow: mitmproxy's HTTPFlow in the sidecar; this module stays free of mitmproxy
     def __init__(self) -> None:
         self.inflight: dict[str, Call] = {}
+        self._flows: dict[str, Flow] = {}
         self.counts: dict[str, int] = dict.fromkeys(RESOLUTIONS, 0)
 
-    def start(self, call: Call) -> Call:
+    def start(self, call: Call, flow: Flow | None = None) -> Call:
+        """A call arrived (on ``flow``, when one carries it): in flight until its one resolution."""
         self.inflight[call.call_id] = call
+        if flow is not None:
+            self._flows[call.call_id] = flow
         return call
+
+    def flow_of(self, call_id: str) -> Flow | None:
+        """The flow carrying the call, while it is in flight."""
+        return self._flows.get(call_id)
+
+    def leaving(self) -> list[Call]:
+        """Calls in flight that were forwarded (or are being): the ones a drain waits for and an abort cuts."""
+        return [c for c in self.inflight.values() if c.phase in LEFT]
+
+    def unsent_with_flow(self) -> bool:
+        """A call that arrived but never left is still in flight on a flow of its own (whose hooks will resolve
+        it with what its client saw)."""
+        return any(c.phase not in LEFT and c.call_id in self._flows for c in self.inflight.values())
 
     def resolve(self, call_id: str, resolution: str, now: float, *, status: int | None = None,
                 code: str | None = None, detail: str | None = None) -> Call | None:
         """Move a call to its final resolution. A call resolves once; later resolutions are ignored."""
-        call = self.inflight.pop(call_id, None)
-        if call is None:
-            return None
         if resolution not in RESOLUTIONS:
             raise ValueError(f"unknown resolution {resolution}")
-        call.resolution, call.status, call.code, call.ended_at, call.phase = resolution, status, code, now, "done"
+        call = self.inflight.pop(call_id, None)
+        self._flows.pop(call_id, None)
+        if call is None:
+            return None
+        call.enter(DONE)
+        call.resolution, call.status, call.code, call.ended_at = resolution, status, code, now
         call.detail = detail
         self.counts[resolution] += 1
         return call
