@@ -511,7 +511,8 @@ class CaptureWriter:
 
     def write(self, flow: http.HTTPFlow) -> bool:
         """Capture ``flow`` now, on the caller's thread: True once it is on disk (a request about to leave)."""
-        return self._commit(take(flow, self.conns, self.secret, self.values()))
+        taken = self._take(flow)
+        return taken is not None and self._commit(taken)
 
     def write_later(self, flow: http.HTTPFlow) -> None:
         """Capture ``flow``'s state as it stands, encoded and appended by the writer's encoder thread: a call's
@@ -519,11 +520,21 @@ class CaptureWriter:
         proportion to its bodies and would stall the event loop, every other call of the sidecar with it.
         The state is taken here, on the loop; ``close`` waits for every one taken. A failure is counted and
         logged like ``write``'s."""
-        self.encoder.put(take(flow, self.conns, self.secret, self.values()))
+        taken = self._take(flow)
+        if taken is not None:
+            self.encoder.put(taken)
 
     def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
         """Wait until every state given to ``write_later`` is on disk (or failed); False if some still wait."""
         return self.encoder.flush(timeout_s)
+
+    def _take(self, flow: http.HTTPFlow) -> Taken | None:
+        try:
+            return take(flow, self.conns, self.secret, self.values())
+        except Exception as exc:  # counted as a failed capture: the request-time one then refuses the call
+            with self._lock:
+                self._failed(exc)
+            return None
 
     def _commit(self, taken: Taken) -> bool:
         try:
