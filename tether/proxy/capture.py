@@ -53,6 +53,7 @@ SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie", "set-cookie"
 SECRET_FIELD_ENDINGS = ("password", "passwd", "passphrase", "secret", "token", "apikey", "privatekey", "secretkey",
                         "authorization", "credential", "credentials")
 _MARKERS = (b"pass", b"secret", b"token", b"key", b"authorization", b"credential")  # each ending holds one
+_SLICE, _OVERLAP = 1 << 20, max(map(len, _MARKERS)) - 1  # Fields.may_hold looks at a large body a slice at a time
 
 
 def field_key(name: str) -> str:
@@ -95,8 +96,14 @@ class Fields:
         name (JSON ``\\u``, form ``%``) is always parsed."""
         if self.named or b"\\u" in body or b"%" in body:
             return True
-        lowered = body.lower()
-        return any(marker in lowered for marker in _MARKERS)
+        # In slices (overlapping by a marker's length): the same work, but each step short, so that on the
+        # capture's encoder thread the event loop gets the interpreter back between them, and a marker early
+        # in a large body ends the look there.
+        for start in range(0, max(len(body), 1), _SLICE):
+            lowered = body[start:start + _SLICE + _OVERLAP].lower()
+            if any(marker in lowered for marker in _MARKERS):
+                return True
+        return False
 
 
 FieldNames = Fields | frozenset[str]
