@@ -70,7 +70,9 @@ class Fields:
 
     named: frozenset[str] = frozenset()
     defaults: bool = True
-    _memo: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # name -> answer
+    # name -> answer; read and written from the loop and the capture encoder alike: each dict step is atomic, and
+    # a race costs at most a name judged twice (never a different answer)
+    _memo: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, names: Iterable[str] = (), *, defaults: bool = True) -> Fields:
