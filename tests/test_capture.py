@@ -9,8 +9,11 @@ HAR export) is in test_sidecar_http.py.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,15 @@ from mitmproxy.io import tnetstring
 from mitmproxy.test import tflow
 
 from tether.capture.segments import read_flows
-from tether.proxy.capture import _SECRET, ConnectionStates, _redact_state, encode_flow, snapshot, tnet_dumps
+from tether.proxy.capture import (
+    _SECRET,
+    CaptureWriter,
+    ConnectionStates,
+    _redact_state,
+    encode_flow,
+    snapshot,
+    tnet_dumps,
+)
 
 FIELDS = frozenset({"api_key", "password"})
 
@@ -203,3 +214,69 @@ def test_a_body_that_is_not_json_is_kept_as_it_was(tmp_path: Path) -> None:
     path.write_bytes(encode_flow(flow, FIELDS, ConnectionStates()))
     (captured,) = read_flows(path)
     assert captured.request.content == b"password is not a field here"
+
+
+class ThreadsAsked(frozenset[str]):
+    """Field names (a plain set works wherever a ``Fields`` does) that note which thread asks about them: the
+    redaction's walk of a body is where a capture's cost lies."""
+
+    threads: set[str]
+
+    def __contains__(self, name: object) -> bool:
+        self.threads.add(threading.current_thread().name)
+        return frozenset.__contains__(self, name)
+
+
+def big_json_flow(mb: int = 10) -> http.HTTPFlow:
+    """A ``tools/list``-sized answer whose every item has a key redaction must look at."""
+    flow = tflow.tflow(resp=True)
+    flow.response.headers["Content-Type"] = "application/json"
+    item = {"name": "t", "description": "x" * 200, "inputSchema": {"token": "s3cret-in-the-answer"}}
+    n = mb * (1 << 20) // len(json.dumps(item))
+    flow.response.content = json.dumps({"result": {"tools": [item] * n}}).encode()
+    return flow
+
+
+def test_a_final_state_is_encoded_off_the_event_loop_and_close_writes_it(tmp_path: Path) -> None:
+    """``write_later`` takes the state on the loop and leaves the redaction and the encoding to the encoder
+    thread; the loop is back at once, and ``close`` (the sidecar's stop) waits for the record."""
+    fields = ThreadsAsked({"api_key", "token"})
+    fields.threads = set()
+    writer = CaptureWriter(tmp_path / "flows.mitm")
+    writer.fields = fields
+    flow = big_json_flow()
+    request_only = tflow.tflow()
+
+    async def on_the_loop() -> tuple[float, float]:
+        started = time.perf_counter()
+        writer.write_later(flow)
+        taken = time.perf_counter() - started
+        started = time.perf_counter()
+        assert writer.write(request_only)  # the request-time capture: at once, on the loop, as before
+        return taken, time.perf_counter() - started
+
+    loop_thread = threading.current_thread().name
+    taken_s, other_s = asyncio.run(on_the_loop())
+    writer.close()
+    assert fields.threads - {loop_thread} == {"tether-capture-encoder"}  # the big body was walked there
+    started = time.perf_counter()
+    assert writer.write(flow)  # the same flow encoded on the caller's thread: what the loop paid before
+    direct_s = time.perf_counter() - started
+    assert taken_s < direct_s / 5, (taken_s, direct_s)
+    flows = {f.id: f for f in read_flows(tmp_path / "flows.mitm")}
+    assert set(flows) == {flow.id, request_only.id}
+    body = flows[flow.id].response.content
+    assert b"s3cret-in-the-answer" not in body and body.count(b'"token": "[REDACTED]"') > 1000
+    assert writer.failures == 0 and other_s < direct_s
+
+
+def test_final_states_land_in_the_order_they_were_taken(tmp_path: Path) -> None:
+    writer = CaptureWriter(tmp_path / "flows.mitm")
+    flows = [tflow.tflow(resp=True) for _ in range(50)]
+    for i, flow in enumerate(flows):
+        flow.response.content = b"%d" % i * (i * 1000)
+        writer.write_later(flow)
+    assert writer.flush(60)
+    writer.close()
+    assert [f.id for f in read_flows(tmp_path / "flows.mitm")] == [f.id for f in flows]
+    assert writer.write_later(tflow.tflow(resp=True)) is None and len(read_flows(tmp_path / "flows.mitm")) == 51

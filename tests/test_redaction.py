@@ -323,3 +323,16 @@ def test_no_secret_in_any_capture_har_console_view_log_spool_record_or_store(wor
     assert hits(world.root) == []
     world.cp.stop()  # (the WAL is checkpointed into the database file now)
     assert hits(world.root) == []
+
+
+@pytest.mark.parametrize("offset", [0, 3, 12, 13, 1 << 20])
+@pytest.mark.parametrize("name", [b"TOKEN", b"Authorization", b"api_key"])
+def test_a_field_name_across_the_look_s_slices_is_still_seen(offset: int, name: bytes) -> None:
+    """``Fields.may_hold`` looks at a large body a slice at a time: a name that straddles two slices is found."""
+    from tether.proxy.capture import _SLICE
+
+    body = bytearray(b"x" * (3 * _SLICE))
+    at = 2 * _SLICE - offset if offset < _SLICE else _SLICE * 3 - len(name)
+    body[at:at + len(name)] = name
+    assert Fields.of(()).may_hold(bytes(body))
+    assert not Fields.of(()).may_hold(b"x" * (3 * _SLICE))

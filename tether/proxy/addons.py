@@ -463,9 +463,10 @@ class Capture:
                 flow.comment = (f"tether: streamed answer, the capture holds its first {tee.size} of "
                                 f"{tee.total} bytes")
         if call.capture_ref is not None:
-            # Captured before it left: the final state is written once the answer is on its way to the agent
-            # (mitmproxy sends it when this hook returns), not in front of it.
-            asyncio.get_running_loop().call_soon(self.writer.write, flow)
+            # Captured before it left: the final state is taken once the answer is on its way to the agent
+            # (mitmproxy sends it when this hook returns), not in front of it, and encoded and written off the
+            # event loop (the writer's encoder thread): a large answer's redaction stalls no other call.
+            asyncio.get_running_loop().call_soon(self.writer.write_later, flow)
         elif self.writer.write(flow):  # refused (or uncaptured) calls: the report names the capture
             call.capture_ref = self.writer.ref(flow)
 

@@ -13,6 +13,7 @@ default, plus ``--redact-field``), and every value the sidecar injected, in each
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -52,6 +53,7 @@ SECRET_HEADERS = ("authorization", "proxy-authorization", "cookie", "set-cookie"
 SECRET_FIELD_ENDINGS = ("password", "passwd", "passphrase", "secret", "token", "apikey", "privatekey", "secretkey",
                         "authorization", "credential", "credentials")
 _MARKERS = (b"pass", b"secret", b"token", b"key", b"authorization", b"credential")  # each ending holds one
+_SLICE, _OVERLAP = 1 << 20, max(map(len, _MARKERS)) - 1  # Fields.may_hold looks at a large body a slice at a time
 
 
 def field_key(name: str) -> str:
@@ -68,7 +70,9 @@ class Fields:
 
     named: frozenset[str] = frozenset()
     defaults: bool = True
-    _memo: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # name -> answer
+    # name -> answer; read and written from the loop and the capture encoder alike: each dict step is atomic, and
+    # a race costs at most a name judged twice (never a different answer)
+    _memo: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, names: Iterable[str] = (), *, defaults: bool = True) -> Fields:
@@ -94,8 +98,14 @@ class Fields:
         name (JSON ``\\u``, form ``%``) is always parsed."""
         if self.named or b"\\u" in body or b"%" in body:
             return True
-        lowered = body.lower()
-        return any(marker in lowered for marker in _MARKERS)
+        # In slices (overlapping by a marker's length): the same work, but each step short, so that on the
+        # capture's encoder thread the event loop gets the interpreter back between them, and a marker early
+        # in a large body ends the look there.
+        for start in range(0, max(len(body), 1), _SLICE):
+            lowered = body[start:start + _SLICE + _OVERLAP].lower()
+            if any(marker in lowered for marker in _MARKERS):
+                return True
+        return False
 
 
 FieldNames = Fields | frozenset[str]
@@ -366,30 +376,47 @@ def encode_flow(flow: http.HTTPFlow, fields: FieldNames, conns: ConnectionStates
                 secret: frozenset[bytes] = _SECRET, values: Sequence[bytes] = ()) -> bytes:
     """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged, and
     ``values`` (what the sidecar injected) scrubbed wherever they appear in the request or the response."""
-    if values and (is_encoded(flow.request) or is_encoded(flow.response) or flow.websocket is not None):
-        return _encode_flow(flow, fields, conns, secret, values)  # a compressed body hides a value from a search
-    data = _encode_flow(flow, fields, conns, secret, ())
-    # tnetstrings hold bytes and strings verbatim: a value absent from the encoding is absent from every part of
-    # the flow, which is the usual case (the injected header is redacted by name). Only a flow that holds one (a
-    # tool echoing its request back) is encoded again, scrubbing every header, body and path by value.
-    for value in values:
-        if value in data:
-            return _encode_flow(flow, fields, conns, secret, values)
-    return data
+    return encode_taken(take(flow, conns, secret, values), fields)
 
 
-def _encode_flow(flow: http.HTTPFlow, fields: FieldNames, conns: ConnectionStates, secret: frozenset[bytes],
-                 values: Sequence[bytes]) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A flow's state as it stood, taken on the event loop (cheap: no body is copied, each connection's encoding
+    is cached), holding nothing the loop goes on changing: the redaction and the encoding, which cost in
+    proportion to the bodies, can then run on another thread (``CaptureWriter.write_later``)."""
+
+    flow_id: str
+    started: float  # the request's timestamp_start, for the segment's index
+    parts: dict[str, Any]  # a sidecar's flow: request and response states; else the whole flow's state
+    head: list[tuple[str, bytes]] | None  # a sidecar's flow: its other fields, encoded (None: the general path)
+    secret: frozenset[bytes]
+    values: tuple[bytes, ...]
+    scrub_first: bool  # an encoded body or a websocket: a search of the encoding cannot rule a value out
+
+    @property
+    def size(self) -> int:
+        """About what it holds (its bodies): the writer bounds what waits to be encoded by it."""
+        total = 0
+        for name in ("request", "response"):
+            part = self.parts.get(name)
+            if part:
+                total += len(part.get("content") or b"")
+        return total
+
+
+def take(flow: http.HTTPFlow, conns: ConnectionStates, secret: frozenset[bytes] = _SECRET,
+         values: Sequence[bytes] = ()) -> Taken:
+    """What ``encode_taken`` needs of ``flow``, taken where the flow lives (the event loop)."""
+    scrub_first = bool(values) and (is_encoded(flow.request) or is_encoded(flow.response)
+                                    or flow.websocket is not None)
+    started = flow.request.timestamp_start
     if flow._backup is not None or flow.websocket is not None:  # not a sidecar's flow: the general path
-        return tnet_dumps(_redact_state(_metadata_free_state(flow), fields, secret, values))
+        return Taken(flow.id, started, _metadata_free_state(flow), None, secret, tuple(values), scrub_first)
     # Flow.get_state and HTTPFlow.get_state, field for field, with the connections left out
     # (tests/test_capture.py holds the result to mitmproxy's own serialisation).
-    parts = _redact_state({
-        "request": flow.request.get_state(),
-        "response": flow.response.get_state() if flow.response else None,
-    }, fields, secret, values)
+    parts = {"request": flow.request.get_state(), "response": flow.response.get_state() if flow.response else None}
     dumps = tnet_dumps
-    return _tnet_dict([
+    head = [
         ("version", dumps(FLOW_FORMAT_VERSION)),
         ("type", dumps(flow.type)),
         ("id", dumps(flow.id)),
@@ -403,10 +430,39 @@ def _encode_flow(flow: http.HTTPFlow, fields: FieldNames, conns: ConnectionState
         ("comment", dumps(flow.comment)),
         ("timestamp_created", dumps(flow.timestamp_created)),
         ("backup", b"0:~"),
-        ("request", dumps(parts["request"])),
-        ("response", dumps(parts["response"])),
-        ("websocket", b"0:~"),
-    ])
+    ]
+    return Taken(flow.id, started, parts, head, secret, tuple(values), scrub_first)
+
+
+def encode_taken(taken: Taken, fields: FieldNames) -> bytes:
+    """The taken flow, redacted and tnetstring-encoded; ``taken`` is left as it was. Safe off the loop."""
+    if taken.values and taken.scrub_first:
+        return _encode_taken(taken, fields, taken.values)  # a compressed body hides a value from a search
+    data = _encode_taken(taken, fields, ())
+    # tnetstrings hold bytes and strings verbatim: a value absent from the encoding is absent from every part of
+    # the flow, which is the usual case (the injected header is redacted by name). Only a flow that holds one (a
+    # tool echoing its request back) is encoded again, scrubbing every header, body and path by value.
+    for value in taken.values:
+        if value in data:
+            return _encode_taken(taken, fields, taken.values)
+    return data
+
+
+def _fresh(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a state that redaction may write into (it replaces values, never changes one in place)."""
+    out = dict(state)
+    for name in ("request", "response", "websocket"):
+        if out.get(name):
+            out[name] = dict(out[name])
+    return out
+
+
+def _encode_taken(taken: Taken, fields: FieldNames, values: Sequence[bytes]) -> bytes:
+    parts = _redact_state(_fresh(taken.parts), fields, taken.secret, values)
+    if taken.head is None:
+        return tnet_dumps(parts)
+    return _tnet_dict([*taken.head, ("request", tnet_dumps(parts["request"])),
+                       ("response", tnet_dumps(parts["response"])), ("websocket", b"0:~")])
 
 
 def _metadata_free_state(flow: http.HTTPFlow) -> dict:
@@ -415,6 +471,10 @@ def _metadata_free_state(flow: http.HTTPFlow) -> dict:
         return flow.get_state()
     finally:
         flow.metadata = metadata
+
+
+FLUSH_WAIT_S = 60.0  # what close waits for the final states still being encoded
+PENDING_BYTES = 64 << 20  # bodies waiting to be encoded beyond this: the loop waits for the encoder (memory bound)
 
 
 class CaptureWriter:
@@ -450,6 +510,8 @@ class CaptureWriter:
         self._segment: _Active | None = None  # what the active segment holds (for its index)
         self._held: set[str] = set()  # terminations whose hold this run wrote (or found) already
         self.maintenance = Maintenance(self)
+        self._lock = threading.RLock()  # the file, the segment and the counters: the loop's writes and the encoder's
+        self.encoder = Encoder(self._commit)
 
     def protect(self, headers: frozenset[bytes], values: Callable[[], Sequence[bytes]]) -> None:
         """Also redact these headers (a credential's, whatever its name) and these values (what was injected)."""
@@ -457,8 +519,44 @@ class CaptureWriter:
         self.values = values
 
     def write(self, flow: http.HTTPFlow) -> bool:
+        """Capture ``flow`` now, on the caller's thread: True once it is on disk (a request about to leave)."""
+        taken = self._take(flow)
+        return taken is not None and self._commit(taken)
+
+    def write_later(self, flow: http.HTTPFlow) -> None:
+        """Capture ``flow``'s state as it stands, encoded and appended by the writer's encoder thread: a call's
+        final state (its answer on its way to the agent already), whose redaction and encoding cost in
+        proportion to its bodies and would stall the event loop, every other call of the sidecar with it.
+        The state is taken here, on the loop; ``close`` waits for every one taken. A failure is counted and
+        logged like ``write``'s."""
+        taken = self._take(flow)
+        if taken is not None:
+            self.encoder.put(taken)
+
+    def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
+        """Wait until every state given to ``write_later`` is on disk (or failed); False if some still wait."""
+        return self.encoder.flush(timeout_s)
+
+    def _take(self, flow: http.HTTPFlow) -> Taken | None:
         try:
-            data = encode_flow(flow, self.fields, self.conns, self.secret, self.values())
+            return take(flow, self.conns, self.secret, self.values())
+        except Exception as exc:  # counted as a failed capture: the request-time one then refuses the call
+            with self._lock:
+                self._failed(exc)
+            return None
+
+    def _commit(self, taken: Taken) -> bool:
+        try:
+            data = encode_taken(taken, self.fields)
+        except Exception as exc:  # (an unserialisable value): this call's capture only
+            with self._lock:
+                self._failed(exc)
+            return False
+        with self._lock:  # the loop's writes and the encoder's: one at a time, each whole
+            return self._append(taken, data)
+
+    def _append(self, taken: Taken, data: bytes) -> bool:
+        try:
             f = self._open()
             start = f.seek(0, os.SEEK_END)
             try:
@@ -474,22 +572,25 @@ class CaptureWriter:
             self.last_error = None
             self.written += len(data)
         except Exception as exc:  # any failure to capture affects this call only, never the sidecar
-            self.failures += 1
-            self.last_error = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
-            if self.failures == 1 or self.failures % 100 == 0:
-                log.error("capture failed (%d so far): %s", self.failures, self.last_error)
-            self._close_file()
-            self.maintenance.request()
+            self._failed(exc)
             return False
         segment = self._segment
         if segment is not None:
-            segment.add(flow.id, flow.request.timestamp_start, start + len(data))
+            segment.add(taken.flow_id, taken.started, start + len(data))
             now = self.clock()
             if segment.size >= self.policy.segment_bytes or now - segment.opened_at >= self.policy.segment_age_s:
                 self.rotate()
             elif now - self.maintenance.last >= MAINTAIN_EVERY_S:
                 self.maintenance.request()
         return True
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        self.last_error = f"{self.path}: {getattr(exc, 'strerror', None) or exc}"
+        if self.failures == 1 or self.failures % 100 == 0:
+            log.error("capture failed (%d so far): %s", self.failures, self.last_error)
+        self._close_file()
+        self.maintenance.request()
 
     def _open(self) -> IO[bytes]:
         if self._file is not None:
@@ -534,6 +635,10 @@ class CaptureWriter:
 
     def rotate(self) -> None:
         """Seal the active segment (renamed, its index beside it) and begin the next with the next write."""
+        with self._lock:
+            self._rotate()
+
+    def _rotate(self) -> None:
         segment = self._segment
         if segment is None or not segment.ids:
             return
@@ -582,10 +687,80 @@ class CaptureWriter:
                 pass
             self._file = None
 
-    def close(self) -> None:
-        """The sidecar stops: the active segment stays as it is (the next run seals it); maintenance ends."""
-        self._close_file()
+    def close(self, wait_s: float = FLUSH_WAIT_S) -> None:
+        """The sidecar stops: every final state still being encoded is written first (a termination's record
+        names them), then the active segment stays as it is (the next run seals it); maintenance ends."""
+        if not self.encoder.close(wait_s):
+            log.error("capture %s closed with %d final state(s) still unwritten after %.0fs", self.path,
+                      self.encoder.pending, wait_s)
+        with self._lock:
+            self._close_file()
         self.maintenance.stop()
+
+
+class Encoder:
+    """The writer's encoder: one thread that encodes and appends the final states ``write_later`` took, in the
+    order they were taken. What waits is bounded (``PENDING_BYTES`` of bodies): past it, the next ``put`` waits
+    for the encoder to catch up, as every write waited before. After ``close``, a ``put`` commits at once, on the
+    caller's thread: nothing taken is lost."""
+
+    def __init__(self, commit: Callable[[Taken], bool], pending_bytes: int = PENDING_BYTES) -> None:
+        self._commit = commit
+        self.pending_bytes = pending_bytes
+        self._queue: collections.deque[Taken] = collections.deque()
+        self._cv = threading.Condition()
+        self.pending = 0  # taken and not yet committed (or failed)
+        self._bytes = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, taken: Taken) -> None:
+        size = taken.size
+        with self._cv:
+            if not self._closed:
+                self._cv.wait_for(lambda: self._bytes == 0 or self._bytes + size <= self.pending_bytes or self._closed)
+            if not self._closed:
+                self._queue.append(taken)
+                self.pending += 1
+                self._bytes += size
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tether-capture-encoder", daemon=True)
+                    self._thread.start()
+                self._cv.notify_all()
+                return
+        self._commit(taken)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue) or self._closed)
+                if not self._queue:
+                    return
+                taken = self._queue.popleft()
+            try:
+                self._commit(taken)
+            except Exception:  # (commit counts and logs its own failures): the encoder never stops for one
+                log.exception("capture encoder failed on flow %s", taken.flow_id)
+            finally:
+                with self._cv:
+                    self.pending -= 1
+                    self._bytes -= taken.size
+                    self._cv.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self.pending == 0, timeout_s)
+
+    def close(self, timeout_s: float) -> bool:
+        """Every state taken is committed (up to ``timeout_s``), then the thread ends; later puts commit at once."""
+        done = self.flush(timeout_s)
+        with self._cv:
+            self._closed = True
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None and done:
+            thread.join(timeout_s)
+        return done
 
 
 MAINTAIN_IDLE_S = 600.0  # a round at least this often once the writer has written
