@@ -280,3 +280,21 @@ def test_final_states_land_in_the_order_they_were_taken(tmp_path: Path) -> None:
     writer.close()
     assert [f.id for f in read_flows(tmp_path / "flows.mitm")] == [f.id for f in flows]
     assert writer.write_later(tflow.tflow(resp=True)) is None and len(read_flows(tmp_path / "flows.mitm")) == 51
+
+
+def test_a_small_final_state_with_nothing_waiting_is_written_at_once_and_one_behind_a_big_one_waits(
+        tmp_path: Path) -> None:
+    """Handing a small state to the encoder thread costs more than encoding it (most calls): it is written on
+    the spot, unless a bigger one is still waiting, which it must not overtake."""
+    writer = CaptureWriter(tmp_path / "flows.mitm")
+    small = tflow.tflow(resp=True)
+    writer.write_later(small)
+    assert writer.encoder.pending == 0 and writer.encoder._thread is None  # no thread was needed
+    assert [f.id for f in read_flows(tmp_path / "flows.mitm")] == [small.id]
+    big, behind = tflow.tflow(resp=True), tflow.tflow(resp=True)
+    big.response.content = b"x" * (4 << 20)
+    writer.write_later(big)
+    writer.write_later(behind)
+    assert writer.flush(60)
+    writer.close()
+    assert [f.id for f in read_flows(tmp_path / "flows.mitm")] == [small.id, big.id, behind.id]

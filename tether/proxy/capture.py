@@ -475,6 +475,7 @@ def _metadata_free_state(flow: http.HTTPFlow) -> dict:
 
 FLUSH_WAIT_S = 60.0  # what close waits for the final states still being encoded
 PENDING_BYTES = 64 << 20  # bodies waiting to be encoded beyond this: the loop waits for the encoder (memory bound)
+INLINE_BELOW = 64 << 10  # a final state with less than this of bodies, and nothing waiting, is written at once
 
 
 class CaptureWriter:
@@ -704,9 +705,11 @@ class Encoder:
     for the encoder to catch up, as every write waited before. After ``close``, a ``put`` commits at once, on the
     caller's thread: nothing taken is lost."""
 
-    def __init__(self, commit: Callable[[Taken], bool], pending_bytes: int = PENDING_BYTES) -> None:
+    def __init__(self, commit: Callable[[Taken], bool], pending_bytes: int = PENDING_BYTES,
+                 inline_below: int = INLINE_BELOW) -> None:
         self._commit = commit
         self.pending_bytes = pending_bytes
+        self.inline_below = inline_below
         self._queue: collections.deque[Taken] = collections.deque()
         self._cv = threading.Condition()
         self.pending = 0  # taken and not yet committed (or failed)
@@ -717,9 +720,14 @@ class Encoder:
     def put(self, taken: Taken) -> None:
         size = taken.size
         with self._cv:
-            if not self._closed:
+            # A small state with nothing ahead of it is committed here: encoding it costs less than handing it
+            # to the thread and waking it (most calls). Puts come from the event loop alone, so nothing can get
+            # in between this check and the commit, and the order holds.
+            queued = not self._closed and not (size < self.inline_below and self.pending == 0)
+            if queued:
                 self._cv.wait_for(lambda: self._bytes == 0 or self._bytes + size <= self.pending_bytes or self._closed)
-            if not self._closed:
+                queued = not self._closed
+            if queued:
                 self._queue.append(taken)
                 self.pending += 1
                 self._bytes += size
