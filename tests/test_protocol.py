@@ -13,7 +13,8 @@ from tether.capability import protocol
 from tether.capability.errors import ApiError
 from tether.controlplane import schemas
 
-MESSAGES = (protocol.Heartbeat, protocol.Lease, protocol.Quiesced)
+MESSAGES = (protocol.Heartbeat, protocol.Lease, protocol.Quiesced, protocol.Register, protocol.Registered,
+            protocol.Events)
 text = st.text(max_size=30)
 num = st.floats(allow_nan=False, allow_infinity=False, width=32)
 calls = st.lists(st.dictionaries(st.sampled_from(["call_id", "url"]), text, max_size=2), max_size=3)
@@ -30,8 +31,15 @@ leases = st.builds(protocol.Lease, lease_ttl_s=num, lease_expires_at=num, now=nu
 acks = st.builds(protocol.Quiesced, termination_id=text, state=st.sampled_from(protocol.RUN_STATES), reports=calls,
                  starts=calls, calls=st.none() | st.dictionaries(text, st.integers(0, 9), max_size=2))
 
+registrations = st.builds(protocol.Register, chain=text)
+registereds = st.builds(protocol.Registered, agent=text, link=text, jtis=st.lists(text, max_size=3),
+                        new=st.integers(0, 10), revoked=st.lists(text, max_size=3))
+events_answers = st.builds(protocol.Events, events=calls, next=st.integers(-1, 10**12), resync=st.booleans(),
+                           revoked=st.lists(text, max_size=3),
+                           command=st.none() | st.dictionaries(text, text, max_size=2), approvals=calls)
 
-@given(st.one_of(heartbeats, leases, acks))
+
+@given(st.one_of(heartbeats, leases, acks, registrations, registereds, events_answers))
 def test_what_one_side_writes_the_other_reads_back(message: protocol.Message) -> None:
     assert type(message).read(message.to_doc()) == message
 
@@ -73,7 +81,8 @@ def test_the_openapi_schema_is_the_declaration(message: type[protocol.Message]) 
     assert list(schema["properties"]) == names
     assert schema.get("required", []) == [n for n, s in message.specs() if s.required]
     served = {protocol.Heartbeat: schemas.HEARTBEAT_REQUEST, protocol.Lease: schemas.LEASE,
-              protocol.Quiesced: schemas.QUIESCED_REQUEST}[message]
+              protocol.Quiesced: schemas.QUIESCED_REQUEST, protocol.Register: schemas.REGISTER_REQUEST,
+              protocol.Registered: schemas.REGISTERED, protocol.Events: schemas.EVENTS}[message]
     assert list(served["properties"]) == names
 
 
@@ -94,3 +103,50 @@ def test_the_schema_states_every_bound_the_reader_enforces(message: type[protoco
         with pytest.raises(ApiError) as refused:
             message.read({**smallest, **over})
         assert refused.value.details["field"] == name
+
+
+@given(st.lists(st.text(alphabet="abc.-_", min_size=1, max_size=20), min_size=1, max_size=4))
+def test_a_chain_sent_as_a_list_reads_as_its_links_joined(links: list[str]) -> None:
+    assert protocol.Register.read({"chain": links}) == protocol.Register(",".join(links))
+
+
+@pytest.mark.parametrize("doc", [{}, {"chain": None}, {"chain": 5}, {"chain": []}, {"chain": ["a", 1]},
+                                 {"chain": {"a": "b"}}])
+def test_a_registration_without_a_chain_it_can_read_is_refused_naming_chain(doc: dict) -> None:
+    with pytest.raises(ApiError) as refused:
+        protocol.Register.read(doc)
+    assert (refused.value.code, refused.value.details["field"]) == ("tether.bad_request", "chain")
+    message = refused.value.message
+    assert message == "the registration needs 'chain'" or (
+        message.startswith("'chain' must be the comma-joined links or a list of links, not ")
+        and message.endswith("(the registration)"))
+
+
+def test_a_registration_answer_missing_a_field_or_counting_below_zero_is_refused() -> None:
+    whole = {"agent": "a", "link": "h", "jtis": ["j"], "new": 0, "revoked": []}
+    assert protocol.Registered.read(whole) == protocol.Registered("a", "h", ["j"], 0, [])
+    for name in whole:
+        with pytest.raises(ApiError) as refused:
+            protocol.Registered.read({k: v for k, v in whole.items() if k != name})
+        assert refused.value.details["field"] == name
+    with pytest.raises(ApiError) as negative:
+        protocol.Registered.read({**whole, "new": -1})
+    assert "'new' must be at least 0 (the registration's answer)" in negative.value.message
+
+
+def test_a_stream_line_of_events_and_next_alone_reads_as_no_resync() -> None:
+    line = protocol.Events.read({"events": [{"seq": 4, "kind": "revoke"}], "next": 4})
+    assert (line.resync, line.revoked, line.command, line.approvals, line.next) == (False, [], None, [], 4)
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    ({"next": 1}, "events"), ({"events": []}, "next"), ({"events": [], "next": "1"}, "next"),
+    ({"events": [1], "next": 1}, "events"), ({"events": [], "next": 1, "resync": "yes"}, "resync"),
+    ({"events": [], "next": 1, "revoked": "j"}, "revoked"), ({"events": [], "next": 1, "command": []}, "command"),
+    ({"events": [], "next": 1, "approvals": [[]]}, "approvals"),
+])
+def test_an_events_answer_that_does_not_fit_is_refused_by_name(doc: dict, field: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        protocol.Events.read(doc)
+    assert (refused.value.code, refused.value.details["field"]) == ("tether.bad_request", field)
+    assert "the events answer" in refused.value.message

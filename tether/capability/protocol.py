@@ -43,7 +43,7 @@ RUN_STATES = (SERVING, DRAINING, ABORTING, TERMINATED, STOPPING, STOPPED, RETIRI
 # -- fields -------------------------------------------------------------------------------------------------------
 KINDS = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "true or false",
          "object": "an object", "objects": "a list of objects", "strings": "a list of strings",
-         "numbers": "an object of numbers"}
+         "numbers": "an object of numbers", "chain": "the comma-joined links or a list of links"}
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,11 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
     elif kind == "numbers":
         if not isinstance(value, dict) or not all(finite_number(v) for v in value.values()):
             raise wrong
+    elif kind == "chain":  # read as the one spelling the verifier takes: the links joined by commas
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        if not isinstance(value, str):
+            raise wrong
     else:  # objects, strings
         item = dict if kind == "objects" else str
         if not isinstance(value, list):
@@ -138,6 +143,10 @@ _SCHEMA = {"string": "string", "integer": "integer", "number": "number", "boolea
 
 
 def _field_schema(spec: Wire) -> dict[str, Any]:
+    if spec.kind == "chain":  # no length bound but the body's: a chain is as long as its links
+        return {"oneOf": [{"type": "string", "description": "the links, root first, joined by commas"},
+                          {"type": "array", "items": {"type": "string"}, "minItems": 1}],
+                **({"description": spec.doc} if spec.doc else {})}
     schema: dict[str, Any] = {"type": [_SCHEMA[spec.kind], "null"] if not spec.required else _SCHEMA[spec.kind]}
     if spec.kind == "string":  # every bound the reader enforces is stated, the defaults included
         schema["maxLength"] = spec.max_len
@@ -276,3 +285,41 @@ class Quiesced(Message):
     reports: list[dict[str, Any]] = wire("objects", [], "final call reports not delivered yet")
     starts: list[dict[str, Any]] = wire("objects", [], "starts of calls not delivered yet")
     calls: dict[str, Any] | None = wire("object", None, "the run's call counts by resolution")
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    """A chain holder (or an admin) registers a chain (``POST REGISTER``): every link is registered before it
+    is used. ``chain`` is read as the links joined by commas whichever way it was sent."""
+
+    WHAT: ClassVar[str] = "the registration"
+    chain: str = wire("chain", required=True, doc="the chain: its links, root first")
+
+
+@dataclass(frozen=True)
+class Registered(Message):
+    """The control plane's answer to a registration: whose chain it is, its leaf link, its jtis root first, how
+    many links were new, and which of its jtis are revoked (a run of a revoked chain never serves)."""
+
+    WHAT: ClassVar[str] = "the registration's answer"
+    agent: str = wire("string", required=True, max_len=200)
+    link: str = wire("string", required=True, max_len=200, doc="the leaf link's hash")
+    jtis: list[str] = wire("strings", [], "the chain's jtis, root first", required=True)
+    new: int = wire("integer", 0, "links registered for the first time", required=True, minimum=0)
+    revoked: list[str] = wire("strings", [], "revoked jtis of the chain", required=True)
+
+
+@dataclass(frozen=True)
+class Events(Message):
+    """One document of the event channel (``GET EVENTS``'s long poll, or one line of ``EVENTS_STREAM``): the
+    events the run may see, the sequence number to resume after, and, when the run cannot resume (``resync``),
+    everything it must know at once: its chain's revoked jtis, its link's command, its decided approvals.
+    A stream line that is not a resync carries only ``events`` and ``next``; the rest read as their defaults."""
+
+    WHAT: ClassVar[str] = "the events answer"
+    events: list[dict[str, Any]] = wire("objects", [], "the events, in sequence order", required=True)
+    next: int = wire("integer", required=True, doc="the sequence number to ask after next")
+    resync: bool = wire("boolean", False, "true when the run could not resume: the fields below say it all")
+    revoked: list[str] = wire("strings", [], "on a resync: the revoked jtis of the run's chain")
+    command: dict[str, Any] | None = wire("object", None, "on a resync: the link's termination command, if any")
+    approvals: list[dict[str, Any]] = wire("objects", [], "on a resync: the link's decided approvals")

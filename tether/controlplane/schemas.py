@@ -82,6 +82,7 @@ CHAIN_REQUEST = obj({
     "chain": {"oneOf": [{"type": "string", "description": "the links, root first, joined by commas"},
                         array(STR, minItems=1)]},
 }, "chain")
+REGISTER_REQUEST = protocol.Register.schema()  # the same body, read by the message both sides use
 TERMINATE_REQUEST = obj({
     "mode": {"type": "string", "enum": ["drain", "abort"], "default": "drain"},
     "window_s": {"type": ["number", "null"], "minimum": 0, "maximum": 86400, "default": 30},
@@ -180,8 +181,7 @@ REVOCATION = obj({"jti": STR, "agent": STR, "by": STR, "at": NUM, "reason": null
 REVOKED = {**REVOCATION, "properties": {**REVOCATION["properties"], "agents_cut_off": STRINGS},
            "required": [*REVOCATION["required"], "agents_cut_off"]}
 AGENT_REVOKED = obj({"agent": STR, "revoked": array(ref("Revocation"))}, "agent", "revoked")
-REGISTERED = obj({"agent": STR, "link": STR, "jtis": STRINGS, "new": {"type": "integer", "minimum": 0},
-                  "revoked": STRINGS}, "agent", "link", "jtis", "new", "revoked")
+REGISTERED = protocol.Registered.schema()
 VERDICT = obj({"valid": BOOL, "agent": STR, "caps": ANY_OBJ, "exp": NUM, "jtis": STRINGS, "registered": BOOL,
                "error": ERROR["properties"]["error"]}, "valid")
 RUN = obj({"run_id": nullable(STR), "agent": nullable(STR), "link": nullable(STR), "state": nullable(STR),
@@ -218,8 +218,8 @@ APPROVAL_SUMMARY = obj({
     "limits": obj({"per_run": INT, "per_link": INT}, description="pending approvals a sidecar run, and a link, "
                   "may have at once (tether.approval_queue_full past either)"),
 }, "pending", "held", "filed", "agents", "limits")
-EVENTS = obj({"events": array(ref("Event")), "next": INT, "resync": BOOL, "revoked": STRINGS,
-              "command": nullable(ANY_OBJ), "approvals": array(ref("Approval"))}, "events", "next")
+EVENTS = protocol.Events.schema()  # declared once, with the message both sides use; the items named here
+EVENTS["properties"].update(events=array(ref("Event")), approvals=nullable(array(ref("Approval"))))
 LEASE = protocol.Lease.schema()
 ACCEPTED = obj({"accepted": {"type": "integer", "minimum": 0}, "duplicates": {"type": "integer", "minimum": 0}},
                "accepted", "duplicates")

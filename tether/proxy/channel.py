@@ -89,8 +89,14 @@ class ControlChannel:
             raise ApiError(503, UNREACHABLE, f"event stream from {self.url} broken: {why(exc)}") from None
 
     # -- the calls a sidecar makes -------------------------------------------------------------------
-    async def register(self, wire: str) -> Any:
-        return await self.call("POST", protocol.REGISTER, {"chain": wire})
+    async def register(self, wire: str) -> protocol.Registered:
+        """Register the run's chain; a malformed answer is refused like an unreachable control plane (start-up
+        tries again, and never serves on an answer it could not read)."""
+        answer = await self.call("POST", protocol.REGISTER, protocol.Register(wire).to_doc())
+        try:
+            return protocol.Registered.read(answer)
+        except ApiError as exc:
+            raise ApiError(503, UNREACHABLE, f"the control plane's registration answer: {exc.message}") from None
 
     async def heartbeat(self, beat: protocol.Heartbeat) -> protocol.Lease:
         """Renew the lease; a malformed answer is refused like an unreachable control plane (nothing renewed)."""

@@ -12,12 +12,13 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mitmproxy import http
 
 from tether.capability import protocol
+from tether.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
 from tether.capability.errors import ApiError
 from tether.capability.events import APPROVAL, COMMAND, REVOKE
 
@@ -80,17 +81,23 @@ class ControlLoops:
     async def sync_events(self, wait: float) -> None:
         self.apply_events(await self.channel.events(self.seq, wait))
 
-    def apply_events(self, answer: dict[str, Any]) -> None:
-        """One document of the event channel (a long poll's answer, or one line of the stream)."""
-        if answer.get("resync"):
-            self.state.revoke(answer.get("revoked", []), time.monotonic())  # revocations are never undone
-            if answer.get("command"):
-                self.on_command(answer["command"])
-            for approval in answer.get("approvals", []):
+    def apply_events(self, doc: Mapping[str, Any]) -> None:
+        """One document of the event channel (a long poll's answer, or one line of the stream), read whole
+        before any of it is applied: a malformed one is refused like a broken connection (nothing applied, the
+        sequence number kept, so the run resumes from where it was)."""
+        try:
+            answer = protocol.Events.read(doc)
+        except ApiError as exc:
+            raise ApiError(503, UNREACHABLE, f"the control plane's events answer: {exc.message}") from None
+        if answer.resync:
+            self.state.revoke(answer.revoked, time.monotonic())  # revocations are never undone
+            if answer.command:
+                self.on_command(answer.command)
+            for approval in answer.approvals:
                 self.on_approval(approval)
-        for event in answer.get("events", []):
+        for event in answer.events:
             self.on_event(event)
-        self.seq = int(answer.get("next", self.seq))
+        self.seq = answer.next
 
     def on_event(self, event: dict[str, Any]) -> None:
         kind, payload = event.get("kind"), event.get("payload", {})

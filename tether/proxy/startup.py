@@ -157,9 +157,9 @@ async def learn(channel: ControlChannel, config: SidecarConfig, catalog: Catalog
         if exc.code not in (codes.CHAIN_EXPIRED, codes.CHAIN_REVOKED):
             raise
         retired = exc.message
-    answer = await channel.register(wire)
-    if answer.get("revoked"):
-        retired = f"the chain is revoked ({', '.join(answer['revoked'])})"
+    registered = await channel.register(wire)
+    if registered.revoked:
+        retired = f"the chain is revoked ({', '.join(registered.revoked)})"
     return Learned(catalog, verifier, verified, retired)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tether.capability import keys
+from tether.capability import keys, protocol
 from tether.capability.chain import MAX_LINKS
 
 from .. import schemas as sc
@@ -48,11 +48,11 @@ class GrantRoutes:
         return web.json_response(issued, status=201)
 
     async def h_register(self, request: web.Request) -> web.Response:
-        fields = await body(request)
-        docs, new, revoked = await self.grants.register_chain(chain_wire(fields.raw("chain")), operator(request))
+        registration = protocol.Register.read((await body(request, "the registration")).doc)
+        docs, new, revoked = await self.grants.register_chain(registration.chain, operator(request))
         leaf = docs[-1]
-        return web.json_response({"agent": leaf["sub"], "link": leaf["hash"], "jtis": leaf["chain_jtis"], "new": new,
-                                  "revoked": revoked})
+        return web.json_response(protocol.Registered(agent=leaf["sub"], link=leaf["hash"], jtis=leaf["chain_jtis"],
+                                                     new=new, revoked=revoked).to_doc())
 
     async def h_verify(self, request: web.Request) -> web.Response:
         fields = await body(request)
@@ -82,7 +82,7 @@ class GrantRoutes:
                   ADMIN_OR_ANCESTOR, "grants", body=sc.REASON_REQUEST, ok=sc.REVOKED, roles=RESPOND,
                   does="revoke a link"),
             Route("POST", "/v1/chains/register", self.h_register, "Register a chain (every link before use)",
-                  ADMIN_OR_HOLDER, "grants", body=sc.CHAIN_REQUEST, ok=sc.REGISTERED, roles=ADMINISTER,
+                  ADMIN_OR_HOLDER, "grants", body=sc.REGISTER_REQUEST, ok=sc.REGISTERED, roles=ADMINISTER,
                   does="register chains"),
             Route("POST", "/v1/chains/verify", self.h_verify, "Verify a chain against the keys and revocations",
                   NONE, "grants", body=sc.CHAIN_REQUEST, ok=sc.VERDICT),

@@ -31,7 +31,8 @@ class SidecarRoutes:
         who = caller(request)
         after = query_int(request, "after", -1)
         wait = max(0.0, min(query_number(request, "wait", 0.0), MAX_WAIT_S))
-        return web.json_response(await self.events.poll(who.link_hash, set(chain_jtis(who.link)), after, wait))
+        return web.json_response((await self.events.poll(who.link_hash, set(chain_jtis(who.link)), after,
+                                                         wait)).to_doc())
 
     async def h_events_stream(self, request: web.Request) -> web.StreamResponse:
         """The long poll's documents, one per line, on one response that stays open (see event_stream.py).
@@ -46,7 +47,7 @@ class SidecarRoutes:
             position = hub.position
             low, high = await self.events.bounds()
             if self.events.out_of_range(after, low, high):
-                opening, sent = await self.events.resync(who.link_hash, set(jtis), high), high
+                opening, sent = (await self.events.resync(who.link_hash, set(jtis), high)).to_doc(), high
             else:
                 caught, sent = await self.events.catch_up(who.link_hash, jtis, after, position)
                 opening = {"events": caught, "next": sent}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tether.capability import protocol
 from tether.capability.events import PENDING
 
 from ..event_stream import EventHub, visible
@@ -70,7 +71,7 @@ class EventService:
         """A sequence the log cannot resume from (none yet, pruned, or from the future): resync in full."""
         return after < 0 or after < low - 1 or after > high
 
-    async def poll(self, link_hash: str, chain_jtis: set[str], after: int, wait: float) -> Doc:
+    async def poll(self, link_hash: str, chain_jtis: set[str], after: int, wait: float) -> protocol.Events:
         """The long poll: the events this link may see after ``after``, waiting up to ``wait`` seconds for one."""
         low, high = await self.bounds()
         if self.out_of_range(after, low, high):
@@ -85,7 +86,7 @@ class EventService:
             remaining = deadline - self.clock()
             if seen or remaining <= 0 or len(events) == BATCH:
                 self.metrics.inc("tether_events_delivered_total", len(seen))
-                return {"events": seen, "next": after}
+                return protocol.Events(events=seen, next=after)
             await self.wait(after, remaining, signal)
 
     async def catch_up(self, link_hash: str, jtis: frozenset[str], after: int, position: int) -> tuple[list[Doc], int]:
@@ -101,7 +102,7 @@ class EventService:
         self.metrics.inc("tether_events_delivered_total", len(caught))
         return caught, max(sent, position, after)
 
-    async def resync(self, link_hash: str, chain_jtis: set[str], high: int) -> Doc:
+    async def resync(self, link_hash: str, chain_jtis: set[str], high: int) -> protocol.Events:
         """Everything a sidecar must know when it cannot resume: its chain's revocations, its link's
         command, its link's decided approvals."""
         revocations = await self.store.revocations()
@@ -109,5 +110,5 @@ class EventService:
         approvals = [a for a in await self.store.list_docs(kinds.APPROVAL)
                      if a.get("link") == link_hash and a["status"] != PENDING]
         self.metrics.inc("tether_event_resyncs_total")
-        return {"resync": True, "next": high, "revoked": sorted(chain_jtis & set(revocations)), "command": command,
-                "approvals": approvals, "events": []}
+        return protocol.Events(events=[], next=high, resync=True, revoked=sorted(chain_jtis & set(revocations)),
+                               command=command, approvals=approvals)
