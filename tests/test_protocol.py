@@ -150,3 +150,41 @@ def test_an_events_answer_that_does_not_fit_is_refused_by_name(doc: dict, field:
         protocol.Events.read(doc)
     assert (refused.value.code, refused.value.details["field"]) == ("tether.bad_request", field)
     assert "the events answer" in refused.value.message
+
+
+commands = st.builds(protocol.Command, termination_id=st.none() | st.text(max_size=40),
+                     mode=st.sampled_from(protocol.COMMAND_MODES), window_s=st.floats(0, 1e6),
+                     deadline=st.none() | num, remaining_s=st.none() | st.floats(0, 1e6), grace_s=st.floats(0, 1e3),
+                     issued_at=st.none() | num, agent=st.none() | text, link=st.none() | text)
+
+
+@given(commands)
+def test_a_command_read_back_is_the_command_sent(command: protocol.Command) -> None:
+    assert protocol.command_from(command.to_doc()) == (command, None)
+    assert protocol.command_from(command.as_given()) == (command, None)
+    assert None not in command.as_given().values()
+
+
+def test_what_the_control_plane_sends_is_obeyed_as_sent() -> None:
+    sent = {"termination_id": "t-1", "mode": "drain", "window_s": 5, "deadline": 1000.0, "grace_s": 5.0,
+            "issued_at": 995.0, "link": "sha256:x", "agent": "a", "remaining_s": 4.5}
+    command, problem = protocol.command_from(sent)
+    assert problem is None and command.as_given() == {**sent, "window_s": 5.0}
+
+
+@pytest.mark.parametrize("doc", [
+    {"termination_id": "t-1", "mode": "banana"}, {"termination_id": "t-1", "window_s": "soon"},
+    {"termination_id": "t-1", "window_s": -1}, {"termination_id": "t-1", "grace_s": float("nan")},
+    {"termination_id": "t-1", "remaining_s": [1]}, {"termination_id": "t-1", "mode": None, "window_s": {}},
+])
+def test_a_command_that_cannot_be_read_is_obeyed_as_an_abort_of_its_termination(doc: dict) -> None:
+    command, problem = protocol.command_from(doc)
+    assert problem and command.as_given() == {"termination_id": "t-1", "mode": "abort", "window_s": 0.0,
+                                              "grace_s": 10.0}
+
+
+def test_a_command_that_is_not_even_an_object_or_names_no_readable_termination_still_aborts() -> None:
+    for doc in (None, [], "drain", {"termination_id": 7, "mode": "drain", "window_s": "x"}):
+        command, problem = protocol.command_from(doc)
+        assert problem and (command.mode, command.termination_id) == ("abort", None)
+    assert protocol.command_from({})[0] == protocol.Command()  # nothing wrong: a drain with the defaults, as before

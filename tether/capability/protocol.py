@@ -323,3 +323,44 @@ class Events(Message):
     revoked: list[str] = wire("strings", [], "on a resync: the revoked jtis of the run's chain")
     command: dict[str, Any] | None = wire("object", None, "on a resync: the link's termination command, if any")
     approvals: list[dict[str, Any]] = wire("objects", [], "on a resync: the link's decided approvals")
+
+
+COMMAND_MODES = ("drain", "abort")
+
+
+@dataclass(frozen=True)
+class Command(Message):
+    """A termination's command to every run of a link (in a lease, an events answer or a resync): drain within a
+    window, or abort. Read by the run with :func:`command_from`, which obeys one it cannot read as an abort."""
+
+    WHAT: ClassVar[str] = "the termination command"
+    termination_id: str | None = wire("string", None, "the termination the command belongs to", max_len=128)
+    mode: str = wire("string", "drain", "drain (finish what left, within the window) or abort", max_len=16)
+    window_s: float = wire("number", 0.0, "the drain window, seconds", minimum=0)
+    deadline: float | None = wire("number", None, "the window's end, on the control plane's clock")
+    remaining_s: float | None = wire("number", None, "the window left when the command was handed out",
+                                     minimum=0)
+    grace_s: float = wire("number", 10.0, "the control plane's grace after the window, seconds", minimum=0)
+    issued_at: float | None = wire("number", None, "when the termination's commands were sent")
+    agent: str | None = wire("string", None, "the link's agent", max_len=256)
+    link: str | None = wire("string", None, "the link the command is for", max_len=128)
+
+    def __post_init__(self) -> None:
+        if self.mode not in COMMAND_MODES:
+            raise _bad(f"'mode' must be one of {', '.join(COMMAND_MODES)}, not {self.mode!r} ({self.WHAT})", "mode")
+
+    def as_given(self) -> dict[str, Any]:
+        """The command as the run's code reads it: the fields it carries (none null)."""
+        return {name: value for name, value in self.to_doc().items() if value is not None}
+
+
+def command_from(doc: Any) -> tuple[Command, str | None]:
+    """The command a run obeys, and why it could not be read (None when it could). One that cannot be read is
+    obeyed as an abort of the termination it names, if it names one: fail closed, the run stops serving rather
+    than guess a window it was not given."""
+    try:
+        return Command.read(doc), None
+    except ApiError as exc:
+        tid = doc.get("termination_id") if isinstance(doc, Mapping) else None
+        return Command(termination_id=tid if isinstance(tid, str) and len(tid) <= 128 else None, mode="abort"), \
+            exc.message

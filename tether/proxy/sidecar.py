@@ -34,7 +34,7 @@ from .quiesce import Drain, stop_plan
 from .reporting import Reporter, lock_state_dir
 from .startup import Proxy, SidecarConfig, learn, mitmproxy_addons, new_run, open_proxy, retrying, tether_addons
 from .state import Call, CallTable, SidecarState
-from .stopping import Edge, Termination, close_proxy, farewell, retire
+from .stopping import Edge, Termination, close_proxy, farewell, obeyed, retire
 
 __all__ = ["Sidecar", "SidecarConfig", "mitmproxy_addons", "new_run"]
 
@@ -80,7 +80,8 @@ class Sidecar:
     def spawn(self, job: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.create_task(job))
 
-    def on_command(self, command: dict[str, Any]) -> None:
+    def on_command(self, doc: dict[str, Any]) -> None:
+        command = obeyed(doc)  # one that cannot be read is obeyed as an abort
         tid = command.get("termination_id")
         if tid:  # its record will name this capture's flows: none of them is pruned until exported
             self.capture.hold(tid, command.get("window_s"))

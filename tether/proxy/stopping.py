@@ -47,6 +47,18 @@ if TYPE_CHECKING:
     from .startup import Proxy  # builds the pipeline: the addons are not this module's to load
 
 log = logging.getLogger("tether.sidecar")
+
+
+def obeyed(doc: Any) -> dict[str, Any]:
+    """A termination command as this run obeys it (``protocol.command_from``): its fields as given, or, when it
+    cannot be read, an abort of the termination it names (a command is only ever sent to stop the run: guessing
+    a window would be failing open)."""
+    command, problem = protocol.command_from(doc)
+    if problem:
+        log.error("a termination command that cannot be read (%s): aborting", problem)
+    return command.as_given()
+
+
 # Reports per request when an acknowledgement delivers what was pending (sent compressed): on a slow link each
 # request costs its round trips whatever its size, and a drain's worth of refusals must not outlast the grace.
 ACK_BATCH = 5000
