@@ -87,6 +87,8 @@ class ControlLoops:
         sequence number kept, so the run resumes from where it was)."""
         try:
             answer = protocol.Events.read(doc)
+            for event in answer.events:
+                _check_event(event)
         except ApiError as exc:
             raise ApiError(503, UNREACHABLE, f"the control plane's events answer: {exc.message}") from None
         if answer.resync:
@@ -99,7 +101,7 @@ class ControlLoops:
             self.on_event(event)
         self.seq = answer.next
 
-    def on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: Mapping[str, Any]) -> None:
         kind, payload = event.get("kind"), event.get("payload", {})
         if kind == REVOKE:
             if self.state.revoke([payload["jti"]], time.monotonic()):
@@ -150,3 +152,13 @@ class ControlLoops:
                     log.warning("call %s exceeded %.0fs; aborting it (outcome unknown)", call.call_id,
                                 self.call_timeout_s)
                     self.abort(flow)
+
+
+def _check_event(event: Mapping[str, Any]) -> None:
+    """An event this run acts on carries what acting needs (a revocation its jti, a command or a decision an
+    object), or the whole answer is refused before any of it is applied."""
+    kind, payload = event.get("kind"), event.get("payload", {})
+    if kind in (REVOKE, COMMAND, APPROVAL) and not isinstance(payload, dict):
+        raise ApiError(400, "tether.bad_request", f"a {kind} event's payload is not an object")
+    if kind == REVOKE and not isinstance(payload.get("jti"), str):
+        raise ApiError(400, "tether.bad_request", "a revoke event names no jti")
