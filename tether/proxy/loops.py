@@ -18,8 +18,8 @@ from typing import Any
 from mitmproxy import http
 
 from tether.capability import protocol
+from tether.capability.errors import BAD_REQUEST, ApiError
 from tether.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
-from tether.capability.errors import ApiError
 from tether.capability.events import APPROVAL, COMMAND, REVOKE
 
 from .channel import ControlChannel, sleep_backoff
@@ -159,6 +159,6 @@ def _check_event(event: Mapping[str, Any]) -> None:
     object), or the whole answer is refused before any of it is applied."""
     kind, payload = event.get("kind"), event.get("payload", {})
     if kind in (REVOKE, COMMAND, APPROVAL) and not isinstance(payload, dict):
-        raise ApiError(400, "tether.bad_request", f"a {kind} event's payload is not an object")
+        raise ApiError(400, BAD_REQUEST, f"a {kind} event's payload is not an object")
     if kind == REVOKE and not isinstance(payload.get("jti"), str):
-        raise ApiError(400, "tether.bad_request", "a revoke event names no jti")
+        raise ApiError(400, BAD_REQUEST, "a revoke event names no jti")
