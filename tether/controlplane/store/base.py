@@ -61,6 +61,26 @@ class StagedPage:
     holders: dict[str, Holders]
 
 
+@dataclass(frozen=True)
+class LogView:
+    """What a record's writer reads of the log (``Store.log_view``), all as of one newest record: ``head``, that
+    record's header (None in an empty log), at position ``at`` (-1 in an empty log); ``heads``, the headers
+    with their positions of the records of one termination and of the records that left one of some agents
+    unaccounted, oldest first. Positions order the log; they need not be contiguous."""
+
+    at: int
+    head: Doc | None
+    heads: list[tuple[int, Doc]]
+
+
+def index_keys(header: Doc) -> list[str]:
+    """What the log's index files a record's header under: its termination, and each agent it left
+    unaccounted (``Store.log_view``)."""
+    left = sorted({u["agent"] for u in header.get("agents_unaccounted") or () if isinstance(u, dict)
+                   and isinstance(u.get("agent"), str)})
+    return [f"term:{header.get('termination_id')}", *(f"left:{agent}" for agent in left)]
+
+
 class StoreUnavailable(Exception):
     """The store cannot be reached; the API answers 503 tether.store_unavailable and accepts nothing."""
 
@@ -301,6 +321,17 @@ class Store(abc.ABC):
     async def record_heads(self, start: int = 0) -> list[Doc]:
         """Every record without its ``calls`` (its header), oldest first; from position ``start`` on (the
         checkpoints read only what is new)."""
+
+    @abc.abstractmethod
+    async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
+        """The newest record, and the headers of the records of ``termination_id`` and of those that left one
+        of ``agents`` unaccounted, from the log's index (kept with each append; built once, on first use, for a
+        log written before it): what a record's rules read of the log, without reading the whole log."""
+
+    @abc.abstractmethod
+    async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
+        """The headers, with their positions, of the records with these ids, at or before position ``at``
+        (a ``LogView``'s), oldest first; an id the log does not hold there is left out."""
 
     @abc.abstractmethod
     def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:

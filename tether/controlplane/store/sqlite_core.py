@@ -19,7 +19,7 @@ from typing import Any
 from tether.capability import jsonpieces
 
 from ..termination import encode_entry
-from .base import Holders, Store, StoreUnavailable, StoreUnwritable
+from .base import Doc, Holders, Store, StoreUnavailable, StoreUnwritable, index_keys
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS links (hash TEXT PRIMARY KEY, jti TEXT UNIQUE NOT NULL, sub TEXT NOT NULL,
@@ -42,6 +42,8 @@ CREATE TABLE IF NOT EXISTS record_calls (record_id TEXT NOT NULL, seq INTEGER NO
     reported INTEGER NOT NULL, entry TEXT NOT NULL, PRIMARY KEY (record_id, seq));
 CREATE INDEX IF NOT EXISTS record_calls_call ON record_calls(call_id);
 CREATE INDEX IF NOT EXISTS record_calls_unknown ON record_calls(reported) WHERE reported = 0;
+CREATE TABLE IF NOT EXISTS record_keys (key TEXT NOT NULL, pos INTEGER NOT NULL, record_id TEXT NOT NULL,
+    PRIMARY KEY (key, pos));
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
@@ -136,6 +138,27 @@ def _reports_entries(db: sqlite3.Connection) -> None:
         db.execute(f"PRAGMA user_version = {_ENTRIES_KEPT}")
 
 
+_LOG_INDEXED = 2  # the file's user_version once every record is in ``record_keys``
+
+
+def _index_rows(pos: int, header: Doc) -> list[tuple[str, int, str]]:
+    """A record's rows in ``record_keys``, the log's index (``base.index_keys``)."""
+    return [(key, pos, header["record_id"]) for key in index_keys(header)]
+
+
+def _log_index(db: sqlite3.Connection) -> None:
+    """A file from before the log had its index (``record_keys``: each record by its termination and by the
+    agents it left unaccounted): built once, from every header, in one transaction."""
+    if db.execute("PRAGMA user_version").fetchone()[0] >= _LOG_INDEXED:
+        return  # nothing to write: a file on a full disk or a read-only file system still opens
+    with _transaction(db):
+        db.execute("DELETE FROM record_keys")
+        for pos, raw in db.execute("SELECT pos, doc FROM records ORDER BY pos").fetchall():
+            db.executemany("INSERT OR IGNORE INTO record_keys (key, pos, record_id) VALUES (?, ?, ?)",
+                           _index_rows(pos, json.loads(raw)))
+        db.execute(f"PRAGMA user_version = {_LOG_INDEXED}")
+
+
 def _holders(db: sqlite3.Connection, call_ids: list[str]) -> dict[str, Holders]:
     """``Store.call_holders`` on this connection."""
     owner: dict[str, str] = {}
@@ -209,6 +232,7 @@ class SqliteCore(Store):
         db.executescript(_SCHEMA)
         _records_apart(db)
         _reports_entries(db)
+        _log_index(db)
         self._db = db
 
     async def close(self) -> None:
