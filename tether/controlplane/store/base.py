@@ -334,6 +334,12 @@ class Store(abc.ABC):
         (a ``LogView``'s), oldest first; an id the log does not hold there is left out."""
 
     @abc.abstractmethod
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        """The headers with their positions of the records at or after position ``at``, oldest first (0: the
+        whole log): what the checkpoints read each second, from the last record their tree holds, found by
+        its position without counting the records before it."""
+
+    @abc.abstractmethod
     def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         """A record's call entries (appended or staged), as their canonical JSON text, in order, a page at
         a time."""

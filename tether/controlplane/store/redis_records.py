@@ -99,6 +99,11 @@ class RedisRecords(RedisCore):
         return heads
 
     @_guarded
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        at = max(0, at)
+        return list(enumerate(await self.record_heads(at), start=at))  # a position is the list's index
+
+    @_guarded
     async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
         keys = [f"term:{termination_id}", *(f"left:{agent}" for agent in sorted(set(agents)))]
         for attempt in range(2):

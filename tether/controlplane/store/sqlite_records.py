@@ -84,6 +84,10 @@ class SqliteRecords(SqliteCore):
         return await self._off_loop(lambda db: [json.loads(r[0]) for r in db.execute(
             "SELECT doc FROM records ORDER BY pos LIMIT -1 OFFSET ?", (max(0, start),))])
 
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        return await self._off_loop(lambda db: [(pos, json.loads(raw)) for pos, raw in db.execute(
+            "SELECT pos, doc FROM records WHERE pos >= ? ORDER BY pos", (at,))])
+
     async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
         keys = [f"term:{termination_id}", *(f"left:{agent}" for agent in sorted(set(agents)))]
 
