@@ -41,7 +41,6 @@ from .harness import ADMIN_TOKEN, ControlPlaneProcess, RedisServer, prepare_cont
 
 Doc = dict[str, Any]
 SUBTREE = {"p": ("p", "c", "g"), "c": ("c", "g"), "g": ("g",)}
-T0 = float(int(time.time()))  # the chains are minted now: valid from now on
 
 
 @dataclass
@@ -49,6 +48,7 @@ class Identities:
     proc: ControlPlaneProcess
     wires: dict[str, str] = field(default_factory=dict)  # agent -> its chain
     links: dict[str, str] = field(default_factory=dict)  # agent -> its link's hash
+    minted: float = 0.0  # when the chains were minted: a history starts then (they are valid from then on)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def identities(tmp_path_factory: pytest.TempPathFactory) -> Identities:
     p = proc.issue("p", {"issues.read": "direct"})
     c = proc.delegate(p, "c", {"issues.read": "direct"})
     g = proc.delegate(c, "g", {"issues.read": "direct"})
-    out = Identities(proc)
+    out = Identities(proc, minted=float(int(time.time())) + 1)
     for ident in (p, c, g):
         out.wires[ident.agent] = ident.wire
         out.links[ident.agent] = parse_chain_unverified(ident.wire)[-1].hash
@@ -78,7 +78,7 @@ class History:
 
     def __init__(self, store: Store, ids: Identities, subjects: list[str]) -> None:
         self.store, self.ids = store, ids
-        self.now = T0
+        self.t0 = self.now = ids.minted
         key = keys.load_private(ids.proc.signing_key_path.read_bytes())
         catalog = parse_catalog(ids.proc.catalog_path.read_text(), str(ids.proc.catalog_path))
         self.plane = ControlPlane(store, key, catalog, ADMIN_TOKEN, clock=lambda: self.now, replica="me")
@@ -92,10 +92,10 @@ class History:
         for agent in ("p", "c", "g"):
             await self.plane.grants.register_chain(self.ids.wires[agent])
             self.runs[agent] = {"run_id": f"run-{agent}", "agent": agent, "link": self.ids.links[agent],
-                                "inflight": [], "last_seen": T0, "lease_expires": T0 + 1, "final": None}
+                                "inflight": [], "last_seen": self.t0, "lease_expires": self.t0 + 1, "final": None}
             await self.store.put_sidecar(f"run-{agent}", self.runs[agent])
         for subject in self.subjects:
-            doc = {**proto.new_termination(f"term-{subject}", subject, "abort", 0, "overlap", "admin", T0,
+            doc = {**proto.new_termination(f"term-{subject}", subject, "abort", 0, "overlap", "admin", self.t0,
                                            SUBTREE[subject], 0.0), "links": [self.ids.links[subject]],
                    "state": proto.RECONCILING}  # revoked, commanded, its window over: its record is next
             assert await self.store.cas_doc(kinds.TERMINATION, doc["id"], 0, doc)
@@ -315,6 +315,8 @@ async def _positions(store: Store, heads: list[Doc]) -> list[tuple[int, Doc]]:
     view = await store.log_view("none", [])
     named = await store.heads_named([h["record_id"] for h in heads], view.at)
     assert [h for _, h in named] == heads
+    assert await store.heads_from(0) == named and await store.heads_from(named[2][0]) == named[2:]
+    assert await store.heads_from(named[-1][0] + 1) == []
     return named
 
 
