@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from tether.capability import keys  # noqa: E402
 from tether.capability.catalog import Catalog  # noqa: E402
+from tether.capability.shared import replace_file  # noqa: E402
 from tether.controlplane.app import ControlPlane  # noqa: E402
 from tether.controlplane.merkle import Tree, record_leaf, verify_inclusion  # noqa: E402
 from tether.controlplane.notes import Checkpoint, signed_checkpoint  # noqa: E402
@@ -120,6 +121,29 @@ def record_write_s(rounds: int = 40) -> float:
 
     with tempfile.TemporaryDirectory() as d:
         return statistics.median(asyncio.run(run(f"{d}/bench.db")))
+
+
+def sink_ab(rounds: int = 41) -> None:
+    """The directory sink's disk, before and now, alternating (A B A B) in this process's CPU time: two durable
+    file replacements (``checkpoint.SIZE`` and ``latest``, each a temporary file, fsync, rename: the sink as it
+    was) against ``keep_checkpoint`` (one fsynced file, ``latest`` a link to it)."""
+    note = signed_checkpoint(Checkpoint("tether/records", 1, b"\0" * 32), "tether/records", KEY)
+    with tempfile.TemporaryDirectory() as d:
+        before, now = Path(d) / "before", Path(d) / "now"
+        before.mkdir()
+        two: list[float] = []
+        one: list[float] = []
+        for i in range(1, rounds + 1):
+            start = time.process_time()
+            replace_file(before / f"checkpoint.{i}", note.encode())
+            replace_file(before / "latest", note.encode())
+            two.append(time.process_time() - start)
+            start = time.process_time()
+            keep_checkpoint(now, i, note)
+            one.append(time.process_time() - start)
+    a, b = statistics.median(two), statistics.median(one)
+    print(f"the directory sink's disk per checkpoint (CPU, median of {rounds}, alternating): two replaced files "
+          f"{a * 1e6:.0f} us, one file + latest linked {b * 1e6:.0f} us ({b / a:.2f}x)")
 
 
 # -- against a termination's record write ---------------------------------------------------------------------
@@ -275,6 +299,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     for n in sizes:
         measure(n, base, write)
+    sink_ab()
     if args.store != "none":
         termination_table(["sqlite", "redis"] if args.store == "both" else [args.store], sizes, args.pairs,
                           args.calls)

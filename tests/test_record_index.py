@@ -279,10 +279,19 @@ def check_views(found: list[tuple[LogView, list[str]]]) -> None:
 
 
 def drop_sqlite_index(path: Path) -> None:
-    """What a file written by a control plane from before the index looks like: no rows, user_version 1."""
+    """What a file written by a control plane from before the index looks like: no index rows."""
     db = sqlite3.connect(path)
     db.execute("DELETE FROM record_keys")
-    db.execute("PRAGMA user_version = 1")
+    db.execute("DELETE FROM record_index")
+    db.commit()
+    db.close()
+
+
+def append_as_an_older_control_plane(path: Path, record: Doc) -> None:
+    """A record appended the way a control plane from before the index appends one: the header's row only."""
+    db = sqlite3.connect(path)
+    db.execute("INSERT INTO records (hash, prev_hash, doc, record_id, calls) VALUES (?, ?, ?, ?, 0)",
+               (record["hash"], record["prev_hash"], json.dumps(record), record["record_id"]))
     db.commit()
     db.close()
 
@@ -302,13 +311,33 @@ def test_an_sqlite_log_from_before_the_index_is_indexed_when_opened(tmp_path: Pa
         finally:
             await store.close()
 
+    async def of_term_a() -> tuple[LogView, list[str]]:
+        store = open_store_url(url)
+        await store.open()
+        try:
+            return await store.log_view("term-a", []), [h["record_id"] for h in await store.record_heads()]
+        finally:
+            await store.close()
+
+    def indexed() -> tuple[int, int]:
+        db = sqlite3.connect(tmp_path / "old.db")
+        try:
+            return (db.execute("SELECT upto FROM record_index").fetchone()[0],
+                    db.execute("SELECT COUNT(*) FROM record_keys").fetchone()[0])
+        finally:
+            db.close()
+
     check_views(asyncio.run(run(True)))
     drop_sqlite_index(tmp_path / "old.db")
-    assert sqlite3.connect(tmp_path / "old.db").execute("SELECT COUNT(*) FROM record_keys").fetchone()[0] == 0
     check_views(asyncio.run(run(False)))
-    db = sqlite3.connect(tmp_path / "old.db")
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
-    assert db.execute("SELECT COUNT(*) FROM record_keys").fetchone()[0] == len(LOG) + sum(len(x) for _, x in LOG)
+    assert indexed() == (len(LOG), len(LOG) + sum(len(x) for _, x in LOG))
+    # An older control plane appends to the upgraded file: its record is filed before the index answers.
+    older = {k: v for k, v in header(5, "hash-4", "term-a", ["x"]).items() if k != "calls"}
+    append_as_an_older_control_plane(tmp_path / "old.db", older)
+    view, ids = asyncio.run(of_term_a())
+    assert ids[-1] == "rec-5" and view.head is not None and view.head["record_id"] == "rec-5"
+    assert [h["record_id"] for _, h in view.heads] == ["rec-0", "rec-2", "rec-5"]
+    assert indexed() == (len(LOG) + 1, len(LOG) + sum(len(x) for _, x in LOG) + 2)
 
 
 async def _positions(store: Store, heads: list[Doc]) -> list[tuple[int, Doc]]:

@@ -22,9 +22,11 @@ from .sqlite_core import (
     _READ_ENTRIES,
     SqliteCore,
     _entry_rows,
+    _file_records,
     _holders,
-    _index_rows,
+    _indexed_upto,
     _insert_entries,
+    _log_index,
     _transaction,
     _writes,
 )
@@ -57,12 +59,13 @@ class SqliteRecords(SqliteCore):
                     have = db.execute("SELECT COUNT(*) FROM record_calls WHERE record_id = ?", (rid,)).fetchone()[0]
                     if have != staged:
                         raise ValueError(f"record {rid}: {have} call entries staged, not {staged}")
+                upto = _indexed_upto(db)[0]
                 pos = db.execute(
                     "INSERT INTO records (hash, prev_hash, doc, record_id, calls) VALUES (?, ?, ?, ?, ?)",
                     (record["hash"], record["prev_hash"], encoded, rid, len(rows) if staged is None else staged),
                 ).lastrowid
-                db.executemany("INSERT OR IGNORE INTO record_keys (key, pos, record_id) VALUES (?, ?, ?)",
-                               _index_rows(pos, header))  # the log's index, in the append's transaction
+                assert pos is not None
+                _file_records(db, upto, {pos: header})  # the log's index, in the append's transaction
                 return True
 
         return await self._off_loop(append)
@@ -92,6 +95,7 @@ class SqliteRecords(SqliteCore):
         keys = [f"term:{termination_id}", *(f"left:{agent}" for agent in sorted(set(agents)))]
 
         def read(db: sqlite3.Connection) -> LogView:
+            _log_index(db)  # records appended by an older control plane since: filed first (usually nothing)
             newest = db.execute("SELECT pos, doc FROM records ORDER BY pos DESC LIMIT 1").fetchone()
             if newest is None:
                 return LogView(-1, None, [])
