@@ -324,20 +324,15 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
-        """The newest record, and the headers of the records of ``termination_id`` and of those that left one
-        of ``agents`` unaccounted, from the log's index (kept with each append; built once, on first use, for a
-        log written before it): what a record's rules read of the log, without reading the whole log."""
+        """``LogView`` from the log's index (kept with each append; a log from before it is indexed first)."""
 
     @abc.abstractmethod
     async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
-        """The headers, with their positions, of the records with these ids, at or before position ``at``
-        (a ``LogView``'s), oldest first; an id the log does not hold there is left out."""
+        """(position, header) of the records with these ids at or before position ``at``, oldest first."""
 
     @abc.abstractmethod
     async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
-        """The headers with their positions of the records at or after position ``at``, oldest first (0: the
-        whole log): what the checkpoints read each second, from the last record their tree holds, found by
-        its position without counting the records before it."""
+        """(position, header) of the records at or after position ``at``, oldest first (0: the whole log)."""
 
     @abc.abstractmethod
     def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
@@ -359,10 +354,8 @@ class Store(abc.ABC):
         termination driver read headers and pages instead."""
         out: list[Doc] = []
         for head in await self.record_heads():
-            calls: list[Doc] = []
-            async for page in self.record_calls(head["record_id"]):
-                calls += await asyncio.to_thread(lambda texts=page: [json.loads(t) for t in texts])
-            out.append({**head, "calls": calls})
+            texts = [text async for page in self.record_calls(head["record_id"]) for text in page]
+            out.append({**head, "calls": await asyncio.to_thread(lambda texts=texts: [json.loads(t) for t in texts])})
         return out
 
     @abc.abstractmethod
