@@ -25,6 +25,7 @@ from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
 from tether.capability.events import APPROVAL_BODY_LIMIT
 
+from .deciders.http import override_refusal
 from .decision import (
     REWRITE_HEADERS,
     SPELLED_HEADERS,
@@ -39,7 +40,6 @@ from .decision import (
     body_override,
     decide,
     decide_tunnel,
-    override_refusal,
 )
 from .flowstate import FlowState, refuse, state_of
 from .framing import BODY_LIMIT, BodyLimit, no_continue
