@@ -153,8 +153,7 @@ class Tunnels:
             return
         call = Call(call_id=str(uuid.uuid4()), agent=self.chain.agent, method="CONNECT", url=f"{host}:{port}",
                     started_at=time.time())
-        state_of(flow).call = call
-        self.track(call, flow)
+        self.track(call, flow)  # the in-flight table links the call and the flow, both ways
         refuse(flow, refusal)
         self.resolve(call, "refused", code=refusal.code)
 

@@ -27,6 +27,7 @@ from .capture import CAPTURE_FILE, CaptureWriter
 from .channel import ControlChannel
 from .credentials import Credentials
 from .cutting import Cutter
+from .flowstate import link_call
 from .loops import ControlLoops
 from .pipeline import Pipeline
 from .quiesce import Drain, stop_plan
@@ -55,7 +56,7 @@ class Sidecar:
         self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
                                      config.redact_fields, default_fields=config.redact_default_fields,
                                      policy=config.capture_policy, root=config.state_dir.parent, agent=self.agent)
-        self.calls: CallTable[http.HTTPFlow] = CallTable()  # the calls in flight, and which flow carries each
+        self.calls: CallTable[http.HTTPFlow] = CallTable(link_call)  # the calls in flight, which flow carries each
         self.credentials = Credentials(config.secrets, config.upstream_ca)
         self.resolved: list[Callable[[Call], None]] = []  # told of every call's end (tether/proxy/telemetry.py)
         self.catalog: Catalog = config.catalog  # type: ignore[assignment]
