@@ -200,9 +200,9 @@ class Catalog:
     hash: str
     source: str = "<catalog>"
     credentials: Mapping[str, Credential] = field(default_factory=dict)
-    # Each registered kind's index over this catalog's capabilities of that kind (capability/kinds/), and the
-    # destinations all of them reach: worked out once, when the catalog is built.
-    _indexes: Mapping[str, KindIndex] = field(init=False, repr=False, compare=False)
+    # Each registered kind's index over this catalog's capabilities of that kind (capability/kinds/), by the
+    # kind's name, and the destinations all of them reach: worked out once, when the catalog is built.
+    indexes: Mapping[str, KindIndex] = field(init=False, repr=False, compare=False)
     _any_port_hosts: frozenset[str] = field(init=False, repr=False, compare=False)
     _host_ports: frozenset[tuple[str, int]] = field(init=False, repr=False, compare=False)
 
@@ -211,14 +211,14 @@ class Catalog:
         for position, cap in enumerate(self.capabilities.values()):
             entries.setdefault(cap.kind, []).append((position, cap))
         indexes = {name: kind.index(entries[name]) for name, kind in _kind_registry().items()}
-        object.__setattr__(self, "_indexes", indexes)
+        object.__setattr__(self, "indexes", indexes)
         object.__setattr__(self, "_any_port_hosts", frozenset().union(*(i.any_port_hosts for i in indexes.values())))
         object.__setattr__(self, "_host_ports", frozenset().union(*(i.host_ports for i in indexes.values())))
 
     def index(self, kind: str) -> Any:
         """The index the kind named ``kind`` built over this catalog (its matching queries), or None for a kind
         registered after the catalog was built."""
-        return self._indexes.get(kind)
+        return self.indexes.get(kind)
 
     # -- queries ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -236,38 +236,38 @@ class Catalog:
     # -- aliases: the queries of the shipped kinds' indexes, under the names callers have used -------------
     def match_http(self, host: str, port: int, method: str, path: str) -> list[str]:
         """Every HTTP capability that this request falls under, in catalog order (often one)."""
-        return self._indexes[_HTTP].match(host, port, method, path)
+        return self.indexes[_HTTP].match(host, port, method, path)
 
     def mcp_server(self, url: str) -> str | None:
         """The normalized endpoint when ``url`` is one of the catalog's MCP servers."""
-        return self._indexes[_MCP].server(url)
+        return self.indexes[_MCP].server(url)
 
     def match_mcp(self, server: str, tool: str) -> list[str]:
-        return self._indexes[_MCP].item(server, "tool", tool)
+        return self.indexes[_MCP].item(server, "tool", tool)
 
     def mcp_tools(self, server: str) -> dict[str, list[str]]:
         """tool name -> capability names, for one MCP server."""
-        return self._indexes[_MCP].named(server, "tool")
+        return self.indexes[_MCP].named(server, "tool")
 
     def mcp_named(self, server: str, kind: str) -> dict[str, list[str]]:
-        return self._indexes[_MCP].named(server, kind)
+        return self.indexes[_MCP].named(server, kind)
 
     def match_mcp_item(self, server: str, kind: str, name: str = "") -> list[str]:
-        return self._indexes[_MCP].item(server, kind, name)
+        return self.indexes[_MCP].item(server, kind, name)
 
     def match_resource(self, server: str, uri: str) -> list[str]:
-        return self._indexes[_MCP].resource(server, uri)
+        return self.indexes[_MCP].resource(server, uri)
 
     def match_resource_template(self, server: str, template: str) -> list[str]:
-        return self._indexes[_MCP].resource_template(server, template)
+        return self.indexes[_MCP].resource_template(server, template)
 
     def mcp_capabilities(self, server: str) -> list[str]:
-        return self._indexes[_MCP].capabilities(server)
+        return self.indexes[_MCP].capabilities(server)
 
     def mcp_credential(self, server: str) -> Credential | None:
         """The credential an MCP server gets on every request (plumbing included); one per server (parsing
         refuses a catalog whose tools on one server name different ones)."""
-        name = self._indexes[_MCP].credential(server)
+        name = self.indexes[_MCP].credential(server)
         return self.credentials[name] if name is not None else None
 
     # -- every kind ----------------------------------------------------------------------------------------

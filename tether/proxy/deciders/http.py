@@ -14,7 +14,7 @@ NAME = http.NAME
 
 def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision | None:
     """The answer for a request some http capability covers; None (not claimed) when none does."""
-    names = catalog.index(NAME).match(facts.host, facts.port, facts.method, facts.path)
+    names = catalog.indexes[NAME].match(facts.host, facts.port, facts.method, facts.path)
     if not names:
         return None
     capability, tier = best(chain, names)
@@ -28,7 +28,7 @@ def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision | None
 
 def matched(catalog: Catalog, chain: ChainState, facts: Facts) -> tuple[str | None, str | None]:
     """The http capability a request falls under at its best tier, and that tier (None, None when none)."""
-    names = catalog.index(NAME).match(facts.host, facts.port, facts.method, facts.path)
+    names = catalog.indexes[NAME].match(facts.host, facts.port, facts.method, facts.path)
     return best(chain, names) if names else (None, None)
 
 
@@ -37,7 +37,7 @@ def override_refusal(catalog: Catalog, facts: Facts, capability: str | None,
     """A body's method override passes only when the capability the call matched grants that method on that path
     too (then the server does what the capability allows, at its tier and budget); otherwise refused."""
     name, method = override
-    if capability is not None and METHOD.fullmatch(method) and capability in catalog.index(NAME).match(
+    if capability is not None and METHOD.fullmatch(method) and capability in catalog.indexes[NAME].match(
             facts.host, facts.port, method, facts.path):
         return None
     return Refusal(codes.CAPABILITY_ABSENT, f"the body field {name!r} asks the server to use the method "

@@ -19,7 +19,7 @@ NAME = kind.NAME
 
 def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision | None:
     """The answer for a request to an MCP endpoint of the catalog; None (not claimed) for any other URL."""
-    server = catalog.index(NAME).server(facts.url)
+    server = catalog.indexes[NAME].server(facts.url)
     if server is None:
         return None
     if facts.method == "POST":
@@ -35,7 +35,7 @@ def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision | None
 
 def _plumbing(catalog: Catalog, chain: ChainState, server: str) -> Refusal | None:
     """Session plumbing needs some item (a tool, resource, prompt or piece of plumbing) granted on that server."""
-    if any(chain.tier(c) != "absent" for c in catalog.index(NAME).capabilities(server)):
+    if any(chain.tier(c) != "absent" for c in catalog.indexes[NAME].capabilities(server)):
         return None
     return Refusal(codes.CAPABILITY_ABSENT, f"nothing on {server} is granted to {chain.agent}")
 
@@ -55,7 +55,7 @@ class _Need:
 def _needs(catalog: Catalog, server: str, message: mcp.Message) -> list[_Need] | None:
     """What one message needs granted, or None when it is not an item's method (plumbing, or unknown)."""
     method = message.method
-    index = catalog.index(NAME)
+    index = catalog.indexes[NAME]
     if method == "tools/call":
         return [_Need(index.item(server, "tool", message.tool or ""), f"tool {message.tool!r}",
                       fallback=f"mcp:{message.tool}")]
