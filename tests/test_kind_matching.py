@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.oracle import catalog_v1, decision_v1
@@ -75,9 +75,15 @@ mcp_match = st.one_of(
     st.builds(lambda url, k: {"url": url, k: True}, st.sampled_from(SERVERS),
               st.sampled_from(["logging", "completion", "subscriptions"])),
 )
-capability = st.one_of(st.builds(lambda m: {"http": m}, http_match), st.builds(lambda m: {"mcp": m}, mcp_match))
+capability = st.tuples(
+    st.one_of(st.builds(lambda m: {"http": m}, http_match), st.builds(lambda m: {"mcp": m}, mcp_match)),
+    st.sampled_from([None] * 4 + ["tok", "other"]),  # now and then a credential: the route and server checks
+).map(lambda pair: pair[0] if pair[1] is None else {**pair[0], "credential": pair[1]})
+CREDENTIALS = {"tok": {"header": "Authorization", "format": "Bearer {secret}", "insecure_plain_http": "loopback"},
+               "other": {"header": "X-Key"}}
 raw_catalogs = st.dictionaries(st.from_regex(r"[a-z]{1,3}\.[a-z]{1,3}", fullmatch=True), capability,
-                               min_size=1, max_size=8).map(lambda caps: {"capabilities": caps})
+                               min_size=1, max_size=8).map(lambda caps: {"capabilities": caps,
+                                                                         "credentials": CREDENTIALS})
 
 
 # -- generated requests ---------------------------------------------------------------------------------------
@@ -143,10 +149,12 @@ def test_the_registrys_matching_answers_as_the_old_matching(raw: dict[str, Any],
     try:
         old_catalog = catalog_v1.catalog_from(raw)
     except Exception as exc:  # the same catalogs are refused, with the same words
+        event("catalog refused")
         with pytest.raises(type(exc), match="^" + re.escape(str(exc)) + "$"):
             catalog_from(raw)
         return
     new_catalog = catalog_from(raw)
+    event("catalog read" + (" (a credential)" if any(c.credential for c in new_catalog.capabilities.values()) else ""))
     assert new_catalog.hash == old_catalog.hash and new_catalog.to_dict() == old_catalog.to_dict()
     names = sorted(new_catalog.names())
     grants = data.draw(st.dictionaries(st.sampled_from(names), st.sampled_from(["direct", "approval"]), min_size=1))
