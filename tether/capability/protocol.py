@@ -99,14 +99,17 @@ def finite_number(value: Any) -> bool:
         return False
 
 
+def _wrong(name: str, kind: str, value: Any, where: str) -> ApiError:
+    return _bad(f"'{name}' must be {KINDS[kind]}, not {kind_of(value)} ({where})", name)
+
+
 def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
     """The value as the field promises it, or a refusal naming the field (in the words the control plane's
     body reader uses for every other route). Absent and null read as absent."""
-    kind = spec.kind
-    wrong = _bad(f"'{name}' must be {KINDS[kind]}, not {kind_of(value)} ({where})", name)
+    kind = spec.kind  # the refusal's words are made only when one is raised: a batch of reports is read per request
     if kind == "string":
         if not isinstance(value, str):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         if len(value) > spec.max_len:
             raise _bad(f"'{name}' is longer than {spec.max_len} characters ({where})", name)
         if len(value) < spec.min_len:
@@ -114,31 +117,31 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
                        f"'{name}' is shorter than {spec.min_len} characters ({where})", name)
     elif kind == "integer":
         if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     elif kind == "number":
         if not finite_number(value):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         value = float(value)
     elif kind == "boolean":
         if not isinstance(value, bool):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     elif kind == "object":
         if not isinstance(value, dict):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         if spec.item is not None:
             return _nested(spec.item, value, name, name, where)
     elif kind == "numbers":
         if not isinstance(value, dict) or not all(finite_number(v) for v in value.values()):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     elif kind == "chain":  # read as the one spelling the verifier takes: the links joined by commas
         if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
             return ",".join(value)
         if not isinstance(value, str):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     else:  # objects, strings
         item = dict if kind == "objects" else str
         if not isinstance(value, list):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         for index, v in enumerate(value):
             if not isinstance(v, item):
                 what = "an object" if item is dict else "a string"
@@ -198,6 +201,9 @@ def _field_schema(spec: Wire) -> dict[str, Any]:
     return schema
 
 
+_SPECS: dict[type, list[tuple[str, Wire]]] = {}
+
+
 class Message:
     """A document one side sends and the other reads; subclasses are frozen dataclasses of :func:`wire`
     fields. ``WHAT`` names it in refusals ("the heartbeat body")."""
@@ -206,7 +212,10 @@ class Message:
 
     @classmethod
     def specs(cls) -> list[tuple[str, Wire]]:
-        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        specs = _SPECS.get(cls)
+        if specs is None:  # once per class: the declaration does not change
+            specs = _SPECS[cls] = [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        return specs
 
     @classmethod
     def read(cls, doc: Mapping[str, Any]) -> Self:
