@@ -876,12 +876,34 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
     ids it saw answered). Pure but for ``allowed``'s predicates and observer, so it may run beside ``read_answer``
     in a worker thread when those only read (a list answer's observer writes nothing: it binds tasks and rounds
     of item calls only)."""
+    done = filtered(answer, allowed)
+    return done.body, done.removed, done.seen
+
+
+NO_VALUE = object()  # ``Filtered.value`` of an answer whose bytes are not one JSON value (SSE, or nothing left)
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """``filter_answer``'s outcome, with ``value``: the JSON value ``body`` encodes (a JSON answer's), else
+    ``NO_VALUE``. Its keys are the body's keys: the capture's redaction by field name reads them off it."""
+
+    body: bytes
+    removed: int
+    seen: SseListsFilter
+    value: Any = NO_VALUE
+
+
+def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Filtered:
+    """``filter_answer``, and the value of what it passes (``Filtered``)."""
     sse = SseListsFilter(allowed)
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
-            return answer.body, 0, sse
-        return (b"" if value is None else _encoded(value)), removed, sse
+            return Filtered(answer.body, 0, sse, answer.value)
+        if value is None:
+            return Filtered(b"", removed, sse)
+        return Filtered(_encoded(value), removed, sse, value)
     out = []
     for event, data, value in answer.events:
         if data is None:
@@ -891,7 +913,7 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
             out.append(DROPPED)
         else:
             out.append(sse.rewrite_parsed(event, data, value))
-    return b"".join(out), sse.removed, sse
+    return Filtered(b"".join(out), sse.removed, sse)
 
 
 SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers
