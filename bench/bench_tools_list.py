@@ -296,12 +296,16 @@ def main() -> int:
 
 
 def start_from(sidecar: SidecarProcess, python: str, tree: str, upstream_ca: Path) -> None:
-    """Start ``sidecar`` on the code of another checkout: ``python -m tether`` with ``tree`` first on its path."""
-    saved, path = harness.PYTHON, os.environ.get("PYTHONPATH")
+    """Start ``sidecar`` on the code of another checkout: ``python -m tether`` run in ``tree`` with ``tree`` on its
+    path. In ``tree``: ``-m`` puts the working directory first on the path, ahead of ``PYTHONPATH``, so a sidecar
+    started from this checkout's directory would import this checkout's code, not the tree's."""
+    saved, path, cwd = harness.PYTHON, os.environ.get("PYTHONPATH"), os.getcwd()
     harness.PYTHON, os.environ["PYTHONPATH"] = python, tree
+    os.chdir(tree)
     try:
         sidecar.start(upstream_ca=upstream_ca)
     finally:
+        os.chdir(cwd)
         harness.PYTHON = saved
         if path is None:
             os.environ.pop("PYTHONPATH", None)

@@ -245,7 +245,7 @@ class McpFilter:
         if not asks and not mcp.is_json(media):
             return None
         lists = asks and (mcp.is_json(media) or sse or 200 <= resp.status_code < 300)
-        if not (resp.raw_content or b"").strip():
+        if not has_text(resp.raw_content):
             return None  # nothing to filter (202 Accepted, 204)
         if not mcp.is_json(media) and not sse:
             if lists:
@@ -269,12 +269,12 @@ class McpFilter:
 
             def work() -> mcp.ReadAnswer | mcp.Filtered:
                 read = mcp.read_answer(mcp.decode_body(raw, codings), sse)
-                return mcp.filtered(read, visible) if reads_only and read.body.strip() else read
+                return mcp.filtered(read, visible) if reads_only and has_text(read.body) else read
 
             # A small answer parses in less time than a thread hop takes: here.
             done = work() if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(work)
             if isinstance(done, mcp.ReadAnswer):
-                if not done.body.strip():
+                if not has_text(done.body):
                     return
                 done = mcp.filtered(done, visible)
             body, removed, seen = done.body, done.removed, done.seen
@@ -337,6 +337,11 @@ class McpFilter:
 
 
 ToolsFilter = McpFilter  # the name tether/proxy/sidecar.py and older code know it by
+
+
+def has_text(body: bytes | None) -> bool:
+    """``bool(body.strip())`` without the copy (``strip`` copies a 10 MB body to say it is not empty)."""
+    return bool(body) and not body.isspace()  # type: ignore[union-attr]
 
 
 _CLIENT_CLOSED = ("Client disconnected.", "stream reset by client")  # mitmproxy's words, HTTP/1 and HTTP/2

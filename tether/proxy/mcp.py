@@ -665,8 +665,9 @@ class SseListsFilter:
         data = event_data(event)
         if data is None:
             return event
+        payload = data[2]
         try:
-            value = json.loads(data[2])
+            value = json.loads(payload if isinstance(payload, bytes) else bytes(payload))
         except (ValueError, UnicodeDecodeError, RecursionError):
             self.dropped += 1
             return DROPPED
@@ -690,20 +691,24 @@ class SseListsFilter:
         return b"\n".join(kept) + b"\n\n"
 
 
-EventData = tuple[list[memoryview], list[int], bytes]  # an event's lines, which of them are data lines, the payload
+# an event's lines, which of them are data lines, the payload (a view of the event when it is one data line's)
+EventData = tuple[list[memoryview], list[int], bytes | memoryview]
+_NOT_SPACE = re.compile(rb"[^ \t\n\r\x0b\x0c]")  # what bytes.isspace() does not count as space
 
 
 def event_data(event: bytes) -> EventData | None:
     """An SSE event's ``data:`` payload (its data lines joined as the SSE spec joins them), or None when it has
-    none to read (no data line, or only empty ones: the SDK's priming event for resumption). The payload is the
-    one copy made of the data (the lines are views of the event)."""
+    none to read (no data line, or only empty ones: the SDK's priming event for resumption). The lines are views
+    of the event, and so is the payload of an event with one data line (a 10 MB answer's): it is not copied to be
+    parsed (``loads_pieces`` decodes the view); data lines joined are the one copy made."""
     lines = _lines(event)
     data_idx = [i for i, line in enumerate(lines) if line == b"data" or line[:5] == b"data:"]
     if not data_idx:
         return None
     values = [lines[i][5:] for i in data_idx]
-    payload = b"\n".join(v[1:] if v[:1] == b" " else v for v in values)
-    return (lines, data_idx, payload) if payload and not payload.isspace() else None  # (strip() would copy it)
+    values = [v[1:] if v[:1] == b" " else v for v in values]
+    payload: bytes | memoryview = values[0] if len(values) == 1 else b"\n".join(values)
+    return (lines, data_idx, payload) if _NOT_SPACE.search(payload) else None  # (strip() would copy it)
 
 
 # -- large answers: parsed away from the event loop --------------------------------------------------------
@@ -718,10 +723,13 @@ _DECODER = json.JSONDecoder()
 PIECES_DEPTH = 4  # how deep objects are walked (a batch answer's tools list is four levels down)
 
 
-def loads_pieces(raw: bytes | str) -> Any:
+def loads_pieces(raw: bytes | memoryview | str) -> Any:
     """What ``json.loads(raw)`` returns (and raises), read in pieces: objects key by key down to
-    ``PIECES_DEPTH``, every array element by element."""
-    if isinstance(raw, bytes):
+    ``PIECES_DEPTH``, every array element by element. A view is decoded as its bytes would be, without a copy
+    of them first."""
+    if isinstance(raw, memoryview):
+        raw = str(raw, json.detect_encoding(bytes(raw[:4])), "surrogatepass")
+    elif isinstance(raw, bytes):
         raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
     if raw.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
