@@ -195,3 +195,41 @@ def test_a_one_line_event_s_payload_is_a_view_and_a_blank_one_is_none() -> None:
     assert isinstance(payload, memoryview) and payload.obj is body and json.loads(bytes(payload))
     assert mcp.event_data(b"data:  \t\n\n") is None and mcp.event_data(b"data: \ndata: \n\n") is None
     assert mcp.event_data(b"data: 1\ndata: 2\n\n")[2] == b"1\n2"  # type: ignore[index]
+
+
+def sse_flow(body: bytes) -> http.HTTPFlow:
+    return answer_flow(body, "text/event-stream")
+
+
+def test_an_sse_answer_s_data_is_redacted_by_field_name() -> None:
+    """An MCP server answers a call as SSE by default: each event's data is read as its client reads it, and a
+    secret-named key in it is redacted in the capture (it was kept: only JSON bodies were read)."""
+    secret = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"structuredContent": {"db_password": "hunter2"}}})
+    body = (b"event: message\nid: 7\ndata: " + secret.encode() + b"\n\n: a comment\n\n"
+            b"data: not json, kept\n\nevent: message\ndata: {\"ok\": 1}\n\n")
+    data = encode_flow(sse_flow(body), FIELDS, ConnectionStates())
+    assert b"hunter2" not in data
+    record = tnetstring.loads(data)["response"]["content"]
+    assert record.startswith(b"event: message\nid: 7\ndata: {") and b'"db_password": "[REDACTED]"' in record
+    assert record.endswith(b'\n\n: a comment\n\ndata: not json, kept\n\nevent: message\ndata: {"ok": 1}\n\n')
+    clean = b'event: message\ndata: {"ok": 1}\n\n'
+    assert tnetstring.loads(encode_flow(sse_flow(clean), FIELDS, ConnectionStates()))["response"]["content"] == clean
+
+
+def test_an_sse_list_s_parse_stands_for_its_events() -> None:
+    """The list filter's parse of an SSE answer is its events' values: the capture reads their keys off it."""
+    tools = big_tools(10, {"type": "object"})
+    body = b"event: message\ndata: " + listing(tools) + b"\n\n"
+    for allowed in (lambda _: True, lambda name: name != "tool_004"):
+        flow = sse_flow(body)
+        done = mcp.filtered(mcp.read_answer(flow.response.raw_content, sse=True), allowed)
+        if done.removed:
+            flow.response.content = done.body
+        parsed = ParsedBody(flow.response.raw_content, done.value)
+        assert done.value == [json.loads(e.split(b"data: ", 1)[1]) for e in mcp.whole_events(done.body)]
+        assert b"".join(encode_pieces(take(flow, ConnectionStates(), parsed=parsed), FIELDS)) == reference(flow)
+    secret = sse_flow(b"data: " + listing(big_tools(3, {"token": "t0ps3cret"})) + b"\n\n")
+    done = mcp.filtered(mcp.read_answer(secret.response.raw_content, sse=True), lambda _: True)
+    data = b"".join(encode_pieces(take(secret, ConnectionStates(),
+                                       parsed=ParsedBody(secret.response.raw_content, done.value)), FIELDS))
+    assert b"t0ps3cret" not in data and data == reference(secret)

@@ -675,20 +675,24 @@ class SseListsFilter:
 
     def rewrite_parsed(self, event: bytes, data: EventData, value: Any) -> bytes:
         """The event, its payload parsed already (``value``), with what the agent does not hold removed."""
+        return self.rewrite_value(event, data, value)[0]
+
+    def rewrite_value(self, event: bytes, data: EventData, value: Any) -> tuple[bytes, Any]:
+        """``rewrite_parsed``, and the value of the event's data as it passes (None: the event is dropped)."""
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
         value, removed = filter_lists_message(value, self.allowed)
         if not removed:
-            return event
+            return event, value
         self.removed += removed
         if value is None:
-            return b""  # a notification about an item the agent does not hold: no event at all
+            return b"", None  # a notification about an item the agent does not hold: no event at all
         lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
         kept.append(b"data: " + _encoded(value, one_line=True))
-        return b"\n".join(kept) + b"\n\n"
+        return b"\n".join(kept) + b"\n\n", value
 
 
 # an event's lines, which of them are data lines, the payload (a view of the event when it is one data line's)
@@ -893,8 +897,10 @@ NO_VALUE = object()  # ``Filtered.value`` of an answer whose bytes are not one J
 
 @dataclass(frozen=True)
 class Filtered:
-    """``filter_answer``'s outcome, with ``value``: the JSON value ``body`` encodes (a JSON answer's), else
-    ``NO_VALUE``. Its keys are the body's keys: the capture's redaction by field name reads them off it."""
+    """``filter_answer``'s outcome, with ``value``: the JSON value ``body`` encodes (a JSON answer's), or the list
+    of the values of its events' data (an SSE answer's, an event without data or not JSON adding none), else
+    ``NO_VALUE`` (nothing left). Its keys are the body's keys: the capture's redaction by field name reads them
+    off it."""
 
     body: bytes
     removed: int
@@ -912,7 +918,7 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
         if value is None:
             return Filtered(b"", removed, sse)
         return Filtered(_encoded(value), removed, sse, value)
-    out = []
+    out, values = [], []
     for event, data, value in answer.events:
         if data is None:
             out.append(event)
@@ -920,8 +926,11 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
             sse.dropped += 1
             out.append(DROPPED)
         else:
-            out.append(sse.rewrite_parsed(event, data, value))
-    return Filtered(b"".join(out), sse.removed, sse)
+            passed, value = sse.rewrite_value(event, data, value)
+            out.append(passed)
+            if passed:
+                values.append(value)
+    return Filtered(b"".join(out), sse.removed, sse, values)
 
 
 SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers
