@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/bench_tools_list.py            (~1-3 minutes on 2 cores; --quick for a smoke run)
      .venv/bin/python bench/bench_tools_list.py --mb 10 --rounds 5 --piece 16384
+     .venv/bin/python bench/bench_tools_list.py --tools 200 --rounds 15 --kinds json --before PYTHON:TREE
 
 An MCP-ish upstream in a process of its own (aiohttp, POST /mcp) answers ``tools/list`` with about ``--mb`` MB of
 tools (``--tools`` of them, descriptions padded to fit), as one SSE event (``text/event-stream``, a single
