@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/bench_tools_list.py            (~1-3 minutes on 2 cores; --quick for a smoke run)
      .venv/bin/python bench/bench_tools_list.py --mb 10 --rounds 5 --piece 16384
+     .venv/bin/python bench/bench_tools_list.py --tools 200 --rounds 15 --kinds json --before PYTHON:TREE
 
 An MCP-ish upstream in a process of its own (aiohttp, POST /mcp) answers ``tools/list`` with about ``--mb`` MB of
 tools (``--tools`` of them, descriptions padded to fit), as one SSE event (``text/event-stream``, a single
@@ -234,8 +235,10 @@ def main() -> int:
                         help="also run each tether setup's sidecar from another checkout (the code before a change), "
                              "as setups of the same run: TREE's tether/ imported by PYTHON, an interpreter with this "
                              "venv's packages but not its editable install of tether")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="the answers to measure: sse, json or both")
     parser.add_argument("--quick", action="store_true", help="2 rounds of a 2 MB answer")
     args = parser.parse_args()
+    kinds = tuple(k for k in KINDS if k in args.kinds.split(","))
     if args.quick:
         args.rounds, args.mb, args.tools = 2, 2.0, 4000
     print(f"tools/list benchmark  {time.strftime('%Y-%m-%d %H:%M')} UTC  nproc {os.cpu_count()}  "
@@ -281,27 +284,31 @@ def main() -> int:
         print(f"  answer {upstream.size / 1e6:.1f} MB, {args.tools + 1} tools, granted (besides add): "
               f"{', '.join(f'{k} {len(v)}' for k, v in grants.items())}; "
               f"upstream writes of {args.piece} bytes, {args.rounds} rounds")
-        results: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in KINDS for s in setups}
+        results: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in kinds for s in setups}
         for r in range(args.rounds):
-            for kind in KINDS:
+            for kind in kinds:
                 turn = r % len(setups)
                 order = setups[turn:] + setups[:turn]  # the order rotates: load hits every setup alike
                 for setup in order:
                     results[kind, setup].append(asyncio.run(one_round(upstream.url, proxies[setup], kind, 20,
                                                                       pids[setup])))
             print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
-        verdicts = report(results, setups)
+        verdicts = report(results, setups, kinds)
         print(f"load average at the end {os.getloadavg()[0]:.2f}; sidecar logs under {cp.directory / 'sidecars'}")
     return 0 if all(verdicts) else 1
 
 
 def start_from(sidecar: SidecarProcess, python: str, tree: str, upstream_ca: Path) -> None:
-    """Start ``sidecar`` on the code of another checkout: ``python -m tether`` with ``tree`` first on its path."""
-    saved, path = harness.PYTHON, os.environ.get("PYTHONPATH")
+    """Start ``sidecar`` on the code of another checkout: ``python -m tether`` run in ``tree`` with ``tree`` on its
+    path. In ``tree``: ``-m`` puts the working directory first on the path, ahead of ``PYTHONPATH``, so a sidecar
+    started from this checkout's directory would import this checkout's code, not the tree's."""
+    saved, path, cwd = harness.PYTHON, os.environ.get("PYTHONPATH"), os.getcwd()
     harness.PYTHON, os.environ["PYTHONPATH"] = python, tree
+    os.chdir(tree)
     try:
         sidecar.start(upstream_ca=upstream_ca)
     finally:
+        os.chdir(cwd)
         harness.PYTHON = saved
         if path is None:
             os.environ.pop("PYTHONPATH", None)
@@ -309,13 +316,14 @@ def start_from(sidecar: SidecarProcess, python: str, tree: str, upstream_ca: Pat
             os.environ["PYTHONPATH"] = path
 
 
-def report(results: dict[tuple[str, str], list[dict[str, Any]]], setups: tuple[str, ...]) -> list[bool]:
+def report(results: dict[tuple[str, str], list[dict[str, Any]]], setups: tuple[str, ...],
+           kinds: tuple[str, ...] = KINDS) -> list[bool]:
     verdicts = []
     print()
     print("| answer | setup | read s | x direct | x mitmdump | read + parse s | x direct | tools / bytes to the client "
           "| add p50 idle ms | add p50 during ms | add max during ms | add calls during | proxy CPU s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for kind in KINDS:
+    for kind in kinds:
         med = {s: statistics.median(r["elapsed"] for r in results[kind, s]) for s in setups}
         used = {s: statistics.median(r["used"] for r in results[kind, s]) for s in setups}
         for setup in setups:

@@ -22,7 +22,7 @@ from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
 
 from . import mcp
-from .capture import CaptureWriter
+from .capture import CaptureWriter, ParsedBody
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
 from .mcpcalls import ITEM_METHODS, McpCalls
@@ -244,7 +244,7 @@ class McpFilter:
         if not asks and not mcp.is_json(media):
             return None
         lists = asks and (mcp.is_json(media) or sse or 200 <= resp.status_code < 300)
-        if not (resp.raw_content or b"").strip():
+        if not has_text(resp.raw_content):
             return None  # nothing to filter (202 Accepted, 204)
         if not mcp.is_json(media) and not sse:
             if lists:
@@ -266,17 +266,17 @@ class McpFilter:
             # in the body, the whole filter may run in the thread too.
             reads_only = not any(m in ITEM_METHODS for m in state_of(flow).mcp_methods or [])
 
-            def work() -> mcp.ReadAnswer | tuple[bytes, int, mcp.SseListsFilter]:
+            def work() -> mcp.ReadAnswer | mcp.Filtered:
                 read = mcp.read_answer(mcp.decode_body(raw, codings), sse)
-                return mcp.filter_answer(read, visible) if reads_only and read.body.strip() else read
+                return mcp.filtered(read, visible) if reads_only and has_text(read.body) else read
 
             # A small answer parses in less time than a thread hop takes: here.
             done = work() if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(work)
             if isinstance(done, mcp.ReadAnswer):
-                if not done.body.strip():
+                if not has_text(done.body):
                     return
-                done = mcp.filter_answer(done, visible)
-            body, removed, seen = done
+                done = mcp.filtered(done, visible)
+            body, removed, seen = done.body, done.removed, done.seen
         except mcp.Unreadable as exc:
             if lists:
                 self._refuse_answer(flow, str(exc))
@@ -292,6 +292,9 @@ class McpFilter:
         if removed or "content-encoding" in resp.headers:
             resp.headers.pop("content-encoding", None)
             resp.content = body  # sets a matching Content-Length
+        if done.value is not mcp.NO_VALUE and resp.raw_content is not None:
+            # the capture reads the body's keys off this parse, not off 10 MB of bytes (capture.ParsedBody)
+            state_of(flow).answer_parse = ParsedBody(resp.raw_content, done.value)
 
     def _refusal(self, flow: http.HTTPFlow, reason: str) -> tuple[int, bytes, dict[str, str]]:
         call = call_of(flow)
@@ -333,6 +336,11 @@ class McpFilter:
 
 
 ToolsFilter = McpFilter  # the name tether/proxy/sidecar.py and older code know it by
+
+
+def has_text(body: bytes | None) -> bool:
+    """``bool(body.strip())`` without the copy (``strip`` copies a 10 MB body to say it is not empty)."""
+    return bool(body) and not body.isspace()  # type: ignore[union-attr]
 
 
 _CLIENT_CLOSED = ("Client disconnected.", "stream reset by client")  # mitmproxy's words, HTTP/1 and HTTP/2
@@ -465,7 +473,9 @@ class Capture:
             # Captured before it left: the final state is taken once the answer is on its way to the agent
             # (mitmproxy sends it when this hook returns), not in front of it, and encoded and written off the
             # event loop (the writer's encoder thread): a large answer's redaction stalls no other call.
-            asyncio.get_running_loop().call_soon(self.writer.write_later, flow)
+            state = state_of(flow)
+            parsed, state.answer_parse = state.answer_parse, None
+            asyncio.get_running_loop().call_soon(self.writer.write_later, flow, parsed)
         elif self.writer.write(flow):  # refused (or uncaptured) calls: the report names the capture
             call.capture_ref = self.writer.ref(flow)
 

@@ -95,22 +95,52 @@ class Fields:
 
     def may_hold(self, body: bytes) -> bool:
         """False only when no field this redacts can be in ``body``: a cheap look before parsing it. An escaped
-        name (JSON ``\\u``, form ``%``) is always parsed."""
+        name (JSON ``\\u``, form ``%``) is always parsed. Names are compared without "-" and "_" (``field_key``),
+        so the look drops them too: ``pass_word`` holds the marker ``pass``."""
         if self.named or b"\\u" in body or b"%" in body:
             return True
-        # In slices (overlapping by a marker's length): the same work, but each step short, so that on the
-        # capture's encoder thread the event loop gets the interpreter back between them, and a marker early
-        # in a large body ends the look there.
+        # In slices (overlapping by a marker's length, counted without "-" and "_"): the same work, but each step
+        # short, so that on the capture's encoder thread the event loop gets the interpreter back between them,
+        # and a marker early in a large body ends the look there.
         for start in range(0, max(len(body), 1), _SLICE):
-            lowered = body[start:start + _SLICE + _OVERLAP].lower()
+            lowered = body[start:_slice_end(body, start + _SLICE)].translate(None, b"-_").lower()
             if any(marker in lowered for marker in _MARKERS):
                 return True
         return False
 
 
+def _slice_end(body: bytes, end: int) -> int:
+    """Where a slice of ``may_hold``'s that ends at ``end`` stops: ``_OVERLAP`` bytes further, and as much again as
+    those hold of "-" and "_" (which the look drops), so that a marker spelt across the cut is whole in it."""
+    stop = end + _OVERLAP
+    while stop < len(body):
+        dropped = body.count(b"-", end, stop) + body.count(b"_", end, stop)
+        if stop - end - dropped >= _OVERLAP:
+            break
+        stop = end + _OVERLAP + dropped
+    return stop
+
+
 FieldNames = Fields | frozenset[str]
 _JSON_KEY = re.compile(rb'"([^"]*)"\s*:')
 UNDECODABLE = b"[REDACTED: undecodable encoded body]"
+UNPARSED = object()  # no parse of the body is known (``_redact_fields``)
+
+
+def json_keys(value: Any) -> set[str]:
+    """Every object key in a parsed JSON value, at any depth (what ``_redact_json`` compares): a walk of the
+    value, each step short (no single long C call), a fraction of a millisecond for a 10 MB list of 200 tools.
+    (An SSE answer's parse is the list of its events' values: their keys are all of its keys.)"""
+    keys: set[str] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            keys.update(item)
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend(v for v in item if isinstance(v, (dict, list)))
+    return keys
 
 
 def _redact_json(value: Any, fields: FieldNames) -> tuple[Any, bool]:
@@ -138,17 +168,25 @@ def _header_dict(headers: Any) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
 
 
-def _redact_fields(body: bytes, media: str, fields: FieldNames) -> bytes | None:
+def _redact_fields(body: bytes, media: str, fields: FieldNames, parsed: Any = UNPARSED) -> bytes | None:
     """``body`` with its named fields redacted (a form, or anything that reads as JSON), or None when it is not
-    JSON it claims to be."""
-    if isinstance(fields, Fields) and not fields.may_hold(body):
-        return body
-    if "x-www-form-urlencoded" in media:
-        return _redact_query(b"?" + body, fields)[1:]
+    JSON it claims to be. ``parsed``: the JSON value tether parsed ``body`` to already (``ParsedBody``), whose keys
+    are the body's: read off it, they say whether anything is to be redacted without a search of the bytes."""
+    form = "x-www-form-urlencoded" in media
+    sse = not form and "text/event-stream" in media
     # Whatever the declared media type (in any case, or none, or a wrong one): a body that reads as JSON is
     # redacted as JSON; a server that parses it leniently would see the secret otherwise.
-    if "json" not in media and body.lstrip()[:1] not in (b"{", b"["):
+    if not form and not sse and "json" not in media and body.lstrip()[:1] not in (b"{", b"["):
         return body
+    if not form and parsed is not UNPARSED:
+        if not any(k.lower() in fields for k in json_keys(parsed)):
+            return body  # exactly what the parse below would find: no key it redacts
+    elif isinstance(fields, Fields) and not fields.may_hold(body):
+        return body
+    if form:
+        return _redact_query(b"?" + body, fields)[1:]
+    if sse:
+        return _redact_events(body, fields)
     if b"\\" not in body and not any(k.decode("utf-8", "replace").lower() in fields
                                       for k in dict.fromkeys(_JSON_KEY.findall(body))):
         return body  # no key it redacts (without escapes, every key is a quoted run followed by a colon)
@@ -160,7 +198,37 @@ def _redact_fields(body: bytes, media: str, fields: FieldNames) -> bytes | None:
     return json.dumps(value).encode() if changed else body
 
 
-def _redact_body(part: dict[str, Any], fields: FieldNames, values: Sequence[bytes] = ()) -> None:
+def _redact_events(body: bytes, fields: FieldNames) -> bytes:
+    """An SSE body with its events' data redacted by field name, each event's data read as an MCP client reads it
+    (cut and joined as the list filter does, ``mcp.whole_events`` and ``mcp.event_data``, then parsed as JSON). An
+    event whose data changed is written again, its other lines kept and its data on one line; any other event, one
+    whose data is not JSON among them, is kept as it came."""
+    from . import mcp  # (the SSE reading is the list filter's; mcp loads nothing of the capture)
+
+    out: list[bytes] = []
+    changed = False
+    for event in mcp.whole_events(body):
+        data = mcp.event_data(event)
+        value: Any = None
+        if data is not None:
+            try:
+                value = json.loads(bytes(data[2]))
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                data = None
+        redacted, hit = _redact_json(value, fields) if data is not None else (None, False)
+        if not hit or data is None:
+            out.append(event)
+            continue
+        changed = True
+        lines, data_idx, _ = data
+        skip = set(data_idx)
+        kept = [bytes(line) for i, line in enumerate(lines) if line and i not in skip]
+        out.append(b"\n".join([*kept, b"data: " + json.dumps(redacted).encode()]) + b"\n\n")
+    return b"".join(out) if changed else body
+
+
+def _redact_body(part: dict[str, Any], fields: FieldNames, values: Sequence[bytes] = (),
+                 parsed: Any = UNPARSED) -> None:
     """Redact a message state's body as a reader will see it: decoded first (gzip, deflate, br, zstd), then its
     named fields and every injected value. A body that changed is kept decoded (its ``Content-Encoding``
     dropped); one that did not keeps its bytes as they travelled. A body whose encoding cannot be decoded could
@@ -177,12 +245,12 @@ def _redact_body(part: dict[str, Any], fields: FieldNames, values: Sequence[byte
     except ValueError:
         _replace(part, UNDECODABLE)
         return
-    redacted = _redact_fields(body, media, fields) if fields else body
+    redacted = _redact_fields(body, media, fields, parsed if not encoded else UNPARSED) if fields else body
     if redacted is None:  # declared JSON that does not parse: when it came encoded, keep none of it
         redacted = UNDECODABLE if encoded else body
     if values:
         redacted = _scrub(redacted, values)
-    if redacted != body:
+    if redacted is not body and redacted != body:
         _replace(part, redacted)
 
 
@@ -220,13 +288,16 @@ def _redact_headers(headers: tuple, secret: frozenset[bytes], values: Sequence[b
     return headers
 
 
-def _redact_state(state: dict, fields: FieldNames, secret: frozenset[bytes], values: Sequence[bytes] = ()) -> dict:
+def _redact_state(state: dict, fields: FieldNames, secret: frozenset[bytes], values: Sequence[bytes] = (),
+                  parsed: Any = UNPARSED) -> dict:
+    """``parsed``: the response body's JSON value, when tether parsed it already (``ParsedBody``)."""
     for name in ("request", "response"):
         part = state.get(name)
         if not part:
             continue
         part["headers"] = _redact_headers(part["headers"], secret, values)
-        _redact_body(part, fields, values)  # decoded: injected values wherever they appear (a tool echoing them)
+        # decoded: injected values wherever they appear (a tool echoing them)
+        _redact_body(part, fields, values, parsed if name == "response" else UNPARSED)
     state["request"]["path"] = _redact_query(state["request"]["path"], fields)
     if values:
         state["request"]["path"] = _scrub(state["request"]["path"], values)
@@ -372,6 +443,35 @@ def _tnet_dict(items: list[tuple[str, bytes]]) -> bytes:
     return b"%d:%s}" % (len(payload), payload)
 
 
+PIECE_BYTES = 64 << 10  # bytes at least this long go into a record as they are, not copied into it
+
+
+def tnet_pieces(value: Any, out: list[bytes]) -> int:
+    """Append ``tnet_dumps(value)`` to ``out`` in pieces, and return its length: the concatenation of what was
+    appended is that encoding, byte for byte. A tnetstring is ``LENGTH:DATA`` and a type mark, so a dict's length
+    can be summed from its items' pieces, and a long bytes value (a 10 MB body) is appended itself, never copied
+    into a joined record (each copy of it held the interpreter's lock for its whole length). Dicts are walked
+    (a flow's state and its request and response, where a body sits); everything else is one ``tnet_dumps``
+    piece, so each string or bytes value lies whole inside one piece."""
+    t = type(value)
+    if t is bytes and len(value) >= PIECE_BYTES:
+        head = b"%d:" % len(value)
+        out += (head, value, b",")
+        return len(head) + len(value) + 1
+    if t is dict:
+        at = len(out)
+        out.append(b"")
+        size = 0
+        for k, v in reversed(value.items()):  # (tnet_dumps writes a dict's items last first)
+            size += tnet_pieces(k, out) + tnet_pieces(v, out)
+        out[at] = head = b"%d:" % size
+        out.append(b"}")
+        return len(head) + size + 1
+    data = tnet_dumps(value)
+    out.append(data)
+    return len(data)
+
+
 def encode_flow(flow: http.HTTPFlow, fields: FieldNames, conns: ConnectionStates,
                 secret: frozenset[bytes] = _SECRET, values: Sequence[bytes] = ()) -> bytes:
     """``tnetstring.dumps(snapshot(flow))``, with each connection's state reused while it is unchanged, and
@@ -392,6 +492,7 @@ class Taken:
     secret: frozenset[bytes]
     values: tuple[bytes, ...]
     scrub_first: bool  # an encoded body or a websocket: a search of the encoding cannot rule a value out
+    parsed: Any = UNPARSED  # the response body's JSON value, tether's own parse of those very bytes (``ParsedBody``)
 
     @property
     def size(self) -> int:
@@ -404,14 +505,29 @@ class Taken:
         return total
 
 
+@dataclass(frozen=True, slots=True)
+class ParsedBody:
+    """A response body and the JSON value tether parsed it to (the MCP list filter's parse, or the value its
+    filtered body encodes): the value's keys are the body's keys, so redaction by field name reads them off the
+    value (``json_keys``, a short walk) instead of searching 10 MB of bytes for secret-looking names. It applies
+    only while the flow's response still holds that very bytes object, identity-coded (``take`` checks)."""
+
+    content: bytes
+    value: Any
+
+
 def take(flow: http.HTTPFlow, conns: ConnectionStates, secret: frozenset[bytes] = _SECRET,
-         values: Sequence[bytes] = ()) -> Taken:
+         values: Sequence[bytes] = (), parsed: ParsedBody | None = None) -> Taken:
     """What ``encode_taken`` needs of ``flow``, taken where the flow lives (the event loop)."""
     scrub_first = bool(values) and (is_encoded(flow.request) or is_encoded(flow.response)
                                     or flow.websocket is not None)
     started = flow.request.timestamp_start
+    known = UNPARSED
+    if parsed is not None and flow.response is not None and flow.response.raw_content is parsed.content \
+            and not is_encoded(flow.response):
+        known = parsed.value
     if flow._backup is not None or flow.websocket is not None:  # not a sidecar's flow: the general path
-        return Taken(flow.id, started, _metadata_free_state(flow), None, secret, tuple(values), scrub_first)
+        return Taken(flow.id, started, _metadata_free_state(flow), None, secret, tuple(values), scrub_first, known)
     # Flow.get_state and HTTPFlow.get_state, field for field, with the connections left out
     # (tests/test_capture.py holds the result to mitmproxy's own serialisation).
     parts = {"request": flow.request.get_state(), "response": flow.response.get_state() if flow.response else None}
@@ -431,21 +547,28 @@ def take(flow: http.HTTPFlow, conns: ConnectionStates, secret: frozenset[bytes] 
         ("timestamp_created", dumps(flow.timestamp_created)),
         ("backup", b"0:~"),
     ]
-    return Taken(flow.id, started, parts, head, secret, tuple(values), scrub_first)
+    return Taken(flow.id, started, parts, head, secret, tuple(values), scrub_first, known)
 
 
 def encode_taken(taken: Taken, fields: FieldNames) -> bytes:
     """The taken flow, redacted and tnetstring-encoded; ``taken`` is left as it was. Safe off the loop."""
+    return b"".join(encode_pieces(taken, fields))
+
+
+def encode_pieces(taken: Taken, fields: FieldNames) -> list[bytes]:
+    """``encode_taken``'s bytes as pieces (``tnet_pieces``), to be written one after the other: a large body is
+    a piece of its own, the very bytes object the flow holds."""
     if taken.values and taken.scrub_first:
         return _encode_taken(taken, fields, taken.values)  # a compressed body hides a value from a search
-    data = _encode_taken(taken, fields, ())
-    # tnetstrings hold bytes and strings verbatim: a value absent from the encoding is absent from every part of
-    # the flow, which is the usual case (the injected header is redacted by name). Only a flow that holds one (a
-    # tool echoing its request back) is encoded again, scrubbing every header, body and path by value.
+    pieces = _encode_taken(taken, fields, ())
+    # tnetstrings hold bytes and strings verbatim, each whole inside one piece: a value absent from every piece is
+    # absent from every part of the flow, which is the usual case (the injected header is redacted by name). Only
+    # a flow that holds one (a tool echoing its request back) is encoded again, scrubbing every header, body and
+    # path by value.
     for value in taken.values:
-        if value in data:
+        if any(value in piece for piece in pieces):
             return _encode_taken(taken, fields, taken.values)
-    return data
+    return pieces
 
 
 def _fresh(state: dict[str, Any]) -> dict[str, Any]:
@@ -457,12 +580,23 @@ def _fresh(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _encode_taken(taken: Taken, fields: FieldNames, values: Sequence[bytes]) -> bytes:
-    parts = _redact_state(_fresh(taken.parts), fields, taken.secret, values)
+def _encode_taken(taken: Taken, fields: FieldNames, values: Sequence[bytes]) -> list[bytes]:
+    parts = _redact_state(_fresh(taken.parts), fields, taken.secret, values, taken.parsed)
+    pieces: list[bytes] = []
     if taken.head is None:
-        return tnet_dumps(parts)
-    return _tnet_dict([*taken.head, ("request", tnet_dumps(parts["request"])),
-                       ("response", tnet_dumps(parts["response"])), ("websocket", b"0:~")])
+        tnet_pieces(parts, pieces)
+        return pieces
+    # the flow's dict, as _tnet_dict writes it: its items last first (websocket, response, request, the head's)
+    pieces.append(b"")
+    size = tnet_pieces("websocket", pieces) + tnet_pieces(None, pieces)
+    size += tnet_pieces("response", pieces) + tnet_pieces(parts["response"], pieces)
+    size += tnet_pieces("request", pieces) + tnet_pieces(parts["request"], pieces)
+    for key, data in reversed(taken.head):
+        size += tnet_pieces(key, pieces) + len(data)
+        pieces.append(data)
+    pieces[0] = b"%d:" % size
+    pieces.append(b"}")
+    return pieces
 
 
 def _metadata_free_state(flow: http.HTTPFlow) -> dict:
@@ -524,13 +658,13 @@ class CaptureWriter:
         taken = self._take(flow)
         return taken is not None and self._commit(taken)
 
-    def write_later(self, flow: http.HTTPFlow) -> None:
+    def write_later(self, flow: http.HTTPFlow, parsed: ParsedBody | None = None) -> None:
         """Capture ``flow``'s state as it stands, encoded and appended by the writer's encoder thread: a call's
         final state (its answer on its way to the agent already), whose redaction and encoding cost in
         proportion to its bodies and would stall the event loop, every other call of the sidecar with it.
         The state is taken here, on the loop; ``close`` waits for every one taken. A failure is counted and
-        logged like ``write``'s."""
-        taken = self._take(flow)
+        logged like ``write``'s. ``parsed``: the response body as tether parsed it (``ParsedBody``), if it did."""
+        taken = self._take(flow, parsed)
         if taken is not None:
             self.encoder.put(taken)
 
@@ -538,9 +672,9 @@ class CaptureWriter:
         """Wait until every state given to ``write_later`` is on disk (or failed); False if some still wait."""
         return self.encoder.flush(timeout_s)
 
-    def _take(self, flow: http.HTTPFlow) -> Taken | None:
+    def _take(self, flow: http.HTTPFlow, parsed: ParsedBody | None = None) -> Taken | None:
         try:
-            return take(flow, self.conns, self.secret, self.values())
+            return take(flow, self.conns, self.secret, self.values(), parsed)
         except Exception as exc:  # counted as a failed capture: the request-time one then refuses the call
             with self._lock:
                 self._failed(exc)
@@ -548,36 +682,39 @@ class CaptureWriter:
 
     def _commit(self, taken: Taken) -> bool:
         try:
-            data = encode_taken(taken, self.fields)
+            pieces = encode_pieces(taken, self.fields)
         except Exception as exc:  # (an unserialisable value): this call's capture only
             with self._lock:
                 self._failed(exc)
             return False
         with self._lock:  # the loop's writes and the encoder's: one at a time, each whole
-            return self._append(taken, data)
+            return self._append(taken, pieces)
 
-    def _append(self, taken: Taken, data: bytes) -> bool:
+    def _append(self, taken: Taken, pieces: list[bytes]) -> bool:
+        size = 0
         try:
             f = self._open()
             start = f.seek(0, os.SEEK_END)
             try:
-                view = memoryview(data)
-                while view:  # unbuffered: every byte is on disk or the write failed, nothing held back
-                    written = f.write(view)
-                    if not written:
-                        raise OSError(errno.EIO, "the capture file accepted no bytes")
-                    view = view[written:]
+                for piece in pieces:  # one record, in pieces: a large body is written from the flow's own bytes
+                    view = memoryview(piece)
+                    while view:  # unbuffered: every byte is on disk or the write failed, nothing held back
+                        written = f.write(view)
+                        if not written:
+                            raise OSError(errno.EIO, "the capture file accepted no bytes")
+                        view = view[written:]
+                    size += len(piece)
             except BaseException:
                 self._cut_back(f, start)
                 raise
             self.last_error = None
-            self.written += len(data)
+            self.written += size
         except Exception as exc:  # any failure to capture affects this call only, never the sidecar
             self._failed(exc)
             return False
         segment = self._segment
         if segment is not None:
-            segment.add(taken.flow_id, taken.started, start + len(data))
+            segment.add(taken.flow_id, taken.started, start + size)
             now = self.clock()
             if segment.size >= self.policy.segment_bytes or now - segment.opened_at >= self.policy.segment_age_s:
                 self.rotate()

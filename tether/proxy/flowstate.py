@@ -16,6 +16,7 @@ from mitmproxy import http
 from tether.capability import errors as codes
 
 from . import mcp
+from .capture import ParsedBody
 from .decision import Refusal
 from .state import Call
 
@@ -35,6 +36,7 @@ class FlowState:
     mcp_callers: dict[str, str] = field(default_factory=dict)  # each tools/call request's capability, by id_key
     mcp_sse: mcp.SseToolsFilter | None = None  # the filter an SSE answer streams through
     no_stream: bool = False  # the answer is read whole (a tools/list answer in JSON)
+    answer_parse: ParsedBody | None = None  # the answer's body as the list filter parsed it (for the capture)
     hold: str | None = None  # "headers" | "body": when the call waits for a person
     decided: bool = False  # the decision let it go: the forwarder takes it from there
     # proxy.mcpcalls: the client cancelled the call before its answer passed; the ledger keys of its requests;

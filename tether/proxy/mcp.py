@@ -665,8 +665,9 @@ class SseListsFilter:
         data = event_data(event)
         if data is None:
             return event
+        payload = data[2]
         try:
-            value = json.loads(data[2])
+            value = json.loads(payload if isinstance(payload, bytes) else bytes(payload))
         except (ValueError, UnicodeDecodeError, RecursionError):
             self.dropped += 1
             return DROPPED
@@ -674,36 +675,44 @@ class SseListsFilter:
 
     def rewrite_parsed(self, event: bytes, data: EventData, value: Any) -> bytes:
         """The event, its payload parsed already (``value``), with what the agent does not hold removed."""
+        return self.rewrite_value(event, data, value)[0]
+
+    def rewrite_value(self, event: bytes, data: EventData, value: Any) -> tuple[bytes, Any]:
+        """``rewrite_parsed``, and the value of the event's data as it passes (None: the event is dropped)."""
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
         value, removed = filter_lists_message(value, self.allowed)
         if not removed:
-            return event
+            return event, value
         self.removed += removed
         if value is None:
-            return b""  # a notification about an item the agent does not hold: no event at all
+            return b"", None  # a notification about an item the agent does not hold: no event at all
         lines, data_idx, _ = data
         data_lines = set(data_idx)  # a set: an event may have as many data lines as it has bytes
         kept = [line for i, line in enumerate(lines) if line and i not in data_lines]
         kept.append(b"data: " + _encoded(value, one_line=True))
-        return b"\n".join(kept) + b"\n\n"
+        return b"\n".join(kept) + b"\n\n", value
 
 
-EventData = tuple[list[memoryview], list[int], bytes]  # an event's lines, which of them are data lines, the payload
+# an event's lines, which of them are data lines, the payload (a view of the event when it is one data line's)
+EventData = tuple[list[memoryview], list[int], bytes | memoryview]
+_NOT_SPACE = re.compile(rb"[^ \t\n\r\x0b\x0c]")  # what bytes.isspace() does not count as space
 
 
 def event_data(event: bytes) -> EventData | None:
     """An SSE event's ``data:`` payload (its data lines joined as the SSE spec joins them), or None when it has
-    none to read (no data line, or only empty ones: the SDK's priming event for resumption). The payload is the
-    one copy made of the data (the lines are views of the event)."""
+    none to read (no data line, or only empty ones: the SDK's priming event for resumption). The lines are views
+    of the event, and so is the payload of an event with one data line (a 10 MB answer's): it is not copied to be
+    parsed (``loads_pieces`` decodes the view); data lines joined are the one copy made."""
     lines = _lines(event)
     data_idx = [i for i, line in enumerate(lines) if line == b"data" or line[:5] == b"data:"]
     if not data_idx:
         return None
     values = [lines[i][5:] for i in data_idx]
-    payload = b"\n".join(v[1:] if v[:1] == b" " else v for v in values)
-    return (lines, data_idx, payload) if payload and not payload.isspace() else None  # (strip() would copy it)
+    values = [v[1:] if v[:1] == b" " else v for v in values]
+    payload: bytes | memoryview = values[0] if len(values) == 1 else b"\n".join(values)
+    return (lines, data_idx, payload) if _NOT_SPACE.search(payload) else None  # (strip() would copy it)
 
 
 # -- large answers: parsed away from the event loop --------------------------------------------------------
@@ -718,10 +727,13 @@ _DECODER = json.JSONDecoder()
 PIECES_DEPTH = 4  # how deep objects are walked (a batch answer's tools list is four levels down)
 
 
-def loads_pieces(raw: bytes | str) -> Any:
+def loads_pieces(raw: bytes | memoryview | str) -> Any:
     """What ``json.loads(raw)`` returns (and raises), read in pieces: objects key by key down to
-    ``PIECES_DEPTH``, every array element by element."""
-    if isinstance(raw, bytes):
+    ``PIECES_DEPTH``, every array element by element. A view is decoded as its bytes would be, without a copy
+    of them first."""
+    if isinstance(raw, memoryview):
+        raw = str(raw, json.detect_encoding(bytes(raw[:4])), "surrogatepass")
+    elif isinstance(raw, bytes):
         raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
     if raw.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
@@ -876,13 +888,37 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
     ids it saw answered). Pure but for ``allowed``'s predicates and observer, so it may run beside ``read_answer``
     in a worker thread when those only read (a list answer's observer writes nothing: it binds tasks and rounds
     of item calls only)."""
+    done = filtered(answer, allowed)
+    return done.body, done.removed, done.seen
+
+
+NO_VALUE = object()  # ``Filtered.value`` of an answer whose bytes are not one JSON value (SSE, or nothing left)
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """``filter_answer``'s outcome, with ``value``: the JSON value ``body`` encodes (a JSON answer's), or the list
+    of the values of its events' data (an SSE answer's, an event without data or not JSON adding none), else
+    ``NO_VALUE`` (nothing left). Its keys are the body's keys: the capture's redaction by field name reads them
+    off it."""
+
+    body: bytes
+    removed: int
+    seen: SseListsFilter
+    value: Any = NO_VALUE
+
+
+def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Filtered:
+    """``filter_answer``, and the value of what it passes (``Filtered``)."""
     sse = SseListsFilter(allowed)
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
-            return answer.body, 0, sse
-        return (b"" if value is None else _encoded(value)), removed, sse
-    out = []
+            return Filtered(answer.body, 0, sse, answer.value)
+        if value is None:
+            return Filtered(b"", removed, sse)
+        return Filtered(_encoded(value), removed, sse, value)
+    out, values = [], []
     for event, data, value in answer.events:
         if data is None:
             out.append(event)
@@ -890,8 +926,11 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
             sse.dropped += 1
             out.append(DROPPED)
         else:
-            out.append(sse.rewrite_parsed(event, data, value))
-    return b"".join(out), sse.removed, sse
+            passed, value = sse.rewrite_value(event, data, value)
+            out.append(passed)
+            if passed:
+                values.append(value)
+    return Filtered(b"".join(out), sse.removed, sse, values)
 
 
 SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers
