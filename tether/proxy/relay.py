@@ -1,0 +1,340 @@
+"""A body nobody inspects goes straight from one socket to the other (issue 28 item 4).
+
+mitmproxy passes every piece of a streamed body through its layer stack and copies it several times on the way
+(``tether/proxy/framing.py``, ``bulk_transfers()``, made the pieces larger). Once tether has decided a call, the
+answer's headers are through and its body is one tether neither filters nor reads whole, nothing needs to see the
+rest of that body but a counter: ``direct_relay()`` then moves it between the two connections' sockets with
+``splice(2)`` (through a pipe, in the kernel: the bytes never enter Python), for its ``Content-Length`` or, for an
+answer delimited by the upstream closing the connection, up to that close. Both ways: a streamed upload with a
+``Content-Length`` goes to the upstream the same way.
+
+When. At every read of a connection, before it reads, the reader asks (``RelayCheck``) whether the connection
+carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, in plaintext on both sides
+(TLS is encrypted and decrypted by mitmproxy's layers in user space: such a body keeps mitmproxy's path), its
+stream plain (``flow.response.stream is True``, or a capture's tee that has kept all it keeps:
+``relayable()``), the layers idle (no hook pending, nothing buffered in h11 or in the reader, nothing waiting
+to be written to the other side). Anything else, or anything unexpected, keeps mitmproxy's path: relaying is an
+optimisation, never a decision.
+
+What stays as it was. The layers see the body's end as they would have (the h11 reader is told the bytes it no
+longer expects, then handed an empty read, and ends the message: mitmproxy's response hook, the call's report,
+the capture's final state and its timing are what they were). A capture keeps the answer's first 1 MiB (taken
+through mitmproxy's path before the relay starts) and the count of the rest. An abort (``cutting.py``) cancels the
+connection handler's tasks, the relay among them, at its next wait: the sockets it holds (its own duplicates)
+close at once, and the agent sees the cut. A failure to write to the other side ends the relay and hands the
+connection back to mitmproxy's path, which sees the failure as it would have; an upstream that closes early is a
+body cut short, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from h11._readers import ContentLengthReader, Http10Reader
+from mitmproxy.proxy import events
+from mitmproxy.proxy import layer as proxy_layer
+from mitmproxy.proxy import server as proxy_server
+from mitmproxy.proxy.layers import http as http_layer
+from mitmproxy.proxy.layers.http import _http1
+
+log = logging.getLogger("tether.sidecar")
+
+PIPE_BYTES = 1 << 20  # the splice pipe's capacity (the default limit for an unprivileged process)
+RELAY_MIN = 64 << 10  # bytes: a smaller rest of a body is not worth the set-up
+SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+RELAYED = "tether.relayed_bytes"  # flow.metadata: how many of the body's bytes were relayed
+
+_streams: dict[str, Any] = {}  # connection id -> the HttpStream whose body that connection is sending
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLeft:
+    """What a body reader still expects: ``count`` bytes, or (``count is None``) everything up to the close."""
+
+    count: int | None
+
+
+def body_left(reader: Any) -> BodyLeft | None:
+    """The rest of the body an h11 reader (possibly wrapped, ``framing.TrailerlessReader``) expects, when it is
+    framed so that it can be relayed unread: a Content-Length's rest, or up to the close. None otherwise."""
+    inner = getattr(reader, "reader", reader)
+    if isinstance(inner, ContentLengthReader):
+        return BodyLeft(inner._remaining)
+    if isinstance(inner, Http10Reader):
+        return BodyLeft(None)
+    return None
+
+
+def taken(reader: Any, count: int) -> None:
+    """Tell a Content-Length reader ``count`` of its bytes went past it."""
+    inner = getattr(reader, "reader", reader)
+    if isinstance(inner, ContentLengthReader):
+        inner._remaining -= count
+
+
+def plain_stream(stream: Any) -> bool:
+    """A body stream setting that passes the bytes as they are and needs to see no more of them."""
+    if stream is True:
+        return True
+    relayable = getattr(stream, "relayable", None)
+    return callable(relayable) and bool(relayable())
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """One body to relay: from ``source`` (whose read asked) to ``sink``, with the layers that frame it."""
+
+    stream: Any  # the HttpStream
+    source: Any  # the connection the body comes from
+    sink: Any  # the connection it goes to
+    reader: Any  # the source's h11 body reader
+    left: BodyLeft
+    response: bool  # the answer's body (download), or the request's (upload)
+
+
+def _http_layers(top: Any) -> list[Any]:
+    found, todo = [], [top]
+    while todo:
+        node = todo.pop()
+        if node is None:
+            continue
+        if isinstance(node, proxy_layer.NextLayer):
+            todo.append(node.layer)
+            continue
+        if isinstance(node, http_layer.HttpLayer):
+            found.append(node)
+            todo.extend(s.child_layer for s in node.streams.values())
+        todo.append(getattr(node, "child_layer", None))
+        delegate = getattr(node.__dict__.get("_handle_event"), "__self__", None)  # a mode layer hands its
+        if isinstance(delegate, proxy_layer.Layer) and delegate is not node:  # events on to a layer it made
+            todo.append(delegate)
+    return found
+
+
+def _http1_of(node: Any) -> Any:
+    """The HTTP/1 layer of a connection: an upstream connection's is the child of mitmproxy's ``HttpClient``."""
+    return node.child_layer if isinstance(node, http_layer.HttpClient) and hasattr(node, "child_layer") else node
+
+
+def _idle(*layers: Any) -> bool:
+    return all(getattr(x, "_paused", None) is None and not getattr(x, "_paused_event_queue", ()) for x in layers)
+
+
+def _leg(handler: Any, connection: Any) -> Leg | None:
+    stream = _streams.get(connection.id)
+    if stream is None:
+        return None
+    flow = stream.flow
+    response = connection is stream.context.server
+    streaming = stream.server_state == stream.state_stream_response_body if response else \
+        stream.client_state == stream.state_stream_request_body
+    message = flow.response if response else flow.request
+    if not streaming or message is None or flow.error is not None or flow.websocket is not None:
+        _streams.pop(connection.id, None)
+        return None
+    sink = stream.context.client if response else stream.context.server
+    if connection.tls or sink.tls or stream.context.options.store_streamed_bodies or not plain_stream(message.stream):
+        return None
+    layer = next((h for h in _http_layers(handler.layer) if h.streams.get(stream.stream_id) is stream), None)
+    if layer is None:
+        return None
+    source_layer, sink_layer = _http1_of(layer.connections.get(connection)), _http1_of(layer.connections.get(sink))
+    want_source = _http1.Http1Client if response else _http1.Http1Server
+    want_sink = _http1.Http1Server if response else _http1.Http1Client
+    if not (isinstance(source_layer, want_source) and isinstance(sink_layer, want_sink)
+            and source_layer.state == source_layer.read_body and not source_layer.buf
+            and source_layer.stream_id == stream.stream_id and sink_layer.stream_id == stream.stream_id
+            and _idle(stream, layer, source_layer, sink_layer)):
+        return None
+    if "chunked" in message.headers.get("transfer-encoding", "").lower():
+        return None  # the sink frames it chunked: relaying the source's bytes as they are would not
+    left = body_left(source_layer.body_reader)
+    if left is None or (left.count is not None and left.count < RELAY_MIN) or (left.count is None and not response):
+        return None
+    return Leg(stream, connection, sink, source_layer.body_reader, left, response)
+
+
+def _socket_of(io: Any) -> Any:
+    writer = getattr(io, "writer", None)
+    transport = getattr(writer, "transport", None)
+    return transport, (transport.get_extra_info("socket") if transport is not None else None)
+
+
+async def _wait(fd: int, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(fd, wake)
+    try:
+        await ready
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
+class SinkFailed(Exception):
+    """Writing to the other side failed (it closed or reset): the relay stops, mitmproxy's path sees the rest."""
+
+
+async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Callable[[int], None],
+                      gave: Callable[[int], None], alive: Callable[[], None]) -> bool:
+    """Move ``count`` bytes (None: up to the source's end) from ``source_fd`` to ``sink_fd`` through a pipe.
+    ``took(n)``: n bytes left the source; ``gave(n)``: n reached the sink. Returns whether the source ended
+    (EOF) first. A read error of the source raises OSError; a write error of the sink, SinkFailed."""
+    pipe_r, pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(pipe_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    in_pipe, wanted, ended = 0, count, False
+    try:
+        while True:
+            moved = False
+            if not ended and (wanted is None or wanted > 0) and in_pipe < PIPE_BYTES:
+                try:
+                    n = os.splice(source_fd, pipe_w, PIPE_BYTES - in_pipe if wanted is None else
+                                  min(PIPE_BYTES - in_pipe, wanted), flags=SPLICE_FLAGS)
+                except BlockingIOError:
+                    n = -1
+                if n == 0:
+                    ended = True
+                elif n > 0:
+                    in_pipe += n
+                    wanted = None if wanted is None else wanted - n
+                    took(n)
+                    moved = True
+            write_blocked = False
+            if in_pipe:
+                try:
+                    m = os.splice(pipe_r, sink_fd, in_pipe, flags=SPLICE_FLAGS)
+                except BlockingIOError:
+                    m, write_blocked = 0, True
+                except OSError as exc:
+                    raise SinkFailed(str(exc)) from exc
+                if m > 0:
+                    in_pipe -= m
+                    gave(m)
+                    moved = True
+            if in_pipe == 0 and (ended or wanted == 0):
+                return ended
+            if moved:
+                alive()
+                continue
+            await _wait(sink_fd, True) if write_blocked or ended or wanted == 0 else await _wait(source_fd, False)
+    finally:
+        os.close(pipe_r)
+        os.close(pipe_w)
+
+
+async def relay(handler: Any, leg: Leg) -> bool:
+    """Relay ``leg``'s body between the two sockets; True when the source ended (EOF) during it."""
+    source_io, sink_io = handler.transports.get(leg.source), handler.transports.get(leg.sink)
+    source_transport, source_sock = _socket_of(source_io)
+    sink_transport, sink_sock = _socket_of(sink_io)
+    reader = getattr(source_io, "reader", None)
+    if (source_sock is None or sink_sock is None or sink_transport.get_write_buffer_size() or
+            not isinstance(reader, asyncio.StreamReader) or len(reader._buffer) or reader.at_eof() or
+            source_transport.is_closing() or sink_transport.is_closing()):
+        return False
+    flow = leg.stream.flow
+    message = flow.response if leg.response else flow.request
+    counted = getattr(message.stream, "passed", None)
+    source_fd, sink_fd = os.dup(source_sock.fileno()), os.dup(sink_sock.fileno())  # ours: a close elsewhere
+    reading = source_transport.is_reading()  # cannot hand their numbers to another connection under us
+    if reading:
+        source_transport.pause_reading()
+
+    def took(n: int) -> None:
+        taken(leg.reader, n)
+
+    def gave(n: int) -> None:
+        flow.metadata[RELAYED] = flow.metadata.get(RELAYED, 0) + n
+        if counted is not None:
+            counted(n)
+
+    try:
+        return await splice_body(source_fd, sink_fd, leg.left.count, took, gave,
+                                 handler.timeout_watchdog.register_activity)
+    finally:
+        os.close(source_fd)
+        os.close(sink_fd)
+        if reading and not source_transport.is_closing():
+            source_transport.resume_reading()
+
+
+async def relay_before_read(handler: Any, connection: Any) -> bool:
+    """Relay what may be relayed of the body ``connection`` is sending, if any; True when the connection ended
+    (EOF) during it. After a relayed Content-Length body, the layers are handed an empty read, so they end it."""
+    leg = _leg(handler, connection)
+    if leg is None:
+        return False
+    try:
+        ended = await relay(handler, leg)
+    except SinkFailed as exc:
+        log.info("the relay of a body stopped: %s (mitmproxy's path takes the rest)", exc)
+        return False
+    if not ended and leg.left.count is not None:
+        await handler.server_event(events.DataReceived(connection, b""))  # the reader's rest is 0: its end
+    return ended
+
+
+def _register_streams() -> None:
+    stream_cls = http_layer.HttpStream
+    start_response, start_request = stream_cls.start_response_stream, stream_cls.start_request_stream
+
+    def start_response_stream(self: Any) -> Any:
+        yield from start_response(self)
+        _streams[self.context.server.id] = self
+
+    def start_request_stream(self: Any) -> Any:
+        yield from start_request(self)
+        _streams[self.context.client.id] = self
+
+    stream_cls.start_response_stream = start_response_stream  # type: ignore[method-assign]
+    stream_cls.start_request_stream = start_request_stream  # type: ignore[method-assign]
+
+
+def install_relay(reader: asyncio.StreamReader, handler: Any, connection: Any) -> None:
+    """Make ``reader.read`` relay a relayable body before it reads (see the module docstring)."""
+    read = reader.read
+
+    async def read_relaying(n: int = -1) -> bytes:
+        if connection.id in _streams and await relay_before_read(handler, connection):
+            return b""  # the source ended: mitmproxy's path sees the close
+        return await read(n)
+
+    reader.read = read_relaying  # type: ignore[method-assign]
+
+
+def forget(connection: Any) -> None:
+    _streams.pop(connection.id, None)
+
+
+def direct_relay() -> None:
+    """Relay bodies nobody inspects between the sockets (the module docstring); idempotent, for this process.
+    Call after ``framing.bulk_transfers()``."""
+    handler_cls = proxy_server.ConnectionHandler
+    if getattr(handler_cls, "tether_direct_relay", False):
+        return
+    _register_streams()
+    handle_connection = handler_cls.handle_connection
+
+    async def handle_relaying(self: Any, connection: Any) -> None:
+        io = self.transports.get(connection)
+        if io is not None and isinstance(io.reader, asyncio.StreamReader):
+            install_relay(io.reader, self, connection)
+        try:
+            await handle_connection(self, connection)
+        finally:
+            forget(connection)
+
+    handler_cls.handle_connection = handle_relaying  # type: ignore[method-assign]
+    handler_cls.tether_direct_relay = True  # type: ignore[attr-defined]
