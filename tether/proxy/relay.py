@@ -8,13 +8,17 @@ rest of that body but a counter: ``direct_relay()`` then moves it between the tw
 answer delimited by the upstream closing the connection, up to that close. Both ways: a streamed upload with a
 ``Content-Length`` goes to the upstream the same way.
 
-When. At every read of a connection, before it reads, the reader asks (``RelayCheck``) whether the connection
-carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, in plaintext on both sides
-(TLS is encrypted and decrypted by mitmproxy's layers in user space: such a body keeps mitmproxy's path), its
-stream plain (``flow.response.stream is True``, or a capture's tee that has kept all it keeps:
-``relayable()``), the layers idle (no hook pending, nothing buffered in h11 or in the reader, nothing waiting
-to be written to the other side). Anything else, or anything unexpected, keeps mitmproxy's path: relaying is an
-optimisation, never a decision.
+When. At every read of a connection, before it reads, the reader asks (``_leg``) whether the connection
+carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, its stream plain
+(``flow.response.stream is True``, or a capture's tee that has kept all it keeps: ``relayable()``), the layers
+idle (no hook pending, nothing buffered in h11 or in the reader, nothing waiting to be written to the other side).
+Anything else, or anything unexpected, keeps mitmproxy's path: relaying is an optimisation, never a decision.
+
+How. Plaintext on both sides: ``splice(2)``. TLS on either side (mitmproxy terminates it with pyOpenSSL over
+memory BIOs): the relay takes over the two connections' asyncio streams and the two TLS objects for the body's
+length, decrypting into one buffer of 1 MiB with ``SSL_read`` and encrypting it with one ``SSL_write``, one socket
+write per MiB (mitmproxy's TLS layer sends 64 KiB at a time, and every piece climbs its layer stack). A body
+delimited by the close is relayed only when the upstream is plaintext (a TLS close is mitmproxy's to read).
 
 What stays as it was. The layers see the body's end as they would have (the h11 reader is told the bytes it no
 longer expects, then handed an empty read, and ends the message: mitmproxy's response hook, the call's report,
@@ -38,14 +42,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from h11._readers import ContentLengthReader, Http10Reader
-from mitmproxy.proxy import events
+from mitmproxy.proxy import events, tunnel
 from mitmproxy.proxy import layer as proxy_layer
 from mitmproxy.proxy import server as proxy_server
 from mitmproxy.proxy.layers import http as http_layer
+from mitmproxy.proxy.layers import tls as tls_layer
 from mitmproxy.proxy.layers.http import _http1
+from OpenSSL import SSL
 
 log = logging.getLogger("tether.sidecar")
 
+CHUNK = 1 << 20  # bytes: what one step of the TLS relay decrypts, encrypts and writes at most
 PIPE_BYTES = 1 << 20  # the splice pipe's capacity (the default limit for an unprivileged process)
 RELAY_MIN = 64 << 10  # bytes: a smaller rest of a body is not worth the set-up
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -97,30 +104,52 @@ class Leg:
     reader: Any  # the source's h11 body reader
     left: BodyLeft
     response: bool  # the answer's body (download), or the request's (upload)
+    source_tls: Any = None  # the source's pyOpenSSL connection, when it speaks TLS
+    sink_tls: Any = None
 
 
-def _http_layers(top: Any) -> list[Any]:
-    found, todo = [], [top]
+def _layers(top: Any) -> tuple[list[Any], dict[str, Any]]:
+    """The HTTP layers under ``top``, and the TLS layers by the id of the connection each speaks TLS on."""
+    found: list[Any] = []
+    tls: dict[str, Any] = {}
+    todo, seen = [top], set()
     while todo:
         node = todo.pop()
-        if node is None:
+        if node is None or id(node) in seen:
             continue
+        seen.add(id(node))
         if isinstance(node, proxy_layer.NextLayer):
             todo.append(node.layer)
             continue
+        if isinstance(node, tls_layer.TLSLayer):
+            tls[node.conn.id] = node
         if isinstance(node, http_layer.HttpLayer):
             found.append(node)
             todo.extend(s.child_layer for s in node.streams.values())
+            todo.extend(node.connections.values())
         todo.append(getattr(node, "child_layer", None))
         delegate = getattr(node.__dict__.get("_handle_event"), "__self__", None)  # a mode layer hands its
         if isinstance(delegate, proxy_layer.Layer) and delegate is not node:  # events on to a layer it made
             todo.append(delegate)
-    return found
+    return found, tls
 
 
 def _http1_of(node: Any) -> Any:
-    """The HTTP/1 layer of a connection: an upstream connection's is the child of mitmproxy's ``HttpClient``."""
-    return node.child_layer if isinstance(node, http_layer.HttpClient) and hasattr(node, "child_layer") else node
+    """The HTTP/1 layer of a connection: an upstream connection's is under its TLS layer (if any) and mitmproxy's
+    ``HttpClient``."""
+    while isinstance(node, tls_layer.TLSLayer | http_layer.HttpClient):
+        node = getattr(node, "child_layer", None)
+    return node
+
+
+def _open_tls(layer: Any) -> Any:
+    """The pyOpenSSL connection of an established TLS layer that can relay (memory BIOs, not shut down)."""
+    tls = getattr(layer, "tls", None)
+    if (layer is None or layer.tunnel_state is not tunnel.TunnelState.OPEN or tls is None
+            or getattr(tls, "_from_ssl", None) is None or getattr(tls, "_into_ssl", None) is None
+            or tls.get_shutdown()):
+        return None
+    return tls
 
 
 def _idle(*layers: Any) -> bool:
@@ -140,10 +169,13 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
         _streams.pop(connection.id, None)
         return None
     sink = stream.context.client if response else stream.context.server
-    if connection.tls or sink.tls or stream.context.options.store_streamed_bodies or not plain_stream(message.stream):
+    if stream.context.options.store_streamed_bodies or not plain_stream(message.stream):
         return None
-    layer = next((h for h in _http_layers(handler.layer) if h.streams.get(stream.stream_id) is stream), None)
-    if layer is None:
+    http_layers, tls_layers = _layers(handler.layer)
+    layer = next((h for h in http_layers if h.streams.get(stream.stream_id) is stream), None)
+    source_tls = _open_tls(tls_layers.get(connection.id)) if connection.tls else None
+    sink_tls = _open_tls(tls_layers.get(sink.id)) if sink.tls else None
+    if layer is None or (connection.tls and source_tls is None) or (sink.tls and sink_tls is None):
         return None
     source_layer, sink_layer = _http1_of(layer.connections.get(connection)), _http1_of(layer.connections.get(sink))
     want_source = _http1.Http1Client if response else _http1.Http1Server
@@ -156,15 +188,10 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
     if "chunked" in message.headers.get("transfer-encoding", "").lower():
         return None  # the sink frames it chunked: relaying the source's bytes as they are would not
     left = body_left(source_layer.body_reader)
-    if left is None or (left.count is not None and left.count < RELAY_MIN) or (left.count is None and not response):
+    if left is None or (left.count is not None and left.count < RELAY_MIN) or (
+            left.count is None and (not response or source_tls is not None)):
         return None
-    return Leg(stream, connection, sink, source_layer.body_reader, left, response)
-
-
-def _socket_of(io: Any) -> Any:
-    writer = getattr(io, "writer", None)
-    transport = getattr(writer, "transport", None)
-    return transport, (transport.get_extra_info("socket") if transport is not None else None)
+    return Leg(stream, connection, sink, source_layer.body_reader, left, response, source_tls, sink_tls)
 
 
 async def _wait(fd: int, write: bool) -> None:
@@ -234,23 +261,12 @@ async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Cal
         os.close(pipe_w)
 
 
-async def relay(handler: Any, leg: Leg) -> bool:
-    """Relay ``leg``'s body between the two sockets; True when the source ended (EOF) during it."""
-    source_io, sink_io = handler.transports.get(leg.source), handler.transports.get(leg.sink)
-    source_transport, source_sock = _socket_of(source_io)
-    sink_transport, sink_sock = _socket_of(sink_io)
-    reader = getattr(source_io, "reader", None)
-    if (source_sock is None or sink_sock is None or sink_transport.get_write_buffer_size() or
-            not isinstance(reader, asyncio.StreamReader) or len(reader._buffer) or reader.at_eof() or
-            source_transport.is_closing() or sink_transport.is_closing()):
-        return False
+def _counters(leg: Leg) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """``took(n)``: n of the body's bytes left the source (the h11 reader is told); ``gave(n)``: n reached the sink
+    (the flow's count, and the capture's tee, are told)."""
     flow = leg.stream.flow
     message = flow.response if leg.response else flow.request
     counted = getattr(message.stream, "passed", None)
-    source_fd, sink_fd = os.dup(source_sock.fileno()), os.dup(sink_sock.fileno())  # ours: a close elsewhere
-    reading = source_transport.is_reading()  # cannot hand their numbers to another connection under us
-    if reading:
-        source_transport.pause_reading()
 
     def took(n: int) -> None:
         taken(leg.reader, n)
@@ -260,6 +276,36 @@ async def relay(handler: Any, leg: Leg) -> bool:
         if counted is not None:
             counted(n)
 
+    return took, gave
+
+
+def _ready(handler: Any, leg: Leg) -> tuple[Any, Any, Any, Any] | None:
+    """The two connections' transports and streams, when both are open and idle: nothing buffered to read from the
+    source, nothing waiting to be written to the sink."""
+    source_io, sink_io = handler.transports.get(leg.source), handler.transports.get(leg.sink)
+    source_transport = getattr(getattr(source_io, "writer", None), "transport", None)
+    sink_transport = getattr(getattr(sink_io, "writer", None), "transport", None)
+    reader = getattr(source_io, "reader", None)
+    if (source_transport is None or sink_transport is None or sink_transport.get_write_buffer_size()
+            or not isinstance(reader, asyncio.StreamReader) or len(reader._buffer) or reader.at_eof()
+            or source_transport.is_closing() or sink_transport.is_closing()
+            or source_transport.get_extra_info("socket") is None or sink_transport.get_extra_info("socket") is None):
+        return None
+    return source_transport, sink_transport, source_io, sink_io
+
+
+async def relay_sockets(handler: Any, leg: Leg) -> bool:
+    """Plaintext both ways: splice the body between the two sockets; True when the source ended (EOF) during it."""
+    ready = _ready(handler, leg)
+    if ready is None:
+        return False
+    source_transport, sink_transport, _, _ = ready
+    source_fd = os.dup(source_transport.get_extra_info("socket").fileno())  # ours: a close elsewhere cannot
+    sink_fd = os.dup(sink_transport.get_extra_info("socket").fileno())  # hand the numbers to another connection
+    reading = source_transport.is_reading()  # the transport must not read what the splice is moving
+    if reading:
+        source_transport.pause_reading()
+    took, gave = _counters(leg)
     try:
         return await splice_body(source_fd, sink_fd, leg.left.count, took, gave,
                                  handler.timeout_watchdog.register_activity)
@@ -270,19 +316,121 @@ async def relay(handler: Any, leg: Leg) -> bool:
             source_transport.resume_reading()
 
 
-async def relay_before_read(handler: Any, connection: Any) -> bool:
+def _tls_ssl(tls: Any) -> Any:
+    return tls._ssl
+
+
+def _decrypt_into(tls: Any, buf: bytearray, at: int, most: int) -> int:
+    """SSL_read of at most ``most`` bytes straight into ``buf[at:]``: the bytes read, 0 when OpenSSL needs more
+    ciphertext; raises SSL.ZeroReturnError at the peer's close_notify, SSL.Error on a TLS failure."""
+    with SSL._ffi.from_buffer(buf) as view:
+        got = SSL._lib.SSL_read(_tls_ssl(tls), view + at, most)
+        if got > 0:
+            return int(got)
+        try:
+            tls._raise_ssl_error(_tls_ssl(tls), got)
+        except SSL.WantReadError:
+            return 0
+    return 0
+
+
+_OUT = bytearray(CHUNK + (64 << 10))  # where BIO_read puts the ciphertext (copied out before the next await)
+
+
+def _encrypted(tls: Any) -> bytes:
+    """What the TLS object has encrypted and not yet sent (pyOpenSSL's bio_read would allocate its whole size
+    on every call: 1 MiB each time)."""
+    parts: list[bytes] = []
+    with SSL._ffi.from_buffer(_OUT) as out:
+        while (got := SSL._lib.BIO_read(tls._from_ssl, out, len(_OUT))) > 0:
+            parts.append(bytes(memoryview(_OUT)[:got]))
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _plaintext(leg: Leg, read_raw: Callable[[int], Any], source_writer: Any, buf: bytearray,
+                     want: int) -> int:
+    """Up to ``want`` (<= len(buf)) bytes of the body into ``buf``: decrypted if the source speaks TLS; 0 when the
+    source ended."""
+    tls = leg.source_tls
+    if tls is None:
+        data = await read_raw(want)
+        buf[:len(data)] = data
+        return len(data)
+    while True:
+        got = 0
+        try:
+            while got < want and (n := _decrypt_into(tls, buf, got, want - got)):
+                got += n
+        except SSL.ZeroReturnError:
+            return got
+        reply = _encrypted(tls)  # a TLS 1.3 key update's answer, a ticket: the source's own traffic
+        if reply:
+            source_writer.write(reply)
+        if got:
+            return got
+        data = await read_raw(CHUNK)
+        if not data:
+            return 0
+        tls.bio_write(data)
+
+
+async def relay_streams(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) -> bool:
+    """TLS on either side: the body through one buffer, decrypted and encrypted in bulk; True when the source ended
+    during it. A TLS source keeps the body's last byte for mitmproxy's path (its TLS layer then sees the end)."""
+    ready = _ready(handler, leg)
+    if ready is None or leg.left.count is None:
+        return False
+    _, _, source_io, sink_io = ready
+    took, gave = _counters(leg)
+    left = leg.left.count - (1 if leg.source_tls is not None else 0)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    while left > 0:
+        got = await _plaintext(leg, read_raw, source_io.writer, buf, min(left, CHUNK))
+        if not got:
+            return True
+        took(got)
+        left -= got
+        if leg.sink_tls is not None:
+            leg.sink_tls.sendall(view[:got])
+            out = _encrypted(leg.sink_tls)
+        else:
+            out = bytes(view[:got])
+        try:
+            sink_io.writer.write(out)
+            await sink_io.writer.drain()
+        except OSError as exc:
+            raise SinkFailed(str(exc)) from exc
+        gave(got)
+        handler.timeout_watchdog.register_activity()
+    return False
+
+
+async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[int], Any]) -> bool:
     """Relay what may be relayed of the body ``connection`` is sending, if any; True when the connection ended
-    (EOF) during it. After a relayed Content-Length body, the layers are handed an empty read, so they end it."""
+    (EOF) during it. After a relayed Content-Length body, the layers are handed an empty read: the reader's rest
+    is 0 and it ends the message (a TLS source: its TLS layer decrypts the last byte, which ends it)."""
     leg = _leg(handler, connection)
     if leg is None:
         return False
+    request = leg.stream.flow.request
+    log.info("relaying the rest of %s %s's %s directly: %s (%s)", request.method, request.pretty_url,
+             "answer" if leg.response else "request body",
+             "up to the close" if leg.left.count is None else f"{leg.left.count} bytes",
+             "splice" if leg.source_tls is None and leg.sink_tls is None else "TLS in bulk")
     try:
-        ended = await relay(handler, leg)
+        if leg.source_tls is None and leg.sink_tls is None:
+            ended = await relay_sockets(handler, leg)
+        else:
+            ended = await relay_streams(handler, leg, read_raw)
     except SinkFailed as exc:
         log.info("the relay of a body stopped: %s (mitmproxy's path takes the rest)", exc)
         return False
+    except SSL.Error as exc:
+        log.info("the relay of a body stopped on a TLS error: %s (mitmproxy's path takes the rest)", exc)
+        return False
     if not ended and leg.left.count is not None:
-        await handler.server_event(events.DataReceived(connection, b""))  # the reader's rest is 0: its end
+        await handler.server_event(events.DataReceived(connection, b""))
     return ended
 
 
@@ -307,7 +455,7 @@ def install_relay(reader: asyncio.StreamReader, handler: Any, connection: Any) -
     read = reader.read
 
     async def read_relaying(n: int = -1) -> bytes:
-        if connection.id in _streams and await relay_before_read(handler, connection):
+        if connection.id in _streams and await relay_before_read(handler, connection, read):
             return b""  # the source ended: mitmproxy's path sees the close
         return await read(n)
 
