@@ -11,6 +11,7 @@ import itertools
 import json
 import random
 import secrets
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +19,14 @@ from pathlib import Path
 import h11
 import pytest
 import requests
-from h11._readers import ChunkedReader, ContentLengthReader
+from h11._readers import ChunkedReader, ContentLengthReader, Http10Reader
 from h11._receivebuffer import ReceiveBuffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether.capture.segments import read_flows
-from tether.proxy.framing import BULK_READ, bulk_transfers, read_in_bulk
+from tether.proxy.framing import BULK_READ, TrailerlessReader, bulk_transfers, read_in_bulk
+from tether.proxy.relay import BodyLeft, body_left, splice_body, taken
 
 from .conftest import World, build_world, teardown_world
 from .harness import SidecarProcess, TestCA, free_port, reports_for, wait_until
@@ -339,3 +341,69 @@ def test_a_cut_during_a_relayed_answer_reaches_the_agent_and_the_record_says_unk
     report = wait_until(lambda: [r for r in reports_for(world.cp, "relay-cut") if r["url"].endswith("/endless")],
                         20, what="the cut call's report")[0]
     assert (report["resolution"], report["code"]) == ("unknown", "tether.aborted")
+
+
+def _splice_run(body: bytes, extra: bytes, cuts: list[int], count: int | None) -> tuple[bytes, bytes, int, int, bool]:
+    """``body + extra`` written into a socket pair in the pieces ``cuts`` makes, ``splice_body`` moving ``count``
+    bytes (None: up to the close) to a second pair: what arrived, what was left in the source, the counters, and
+    whether the source ended."""
+
+    async def run() -> tuple[bytes, bytes, int, int, bool]:
+        src_in, src_out = socket.socketpair()
+        dst_in, dst_out = socket.socketpair()
+        for s in (src_in, src_out, dst_in, dst_out):
+            s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        took, gave = [0], [0]
+
+        async def feed() -> None:
+            for piece in _splits(body + extra, cuts):
+                await loop.sock_sendall(src_in, piece)
+                await asyncio.sleep(0)
+            if count is None:
+                src_in.shutdown(socket.SHUT_WR)
+
+        async def drain() -> bytes:
+            got = bytearray()
+            while len(got) < len(body):
+                got += await loop.sock_recv(dst_out, 1 << 16)
+            return bytes(got)
+
+        feeding, draining = asyncio.create_task(feed()), asyncio.create_task(drain())
+        ended = await asyncio.wait_for(splice_body(  # one that took past the body waits for more: times out
+            src_out.fileno(), dst_in.fileno(), count, lambda n: took.__setitem__(0, took[0] + n),
+            lambda n: gave.__setitem__(0, gave[0] + n), lambda: None), 20)
+        await feeding
+        got = await asyncio.wait_for(draining, 10)
+        left = bytearray()
+        while len(left) < len(extra):  # a splice that took more than the body leaves less than this: times out
+            left += await asyncio.wait_for(loop.sock_recv(src_out, 1 << 16), 10)
+        for s in (src_in, src_out, dst_in, dst_out):
+            s.close()
+        return got, bytes(left), took[0], gave[0], ended
+
+    return asyncio.run(run())
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=st.binary(min_size=1, max_size=300_000), extra=st.binary(max_size=2000),
+       cuts=st.lists(st.integers(min_value=0), max_size=10))
+def test_splice_moves_exactly_a_bodys_length_however_it_arrives(body: bytes, extra: bytes, cuts: list[int]) -> None:
+    """What follows the body (the next message) stays in the source, however the bytes arrive."""
+    got, left, took, gave, ended = _splice_run(body, extra, cuts, len(body))
+    assert (got, left, took, gave, ended) == (body, extra, len(body), len(body), False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(body=st.binary(min_size=1, max_size=300_000), cuts=st.lists(st.integers(min_value=0), max_size=10))
+def test_splice_up_to_the_close_moves_everything_and_says_it_ended(body: bytes, cuts: list[int]) -> None:
+    got, left, took, gave, ended = _splice_run(body, b"", cuts, None)
+    assert (got, left, took, gave, ended) == (body, b"", len(body), len(body), True)
+
+
+def test_a_body_reader_says_what_it_still_expects_and_is_told_what_passed_it() -> None:
+    reader = TrailerlessReader(ContentLengthReader(1000))
+    assert body_left(reader) == BodyLeft(1000)
+    taken(reader, 999)
+    assert body_left(reader) == BodyLeft(1)
+    assert body_left(Http10Reader()) == BodyLeft(None) and body_left(ChunkedReader()) is None

@@ -35,9 +35,9 @@ stack and the copies made on the way, not the bytes: ``bulk_transfers()`` (bench
   it twice when the body takes all of it (``maybe_extract_at_most``, the body readers' one way in).
 
 A streamed body nobody inspects does not even take that path past its first piece: ``relay.py`` moves it from
-socket to socket. The TLS layer still sends what it encrypted 64 KiB at a time: joining it into one write was tried and cost more
-than it saved (a 1 MiB buffer allocated per read of OpenSSL's memory BIO, and a copy; HTTPS uploads 0.6x as fast
-in bench/bench_stream.py).
+socket to socket. mitmproxy's TLS layer still sends what it encrypted 64 KiB at a time: joining it into one write
+was tried and cost more than it saved (a 1 MiB buffer allocated per read of OpenSSL's memory BIO, and a copy;
+HTTPS uploads 0.6x as fast in bench/bench_stream.py; ``relay.py`` reads the BIO into one buffer it keeps).
 """
 
 from __future__ import annotations
