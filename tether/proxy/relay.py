@@ -169,7 +169,11 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
         _streams.pop(connection.id, None)
         return None
     sink = stream.context.client if response else stream.context.server
-    if stream.context.options.store_streamed_bodies or not plain_stream(message.stream):
+    chunked = "chunked" in message.headers.get("transfer-encoding", "").lower()
+    if chunked or stream.context.options.store_streamed_bodies:
+        _streams.pop(connection.id, None)  # the sink frames it chunked (the source's bytes as they are would not
+        return None  # be), or mitmproxy keeps what streams: never relayed
+    if not plain_stream(message.stream):
         return None
     http_layers, tls_layers = _layers(handler.layer)
     layer = next((h for h in http_layers if h.streams.get(stream.stream_id) is stream), None)
@@ -185,11 +189,10 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
             and source_layer.stream_id == stream.stream_id and sink_layer.stream_id == stream.stream_id
             and _idle(stream, layer, source_layer, sink_layer)):
         return None
-    if "chunked" in message.headers.get("transfer-encoding", "").lower():
-        return None  # the sink frames it chunked: relaying the source's bytes as they are would not
     left = body_left(source_layer.body_reader)
     if left is None or (left.count is not None and left.count < RELAY_MIN) or (
             left.count is None and (not response or source_tls is not None)):
+        _streams.pop(connection.id, None)  # its framing (or what is left of it) will not change: never relayed
         return None
     return Leg(stream, connection, sink, source_layer.body_reader, left, response, source_tls, sink_tls)
 
