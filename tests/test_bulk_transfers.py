@@ -13,6 +13,7 @@ import random
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -322,22 +323,45 @@ def test_every_framing_passes_byte_for_byte_both_ways_and_the_relay_takes_what_i
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
-def test_a_cut_during_a_relayed_answer_reaches_the_agent_and_the_record_says_unknown(
-        relay_world: tuple[World, FramingServer], scheme: str) -> None:
-    """An answer of 1 TiB streams as fast as the relay moves it; the call timeout (the abort's path,
-    ``cutting.py``) cuts it: the agent's read ends short with an error, the report is unknown, tether.aborted."""
+def test_a_slow_agent_s_answer_is_relayed_after_what_was_waiting_for_it(relay_world: tuple[World, FramingServer],
+                                                                        scheme: str) -> None:
+    """An agent that reads slowly at first may leave the sidecar's writer to it full and its reader of the upstream
+    holding bytes when the relay starts (how full depends on the machine): those go first, the relay takes the
+    rest, and the agent gets the answer byte for byte."""
     world, upstream = relay_world
-    sc = world.sidecar(world.cp.issue("relay-cut", {"relay.plain": "direct", "relay.tls": "direct"}),
-                       "--call-timeout", "3")
-    got = 0
-    with pytest.raises(requests.exceptions.RequestException):
+    sc = world.sidecar(world.cp.issue("relay-slow", {"relay.plain": "direct", "relay.tls": "direct"}))
+    want = _pattern(RELAY_SIZE)
+    with requests.get(f"{_base(upstream, scheme)}/blob/cl/{RELAY_SIZE}", proxies=sc.proxies(), verify=sc.ca,
+                      stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        pieces = [resp.raw.read(16 << 10) for _ in range(4)]
+        time.sleep(1.0)  # lets the sidecar's buffers fill (whether they do changes only which path is exercised)
+        pieces += list(resp.iter_content(MIB))
+    assert b"".join(pieces) == want
+    assert len(_relayed(sc, "/blob/cl/")) == 1
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_an_abort_during_a_relayed_answer_cuts_it_and_the_record_says_unknown(
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
+    """An answer of 1 TiB streams as fast as the relay moves it; once the sidecar says it relays it, the agent is
+    terminated with abort (``cutting.py``'s path): the agent's read ends short with an error, and the call's
+    report is unknown, tether.aborted, as for a cut in mitmproxy's path."""
+    world, upstream = relay_world
+    sc = world.sidecar(world.cp.issue("relay-cut", {"relay.plain": "direct", "relay.tls": "direct"}))
+    got, aborted = 0, False
+    with pytest.raises(requests.exceptions.RequestException):  # the cut comes mid-read
         with requests.get(f"{_base(upstream, scheme)}/endless", proxies=sc.proxies(), verify=sc.ca, stream=True,
                           timeout=60) as resp:
             assert resp.status_code == 200
             for piece in resp.iter_content(MIB):
                 got += len(piece)
-    assert 2 * MIB < got < ENDLESS
-    assert len(_relayed(sc, "/endless")) == 1
+                if not aborted and got > 2 * MIB and _relayed(sc, "/endless"):
+                    doc = world.cp.client().request("POST", "/v1/agents/relay-cut/terminate",
+                                                    {"mode": "abort", "window_s": 0, "reason": "test"})
+                    assert doc["state"] == "requested"
+                    aborted = True
+    assert aborted and got < ENDLESS
     report = wait_until(lambda: [r for r in reports_for(world.cp, "relay-cut") if r["url"].endswith("/endless")],
                         20, what="the cut call's report")[0]
     assert (report["resolution"], report["code"]) == ("unknown", "tether.aborted")

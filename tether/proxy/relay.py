@@ -11,7 +11,8 @@ answer delimited by the upstream closing the connection, up to that close. Both 
 When. At every read of a connection, before it reads, the reader asks (``_leg``) whether the connection
 carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, its stream plain
 (``flow.response.stream is True``, or a capture's tee that has kept all it keeps: ``relayable()``), the layers
-idle (no hook pending, nothing buffered in h11 or in the reader, nothing waiting to be written to the other side).
+idle (no hook pending, nothing buffered in h11). What the connection's reader already holds of the body, and what
+waits to be written to the other side, go first.
 Anything else, or anything unexpected, keeps mitmproxy's path: relaying is an optimisation, never a decision.
 
 How. Plaintext on both sides: ``splice(2)``. TLS on either side (mitmproxy terminates it with pyOpenSSL over
@@ -283,38 +284,67 @@ def _counters(leg: Leg) -> tuple[Callable[[int], None], Callable[[int], None]]:
 
 
 def _ready(handler: Any, leg: Leg) -> tuple[Any, Any, Any, Any] | None:
-    """The two connections' transports and streams, when both are open and idle: nothing buffered to read from the
-    source, nothing waiting to be written to the sink."""
+    """The two connections' transports and streams, when both are open."""
     source_io, sink_io = handler.transports.get(leg.source), handler.transports.get(leg.sink)
     source_transport = getattr(getattr(source_io, "writer", None), "transport", None)
     sink_transport = getattr(getattr(sink_io, "writer", None), "transport", None)
     reader = getattr(source_io, "reader", None)
-    if (source_transport is None or sink_transport is None or sink_transport.get_write_buffer_size()
-            or not isinstance(reader, asyncio.StreamReader) or len(reader._buffer) or reader.at_eof()
-            or source_transport.is_closing() or sink_transport.is_closing()
+    if (source_transport is None or sink_transport is None or not isinstance(reader, asyncio.StreamReader)
+            or reader.at_eof() or source_transport.is_closing() or sink_transport.is_closing()
             or source_transport.get_extra_info("socket") is None or sink_transport.get_extra_info("socket") is None):
         return None
     return source_transport, sink_transport, source_io, sink_io
 
 
-async def relay_sockets(handler: Any, leg: Leg) -> bool:
-    """Plaintext both ways: splice the body between the two sockets; True when the source ended (EOF) during it."""
+async def _flushed(writer: asyncio.StreamWriter) -> None:
+    """Wait until nothing is left in the writer's buffer (drain waits only for its low-water mark)."""
+    transport = writer.transport
+    if not transport.get_write_buffer_size():
+        return
+    high, low = transport.get_write_buffer_limits()
+    transport.set_write_buffer_limits(0, 0)
+    try:
+        await writer.drain()
+    finally:
+        if not transport.is_closing():
+            transport.set_write_buffer_limits(high, low)
+
+
+async def relay_sockets(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) -> bool:
+    """Plaintext both ways: splice the body between the two sockets; True when the source ended (EOF) during it.
+    What the source's reader holds already, and what the sink's writer has not sent yet, go first."""
     ready = _ready(handler, leg)
     if ready is None:
         return False
-    source_transport, sink_transport, _, _ = ready
-    source_fd = os.dup(source_transport.get_extra_info("socket").fileno())  # ours: a close elsewhere cannot
-    sink_fd = os.dup(sink_transport.get_extra_info("socket").fileno())  # hand the numbers to another connection
+    source_transport, sink_transport, source_io, sink_io = ready
+    took, gave = _counters(leg)
+    held = len(source_io.reader._buffer)
+    count = leg.left.count
+    first = await read_raw(held if count is None else min(held, count)) if held else b""  # at hand: no wait
     reading = source_transport.is_reading()  # the transport must not read what the splice is moving
     if reading:
         source_transport.pause_reading()
-    took, gave = _counters(leg)
     try:
-        return await splice_body(source_fd, sink_fd, leg.left.count, took, gave,
-                                 handler.timeout_watchdog.register_activity)
+        if first:
+            took(len(first))
+            sink_io.writer.write(first)
+        try:
+            await _flushed(sink_io.writer)
+        except OSError as exc:
+            raise SinkFailed(str(exc)) from exc
+        if first:
+            gave(len(first))
+        if sink_transport.is_closing() or source_transport.is_closing() or (count is not None and count == len(first)):
+            return False
+        source_fd = os.dup(source_transport.get_extra_info("socket").fileno())  # ours: a close elsewhere cannot
+        sink_fd = os.dup(sink_transport.get_extra_info("socket").fileno())  # hand their numbers to another one
+        try:
+            return await splice_body(source_fd, sink_fd, None if count is None else count - len(first), took, gave,
+                                     handler.timeout_watchdog.register_activity)
+        finally:
+            os.close(source_fd)
+            os.close(sink_fd)
     finally:
-        os.close(source_fd)
-        os.close(sink_fd)
         if reading and not source_transport.is_closing():
             source_transport.resume_reading()
 
@@ -423,7 +453,7 @@ async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[i
              "splice" if leg.source_tls is None and leg.sink_tls is None else "TLS in bulk")
     try:
         if leg.source_tls is None and leg.sink_tls is None:
-            ended = await relay_sockets(handler, leg)
+            ended = await relay_sockets(handler, leg, read_raw)
         else:
             ended = await relay_streams(handler, leg, read_raw)
     except SinkFailed as exc:
