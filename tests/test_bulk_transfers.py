@@ -205,9 +205,10 @@ class FramingServer:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: %d\r\n\r\n"
                          % ENDLESS)
             block = _pattern(MIB)
-            while True:
+            while not writer.is_closing():
                 writer.write(block)
                 await writer.drain()
+            return False
         _, _, framing, size_text = target.split("/")
         data = _pattern(int(size_text))
         if framing == "cl":
