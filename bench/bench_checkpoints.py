@@ -18,14 +18,15 @@ in under 1 ms.
 Then, against the record write a termination really does (``--store sqlite|redis|both``, both by default;
 ``none`` skips it): a control plane's services (``ControlPlane``, in this process) over a real store (a
 SQLite file; a ``redis-server`` started here) whose log holds N records, its ``TerminationService.write_record``
-writing one termination's record (an agent with ``--calls`` reported calls: the log's heads read, the calls
+writing one termination's record (an agent with ``--calls`` reported calls: the log's index read, the calls
 staged, the record hashed, signed and appended) without a checkpoint sink (A), and the same followed by what
 the control plane's checkpoint loop does for that record when a sink is configured
 (``CheckpointService.publish_if_due`` with an append-only directory: the new heads read, the tree extended,
-the checkpoint signed and written) (B). A and B alternate, ``--pairs`` of each; after each A the loop catches up
-untimed, so each B's checkpoint covers one record, as after every record in the control plane. Printed per store
-and N: the medians of A and B (wall time, and this process's CPU time, worker threads included), the
-checkpoint's own median, the directory sink's two durable writes alone (timed apart, into a scratch directory),
+the checkpoint signed and written: one fsynced file, ``latest`` a link to it) (B). A and B alternate,
+``--pairs`` of each; after each A the loop catches up untimed, so each B's checkpoint covers one record, as
+after every record in the control plane. Printed per store and N: the medians of A and B (wall time, and this
+process's CPU time, worker threads included), the
+checkpoint's own median, the directory sink's disk alone (``keep_checkpoint`` timed apart, into a scratch directory),
 and the checkpoint's share: (B - A) / A of the medians, and the checkpoint's CPU over A's (the figure a
 loaded machine disturbs least). The log is filled by appending sealed
 records through the same store (untimed; 100,000 takes minutes).
@@ -54,6 +55,7 @@ from tether.capability.shared import replace_file  # noqa: E402
 from tether.controlplane.app import ControlPlane  # noqa: E402
 from tether.controlplane.merkle import Tree, record_leaf, verify_inclusion  # noqa: E402
 from tether.controlplane.notes import Checkpoint, signed_checkpoint  # noqa: E402
+from tether.controlplane.services.checkpoints import keep_checkpoint  # noqa: E402
 from tether.controlplane.store import Store, open_store_url  # noqa: E402
 from tether.controlplane.termination import new_termination, seal  # noqa: E402
 
@@ -121,6 +123,29 @@ def record_write_s(rounds: int = 40) -> float:
         return statistics.median(asyncio.run(run(f"{d}/bench.db")))
 
 
+def sink_ab(rounds: int = 41) -> None:
+    """The directory sink's disk, before and now, alternating (A B A B) in this process's CPU time: two durable
+    file replacements (``checkpoint.SIZE`` and ``latest``, each a temporary file, fsync, rename: the sink as it
+    was) against ``keep_checkpoint`` (one fsynced file, ``latest`` a link to it)."""
+    note = signed_checkpoint(Checkpoint("tether/records", 1, b"\0" * 32), "tether/records", KEY)
+    with tempfile.TemporaryDirectory() as d:
+        before, now = Path(d) / "before", Path(d) / "now"
+        before.mkdir()
+        two: list[float] = []
+        one: list[float] = []
+        for i in range(1, rounds + 1):
+            start = time.process_time()
+            replace_file(before / f"checkpoint.{i}", note.encode())
+            replace_file(before / "latest", note.encode())
+            two.append(time.process_time() - start)
+            start = time.process_time()
+            keep_checkpoint(now, i, note)
+            one.append(time.process_time() - start)
+    a, b = statistics.median(two), statistics.median(one)
+    print(f"the directory sink's disk per checkpoint (CPU, median of {rounds}, alternating): two replaced files "
+          f"{a * 1e6:.0f} us, one file + latest linked {b * 1e6:.0f} us ({b / a:.2f}x)")
+
+
 # -- against a termination's record write ---------------------------------------------------------------------
 
 LINK = "sha256:" + "b" * 64  # the terminated agents' link (no grant graph: the termination names it)
@@ -143,6 +168,7 @@ class Writer:
         self.cp.checkpoints.directory = sink  # a sink configured: the checkpoint loop publishes
         self.cp.checkpoints.idle_s = 1e9  # no idle re-read of the whole log inside the timed part
         self.store, self.calls, self.n = store, calls, 0
+        self.kept = 0  # checkpoints the scratch sink kept (``disk``)
 
     async def termination(self) -> dict[str, Any]:
         """A termination of a fresh agent with ``calls`` reported calls, ready for its record."""
@@ -159,14 +185,15 @@ class Writer:
         assert await self.cp.checkpoints.publish_if_due(), "the checkpoint loop published nothing"
 
     async def disk(self) -> None:
-        """What the directory sink does with one checkpoint (``CheckpointService._keep``: two durable file
-        replacements), into a scratch directory: the part of the checkpoint that is the sink's disk."""
+        """What the directory sink does with one checkpoint (``keep_checkpoint``, as ``CheckpointService._keep``
+        calls it: one new durable file and ``latest`` linked to it), into a scratch directory: the part of the
+        checkpoint that is the sink's disk."""
         sink = self.cp.checkpoints.directory
         assert sink is not None
-        note = (sink / "latest").read_bytes()
+        note = (sink / "latest").read_text()
         scratch = sink.with_name(sink.name + "-scratch")
-        scratch.mkdir(exist_ok=True)
-        await asyncio.to_thread(lambda: [replace_file(scratch / name, note) for name in ("checkpoint.n", "latest")])
+        self.kept += 1
+        await asyncio.to_thread(keep_checkpoint, scratch, self.kept, note)
 
 
 async def fill(store: Store, size: int) -> None:
@@ -272,6 +299,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     for n in sizes:
         measure(n, base, write)
+    sink_ab()
     if args.store != "none":
         termination_table(["sqlite", "redis"] if args.store == "both" else [args.store], sizes, args.pairs,
                           args.calls)

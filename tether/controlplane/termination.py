@@ -240,14 +240,19 @@ def holders_in(log: Sequence[Doc]) -> dict[str, Holders]:
 
 class RecordBuilder:
     """One record (or addendum) built from pages of reports. ``log``: the records so far, oldest first, with
-    or without their calls (only their other fields are read: the calls come in as ``Holders``)."""
+    or without their calls (only their other fields are read: the calls come in as ``Holders``); or, instead,
+    ``known``: the headers of some of them with their positions in the log (``Store.log_view``), as many as
+    the record's rules read: every record of this termination, every record that left one of ``agents``
+    unaccounted, and (``learn``, before each page) every record a page's holders name. The record is the
+    same either way: the rules read nothing of any other record."""
 
-    def __init__(self, termination: Doc, *, runs: list[Doc], acks: Mapping[str, Doc], log: Sequence[Doc],
-                 agents: Iterable[str] | None = None, late: bool = False) -> None:
+    def __init__(self, termination: Doc, *, runs: list[Doc], acks: Mapping[str, Doc], log: Sequence[Doc] = (),
+                 agents: Iterable[str] | None = None, late: bool = False,
+                 known: Iterable[tuple[int, Doc]] | None = None) -> None:
         self.termination = termination
         self.runs, self.acks = runs, acks
-        self.log = log
-        self.position = {r["record_id"]: i for i, r in enumerate(log)}
+        self.known: dict[str, tuple[int, Doc]] = {}  # record id -> (position in the log, header)
+        self.learn(enumerate(log) if known is None else known)
         self.agents = sorted(termination["agents"] if agents is None else agents)
         self.acked = accounted(self.agents, runs, acks)
         entries = [_terminated_entry(self.acked[a]) for a in self.agents if a in self.acked]
@@ -257,8 +262,30 @@ class RecordBuilder:
         self.foreseen = False
         self.listed = 0
 
+    def learn(self, heads: Iterable[tuple[int, Doc]]) -> None:
+        """More records' headers, with their positions in the log."""
+        for at, head in heads:
+            self.known[head["record_id"]] = (at, head)
+
+    def unknown_ids(self, holders: Mapping[str, Holders]) -> list[str]:
+        """The records these holders name that the builder has not learned of (to read before the page)."""
+        named = {rid for owner, unknown_in in holders.values() for rid in (owner, *unknown_in) if rid}
+        return sorted(named - self.known.keys())
+
+    @property
+    def log(self) -> list[Doc]:
+        """The headers known, oldest first."""
+        return [head for _, head in sorted(self.known.values(), key=lambda item: item[0])]
+
+    def own(self) -> list[Doc]:
+        """This termination's records known (all of them: its record and addenda), oldest first."""
+        return [head for head in self.log if head.get("termination_id") == self.termination["id"]]
+
+    def _at(self, record_id: str) -> int:
+        return self.known[record_id][0]
+
     def _other(self, record_id: str) -> bool:
-        return self.log[self.position[record_id]].get("termination_id") != self.termination["id"]
+        return self.known[record_id][1].get("termination_id") != self.termination["id"]
 
     def take(self, reports: Iterable[Doc], holders: Mapping[str, Holders]) -> list[Doc]:
         """The call entries of one page of reports (already in order): every report no record holds as
@@ -266,7 +293,7 @@ class RecordBuilder:
         entries: list[Doc] = []
         for report in reports:
             owner, unknown_in = holders.get(report["call_id"], (None, ()))
-            if owner is not None and owner in self.position:
+            if owner is not None and owner in self.known:
                 if self._other(owner):  # this termination's own earlier record: an addendum ``amends`` it
                     self.held[owner] = self.held.get(owner, 0) + 1
                 continue
@@ -282,7 +309,7 @@ class RecordBuilder:
         were left out). The same accounting as ``take``. A holder not in ``log`` is a record appended since
         ``log`` was read: this record's append on the old head fails, and it is built again."""
         for owner, _ in holders.values():
-            if owner is not None and owner in self.position and self._other(owner):
+            if owner is not None and owner in self.known and self._other(owner):
                 self.held[owner] = self.held.get(owner, 0) + 1
         n = 0
         for call_id in staged:
@@ -293,7 +320,7 @@ class RecordBuilder:
 
     def _unknown_there(self, call_id: str, unknown_in: Iterable[str]) -> None:
         for rid in unknown_in:
-            if rid in self.position and self._other(rid):
+            if rid in self.known and self._other(rid):
                 self.unknown_there.setdefault(rid, []).append(call_id)
 
     def foresee(self, reports: Iterable[Doc], holders: Mapping[str, Holders]) -> None:
@@ -304,7 +331,7 @@ class RecordBuilder:
         self.foreseen = True
         for report in reports:
             owner, unknown_in = holders.get(report["call_id"], (None, ()))
-            if owner is None or owner not in self.position:
+            if owner is None or owner not in self.known:
                 self._unknown_there(report["call_id"], unknown_in)
 
     def finish(self, *, record_id: str, seen: Container[str], starts: list[Doc], links: list[Doc],
@@ -351,8 +378,8 @@ class RecordBuilder:
         out: Doc = {}
         if self.held:
             out["calls_held_by"] = [
-                {"record_id": rid, "termination_id": self.log[self.position[rid]].get("termination_id"), "calls": n}
-                for rid, n in sorted(self.held.items(), key=lambda item: self.position[item[0]])]
+                {"record_id": rid, "termination_id": self.known[rid][1].get("termination_id"), "calls": n}
+                for rid, n in sorted(self.held.items(), key=lambda item: self._at(item[0]))]
         if accounts:
             out["accounts_for"] = accounts
         return out
@@ -582,7 +609,7 @@ def late_agents(termination: Doc, log: Sequence[Doc], runs: list[Doc], acks: Map
 def addendum_header(builder: RecordBuilder, *, record_id: str, prev_hash: str, now: float) -> Doc:
     """Every field of an addendum but ``calls`` (``builder``: made with ``agents=late``, ``late=True``)."""
     t = builder.termination
-    earlier = [r for r in builder.log if r["termination_id"] == t["id"]]
+    earlier = builder.own()
     late = set(builder.agents)
     return {
         "record_id": record_id, "termination_id": t["id"], "subject": t["subject"],

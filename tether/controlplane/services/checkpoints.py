@@ -7,9 +7,9 @@ checkpoint can later prove that the log they are shown is exactly the first ``si
 committed to: a dropped tail, a rewritten past or a fork are caught (``tether records verify --checkpoint``).
 
 Checkpoints leave the box: after each new record (and every ``idle_s`` while nothing happens) each configured
-sink receives the latest one: an append-only directory (``checkpoint.SIZE`` files and ``latest``: put it on a
-WORM mount) and witnesses speaking C2SP ``tlog-witness`` (``tether witness serve``), whose cosignatures are
-kept beside it.
+sink receives the latest one: an append-only directory (``checkpoint.SIZE`` files and ``latest``, a link to
+the newest: put it on a WORM mount) and witnesses speaking C2SP ``tlog-witness`` (``tether witness serve``),
+whose cosignatures are kept beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tether.capability.shared import replace_file
+from tether.capability.shared import publish_file, replace_file
 
 from ..merkle import ProofError, Tree, record_leaf
 from ..notes import Checkpoint, Verifier, signed_checkpoint, with_lines
@@ -56,21 +57,27 @@ class CheckpointService:
     clock: Callable[[], float] = time.time
     _tree: Tree | None = None
     _published: tuple[int, float] = (-1, 0.0)  # (size, when)
+    _last: tuple[int, str, int] | None = None  # the tree's last record: (its position in the store, hash, tree size)
 
     def verifier(self) -> Verifier:
         return Verifier(self.origin, self.signing_key.public_key())
 
     async def tree(self, heads: list[Any] | None = None, *, full: bool = True) -> Tree:
         """The log's tree; ``heads``: the record headers when the caller has read them already. Not ``full``:
-        only the records from the last one the tree holds are read, and the tree extended when that one is
-        unchanged (a log that shrank or changed there is read whole)."""
-        tree = self._tree
-        if heads is None and not full and tree is not None and tree.size:
-            tail = await self.store.record_heads(tree.size - 1)
-            if tail and record_leaf(tail[0]["hash"]) == tree.leaves[-1]:
-                tree.extend([record_leaf(h["hash"]) for h in tail[1:]])
+        only the records from the last one the tree holds are read (found by its position in the store, not
+        by counting the records before it), and the tree extended when that one is unchanged (a log that
+        shrank or changed there is read whole, and so is one the tree grew from ``heads`` since)."""
+        tree, last = self._tree, self._last
+        if heads is None and not full and tree is not None and tree.size and last is not None and last[2] == tree.size:
+            tail = await self.store.heads_from(last[0])
+            if tail and tail[0][0] == last[0] and tail[0][1]["hash"] == last[1]:
+                tree.extend([record_leaf(h["hash"]) for _, h in tail[1:]])
+                self._last = (tail[-1][0], tail[-1][1]["hash"], tree.size)
                 return tree
-        heads = await self.store.record_heads() if heads is None else heads
+        if heads is None:
+            placed = await self.store.heads_from(0)
+            heads = [h for _, h in placed]
+            self._last = (placed[-1][0], placed[-1][1]["hash"], len(placed)) if placed else None
         leaves = [record_leaf(h["hash"]) for h in heads]
         if tree is not None and tree.leaves == leaves[:tree.size]:  # the log grew (or did not): extend
             tree.extend(leaves[tree.size:])
@@ -130,13 +137,8 @@ class CheckpointService:
         return True
 
     def _keep(self, size: int, note: str) -> None:
-        directory = self.directory
-        assert directory is not None
-        directory.mkdir(parents=True, exist_ok=True)
-        target = directory / f"checkpoint.{size}"
-        if not target.exists():  # append-only: a size once written is never rewritten
-            replace_file(target, note.encode())
-        replace_file(directory / "latest", note.encode())
+        assert self.directory is not None
+        keep_checkpoint(self.directory, size, note)
 
     async def _witness(self, witness: Witness, tree: Tree, note: str) -> str:
         import httpx
@@ -166,6 +168,23 @@ class CheckpointService:
                       _refusal(resp.status_code, resp.text, old, tree.size))
             return ""
         return ""
+
+
+def keep_checkpoint(directory: Path, size: int, note: str) -> None:
+    """The directory sink: ``checkpoint.SIZE``, written once and never rewritten (append-only: a WORM mount),
+    durably (one fsync), and ``latest``, a relative symbolic link to it, replaced atomically (a rename: no
+    data to write). A note of a size already kept that differs from the kept one (the same checkpoint with
+    other cosignatures, from a later publication) is kept as ``latest`` itself, a file, as before."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"checkpoint.{size}"
+    target, data = directory / name, note.encode()
+    if (target.exists() or not publish_file(str(target), data, 0o644)) and target.read_bytes() != data:
+        replace_file(directory / "latest", data)  # a size kept before, with another note: the file stays
+        return
+    link = directory / f".latest.{os.getpid()}.{size}"
+    link.unlink(missing_ok=True)
+    os.symlink(name, link)
+    os.replace(link, directory / "latest")
 
 
 def _refusal(status: int, text: str, old: int, size: int) -> str:

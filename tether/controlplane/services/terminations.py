@@ -209,22 +209,24 @@ class TerminationService:
         store = self.store
         links = _links_of(doc, await self.grants.graph())
         while True:
-            heads = await store.record_heads()  # the whole log: calls another termination's record holds stay out
-            self._check_key(heads)
-            earlier = [r for r in heads if r["termination_id"] == doc["id"]]
-            late = proto.late_agents(doc, heads, mine, acks)
+            # What the log says of this termination and its agents (its index: never the whole log); the records
+            # that hold its calls are read as the pages name them.
+            view = await store.log_view(doc["id"], doc["agents"])
+            self._check_key(view.head)
+            earlier = [head for _, head in view.heads if head["termination_id"] == doc["id"]]
+            late = proto.late_agents(doc, earlier, mine, acks)
             if not late:
                 addendum = None
                 break
             record_id = "rec-" + os.urandom(8).hex()
-            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads, agents=late, late=True)
+            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, known=view.heads, agents=late, late=True)
             try:
-                staged = await self._stage_reports(builder, record_id, late, links, lease=doc["id"])
+                staged = await self._stage_reports(builder, record_id, late, links, view.at, lease=doc["id"])
             except LeaseLost:
                 log.warning("termination %s: lost its lease while writing an addendum; its holder writes it", doc["id"])
                 return
             addendum = proto.addendum_header(builder, record_id=record_id,
-                                             prev_hash=heads[-1]["hash"] if heads else "", now=self.clock())
+                                             prev_hash=view.head["hash"] if view.head else "", now=self.clock())
             if await self._append(addendum, record_id, staged):
                 log.info("termination %s: addendum %s (late: %s)", doc["id"], record_id,
                          ", ".join(proto.terminated_agents(addendum)))
@@ -352,12 +354,18 @@ class TerminationService:
         proto.WRITE_RECORD: _write_record,
     }
 
-    def _check_key(self, heads: list[Doc]) -> None:
+    def _check_key(self, head: Doc | None) -> None:
         """Write no record the log's readers would reject: this replica's key must be the one in force at the
         head (a replica still running on the old key after ``tether keys rotate`` writes nothing)."""
         from ..signing import check_head
 
-        check_head(heads[-1] if heads else None, self.signing_key.public_key(), "this replica's signing key")
+        check_head(head, self.signing_key.public_key(), "this replica's signing key")
+
+    async def _learn(self, builder: proto.RecordBuilder, holders: Mapping[str, proto.Holders], at: int) -> None:
+        """The headers of the records these holders name that the builder does not know yet (as of ``at``)."""
+        missing = builder.unknown_ids(holders)
+        if missing:
+            builder.learn(await self.store.heads_named(missing, at))
 
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
@@ -369,11 +377,13 @@ class TerminationService:
         builds again on the new head, which may hold some of its calls)."""
         store = self.store
         while True:
-            heads = await store.record_heads()
-            for head in heads:
+            # The log's index: the newest record, this termination's records and those that left its agents
+            # unaccounted (what the record's rules read of other records: never the whole log).
+            view = await store.log_view(doc["id"], doc["agents"])
+            for _, head in view.heads:
                 if head["termination_id"] == doc["id"]:  # written before a restart: never a second record
                     return head["record_id"], [u["agent"] for u in head["agents_unaccounted"]]
-            self._check_key(heads)
+            self._check_key(view.head)
             graph = await self.grants.graph()
             hashes = _links_of(doc, graph)
             links = [graph.by_hash[h] for h in hashes if h in graph.by_hash]
@@ -381,7 +391,7 @@ class TerminationService:
             record_id = "rec-" + os.urandom(8).hex()
             # A call belongs to the first record that holds it as reported (an overlapping termination's
             # record, or an earlier one of the same agents, re-granted): the store's index of the log says.
-            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, log=heads)
+            builder = proto.RecordBuilder(doc, runs=mine, acks=acks, known=view.heads)
             ours = partial(_ours, set(doc["agents"]), hashes)
             # Everything but the pages first: calls written ahead or last listed in flight and never heard of
             # again (they end the record as unknown), and what it says of other records' unknown calls.
@@ -390,15 +400,18 @@ class TerminationService:
             ended = {r["call_id"] for r in await store.reports_among(candidates) if ours(r)}
             held = {cid for cid, (owner, _) in (await store.call_holders(candidates)).items() if owner}
             elsewhere = [r for r in await store.reports_among(sorted(await store.unknown_calls())) if ours(r)]
-            builder.foresee(elsewhere, await store.call_holders([r["call_id"] for r in elsewhere]))
+            foreseen = await store.call_holders([r["call_id"] for r in elsewhere])
+            await self._learn(builder, foreseen, view.at)
+            builder.foresee(elsewhere, foreseen)
             inputs = dict(record_id=record_id, seen=ended | held,
                           starts=[s for s in starts if s["call_id"] not in ended], links=links,
                           revocations=await store.revocations(), budgets=await budget_use(store, links, self.clock()),
-                          prev_hash=heads[-1]["hash"] if heads else "")
+                          prev_hash=view.head["hash"] if view.head else "")
             draft, unknown = builder.finish(**inputs, now=self.clock())
             opening = proto.record_frame(draft)[0]  # every field sorting before "calls" is known by now
             digest = hashlib.sha256(opening.encode())
-            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes, digest, lease=doc["id"])
+            staged = await self._stage_reports(builder, record_id, doc["agents"], hashes, view.at, digest,
+                                               lease=doc["id"])
             staged = await self._stage(record_id, staged, unknown, digest)
             header, _ = builder.finish(**inputs, now=self.clock())
             header = {**header, "key_id": proto.key_id_of(self.signing_key)}  # sorts after "calls": closing
@@ -412,19 +425,21 @@ class TerminationService:
             await store.drop_staged(record_id)
 
     async def _stage_reports(self, builder: proto.RecordBuilder, record_id: str, agents: list[str],
-                             links: set[str], digest: Any = None, *, lease: str | None = None) -> int:
+                             links: set[str], at: int, digest: Any = None, *, lease: str | None = None) -> int:
         """Stage the call entries of these agents' reports under ``links``, a page at a time; returns how many.
         The store copies each entry's text, made when its report arrived, so nothing is decoded or encoded
         here. ``digest``: a hash the entries' canonical JSON is added to as they are staged. ``lease``: the
         termination whose lease this replica renews before each page (a record may take longer to write than
         the lease lasts, and another replica must not start writing it over again meanwhile); LeaseLost, with
-        what was staged dropped, when it no longer holds it."""
+        what was staged dropped, when it no longer holds it. ``at``: the position of the log's newest record the
+        record is built on (the records a page's holders name are read as of it)."""
         staged = 0
         pages = _ahead(self.store.stage_reports(record_id, 0, sorted(agents), links, RECORD_PAGE))
         try:
             async for page in pages:
                 if lease is not None:
                     await self._renew(lease)
+                await self._learn(builder, page.holders, at)
                 builder.count([cid for cid, _ in page.entries], page.holders)
                 if digest is not None and page.entries:
                     await asyncio.to_thread(_digest, digest, [text for _, text in page.entries], staged == 0)

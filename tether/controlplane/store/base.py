@@ -61,6 +61,26 @@ class StagedPage:
     holders: dict[str, Holders]
 
 
+@dataclass(frozen=True)
+class LogView:
+    """What a record's writer reads of the log (``Store.log_view``), all as of one newest record: ``head``, that
+    record's header (None in an empty log), at position ``at`` (-1 in an empty log); ``heads``, the headers
+    with their positions of the records of one termination and of the records that left one of some agents
+    unaccounted, oldest first. Positions order the log; they need not be contiguous."""
+
+    at: int
+    head: Doc | None
+    heads: list[tuple[int, Doc]]
+
+
+def index_keys(header: Doc) -> list[str]:
+    """What the log's index files a record's header under: its termination, and each agent it left
+    unaccounted (``Store.log_view``)."""
+    left = sorted({u["agent"] for u in header.get("agents_unaccounted") or () if isinstance(u, dict)
+                   and isinstance(u.get("agent"), str)})
+    return [f"term:{header.get('termination_id')}", *(f"left:{agent}" for agent in left)]
+
+
 class StoreUnavailable(Exception):
     """The store cannot be reached; the API answers 503 tether.store_unavailable and accepts nothing."""
 
@@ -303,6 +323,18 @@ class Store(abc.ABC):
         checkpoints read only what is new)."""
 
     @abc.abstractmethod
+    async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
+        """``LogView`` from the log's index (kept with each append; a log from before it is indexed first)."""
+
+    @abc.abstractmethod
+    async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
+        """(position, header) of the records with these ids at or before position ``at``, oldest first."""
+
+    @abc.abstractmethod
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        """(position, header) of the records at or after position ``at``, oldest first (0: the whole log)."""
+
+    @abc.abstractmethod
     def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         """A record's call entries (appended or staged), as their canonical JSON text, in order, a page at
         a time."""
@@ -322,10 +354,8 @@ class Store(abc.ABC):
         termination driver read headers and pages instead."""
         out: list[Doc] = []
         for head in await self.record_heads():
-            calls: list[Doc] = []
-            async for page in self.record_calls(head["record_id"]):
-                calls += await asyncio.to_thread(lambda texts=page: [json.loads(t) for t in texts])
-            out.append({**head, "calls": calls})
+            texts = [text async for page in self.record_calls(head["record_id"]) for text in page]
+            out.append({**head, "calls": await asyncio.to_thread(lambda texts=texts: [json.loads(t) for t in texts])})
         return out
 
     @abc.abstractmethod

@@ -303,17 +303,51 @@ redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ARGV[1])
 return 1
 """
 
-# KEYS: records, head, the record's staged calls and their ids. ARGV: prev_hash, hash, header, how many calls
-# are staged. One chain: append only on the current head; the staged calls stay (no longer expiring). -1: a count
-# mismatch (a staging write that ran twice): nothing appended, the caller builds the record anew.
-_APPEND_RECORD = """
+# The log's index (``base.index_keys``): ``records:keys``, key -> the positions of the records filed under it,
+# space-separated, oldest first; ``records:keyed``, how many records (oldest first) it holds. A record is filed
+# by its append (below) when every record before it is; one appended before the index existed (or by an older
+# control plane) is filed by the next reader (``_INDEX_HEADS``), oldest first.
+_FILE_RECORD = """
+local function file_record(keys_key, pos, first, last)
+  for i = first, last do
+    local have = redis.call('HGET', keys_key, ARGV[i])
+    redis.call('HSET', keys_key, ARGV[i], have and (have .. ' ' .. pos) or tostring(pos))
+  end
+end
+"""
+
+# KEYS: records, head, the record's staged calls and their ids, the index's count, the index. ARGV: prev_hash,
+# hash, header, how many calls are staged, then the record's index keys. One chain: append only on the current
+# head; the staged calls stay (no longer expiring); the record filed in the index when all before it are. -1: a
+# count mismatch (a staging write that ran twice): nothing appended, the caller builds the record anew.
+_APPEND_RECORD = _FILE_RECORD + """
 local head = redis.call('GET', KEYS[2]) or ''
 if head ~= ARGV[1] then return 0 end
 if redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return -1 end
-redis.call('RPUSH', KEYS[1], ARGV[3])
+local pos = redis.call('RPUSH', KEYS[1], ARGV[3]) - 1
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('PERSIST', KEYS[3])
 redis.call('PERSIST', KEYS[4])
+if tonumber(redis.call('GET', KEYS[5]) or '0') == pos then
+  file_record(KEYS[6], pos, 5, #ARGV)
+  redis.call('SET', KEYS[5], pos + 1)
+end
+return 1
+"""
+
+# KEYS: the index's count, the index. ARGV: the position of the first record to file (the count expected),
+# then per record: how many keys, and its keys. Nothing when another reader filed them first.
+_INDEX_HEADS = _FILE_RECORD + """
+local pos = tonumber(ARGV[1])
+if tonumber(redis.call('GET', KEYS[1]) or '0') ~= pos then return 0 end
+local i = 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  file_record(KEYS[2], pos, i + 1, i + n)
+  i = i + n + 1
+  pos = pos + 1
+end
+redis.call('SET', KEYS[1], pos)
 return 1
 """
 
@@ -492,6 +526,7 @@ class RedisCore(Store):
             ("put_reports", _PUT_REPORTS),
             ("put_doc", _PUT_DOC),
             ("append_record", _APPEND_RECORD),
+            ("index_heads", _INDEX_HEADS),
             ("index_calls", _INDEX_CALLS),
             ("index_listed", _INDEX_LISTED),
             ("stage_reports", _STAGE_REPORTS),

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from tether.capability import jsonpieces
 
 from ..termination import encode_entry
-from .base import Doc, StoreUnwritable
+from .base import Doc, LogView, StoreUnavailable, StoreUnwritable, index_keys
 from .redis_core import (
     STAGED_TTL_MS,
     RedisCore,
@@ -21,6 +22,22 @@ from .redis_core import (
     _holder_args,
     _writes,
 )
+
+log = logging.getLogger("tether.store.redis")
+
+
+def _filed_under(header: Doc) -> list[str]:
+    """The index keys a record is filed under in Redis: ``base.index_keys``, and its id (``heads_named``)."""
+    return [*index_keys(header), f"id:{header['record_id']}"]
+
+
+def _filing_args(raws: list[str]) -> list[str | int]:
+    """``_INDEX_HEADS``'s arguments for these stored headers, oldest first: per record, how many keys, and its keys."""
+    args: list[str | int] = []
+    for raw in raws:
+        keys = _filed_under(json.loads(raw))
+        args += [len(keys), *keys]
+    return args
 
 
 class RedisRecords(RedisCore):
@@ -39,9 +56,10 @@ class RedisRecords(RedisCore):
                 await self.stage_calls(rid, start, entries[start:start + 1000])
             staged = len(entries)
         encoded = await asyncio.to_thread(jsonpieces.dumps, header)
-        args = [record["prev_hash"], record["hash"], encoded, staged]
+        args = [record["prev_hash"], record["hash"], encoded, staged, *_filed_under(header)]
         done = await self._run("append_record", [self._key("records"), self._key("records", "head"),
-                                                 self._calls_key(rid), self._ids_key(rid)], args)
+                                                 self._calls_key(rid), self._ids_key(rid),
+                                                 self._key("records", "keyed"), self._key("records", "keys")], args)
         if done < 0:
             raise ValueError(f"record {rid}: the staged call entries are not the {staged} expected")
         if not done:
@@ -79,6 +97,79 @@ class RedisRecords(RedisCore):
         if refused and any("calls" in head for head in heads):
             raise StoreUnwritable(f"Redis at {self.url} refuses writes: a record stored whole cannot be split yet")
         return heads
+
+    @_guarded
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        at = max(0, at)
+        return list(enumerate(await self.record_heads(at), start=at))  # a position is the list's index
+
+    @_guarded
+    async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
+        keys = [f"term:{termination_id}", *(f"left:{agent}" for agent in sorted(set(agents)))]
+        for attempt in range(2):
+            at, head = await self._newest()
+            if head is None:
+                return LogView(-1, None, [])
+            heads = await self._filed(keys, at, attempt)
+            if heads is not None:
+                return LogView(at, head, heads)
+        raise StoreUnavailable(f"Redis at {self.url}: the log's index disagrees with the log, even rebuilt")
+
+    @_guarded
+    async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
+        keys = [f"id:{rid}" for rid in sorted(set(record_ids))]
+        for attempt in range(2):
+            heads = await self._filed(keys, at, attempt)
+            if heads is not None:
+                return heads
+        raise StoreUnavailable(f"Redis at {self.url}: the log's index disagrees with the log, even rebuilt")
+
+    async def _newest(self) -> tuple[int, Doc | None]:
+        at = int(await self.r.llen(self._key("records"))) - 1
+        raw = await self.r.lindex(self._key("records"), at) if at >= 0 else None
+        return (at, json.loads(raw)) if raw else (-1, None)
+
+    async def _filed(self, keys: list[str], at: int, attempt: int) -> list[tuple[int, Doc]] | None:
+        """The records filed under these index keys, at or before ``at``, oldest first; None when one of them
+        is not what the index says (the list was changed under it): the index is then built again from the
+        log (``attempt`` 0; the caller asks once more)."""
+        await self._index_heads()
+        if not keys:
+            return []
+        filed = await self.r.hmget(self._key("records", "keys"), keys)
+        positions = sorted({int(p) for listed in filed if listed for p in listed.split() if int(p) <= at})
+        raws: list[str | None] = []
+        for start in range(0, len(positions), 1000):
+            async with self.r.pipeline(transaction=False) as pipe:
+                for pos in positions[start:start + 1000]:
+                    pipe.lindex(self._key("records"), pos)
+                raws += await pipe.execute()
+        heads = await asyncio.to_thread(lambda: [json.loads(raw) if raw else None for raw in raws])
+        wanted = set(keys)
+        if all(head is not None and wanted & set(_filed_under(head)) for head in heads):
+            return list(zip(positions, heads, strict=True))  # type: ignore[arg-type]
+        if attempt == 0:
+            log.warning("Redis at %s: the log's index names a record the log does not hold there; rebuilding it",
+                        self.url)
+            await self.r.delete(self._key("records", "keyed"), self._key("records", "keys"))
+        return None
+
+    @_guarded
+    async def _index_heads(self) -> None:
+        """File every record appended and not yet in the log's index, oldest first (usually none: two small
+        reads; a log written before the index: once, a thousand headers per script)."""
+        while True:
+            async with self.r.pipeline(transaction=False) as pipe:
+                pipe.get(self._key("records", "keyed"))
+                pipe.llen(self._key("records"))
+                done_raw, total = await pipe.execute()
+            done = int(done_raw or 0)
+            if done >= int(total):
+                return
+            raws = await self.r.lrange(self._key("records"), done, done + 999)
+            args = await asyncio.to_thread(_filing_args, raws)
+            await self._run("index_heads", [self._key("records", "keyed"), self._key("records", "keys")],
+                            [done, *args])
 
     async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         """A page of the record's calls; an entry staged from a report ('') is the text kept beside it."""

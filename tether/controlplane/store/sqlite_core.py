@@ -19,7 +19,7 @@ from typing import Any
 from tether.capability import jsonpieces
 
 from ..termination import encode_entry
-from .base import Holders, Store, StoreUnavailable, StoreUnwritable
+from .base import Doc, Holders, Store, StoreUnavailable, StoreUnwritable, index_keys
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS links (hash TEXT PRIMARY KEY, jti TEXT UNIQUE NOT NULL, sub TEXT NOT NULL,
@@ -42,6 +42,9 @@ CREATE TABLE IF NOT EXISTS record_calls (record_id TEXT NOT NULL, seq INTEGER NO
     reported INTEGER NOT NULL, entry TEXT NOT NULL, PRIMARY KEY (record_id, seq));
 CREATE INDEX IF NOT EXISTS record_calls_call ON record_calls(call_id);
 CREATE INDEX IF NOT EXISTS record_calls_unknown ON record_calls(reported) WHERE reported = 0;
+CREATE TABLE IF NOT EXISTS record_keys (key TEXT NOT NULL, pos INTEGER NOT NULL, record_id TEXT NOT NULL,
+    PRIMARY KEY (key, pos));
+CREATE TABLE IF NOT EXISTS record_index (id INTEGER PRIMARY KEY CHECK (id = 1), upto INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
@@ -136,6 +139,42 @@ def _reports_entries(db: sqlite3.Connection) -> None:
         db.execute(f"PRAGMA user_version = {_ENTRIES_KEPT}")
 
 
+def _index_rows(pos: int, header: Doc) -> list[tuple[str, int, str]]:
+    """A record's rows in ``record_keys``, the log's index (``base.index_keys``)."""
+    return [(key, pos, header["record_id"]) for key in index_keys(header)]
+
+
+def _indexed_upto(db: sqlite3.Connection) -> tuple[int, int]:
+    """(the position up to which every record is in ``record_keys``, the newest record's position); 0 for none."""
+    row = db.execute("SELECT upto FROM record_index WHERE id = 1").fetchone()
+    newest = db.execute("SELECT MAX(pos) FROM records").fetchone()[0]
+    return (row[0] if row else 0), (newest or 0)
+
+
+def _file_records(db: sqlite3.Connection, upto: int, newest: dict[int, Doc] | None = None) -> None:
+    """In the caller's transaction: file every record after position ``upto`` in ``record_keys``, and say so.
+    ``newest``: headers the caller holds decoded (the one it appends), by position."""
+    held = newest or {}
+    for pos, raw in db.execute("SELECT pos, doc FROM records WHERE pos > ? ORDER BY pos", (upto,)).fetchall():
+        header = held[pos] if pos in held else json.loads(raw)
+        db.executemany("INSERT OR IGNORE INTO record_keys (key, pos, record_id) VALUES (?, ?, ?)",
+                       _index_rows(pos, header))
+        upto = pos
+    db.execute("INSERT INTO record_index (id, upto) VALUES (1, ?) ON CONFLICT (id) DO UPDATE SET upto = ?",
+               (upto, upto))
+
+
+def _log_index(db: sqlite3.Connection) -> None:
+    """Records the index does not hold yet (a file from before the index, or records an older control plane
+    appended since): filed, oldest first, in one transaction. Nothing to write, nothing written: a file on a
+    full disk or a read-only file system still opens."""
+    upto, newest = _indexed_upto(db)
+    if upto >= newest:
+        return
+    with _transaction(db):
+        _file_records(db, _indexed_upto(db)[0])
+
+
 def _holders(db: sqlite3.Connection, call_ids: list[str]) -> dict[str, Holders]:
     """``Store.call_holders`` on this connection."""
     owner: dict[str, str] = {}
@@ -209,6 +248,7 @@ class SqliteCore(Store):
         db.executescript(_SCHEMA)
         _records_apart(db)
         _reports_entries(db)
+        _log_index(db)
         self._db = db
 
     async def close(self) -> None:

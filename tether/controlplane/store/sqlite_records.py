@@ -16,14 +16,17 @@ from typing import Any
 from tether.capability import jsonpieces
 
 from ..termination import encode_entry, entry_text
-from .base import Doc, Holders, StagedPage
+from .base import Doc, Holders, LogView, StagedPage
 from .sqlite_core import (
     _INSERT_ENTRY,
     _READ_ENTRIES,
     SqliteCore,
     _entry_rows,
+    _file_records,
     _holders,
+    _indexed_upto,
     _insert_entries,
+    _log_index,
     _transaction,
     _writes,
 )
@@ -56,8 +59,13 @@ class SqliteRecords(SqliteCore):
                     have = db.execute("SELECT COUNT(*) FROM record_calls WHERE record_id = ?", (rid,)).fetchone()[0]
                     if have != staged:
                         raise ValueError(f"record {rid}: {have} call entries staged, not {staged}")
-                db.execute("INSERT INTO records (hash, prev_hash, doc, record_id, calls) VALUES (?, ?, ?, ?, ?)",
-                           (record["hash"], record["prev_hash"], encoded, rid, len(rows) if staged is None else staged))
+                upto = _indexed_upto(db)[0]
+                pos = db.execute(
+                    "INSERT INTO records (hash, prev_hash, doc, record_id, calls) VALUES (?, ?, ?, ?, ?)",
+                    (record["hash"], record["prev_hash"], encoded, rid, len(rows) if staged is None else staged),
+                ).lastrowid
+                assert pos is not None
+                _file_records(db, upto, {pos: header})  # the log's index, in the append's transaction
                 return True
 
         return await self._off_loop(append)
@@ -78,6 +86,45 @@ class SqliteRecords(SqliteCore):
     async def record_heads(self, start: int = 0) -> list[Doc]:
         return await self._off_loop(lambda db: [json.loads(r[0]) for r in db.execute(
             "SELECT doc FROM records ORDER BY pos LIMIT -1 OFFSET ?", (max(0, start),))])
+
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        return await self._off_loop(lambda db: [(pos, json.loads(raw)) for pos, raw in db.execute(
+            "SELECT pos, doc FROM records WHERE pos >= ? ORDER BY pos", (at,))])
+
+    async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
+        keys = [f"term:{termination_id}", *(f"left:{agent}" for agent in sorted(set(agents)))]
+
+        def read(db: sqlite3.Connection) -> LogView:
+            _log_index(db)  # records appended by an older control plane since: filed first (usually nothing)
+            newest = db.execute("SELECT pos, doc FROM records ORDER BY pos DESC LIMIT 1").fetchone()
+            if newest is None:
+                return LogView(-1, None, [])
+            at = newest[0]
+            marks = ",".join("?" * len(keys))
+            # A row joins its record by position and id: one whose record is gone (or was replaced) is no answer.
+            rows = db.execute(
+                "SELECT DISTINCT r.pos, r.doc FROM record_keys AS k JOIN records AS r "
+                f"ON r.pos = k.pos AND r.record_id = k.record_id WHERE k.key IN ({marks}) AND k.pos <= ? "
+                "ORDER BY r.pos", (*keys, at)).fetchall()
+            return LogView(at, json.loads(newest[1]), [(pos, json.loads(raw)) for pos, raw in rows])
+
+        return await self._off_loop(read)
+
+    async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
+        if not record_ids:
+            return []
+
+        def read(db: sqlite3.Connection) -> list[tuple[int, Doc]]:
+            out: list[tuple[int, Doc]] = []
+            ids = sorted(set(record_ids))
+            for start in range(0, len(ids), 500):
+                part = ids[start:start + 500]
+                out += [(pos, json.loads(raw)) for pos, raw in db.execute(
+                    f"SELECT pos, doc FROM records WHERE record_id IN ({','.join('?' * len(part))}) AND pos <= ?",
+                    (*part, at))]
+            return sorted(out, key=lambda item: item[0])
+
+        return await self._off_loop(read)
 
     async def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
         after = -1
