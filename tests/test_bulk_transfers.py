@@ -6,23 +6,31 @@ real sidecar over HTTP and HTTPS, chunked and not, compared byte for byte."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
+import random
 import secrets
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import h11
 import pytest
 import requests
-from h11._readers import ChunkedReader, ContentLengthReader
+from h11._readers import ChunkedReader, ContentLengthReader, Http10Reader
 from h11._receivebuffer import ReceiveBuffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.proxy.framing import BULK_READ, bulk_transfers, read_in_bulk
+from tether.capture.segments import read_flows
+from tether.proxy.framing import BULK_READ, TrailerlessReader, bulk_transfers, read_in_bulk
+from tether.proxy.relay import BodyLeft, body_left, splice_body, taken
 
 from .conftest import World, build_world, teardown_world
-from .harness import SidecarProcess, TestCA
+from .harness import SidecarProcess, TestCA, free_port, reports_for, wait_until
 
 bulk_transfers()  # as the sidecar does: the readers below run with the patched buffer
 
@@ -134,3 +142,293 @@ def test_large_bodies_pass_the_sidecar_both_ways_intact(echo_world: World, schem
         resp = requests.post(f"{base}/echo", data=data, proxies=sc.proxies(), verify=sc.ca, timeout=120)
         assert resp.status_code == 200, resp.text[:500]
         assert resp.json()["body"] == body
+
+
+# --- The direct relay (tether/proxy/relay.py): bodies nobody inspects go socket to socket. ---
+
+MIB = 1 << 20
+RELAY_SIZE = 24 * MIB  # past the capture's 1 MiB: most of it is relayed
+ENDLESS = 1 << 40  # the Content-Length of an answer that is cut long before its end
+
+
+def _pattern(size: int) -> bytes:
+    return random.Random(size).randbytes(size)
+
+
+class FramingServer:
+    """A raw HTTP/1.1 upstream (asyncio, in a thread of its own) that frames its answers as asked, over plaintext
+    and TLS: ``GET /blob/{cl,chunked,eof}/N`` answers N bytes of ``_pattern(N)`` with a Content-Length, chunked in
+    uneven pieces, or ended by closing the connection; ``GET /endless`` streams a Content-Length of 1 TiB until the
+    client goes; ``POST /digest`` answers the SHA-256 and length of the request body (Content-Length or chunked)."""
+
+    def __init__(self, ca: TestCA) -> None:
+        self.ca, self.port, self.tls_port = ca, free_port(), free_port()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> FramingServer:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _serve(self) -> None:
+        self.servers = [await asyncio.start_server(self._handle, "127.0.0.1", self.port),
+                        await asyncio.start_server(self._handle, "127.0.0.1", self.tls_port,
+                                                   ssl=self.ca.server_context())]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        head = await reader.readuntil(b"\r\n\r\n")
+        line, *fields = head.decode("latin-1").split("\r\n")
+        method, target, _ = line.split(" ")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields if f)}
+        if method == "POST":
+            digest, size = await self._read_body(reader, headers)
+            body = json.dumps({"sha256": digest, "bytes": size}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+            return True
+        if target == "/endless":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: %d\r\n\r\n"
+                         % ENDLESS)
+            block = _pattern(MIB)
+            while not writer.is_closing():
+                writer.write(block)
+                await writer.drain()
+            return False
+        _, _, framing, size_text = target.split("/")
+        data = _pattern(int(size_text))
+        if framing == "cl":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: %d\r\n\r\n"
+                         % len(data))
+            for at in range(0, len(data), MIB):
+                writer.write(data[at:at + MIB])
+                await writer.drain()
+            return True
+        if framing == "chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            at, step = 0, 1000
+            while at < len(data):
+                piece = data[at:at + step]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+                at, step = at + len(piece), step * 2 + 7 if step < MIB else 1000
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\nconnection: close\r\n\r\n")
+        for at in range(0, len(data), MIB):
+            writer.write(data[at:at + MIB])
+            await writer.drain()
+        return False  # the close ends the body
+
+    @staticmethod
+    async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> tuple[str, int]:
+        digest, size = hashlib.sha256(), 0
+        if "content-length" in headers:
+            left = int(headers["content-length"])
+            while left:
+                piece = await reader.read(min(left, MIB))
+                if not piece:
+                    raise ConnectionError("the body ended early")
+                digest.update(piece)
+                size, left = size + len(piece), left - len(piece)
+            return digest.hexdigest(), size
+        while (length := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)):
+            piece = await reader.readexactly(length + 2)
+            digest.update(piece[:-2])
+            size += length
+        await reader.readuntil(b"\r\n")
+        return digest.hexdigest(), size
+
+
+RELAY_CAPS = """  relay.plain: {{http: {{host: 127.0.0.1, port: {port}, methods: [GET, POST], path: "/*"}}}}
+  relay.tls: {{http: {{host: localhost, port: {tls_port}, methods: [GET, POST], path: "/*"}}}}
+"""
+
+
+@pytest.fixture
+def relay_world(tmp_path: Path, test_ca: TestCA) -> Iterator[tuple[World, FramingServer]]:
+    """The usual world, and a FramingServer its catalog lets GET and POST through to (plaintext and TLS)."""
+    upstream = FramingServer(test_ca).start()
+    w = build_world(tmp_path, test_ca)
+    w.cp.catalog_path.write_text(w.cp.catalog_path.read_text().replace(
+        "roles:", RELAY_CAPS.format(port=upstream.port, tls_port=upstream.tls_port) + "roles:"))
+    w.cp.start()
+    try:
+        yield w, upstream
+    finally:
+        teardown_world(w)
+        upstream.stop()
+
+
+def _base(upstream: FramingServer, scheme: str) -> str:
+    return f"http://127.0.0.1:{upstream.port}" if scheme == "http" else f"https://localhost:{upstream.tls_port}"
+
+
+def _relayed(sc: SidecarProcess, path: str) -> list[str]:
+    return [line for line in sc.log_text.splitlines() if "relaying the rest of" in line and path in line]
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_every_framing_passes_byte_for_byte_both_ways_and_the_relay_takes_what_it_may(
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
+    """24 MiB down with a Content-Length, chunked, and ended by the close, and up with a Content-Length and
+    chunked: equal byte for byte. The relay takes the Content-Length bodies both ways (and, from a plaintext
+    upstream, the body ended by its close); chunked bodies keep mitmproxy's path. The capture keeps each answer's
+    first 1 MiB and counts the whole, the relayed rest included."""
+    world, upstream = relay_world
+    sc = world.sidecar(world.cp.issue("relay", {"relay.plain": "direct", "relay.tls": "direct"}))
+    base = _base(upstream, scheme)
+    want = _pattern(RELAY_SIZE)
+    for framing in ("cl", "chunked", "eof"):
+        with requests.get(f"{base}/blob/{framing}/{RELAY_SIZE}", proxies=sc.proxies(), verify=sc.ca, stream=True,
+                          timeout=120) as resp:
+            assert resp.status_code == 200, resp.text[:300]
+            got = b"".join(resp.iter_content(MIB))
+        assert len(got) == len(want) and got == want, framing
+
+    def pieces() -> Iterator[bytes]:
+        at, step = 0, 1
+        while at < len(want):
+            yield want[at:at + step]
+            at, step = at + step, min(step * 3 + 1, 3 * MIB)
+
+    digest = hashlib.sha256(want).hexdigest()
+    for data in (want, pieces()):
+        resp = requests.post(f"{base}/digest", data=data, proxies=sc.proxies(), verify=sc.ca, timeout=120)
+        assert resp.status_code == 200, resp.text[:300]
+        assert resp.json() == {"sha256": digest, "bytes": RELAY_SIZE}
+    assert len(_relayed(sc, "/blob/cl/")) == 1 and len(_relayed(sc, "/blob/chunked/")) == 0
+    assert len(_relayed(sc, "/blob/eof/")) == (1 if scheme == "http" else 0)
+    assert len(_relayed(sc, "/digest")) == 1  # the upload with a Content-Length; the chunked one is not relayed
+    flows = wait_until(lambda: [f for f in read_flows(sc.state_dir / "captures" / "flows.mitm")
+                                if f.request.path.startswith("/blob/cl/") and f.response is not None] or None,
+                       20, what="the relayed answer's final capture")
+    assert flows[-1].response.raw_content == want[:MIB]
+    assert flows[-1].comment == f"tether: streamed answer, the capture holds its first {MIB} of {RELAY_SIZE} bytes"
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_slow_agent_s_answer_is_relayed_after_what_was_waiting_for_it(relay_world: tuple[World, FramingServer],
+                                                                        scheme: str) -> None:
+    """An agent that reads slowly at first may leave the sidecar's writer to it full and its reader of the upstream
+    holding bytes when the relay starts (how full depends on the machine): those go first, the relay takes the
+    rest, and the agent gets the answer byte for byte."""
+    world, upstream = relay_world
+    sc = world.sidecar(world.cp.issue("relay-slow", {"relay.plain": "direct", "relay.tls": "direct"}))
+    want = _pattern(RELAY_SIZE)
+    with requests.get(f"{_base(upstream, scheme)}/blob/cl/{RELAY_SIZE}", proxies=sc.proxies(), verify=sc.ca,
+                      stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        pieces = [resp.raw.read(16 << 10) for _ in range(4)]
+        time.sleep(1.0)  # lets the sidecar's buffers fill (whether they do changes only which path is exercised)
+        pieces += list(resp.iter_content(MIB))
+    assert b"".join(pieces) == want
+    assert len(_relayed(sc, "/blob/cl/")) == 1
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_an_abort_during_a_relayed_answer_cuts_it_and_the_record_says_unknown(
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
+    """An answer of 1 TiB streams as fast as the relay moves it; once the sidecar says it relays it, the agent is
+    terminated with abort (``cutting.py``'s path): the agent's read ends short with an error, and the call's
+    report is unknown, tether.aborted, as for a cut in mitmproxy's path."""
+    world, upstream = relay_world
+    sc = world.sidecar(world.cp.issue("relay-cut", {"relay.plain": "direct", "relay.tls": "direct"}))
+    got, aborted = 0, False
+    with pytest.raises(requests.exceptions.RequestException):  # the cut comes mid-read
+        with requests.get(f"{_base(upstream, scheme)}/endless", proxies=sc.proxies(), verify=sc.ca, stream=True,
+                          timeout=60) as resp:
+            assert resp.status_code == 200
+            for piece in resp.iter_content(MIB):
+                got += len(piece)
+                if not aborted and got > 2 * MIB and _relayed(sc, "/endless"):
+                    doc = world.cp.client().request("POST", "/v1/agents/relay-cut/terminate",
+                                                    {"mode": "abort", "window_s": 0, "reason": "test"})
+                    assert doc["state"] == "requested"
+                    aborted = True
+    assert aborted and got < ENDLESS
+    report = wait_until(lambda: [r for r in reports_for(world.cp, "relay-cut") if r["url"].endswith("/endless")],
+                        20, what="the cut call's report")[0]
+    assert (report["resolution"], report["code"]) == ("unknown", "tether.aborted")
+
+
+def _splice_run(body: bytes, extra: bytes, cuts: list[int], count: int | None) -> tuple[bytes, bytes, int, int, bool]:
+    """``body + extra`` written into a socket pair in the pieces ``cuts`` makes, ``splice_body`` moving ``count``
+    bytes (None: up to the close) to a second pair: what arrived, what was left in the source, the counters, and
+    whether the source ended."""
+
+    async def run() -> tuple[bytes, bytes, int, int, bool]:
+        src_in, src_out = socket.socketpair()
+        dst_in, dst_out = socket.socketpair()
+        for s in (src_in, src_out, dst_in, dst_out):
+            s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        took, gave = [0], [0]
+
+        async def feed() -> None:
+            for piece in _splits(body + extra, cuts):
+                await loop.sock_sendall(src_in, piece)
+                await asyncio.sleep(0)
+            if count is None:
+                src_in.shutdown(socket.SHUT_WR)
+
+        async def drain() -> bytes:
+            got = bytearray()
+            while len(got) < len(body):
+                got += await loop.sock_recv(dst_out, 1 << 16)
+            return bytes(got)
+
+        feeding, draining = asyncio.create_task(feed()), asyncio.create_task(drain())
+        ended = await asyncio.wait_for(splice_body(  # one that took past the body waits for more: times out
+            src_out.fileno(), dst_in.fileno(), count, lambda n: took.__setitem__(0, took[0] + n),
+            lambda n: gave.__setitem__(0, gave[0] + n), lambda: None), 20)
+        await feeding
+        got = await asyncio.wait_for(draining, 10)
+        left = bytearray()
+        while len(left) < len(extra):  # a splice that took more than the body leaves less than this: times out
+            left += await asyncio.wait_for(loop.sock_recv(src_out, 1 << 16), 10)
+        for s in (src_in, src_out, dst_in, dst_out):
+            s.close()
+        return got, bytes(left), took[0], gave[0], ended
+
+    return asyncio.run(run())
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=st.binary(min_size=1, max_size=300_000), extra=st.binary(max_size=2000),
+       cuts=st.lists(st.integers(min_value=0), max_size=10))
+def test_splice_moves_exactly_a_bodys_length_however_it_arrives(body: bytes, extra: bytes, cuts: list[int]) -> None:
+    """What follows the body (the next message) stays in the source, however the bytes arrive."""
+    got, left, took, gave, ended = _splice_run(body, extra, cuts, len(body))
+    assert (got, left, took, gave, ended) == (body, extra, len(body), len(body), False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(body=st.binary(min_size=1, max_size=300_000), cuts=st.lists(st.integers(min_value=0), max_size=10))
+def test_splice_up_to_the_close_moves_everything_and_says_it_ended(body: bytes, cuts: list[int]) -> None:
+    got, left, took, gave, ended = _splice_run(body, b"", cuts, None)
+    assert (got, left, took, gave, ended) == (body, b"", len(body), len(body), True)
+
+
+def test_a_body_reader_says_what_it_still_expects_and_is_told_what_passed_it() -> None:
+    reader = TrailerlessReader(ContentLengthReader(1000))
+    assert body_left(reader) == BodyLeft(1000)
+    taken(reader, 999)
+    assert body_left(reader) == BodyLeft(1)
+    assert body_left(Http10Reader()) == BodyLeft(None) and body_left(ChunkedReader()) is None

@@ -420,6 +420,15 @@ class _Tee:
                 self.size += min(room, len(part))
         return parts if not isinstance(out, bytes) else out
 
+    def relayable(self) -> bool:
+        """The rest passes as it is and only needs counting (``tether/proxy/relay.py``): the stream under the tee
+        changes nothing and the capture has kept all it keeps."""
+        return self.inner is True and self.size >= self.limit
+
+    def passed(self, count: int) -> None:
+        """``count`` more bytes of the answer passed without being seen (relayed)."""
+        self.total += count
+
 
 class Capture:
     """Every call's flow, redacted, in mitmproxy's format. A capture that fails refuses that call only.

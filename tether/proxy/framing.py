@@ -34,9 +34,10 @@ stack and the copies made on the way, not the bytes: ``bulk_transfers()`` (bench
 * h11's receive buffer, from which the HTTP/1 layer extracts a body, hands over its whole content without copying
   it twice when the body takes all of it (``maybe_extract_at_most``, the body readers' one way in).
 
-The TLS layer still sends what it encrypted 64 KiB at a time: joining it into one write was tried and cost more
-than it saved (a 1 MiB buffer allocated per read of OpenSSL's memory BIO, and a copy; HTTPS uploads 0.6x as fast
-in bench/bench_stream.py).
+A streamed body nobody inspects does not even take that path past its first piece: ``relay.py`` moves it from
+socket to socket. mitmproxy's TLS layer still sends what it encrypted 64 KiB at a time: joining it into one write
+was tried and cost more than it saved (a 1 MiB buffer allocated per read of OpenSSL's memory BIO, and a copy;
+HTTPS uploads 0.6x as fast in bench/bench_stream.py; ``relay.py`` reads the BIO into one buffer it keeps).
 """
 
 from __future__ import annotations

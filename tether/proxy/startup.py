@@ -37,6 +37,7 @@ from .enforce import Enforcer, Forwarder, Holds, Tunnels, own_destinations
 from .framing import answer_early, bulk_transfers, discard_trailers
 from .mcpcalls import McpCalls, McpLedger
 from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_layer, proxyserver, tlsconfig
+from .relay import direct_relay
 from .state import Call, SidecarState
 from .stdio import StdioRoutes, serves_stdio
 from .telemetry import call_tracing
@@ -172,6 +173,7 @@ def tether_addons(config: SidecarConfig, catalog: Catalog, state: SidecarState, 
     discard_trailers()  # mitmproxy's HTTP/1 layer would raise on them (tether/proxy/framing.py)
     answer_early()  # refusals that must not wait for the request body (tether/proxy/framing.py)
     bulk_transfers()  # large bodies in pieces of 1 MiB, not 64 KiB (tether/proxy/framing.py)
+    direct_relay()  # a body nobody inspects goes socket to socket (tether/proxy/relay.py)
     spend = budgets.spend if budgets.active else None
     tracing = call_tracing(state.agent, run_id, resolved)
     mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
