@@ -279,17 +279,23 @@ def test_a_flush_delivers_what_was_pending_however_fast_reports_arrive(cpworld: 
 
 # -- all-or-nothing capture writes -----------------------------------------------------------------------
 class FailingFile:
-    """A real capture file whose next write stores ``keep`` bytes and then fails as a full disk does."""
+    """A real capture file on a disk with room for ``keep`` more bytes: the write that passes them stores what
+    fits and fails as a full disk does (the writes after it succeed: room was made). A record may be written in
+    several pieces, so the room is counted across writes."""
 
     def __init__(self, real: Any, keep: int, truncate_fails: bool = False) -> None:
         self.real, self.keep, self.truncate_fails = real, keep, truncate_fails
 
     def write(self, data: Any) -> int:
-        if self.keep is not None:
-            self.real.write(bytes(data[: self.keep]))
+        if self.keep is None:
+            return self.real.write(data)
+        fits = bytes(data[: self.keep])
+        self.real.write(fits)
+        self.keep -= len(fits)
+        if len(fits) < len(data):
             self.keep = None  # type: ignore[assignment]
             raise OSError(errno.ENOSPC, "No space left on device")
-        return self.real.write(data)
+        return len(fits)
 
     def truncate(self, size: int) -> int:
         if self.truncate_fails:
