@@ -34,7 +34,7 @@ MAX_HEAD = 64 * 1024  # bytes of an answer's status line and headers
 MAX_BODY = 64 * 1024 * 1024  # bytes of an answer's body, decoded, unless the client is told otherwise
 READ_SIZE = 64 * 1024
 IDLE_S = 15.0  # a pooled connection unused this long is closed rather than reused
-IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})  # aiohttp's list
 
 
 class ClientError(OSError):
@@ -124,7 +124,7 @@ class Decoder:
         return data
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the client keeps a set of its open connections
 class Connection:
     origin: Origin
     reader: asyncio.StreamReader
@@ -271,14 +271,14 @@ class Client:
                 return event
             raise ClientError("the connection closed before an answer")  # ConnectionClosed
 
-    async def _start(self, method: str, url: str, headers: Mapping[str, str],
-                     body: bytes | None) -> tuple[Connection, h11.Response]:
+    async def _start(self, method: str, url: str, headers: Mapping[str, str], body: bytes | None,
+                     pooled: bool = True) -> tuple[Connection, h11.Response]:
         """A connection (pooled, or new) with the request sent and the answer's head read. A pooled connection
         the server had closed before a byte of the answer came is tried once more on a new one, for a request
         that may be repeated (as aiohttp does)."""
         origin, target = split_url(url)
         request = self._head(method, origin, target, headers, body)
-        conn = self._pooled(origin)
+        conn = self._pooled(origin) if pooled else None
         if conn is not None:
             try:
                 return conn, await self._exchange_head(conn, request, body)
@@ -316,10 +316,10 @@ class Client:
                      connect_timeout: float = 10.0, read_timeout: float = 30.0) -> AsyncIterator[Streamed]:
         """A request whose answer is read as it arrives (``Streamed.chunks``): ``connect_timeout`` for the
         connection and the answer's head, ``read_timeout`` for each read after it (TimeoutError past either).
-        The connection is closed afterwards, never pooled."""
+        A new connection, closed afterwards: a stream may last for hours, and takes no pooled one."""
         async with self._slot():
             async with asyncio.timeout(connect_timeout):
-                conn, head = await self._start(method.upper(), url, headers or {}, None)
+                conn, head = await self._start(method.upper(), url, headers or {}, None, pooled=False)
             try:
                 yield Streamed(conn, Response(head.status_code, _headers(head)), read_timeout, self.max_body)
             finally:
