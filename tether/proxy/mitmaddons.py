@@ -9,6 +9,9 @@ imported as ``from mitmproxy.addons import x``) still works: the package body th
 
 Import ``Master`` from here too: ``mitmproxy.master`` imports ``.addons.termlog``, so importing it before this
 module would run the whole package body.
+
+pyparsing, ``mitmproxy.command_lexer`` and ruamel.yaml are deferred likewise, before any of mitmproxy is imported
+(``tether/proxy/deferred.py``, run by ``tether/proxy/__init__.py``).
 """
 
 from __future__ import annotations
