@@ -1,16 +1,16 @@
 """A single sidecar's idle memory, read several times against bare mitmdump in the same run (issue 28: idle RSS
 <= 60 MiB).
 
-Run: python bench/bench_idle_rss.py [--rounds 5] [--idle 3] [--before DIR] [--env NAME=VALUE ...]   (~1-2 minutes)
+Run: python bench/bench_idle_rss.py [--rounds 5] [--idle 3] [--before DIR ...] [--env NAME=VALUE ...]   (~1-5 minutes)
 
 One control plane. Each round starts every setup in turn (the order rotating between rounds: A B C, B C A, ...),
 one process at a time, waits until it is ready (a sidecar's ready file; mitmdump's listening line), lets it sit
 idle ``--idle`` seconds, reads ``/proc/PID/status`` (VmRSS) and ``/proc/PID/smaps_rollup`` (Pss; USS = its
-Private_Clean + Private_Dirty), then stops it. Setups: ``tether sidecar`` (this checkout, capture on, as ``tether
-sidecar`` runs), ``before`` (the checkout in ``--before DIR``, ``git archive COMMIT | tar -x -C DIR``), ``bare
-mitmdump`` (``--set connection_strategy=lazy``, as bench_sidecar.py) and, per ``--env NAME=VALUE``, this checkout's
-sidecar with that variable set (to try allocator settings). Printed: median, min and max of each figure, the
-sidecar's ratio to mitmdump, and the load average at the start and the end.
+Private_Clean + Private_Dirty), then stops it. Setups: ``tether sidecar`` (this checkout, capture on, as
+``tether sidecar`` runs); ``before (DIR)`` for each ``--before DIR`` (a checkout of older code: ``git archive
+COMMIT | tar -x -C DIR``); ``bare mitmdump`` (``--set connection_strategy=lazy``, as bench_sidecar.py); and for
+each ``--env NAME=VALUE`` this checkout's sidecar with that variable set (to try allocator settings). Printed:
+median, min and max of each figure, the sidecar's ratio to mitmdump, and the load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--idle", type=float, default=3.0, help="seconds idle after ready before reading")
-    parser.add_argument("--before", metavar="DIR", help="also a sidecar running the code of the checkout in DIR")
+    parser.add_argument("--before", metavar="DIR", action="append", default=[],
+                        help="also a sidecar running the code of the checkout in DIR (repeatable: one setup each, "
+                        "named by DIR's last part)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="also this checkout's sidecar with NAME=VALUE in its environment")
     args = parser.parse_args()
@@ -93,8 +95,8 @@ def main() -> int:
                 starts[name] = start
 
             sidecar_setup(SIDECAR, None, {})
-            if args.before:
-                sidecar_setup("before", args.before, {})
+            for before in args.before:
+                sidecar_setup(f"before ({Path(before).name})", before, {})
             for spec in args.env:
                 key, _, value = spec.partition("=")
                 sidecar_setup(f"{SIDECAR}, {key}={value}", None, {key: value})
