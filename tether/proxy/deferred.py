@@ -2,8 +2,8 @@
 
 A module registered by ``defer`` is in ``sys.modules`` as a bare module (its spec, file and path set, its body not
 run); its body runs, once, at the first read of any attribute the bare module lacks, as ``import`` would have run
-it, so whatever uses it later gets the real module. Deferred (run from ``tether/proxy/__init__.py``, before any of
-mitmproxy is imported):
+it, so whatever uses it later gets the real module. Deferred (from ``tether/proxy/__init__.py``, before any of
+mitmproxy is imported; ``command_lexer`` from ``proxy/mitmaddons.py``, before ``mitmproxy.command``):
 
 - ``pyparsing`` (and through it ``unittest``, ``difflib``, ``pprint``): ``mitmproxy.command`` imports it and
   ``mitmproxy.command_lexer`` builds a grammar with it at import, for command strings typed at mitmproxy's console;
@@ -70,5 +70,6 @@ def defer(name: str, by_name: tuple[str, ...] = ()) -> None:
 
 
 defer("pyparsing")
-defer("mitmproxy.command_lexer", by_name=("quote", "unquote"))
 defer("ruamel.yaml")
+# mitmproxy.command_lexer is deferred by proxy/mitmaddons.py, before it imports mitmproxy.command: finding a
+# submodule imports its package, and importing tether.proxy must load no mitmproxy (tests/test_cli_errors.py).
