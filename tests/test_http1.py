@@ -102,7 +102,9 @@ async def test_answers_framed_every_way_read_whole_on_kept_alive_connections(ser
         assert unzipped.body == b"x" * 100_000
         empty = await client.request("POST", served.url + "/echo")
         assert json.loads(empty.body)["len"] == 0
-        assert len(served.peers) == 4 and len(set(served.peers)) == 1  # one connection, kept alive
+        head = await client.request("HEAD", served.url + "/echo")
+        assert head.status == 200 and head.body == b"" and int(head.headers["content-length"]) > 0
+        assert len(served.peers) == 5 and len(set(served.peers)) == 1  # one connection, kept alive
     finally:
         await client.close()
     assert client.closed and not client._open

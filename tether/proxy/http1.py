@@ -304,7 +304,7 @@ class Client:
                 conn, head = await self._start(method.upper(), url, headers or {}, body)
                 try:
                     answer = Response(head.status_code, _headers(head))
-                    answer.body = await _read_body(conn, answer, self.max_body, method.upper())
+                    answer.body = await _read_body(conn, answer, self.max_body)
                 except BaseException:
                     self._discard(conn)
                     raise
@@ -343,7 +343,7 @@ class Streamed:
     async def read(self) -> bytes:
         """The whole rest of the body (at most ``max_body`` bytes decoded)."""
         async with asyncio.timeout(self.read_timeout):
-            return await _read_body(self._conn, self.head, self.max_body, "GET")
+            return await _read_body(self._conn, self.head, self.max_body)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, decoded; a read that waits longer than ``read_timeout`` is a TimeoutError.
@@ -365,9 +365,8 @@ class Streamed:
                 raise ClientError("the connection closed in the middle of the answer")
 
 
-async def _read_body(conn: Connection, head: Response, limit: int, method: str) -> bytes:
-    if method == "HEAD":
-        return b""
+async def _read_body(conn: Connection, head: Response, limit: int) -> bytes:
+    """The rest of the answer, decoded (h11 knows the framing, a HEAD's or a 204's empty body included)."""
     decoder = Decoder(head.headers.get("content-encoding"), limit)
     pieces: list[bytes] = []
     while True:
