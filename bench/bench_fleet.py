@@ -158,7 +158,7 @@ def worker_main() -> None:
     import logging
 
     from tether.capability.chain import Verifier
-    from tether.proxy.approvals import on_approval
+    from tether.proxy.approvals import on_approval as decided  # a class body cannot read the function's own name
     from tether.proxy.channel import ControlChannel, sleep_backoff
     from tether.proxy.loops import ControlLoops
     from tether.proxy.state import SidecarState
@@ -170,7 +170,7 @@ def worker_main() -> None:
 
         apply_events = ControlLoops.apply_events
         on_event = ControlLoops.on_event
-        on_approval = on_approval
+        on_approval = decided
 
         def __init__(self, channel: ControlChannel, state: SidecarState) -> None:
             self.channel = channel

@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether.capability import keys
-from tether.capability.catalog import HttpMatch, parse_catalog
+from tether.capability.catalog import parse_catalog
 from tether.capability.chain import mint_root
 from tether.capability.errors import CatalogError
 from tether.capability.glob import MAX_GLOB, Budget, bound, compare, included, witness
+from tether.capability.kinds.http import HttpMatch
 from tether.cli.main import main
 from tether.controlplane import audit
 

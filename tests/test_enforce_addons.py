@@ -27,7 +27,7 @@ from tether.proxy.addons import Capture, Resolver, Tracker
 from tether.proxy.capture import CaptureWriter
 from tether.proxy.channel import ControlChannel
 from tether.proxy.enforce import Enforcer, Forwarder, Holds, Tunnels
-from tether.proxy.flowstate import state_of
+from tether.proxy.flowstate import link_call, state_of
 from tether.proxy.pipeline import Pipeline
 from tether.proxy.reporting import Reporter
 from tether.proxy.state import Call, CallTable, SidecarState
@@ -54,7 +54,7 @@ class Rig:
         verifier = Verifier(TRUST.public_key(), catalog_hash=CATALOG.hash)
         self.state = SidecarState(verifier.verify(wire, now=time.time()), verifier, lease_ttl_s=15.0)
         self.state.renewed(time.monotonic())
-        self.calls = CallTable()
+        self.calls = CallTable(link_call)
         self.spool = spool or tmp_path / "spool"
         self.reporter = Reporter(ControlChannel("http://127.0.0.1:9", "agent-1", "link", AGENT), self.spool)
         self.answer = answer
@@ -65,7 +65,7 @@ class Rig:
             Forwarder(self.state, None, self.reporter.start), *([capture] if capture else []), Resolver(self.resolve)])
 
     def track(self, call: Call, flow: http.HTTPFlow) -> None:
-        self.calls.start(call)
+        self.calls.start(call, flow)
 
     def resolve(self, call: Call, resolution: str, *, detail: str | None = None, **more: Any) -> None:
         self.calls.resolve(call.call_id, resolution, time.time(), detail=detail or call.detail, **more)

@@ -4,6 +4,7 @@ unchanged; what does not fit a field is refused naming it; the OpenAPI schema is
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given
@@ -14,7 +15,8 @@ from tether.capability.errors import ApiError
 from tether.controlplane import schemas
 
 MESSAGES = (protocol.Heartbeat, protocol.Lease, protocol.Quiesced, protocol.Register, protocol.Registered,
-            protocol.Events)
+            protocol.Events, protocol.ReportBatch, protocol.Accepted, protocol.SliceRequest, protocol.SliceLease,
+            protocol.SliceReturn, protocol.SlicesSettled, protocol.ApprovalRequest)
 text = st.text(max_size=30)
 num = st.floats(allow_nan=False, allow_infinity=False, width=32)
 calls = st.lists(st.dictionaries(st.sampled_from(["call_id", "url"]), text, max_size=2), max_size=3)
@@ -39,7 +41,35 @@ events_answers = st.builds(protocol.Events, events=calls, next=st.integers(-1, 1
                            command=st.none() | st.dictionaries(text, text, max_size=2), approvals=calls)
 
 
-@given(st.one_of(heartbeats, leases, acks, registrations, registereds, events_answers))
+tags = st.text(alphabet="abcdef0123456789", min_size=1, max_size=16)
+settlements = st.lists(st.builds(protocol.Settlement, slice=text, used=st.integers(0, 10**6)), max_size=3)
+report_batches = st.builds(protocol.ReportBatch, reports=calls, starts=calls)
+accepteds = st.builds(protocol.Accepted, accepted=st.integers(0, 10**6), duplicates=st.integers(0, 10**6))
+slice_requests = st.builds(protocol.SliceRequest, capability=text, want=st.integers(1, 10**6), slice=tags,
+                           seq=st.none() | st.integers(1, protocol.MAX_SLICE_SEQ), settle=settlements)
+refusals = st.builds(protocol.SliceRefusal, code=st.sampled_from(["tether.budget_exhausted", "tether.rate_limited"]),
+                     message=text, retry_after_s=st.none() | st.floats(0, 60), capability=st.none() | text,
+                     jti=st.none() | text)
+slice_leases = st.builds(protocol.SliceLease, slice=text, calls=st.integers(1, 500),
+                         window_ends_in=st.none() | st.floats(0, 60)) | st.builds(
+    protocol.SliceLease, slice=st.none(), calls=st.just(0), error=st.none() | refusals)
+slice_returns = st.builds(protocol.SliceReturn, slices=settlements)
+settleds = st.builds(protocol.SlicesSettled, settled=st.lists(st.builds(
+    protocol.Settled, slice=text, used=st.integers(0, 99), returned=st.integers(0, 99)), max_size=3))
+approval_requests = st.builds(protocol.ApprovalRequest, call_id=st.text(min_size=1, max_size=30),
+                              capability=st.none() | text, method=st.none() | text, url=st.none() | text,
+                              timeout_s=st.none() | st.floats(0, 86400), request=st.none() | st.dictionaries(
+                                  st.sampled_from(["method", "url", "body"]), text, max_size=3),
+                              call_hash=st.none() | text, summary=st.none() | text)
+decisions = st.builds(protocol.ApprovalDecision, id=st.text(min_size=1, max_size=30),
+                      status=st.sampled_from(["approved", "denied", "expired", "cancelled"]),
+                      call_hash=st.none() | text)
+fileds = st.builds(protocol.ApprovalFiled, id=st.text(min_size=1, max_size=30), status=st.none() | text,
+                   expires_at=st.none() | num)
+
+
+@given(st.one_of(heartbeats, leases, acks, registrations, registereds, events_answers, report_batches, accepteds,
+                 slice_requests, slice_leases, slice_returns, settleds, approval_requests, decisions, fileds))
 def test_what_one_side_writes_the_other_reads_back(message: protocol.Message) -> None:
     assert type(message).read(message.to_doc()) == message
 
@@ -82,7 +112,11 @@ def test_the_openapi_schema_is_the_declaration(message: type[protocol.Message]) 
     assert schema.get("required", []) == [n for n, s in message.specs() if s.required]
     served = {protocol.Heartbeat: schemas.HEARTBEAT_REQUEST, protocol.Lease: schemas.LEASE,
               protocol.Quiesced: schemas.QUIESCED_REQUEST, protocol.Register: schemas.REGISTER_REQUEST,
-              protocol.Registered: schemas.REGISTERED, protocol.Events: schemas.EVENTS}[message]
+              protocol.Registered: schemas.REGISTERED, protocol.Events: schemas.EVENTS,
+              protocol.ReportBatch: schemas.REPORTS_REQUEST, protocol.Accepted: schemas.ACCEPTED,
+              protocol.SliceRequest: schemas.SLICE_REQUEST, protocol.SliceLease: schemas.SLICE_LEASE,
+              protocol.SliceReturn: schemas.SLICE_RETURN, protocol.SlicesSettled: schemas.SLICES_SETTLED,
+              protocol.ApprovalRequest: schemas.APPROVAL_REQUEST}[message]
     assert list(served["properties"]) == names
 
 
@@ -91,6 +125,8 @@ def test_the_schema_states_every_bound_the_reader_enforces(message: type[protoco
     properties = message.schema()["properties"]
     smallest = {name: "x" if spec.kind == "string" else 1 if spec.kind in ("integer", "number") else []
                 for name, spec in message.specs() if spec.required}
+    if message is protocol.SliceLease:
+        smallest["calls"] = 0  # a slice of calls names its id: the smallest answer is no slice
     for name, spec in message.specs():
         if spec.kind == "string":
             assert properties[name]["maxLength"] == spec.max_len
@@ -188,3 +224,159 @@ def test_a_command_that_is_not_even_an_object_or_names_no_readable_termination_s
         command, problem = protocol.command_from(doc)
         assert problem and (command.mode, command.termination_id) == ("abort", None)
     assert protocol.command_from({})[0] == protocol.Command()  # nothing wrong: a drain with the defaults, as before
+
+
+# -- report batches, budget slices, approvals: the documents as the code before these messages wrote them --------
+def test_a_report_batch_from_spooled_lines_is_the_document_the_message_writes() -> None:
+    """The fast path (lines the spool already holds, joined) writes what ``to_doc()`` would, and reads back."""
+    reports = [{"call_id": "c1", "agent": "a", "resolution": "completed", "status": 200, "started_at": 1.5},
+               {"call_id": "c2", "agent": "a", "resolution": "refused", "code": "tether.capability_absent"}]
+    starts = [{"event": "start", "call_id": "c3", "agent": "a", "method": "GET", "url": "http://x/"}]
+    lines = [json.dumps(r, separators=(",", ":")) for r in reports]
+    begun = [json.dumps(r, separators=(",", ":")) for r in starts]
+    whole = protocol.ReportBatch(reports, starts)
+    assert protocol.ReportBatch.encoded(lines, begun) == json.dumps(whole.to_doc(), separators=(",", ":")).encode()
+    assert protocol.ReportBatch.read(json.loads(protocol.ReportBatch.encoded(lines, begun))) == whole
+    assert protocol.ReportBatch.read(json.loads(protocol.ReportBatch.encoded(lines))) == protocol.ReportBatch(reports)
+    # As the sidecar wrote it before the message (the same bytes): reports, and starts only when there are some.
+    assert protocol.ReportBatch.encoded(lines[:1]) == b'{"reports":[' + lines[0].encode() + b"]}"
+    assert protocol.ReportBatch.read({"reports": None}) == protocol.ReportBatch()
+
+
+# Literal documents, each as the code before these messages built it (tether/proxy/budget.py,
+# tether/controlplane/services/budgets.py, tether/proxy/approvals.py, tether/controlplane/services/approvals.py).
+OLD_SLICE_REQUEST = {"capability": "issues.read", "want": 4, "slice": "9f3c2a11d0e4b5a6", "seq": 3,
+                     "settle": [{"slice": "run-1/0a1b2c3d4e5f6071", "used": 2}]}
+OLD_SLICE_GRANTED = {"slice": "run-1/9f3c2a11d0e4b5a6", "calls": 4, "window_ends_in": None}
+OLD_SLICE_RATED = {"slice": "run-1/9f3c2a11d0e4b5a6", "calls": 4, "window_ends_in": 41.25}
+OLD_SLICE_SPENT = {"slice": None, "calls": 0, "error": {
+    "code": "tether.budget_exhausted", "message": "issues.read: root's calls=5 budget is spent (it is shared with "
+    "every delegate below it); ask its issuer for a new grant", "capability": "issues.read", "jti": "j-root"}}
+OLD_SLICE_RATE_LIMITED = {"slice": None, "calls": 0, "error": {
+    "code": "tether.rate_limited", "retry_after_s": 12.5, "message": "issues.read: root's per_minute=10 is used up "
+    "in this 60s window; retry in 12.5s", "capability": "issues.read", "jti": "j-root"}}
+OLD_SLICE_RETURN = {"slices": [{"slice": "run-1/9f3c2a11d0e4b5a6", "used": 1}]}
+OLD_SETTLED = {"settled": [{"slice": "run-1/9f3c2a11d0e4b5a6", "used": 1, "returned": 3}]}
+HELD = {"method": "POST", "url": "http://127.0.0.1:7101/tickets", "headers": [["content-type", "application/json"]],
+        "body": "{}", "body_encoding": "text", "body_size": 2, "body_truncated": False, "body_streamed": False,
+        "call_hash": "sha256:ab"}
+OLD_APPROVAL_REQUEST = {"call_id": "c-7", "capability": "tickets.write", "method": "POST",
+                        "url": "http://127.0.0.1:7101/tickets", "timeout_s": 300.0, "request": HELD,
+                        "call_hash": "sha256:ab"}
+OLD_APPROVAL = {"id": "apr-0123456789ab", "agent": "root", "link": "sha256:l", "run_id": "run-1", "call_id": "c-7",
+                "capability": "tickets.write", "method": "POST", "url": "http://127.0.0.1:7101/tickets",
+                "summary": "", "request": HELD, "call_hash": "sha256:ab", "chain": ["root"],
+                "deciders": ["approver", "admin"], "status": "pending", "requested_at": 10.0, "expires_at": 310.0,
+                "decided_at": None, "decided_by": None, "version": 1}
+
+
+def test_the_budget_documents_both_sides_wrote_before_are_read_and_written_the_same() -> None:
+    ask = protocol.SliceRequest.read(OLD_SLICE_REQUEST)
+    assert (ask.capability, ask.want, ask.slice, ask.seq) == ("issues.read", 4, "9f3c2a11d0e4b5a6", 3)
+    assert ask.settle == [protocol.Settlement("run-1/0a1b2c3d4e5f6071", 2)]
+    assert json.dumps(ask.to_doc()) == json.dumps(OLD_SLICE_REQUEST)  # same keys, same order, same bytes
+    older = protocol.SliceRequest.read({"capability": "c", "want": 1, "slice": "t", "settle": []})  # no seq yet
+    assert (older.seq, older.settle) == (None, [])
+    assert protocol.SliceRequest.read({"capability": "c", "slice": "t"}).want == 1  # want absent: one, as before
+    granted = protocol.SliceLease.read(OLD_SLICE_GRANTED)
+    assert (granted.slice, granted.calls, granted.window_ends_in, granted.error) == (
+        "run-1/9f3c2a11d0e4b5a6", 4, None, None)
+    assert protocol.SliceLease.read(OLD_SLICE_RATED).window_ends_in == 41.25
+    spent = protocol.SliceLease.read(OLD_SLICE_SPENT)
+    assert spent.calls == 0 and spent.error == protocol.SliceRefusal(
+        "tether.budget_exhausted", OLD_SLICE_SPENT["error"]["message"], None, "issues.read", "j-root")
+    limited = protocol.SliceLease.read(OLD_SLICE_RATE_LIMITED)
+    assert limited.error is not None and (limited.error.code, limited.error.retry_after_s) == (
+        "tether.rate_limited", 12.5)
+    # What the control plane writes now holds every field it wrote before, with the same values.
+    for old in (OLD_SLICE_GRANTED, OLD_SLICE_SPENT, OLD_SLICE_RATE_LIMITED):
+        new = protocol.SliceLease.read(old).to_doc()
+        assert {k: new[k] for k in old if k != "error"} == {k: v for k, v in old.items() if k != "error"}
+        if "error" in old:
+            assert {k: new["error"][k] for k in old["error"]} == old["error"]
+    back = protocol.SliceReturn.read(OLD_SLICE_RETURN)
+    assert back.slices == [protocol.Settlement("run-1/9f3c2a11d0e4b5a6", 1)]
+    assert json.dumps(back.to_doc()) == json.dumps(OLD_SLICE_RETURN)
+    settled = protocol.SlicesSettled.read(OLD_SETTLED)
+    assert settled.settled == [protocol.Settled("run-1/9f3c2a11d0e4b5a6", 1, 3)]
+    assert settled.to_doc() == OLD_SETTLED
+
+
+def test_the_approval_documents_both_sides_wrote_before_are_read_and_written_the_same() -> None:
+    ask = protocol.ApprovalRequest.read(OLD_APPROVAL_REQUEST)
+    assert (ask.call_id, ask.timeout_s, ask.request, ask.call_hash, ask.summary) == (
+        "c-7", 300.0, HELD, "sha256:ab", None)
+    assert json.dumps(ask.to_doc()) == json.dumps(OLD_APPROVAL_REQUEST)  # summary unset: left out, as before
+    filed = protocol.ApprovalFiled.read(OLD_APPROVAL)  # the answer is the approval, whole: its id is what counts
+    assert (filed.id, filed.status, filed.expires_at) == ("apr-0123456789ab", "pending", 310.0)
+    decided = {**OLD_APPROVAL, "status": "approved", "decided_at": 20.0, "decided_by": "alice"}
+    assert protocol.decision_from(decided) == (protocol.ApprovalDecision("apr-0123456789ab", "approved",
+                                                                         "sha256:ab"), None)
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    ({"slice": "t"}, "capability"), ({"capability": "c"}, "slice"), ({"capability": 5, "slice": "t"}, "capability"),
+    ({"capability": "c", "slice": "t", "want": 0}, "want"), ({"capability": "c", "slice": "t", "want": "2"}, "want"),
+    ({"capability": "c", "slice": "t", "want": 1.5}, "want"), ({"capability": "c", "slice": ""}, "slice"),
+    ({"capability": "c", "slice": "a/b"}, "slice"), ({"capability": "c", "slice": "x" * 65}, "slice"),
+    ({"capability": "c", "slice": "t", "seq": 0}, "seq"), ({"capability": "c", "slice": "t", "seq": 10**12}, "seq"),
+    ({"capability": "c", "slice": "t", "seq": True}, "seq"),
+    ({"capability": "c", "slice": "t", "settle": {}}, "settle"),
+    ({"capability": "c", "slice": "t", "settle": [{"slice": "s", "used": -1}]}, "settle"),
+    ({"capability": "c", "slice": "t", "settle": [{"slice": "s", "used": "1"}]}, "settle"),
+    ({"capability": "c", "slice": "t", "settle": [{"used": 1}]}, "settle"),
+    ({"capability": "c", "slice": "t", "settle": [1]}, "settle"),
+])
+def test_a_slice_request_that_does_not_fit_is_refused_by_name(doc: dict, field: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        protocol.SliceRequest.read(doc)
+    assert (refused.value.http_status, refused.value.code, refused.value.details["field"]) == (
+        400, "tether.bad_request", field)
+    assert "(the slice request)" in refused.value.message or "the slice request needs" in refused.value.message
+
+
+def test_a_nested_refusal_says_where_inside_the_field() -> None:
+    with pytest.raises(ApiError) as refused:
+        protocol.SliceReturn.read({"slices": [{"slice": "r/a", "used": 1}, {"slice": "r/b", "used": "x"}]})
+    assert refused.value.details["field"] == "slices"
+    assert refused.value.message.startswith("'slices[1]': 'used' must be an integer, not a string")
+
+
+@pytest.mark.parametrize("doc", [
+    [], {"calls": "4", "slice": "r/t"}, {"calls": 4}, {"calls": -1}, {"slice": "r/t"}, {"calls": 4, "slice": 7},
+    {"calls": 0, "error": {"message": "no code"}}, {"calls": 0, "error": "spent"},
+    {"calls": 4, "slice": "r/t", "window_ends_in": "soon"}, {"calls": 0, "error": {"code": "x", "retry_after_s": -1}},
+])
+def test_a_slice_answer_that_cannot_be_read_is_refused(doc: object) -> None:
+    with pytest.raises(ApiError) as refused:
+        protocol.SliceLease.read(doc)  # type: ignore[arg-type]
+    assert refused.value.code == "tether.bad_request"
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    ({}, "call_id"), ({"call_id": ""}, "call_id"), ({"call_id": 5}, "call_id"), ({"call_id": "x" * 201}, "call_id"),
+    ({"call_id": "c", "timeout_s": None}, "timeout_s"), ({"call_id": "c", "timeout_s": -1}, "timeout_s"),
+    ({"call_id": "c", "request": []}, "request"), ({"call_id": "c", "method": "x" * 33}, "method"),
+    ({"call_id": "c", "summary": None}, "summary"), ({"call_id": "c", "url": ["u"]}, "url"),
+])
+def test_an_approval_request_that_does_not_fit_is_refused_by_name(doc: dict, field: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        protocol.ApprovalRequest.read(doc)
+    assert (refused.value.code, refused.value.details["field"]) == ("tether.bad_request", field)
+
+
+@pytest.mark.parametrize("doc", [{"id": "apr-1", "status": 3}, {"id": "apr-1", "call_hash": ["h"]},
+                                 {"id": "apr-1", "status": "x" * 33}])
+def test_a_decision_that_cannot_be_read_denies_the_approval_it_names(doc: dict) -> None:
+    decision, problem = protocol.decision_from(doc)
+    assert problem and decision == protocol.ApprovalDecision("apr-1", "denied", None)
+
+
+@pytest.mark.parametrize("doc", [None, [], "approved", {}, {"id": 5, "status": "approved"}, {"id": ""}])
+def test_a_decision_naming_no_approval_is_dropped(doc: object) -> None:
+    decision, problem = protocol.decision_from(doc)
+    assert decision is None and problem
+
+
+def test_a_decision_without_a_status_is_a_denial_as_before() -> None:
+    assert protocol.decision_from({"id": "apr-1"}) == (protocol.ApprovalDecision("apr-1", "denied", None), None)

@@ -134,6 +134,18 @@ def test_a_call_resolves_once() -> None:
     assert table.counts == {**dict.fromkeys(RESOLUTIONS, 0), "completed": 1}
 
 
+def test_the_table_alone_links_a_call_and_its_flow_both_ways() -> None:
+    """``CallTable.start`` gives the flow its call (``link``, ``flowstate.link_call`` in the sidecar) as it files
+    the flow under the call; a call on no flow links nothing; the resolution unlinks the table's side."""
+    flows: dict[str, Call] = {}
+    table: CallTable[str] = CallTable(lambda flow, c: flows.__setitem__(flow, c))
+    on_flow = table.start(call("c1"), "flow-1")
+    table.start(call("c2"))
+    assert flows == {"flow-1": on_flow} and table.flow_of("c1") == "flow-1" and table.flow_of("c2") is None
+    table.resolve("c1", "completed", T0 + 1)
+    assert table.flow_of("c1") is None and flows["flow-1"] is on_flow  # the flow's hooks still find their call
+
+
 def test_every_resolution_is_counted_and_no_other_is_taken() -> None:
     table = CallTable()
     for index, resolution in enumerate(RESOLUTIONS):

@@ -13,32 +13,21 @@ import re
 import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from .budget import TIERS, GrantError, read_grant
 from .credentials import PLAIN_HTTP_LOOPBACK, Credential, Route, is_loopback, parse_credentials
 from .errors import CatalogError, UnknownCapability
-from .glob import MAX_GLOB, admits, included
 from .jsonpieces import canonical_json
 
 if TYPE_CHECKING:
-    from .kinds import CapabilityKind
+    from .kinds import CapabilityKind, KindIndex
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
-_METHOD = re.compile(r"^[A-Z]{1,16}$")
-_HOST = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$|^\[[0-9a-f:.]+\]$")
 _TOP_KEYS = {"capabilities", "roles", "version", "credentials"}
 _CAP_FIELDS = {"description", "credential"}  # beside the one match, under its kind's key (capability/kinds/)
-_HTTP_KEYS = {"host", "port", "scheme", "methods", "path", "websocket"}
-HTTP_SCHEMES = ("http", "https")
-# An ``mcp`` match names its server and exactly one item: a tool, a resource (a URI glob or URI template), a
-# prompt, or one piece of plumbing a server offers beyond its items (``true``: the whole of it).
-MCP_ITEMS = ("tool", "resource", "prompt")
-MCP_PLUMBING = ("logging", "completion", "subscriptions")
-MCP_KINDS = MCP_ITEMS + MCP_PLUMBING
-_MCP_KEYS = {"url", *MCP_KINDS}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _TEMPLATE_EXPR = re.compile(r"\{[^{}]*\}")
 MAX_URI = 8192  # the longest resource URI matched; a longer one is refused
@@ -81,14 +70,6 @@ def host_key(host: str) -> str:
         except ValueError:
             return host  # not an address: it matches no catalog host
     return host
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        ipaddress.IPv6Address(text)
-    except ValueError:
-        return False
-    return True
 
 
 def normalize_url(url: str) -> str:
@@ -153,34 +134,6 @@ def safe_path(path: str) -> str | None:
     return path
 
 
-@dataclass(frozen=True)
-class HttpMatch:
-    host: str
-    methods: tuple[str, ...]
-    path: str
-    port: int | None = None
-    websocket: bool = False  # a GET here may upgrade to a websocket (the connection is then the call)
-    scheme: str | None = None  # "https" or "http": required where a credential is injected (see Capability.route)
-
-    def matches(self, host: str, port: int, method: str, path: str) -> bool:
-        return (
-            host == self.host
-            and (self.port is None or port == self.port)
-            and method in self.methods
-            and admits(self.path, path)  # greedy, linear per segment: a regex backtracks exponentially
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"host": self.host, "methods": list(self.methods), "path": self.path}
-        if self.port is not None:
-            d["port"] = self.port
-        if self.websocket:  # only when set: a catalog without websockets keeps its hash
-            d["websocket"] = True
-        if self.scheme is not None:  # likewise
-            d["scheme"] = self.scheme
-        return d
-
-
 def resource_glob(pattern: str) -> str:
     """A resource pattern or a URI template as a glob: every ``{expression}`` (RFC 6570) becomes ``*``.
 
@@ -207,40 +160,22 @@ def safe_uri(uri: str) -> bool:
 
 
 @dataclass(frozen=True)
-class McpMatch:
-    """One item of one MCP server: ``kind`` is one of ``MCP_KINDS``; ``name`` the tool's or prompt's name, the
-    resource's URI glob or template, and empty for plumbing."""
-
-    url: str
-    kind: str = "tool"
-    name: str = ""
-
-    @property
-    def server(self) -> str:
-        return normalize_url(self.url)
-
-    @property
-    def tool(self) -> str | None:
-        """The tool's name for a tool capability (the spelling every catalog had before the other kinds)."""
-        return self.name if self.kind == "tool" else None
-
-    @property
-    def glob(self) -> str | None:
-        """For a resource: the glob its URI pattern admits (see ``resource_glob``)."""
-        return resource_glob(self.name) if self.kind == "resource" else None
-
-    def to_dict(self) -> dict[str, Any]:
-        # A tool keeps the shape (and so the catalog hash) it always had.
-        return {"url": self.url, self.kind: self.name if self.kind in MCP_ITEMS else True}
-
-
-@dataclass(frozen=True)
 class Capability:
+    """One catalog capability: its match (``match``) of one kind (``kind``, a name in ``capability/kinds/``'s
+    registry). ``cap.http`` / ``cap.mcp`` (any registered kind's name) read the match when it is of that kind
+    and None otherwise: the fields a capability had when each kind was a field of its own."""
+
     name: str
-    http: HttpMatch | None = None
-    mcp: McpMatch | None = None
+    kind: str
+    match: Any
     description: str = ""
     credential: str | None = None  # what the sidecar injects for it (a name in the catalog's credentials)
+
+    def __getattr__(self, attribute: str) -> Any:
+        # Called only for what is not a field: a kind's name is the alias of the match of that kind.
+        if attribute.startswith("_") or attribute not in _kind_registry():
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
+        return self.match if self.kind == attribute else None
 
     @cached_property
     def route(self) -> Route | None:
@@ -258,91 +193,6 @@ def url_route(url: str) -> Route:
     return Route(scheme, host_key(parts.hostname or ""), parts.port or _default_port(scheme))
 
 
-def _first_segment(path: str) -> str:
-    """The first segment of a path that starts with ``/``: ``"repos"`` for ``/repos/o/r``, ``""`` for ``/``."""
-    end = path.find("/", 1)
-    return path[1:] if end < 0 else path[1:end]
-
-
-def _glob_segment(glob: str) -> str | None:
-    """The first segment every path this glob matches must have, or None when a ``*`` reaches into it.
-
-    A glob whose first segment is literal either goes on with ``/`` (so every match starts ``/seg/``) or
-    ends there with no ``*`` at all (so the only match is ``/seg``): either way the match's first segment
-    is ``seg``. That is what makes bucketing by first segment give the same answers as trying every glob.
-    """
-    segment = _first_segment(glob)
-    return None if "*" in segment else segment
-
-
-class _Index:
-    """Where a catalog's capabilities live, worked out once when the catalog is built.
-
-    HTTP capabilities are bucketed by (host, method, first path segment of the glob); a glob whose first
-    segment holds a ``*`` goes in the host and method's ``None`` bucket, tried for every path. A request
-    then tries only the globs of its own host and method whose literal start could fit its path, so the
-    cost of matching does not grow with the capabilities of other hosts or other paths. Every entry keeps
-    its place in the catalog so answers come back in catalog order, as the linear scan gave them.
-    """
-
-    __slots__ = ("any_port_hosts", "host_ports", "http", "mcp_caps", "mcp_credentials", "mcp_items",
-                 "mcp_resources", "mcp_servers")
-
-    def __init__(self, capabilities: Mapping[str, Capability]) -> None:
-        # (host, method, segment or None) -> entries (catalog position, port or None, path glob, name)
-        http: dict[tuple[str, str, str | None], list[tuple[int, int | None, str, str]]] = {}
-        any_port_hosts: set[str] = set()  # knows_host: a host any port of which some capability names
-        host_ports: set[tuple[str, int]] = set()  # ... and the (host, port) pairs ports narrow to
-        # normalized server -> kind -> name -> capability names (tools, prompts; plumbing under the name "")
-        mcp_items: dict[str, dict[str, dict[str, list[str]]]] = {}
-        mcp_resources: dict[str, list[tuple[str, str]]] = {}  # normalized server -> (URI glob, name), in order
-        mcp_caps: dict[str, list[str]] = {}  # normalized server -> every capability on it
-        mcp_credentials: dict[str, str] = {}  # normalized server -> the first credential named for it
-        for position, cap in enumerate(capabilities.values()):
-            if cap.http is not None:
-                h = cap.http
-                entry = (position, h.port, h.path, cap.name)
-                segment = _glob_segment(h.path)
-                for method in dict.fromkeys(h.methods):  # a method listed twice still matches once
-                    http.setdefault((h.host, method, segment), []).append(entry)
-                if h.port is None:
-                    any_port_hosts.add(h.host)
-                else:
-                    host_ports.add((h.host, h.port))
-            if cap.mcp is not None:
-                m = cap.mcp
-                server = m.server
-                kinds = mcp_items.setdefault(server, {})
-                if m.kind == "resource":
-                    mcp_resources.setdefault(server, []).append((resource_glob(m.name), cap.name))
-                else:
-                    kinds.setdefault(m.kind, {}).setdefault(m.name, []).append(cap.name)
-                mcp_caps.setdefault(server, []).append(cap.name)
-                if cap.credential:
-                    mcp_credentials.setdefault(server, cap.credential)
-                parts = urlsplit(server)
-                host_ports.add((host_key(parts.hostname or ""), parts.port))  # normalized: port explicit
-        self.http = {key: tuple(entries) for key, entries in http.items()}
-        self.any_port_hosts = frozenset(any_port_hosts)
-        self.host_ports = frozenset(host_ports)
-        self.mcp_servers = frozenset(mcp_items)
-        self.mcp_items = mcp_items
-        self.mcp_resources = {server: tuple(entries) for server, entries in mcp_resources.items()}
-        self.mcp_caps = {server: tuple(names) for server, names in mcp_caps.items()}
-        self.mcp_credentials = mcp_credentials
-
-    def match_http(self, host: str, port: int, method: str, path: str) -> tuple[str, ...]:
-        """``host``, ``method`` and ``path`` as the catalog compares them (host_key, upper case, safe_path)."""
-        literal = self.http.get((host, method, _first_segment(path)), ())
-        starred = self.http.get((host, method, None), ())
-        found = [(position, name) for entries in (literal, starred)
-                 for position, cap_port, glob, name in entries
-                 if (cap_port is None or cap_port == port) and admits(glob, path)]
-        if literal and starred:
-            found.sort()  # two buckets: back to catalog order
-        return tuple(name for _, name in found)
-
-
 @dataclass(frozen=True)
 class Catalog:
     capabilities: Mapping[str, Capability]
@@ -350,13 +200,25 @@ class Catalog:
     hash: str
     source: str = "<catalog>"
     credentials: Mapping[str, Credential] = field(default_factory=dict)
-    # Matching is pure, and the catalog never changes: remember answers (bounded; cleared when full).
-    # The memo still pays on top of the index: a miss runs safe_path, which costs more than the lookup.
-    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _index: _Index = field(init=False, repr=False, compare=False)
+    # Each registered kind's index over this catalog's capabilities of that kind (capability/kinds/), by the
+    # kind's name, and the destinations all of them reach: worked out once, when the catalog is built.
+    indexes: Mapping[str, KindIndex] = field(init=False, repr=False, compare=False)
+    _any_port_hosts: frozenset[str] = field(init=False, repr=False, compare=False)
+    _host_ports: frozenset[tuple[str, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_index", _Index(self.capabilities))
+        entries: dict[str, list[tuple[int, Capability]]] = {name: [] for name in _kind_registry()}
+        for position, cap in enumerate(self.capabilities.values()):
+            entries.setdefault(cap.kind, []).append((position, cap))
+        indexes = {name: kind.index(entries[name]) for name, kind in _kind_registry().items()}
+        object.__setattr__(self, "indexes", indexes)
+        object.__setattr__(self, "_any_port_hosts", frozenset().union(*(i.any_port_hosts for i in indexes.values())))
+        object.__setattr__(self, "_host_ports", frozenset().union(*(i.host_ports for i in indexes.values())))
+
+    def index(self, kind: str) -> Any:
+        """The index the kind named ``kind`` built over this catalog (its matching queries), or None for a kind
+        registered after the catalog was built."""
+        return self.indexes.get(kind)
 
     # -- queries ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -371,74 +233,48 @@ class Catalog:
                 capability=unknown[0],
             )
 
+    # -- aliases: the queries of the shipped kinds' indexes, under the names callers have used -------------
     def match_http(self, host: str, port: int, method: str, path: str) -> list[str]:
         """Every HTTP capability that this request falls under, in catalog order (often one)."""
-        key = (host, port, method, path)
-        cached = self._memo.get(key)
-        if cached is None:
-            cached = self._match_http(host, port, method, path)
-            if len(self._memo) >= 8192:
-                self._memo.clear()
-            self._memo[key] = cached
-        return list(cached)
-
-    def _match_http(self, host: str, port: int, method: str, path: str) -> tuple[str, ...]:
-        clean = safe_path(path)
-        if clean is None:
-            return ()
-        return self._index.match_http(host_key(host), port, method.upper(), clean)
+        return self.indexes[_HTTP].match(host, port, method, path)
 
     def mcp_server(self, url: str) -> str | None:
         """The normalized endpoint when ``url`` is one of the catalog's MCP servers."""
-        key = ("mcp", url)
-        if key not in self._memo:
-            if len(self._memo) >= 8192:
-                self._memo.clear()
-            self._memo[key] = self._mcp_server(url)
-        return self._memo[key]
-
-    def _mcp_server(self, url: str) -> str | None:
-        normalized = normalize_url(url)
-        return normalized if normalized in self._index.mcp_servers else None
+        return self.indexes[_MCP].server(url)
 
     def match_mcp(self, server: str, tool: str) -> list[str]:
-        return self.match_mcp_item(server, "tool", tool)
+        return self.indexes[_MCP].item(server, "tool", tool)
 
     def mcp_tools(self, server: str) -> dict[str, list[str]]:
         """tool name -> capability names, for one MCP server."""
-        return self.mcp_named(server, "tool")
+        return self.indexes[_MCP].named(server, "tool")
 
     def mcp_named(self, server: str, kind: str) -> dict[str, list[str]]:
-        """name -> capability names for one server's tools or prompts (plumbing: the name ``""``)."""
-        return {name: list(caps) for name, caps in self._index.mcp_items.get(server, {}).get(kind, {}).items()}
+        return self.indexes[_MCP].named(server, kind)
 
     def match_mcp_item(self, server: str, kind: str, name: str = "") -> list[str]:
-        """The capabilities naming this tool, prompt or piece of plumbing (``name`` empty) on that server."""
-        return list(self._index.mcp_items.get(server, {}).get(kind, {}).get(name, ()))
+        return self.indexes[_MCP].item(server, kind, name)
 
     def match_resource(self, server: str, uri: str) -> list[str]:
-        """The resource capabilities of that server whose URI glob admits ``uri`` (none for an unsafe URI)."""
-        if not safe_uri(uri):
-            return []
-        return [name for glob, name in self._index.mcp_resources.get(server, ()) if admits(glob, uri)]
+        return self.indexes[_MCP].resource(server, uri)
 
     def match_resource_template(self, server: str, template: str) -> list[str]:
-        """The resource capabilities of that server that admit every URI the URI template can expand to."""
-        if not safe_uri(template):
-            return []
-        wanted = resource_glob(template)
-        if len(wanted) > MAX_GLOB:
-            return []
-        return [name for glob, name in self._index.mcp_resources.get(server, ()) if included(wanted, glob)]
+        return self.indexes[_MCP].resource_template(server, template)
 
     def mcp_capabilities(self, server: str) -> list[str]:
-        """Every capability of one MCP server, whatever item it names."""
-        return list(self._index.mcp_caps.get(server, ()))
+        return self.indexes[_MCP].capabilities(server)
 
+    def mcp_credential(self, server: str) -> Credential | None:
+        """The credential an MCP server gets on every request (plumbing included); one per server (parsing
+        refuses a catalog whose tools on one server name different ones)."""
+        name = self.indexes[_MCP].credential(server)
+        return self.credentials[name] if name is not None else None
+
+    # -- every kind ----------------------------------------------------------------------------------------
     def knows_host(self, host: str, port: int) -> bool:
         """True when some capability could be reached at host:port (used to refuse CONNECTs early)."""
         host = host_key(host)
-        return host in self._index.any_port_hosts or (host, port) in self._index.host_ports
+        return host in self._any_port_hosts or (host, port) in self._host_ports
 
     def credential_of(self, capability: str) -> Credential | None:
         cap = self.capabilities.get(capability)
@@ -447,12 +283,6 @@ class Catalog:
     def route_of(self, capability: str) -> Route | None:
         cap = self.capabilities.get(capability)
         return cap.route if cap is not None else None
-
-    def mcp_credential(self, server: str) -> Credential | None:
-        """The credential an MCP server gets on every request (plumbing included); one per server (parsing
-        refuses a catalog whose tools on one server name different ones)."""
-        name = self._index.mcp_credentials.get(server)
-        return self.credentials[name] if name is not None else None
 
     def role(self, name: str) -> dict[str, Any]:
         if name not in self.roles:
@@ -480,8 +310,17 @@ class Catalog:
 
 
 # -- parsing ----------------------------------------------------------------------------------------
-def _fail(source: str, where: str, message: str) -> CatalogError:
+def fail(source: str, where: str, message: str) -> CatalogError:
+    """The error for a catalog entry that does not fit, naming the file, the capability and the field."""
     return CatalogError(f"{source}: {where}: {message}", source=source, where=where)
+
+
+_fail = fail
+
+
+def check_keys(source: str, where: str, value: Any, allowed: set[str], required: set[str]) -> dict:
+    """``value`` as a mapping with only ``allowed`` keys and every ``required`` one (CatalogError otherwise)."""
+    return _check_keys(source, where, value, allowed, required)
 
 
 def _check_keys(source: str, where: str, value: Any, allowed: set[str], required: set[str]) -> dict:
@@ -494,79 +333,6 @@ def _check_keys(source: str, where: str, value: Any, allowed: set[str], required
     if missing:
         raise _fail(source, where, f"missing required key {missing[0]!r}")
     return value
-
-
-def parse_http(source: str, where: str, raw: Any) -> HttpMatch:
-    """An ``http`` match (``capability/kinds/http.py`` reads a catalog entry with it)."""
-    raw = _check_keys(source, where, raw, _HTTP_KEYS, {"host", "methods", "path"})
-    host = raw["host"]
-    if not isinstance(host, str) or not _HOST.fullmatch(host.lower()) or (
-            host.startswith("[") and not _is_ipv6(host[1:-1])):
-        raise _fail(source, f"{where}.host", f"not a host name: {host!r}")
-    port = raw.get("port")
-    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
-        raise _fail(source, f"{where}.port", f"not a TCP port: {port!r}")
-    methods = raw["methods"]
-    if not isinstance(methods, list) or not methods:
-        raise _fail(source, f"{where}.methods", "expected a non-empty list of HTTP methods")
-    for m in methods:
-        if not isinstance(m, str) or not _METHOD.fullmatch(m):
-            raise _fail(source, f"{where}.methods", f"not an upper-case HTTP method: {m!r}")
-    path = raw["path"]
-    if not isinstance(path, str) or not path.startswith("/") or "?" in path:
-        raise _fail(source, f"{where}.path", f"expected a path glob starting with '/', got {path!r}")
-    if len(path) > MAX_GLOB:
-        raise _fail(source, f"{where}.path", f"a path glob of {len(path)} characters (at most {MAX_GLOB})")
-    scheme = raw.get("scheme")
-    if scheme is not None and scheme not in HTTP_SCHEMES:
-        raise _fail(source, f"{where}.scheme", f"expected https or http, got {scheme!r}")
-    websocket = raw.get("websocket", False)
-    if not isinstance(websocket, bool):
-        raise _fail(source, f"{where}.websocket", f"expected true or false, got {websocket!r}")
-    if websocket and "GET" not in methods:
-        raise _fail(source, f"{where}.websocket", "a websocket opens with a GET: add GET to methods")
-    return HttpMatch(host=host_key(host), methods=tuple(methods), path=path, port=port, websocket=websocket,
-                     scheme=scheme)
-
-
-def parse_mcp(source: str, where: str, raw: Any) -> McpMatch:
-    """An ``mcp`` match (``capability/kinds/mcp.py`` reads a catalog entry with it)."""
-    raw = _check_keys(source, where, raw, _MCP_KEYS, {"url"})
-    url = raw["url"]
-    if not isinstance(url, str):
-        raise _fail(source, f"{where}.url", f"expected an http(s) URL, got {url!r}")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 -- raises ValueError on a port that is not 0-65535
-    except ValueError as exc:
-        raise _fail(source, f"{where}.url", f"not a valid URL ({exc}): {url!r}") from None
-    if parts.scheme == STDIO_SCHEME:
-        if not stdio_name_ok(parts.netloc) or parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise _fail(source, f"{where}.url", f"a stdio server is named stdio://NAME, NAME one lower-case DNS "
-                        f"label (letters, digits, '-'), with nothing after it; got {url!r}")
-    elif parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
-        raise _fail(source, f"{where}.url", f"expected an http(s) URL without a query, or stdio://NAME, got {url!r}")
-    kinds = [k for k in MCP_KINDS if k in raw]
-    if len(kinds) != 1:
-        raise _fail(source, where, f"needs exactly one item: one of {', '.join(MCP_KINDS)}"
-                    + (f" (got {', '.join(kinds)})" if kinds else ""))
-    kind = kinds[0]
-    value = raw[kind]
-    if kind in MCP_PLUMBING:
-        if value is not True:
-            raise _fail(source, f"{where}.{kind}", f"expected true (the server's {kind}), got {value!r}")
-        return McpMatch(url=url, kind=kind)
-    if not isinstance(value, str) or not value:
-        raise _fail(source, f"{where}.{kind}", f"expected a {kind} name, got {value!r}")
-    if kind == "resource":
-        if len(value) > MAX_GLOB:
-            raise _fail(source, f"{where}.resource", f"a resource pattern of {len(value)} characters "
-                        f"(at most {MAX_GLOB})")
-        if not safe_uri(value):
-            raise _fail(source, f"{where}.resource", "expected a URI with a scheme (a glob with '*' or a URI "
-                        "template with {expressions}), without dot segments, encoded slashes, backslashes, "
-                        f"control characters, a fragment or unbalanced braces: {value!r}")
-    return McpMatch(url=url, kind=kind, name=value)
 
 
 def _check_route(source: str, cap: Capability, credential: Credential) -> None:
@@ -646,18 +412,9 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
                         f"(known: {', '.join(sorted(credentials)) or 'none'})")
         kind = kinds_by_key[kinds[0]]
         match = kind.parse(source, f"{where}.{kind.name}", spec[kind.name])
-        caps[name] = Capability(name, **{kind.name: match}, description=description, credential=credential)
-    servers: dict[str, str | None] = {}
-    for cap in caps.values():  # an MCP session is one stream of requests: one credential per server
-        if cap.mcp is not None:
-            seen = servers.setdefault(cap.mcp.server, cap.credential)
-            if cap.credential and stdio_server_name(urlsplit(cap.mcp.server).hostname or ""):
-                raise _fail(source, f"capability {cap.name!r}.credential", f"the stdio server {cap.mcp.url} is "
-                            "reached only through its own bridge: it takes no credential (give the server its "
-                            "secrets in its own environment)")
-            if seen != cap.credential:
-                raise _fail(source, f"capability {cap.name!r}.credential", f"every item of the MCP server "
-                            f"{cap.mcp.url} must name the same credential ({seen!r} and {cap.credential!r})")
+        caps[name] = Capability(name, kind.name, match, description=description, credential=credential)
+    for kind in kinds_by_key.values():  # what must hold across a kind's capabilities (one credential per server)
+        kind.check(source, [cap for cap in caps.values() if cap.kind == kind.name])
     for cap in caps.values():
         if cap.credential:
             _check_route(source, cap, credentials[cap.credential])
@@ -685,10 +442,14 @@ def catalog_from(raw: Any, source: str = "<catalog>") -> Catalog:
 # The registry of capability kinds (capability/kinds/) is imported when a catalog is read or written, not when
 # this module loads: each kind's module builds on this one (its match class, its parser), so this module can
 # reach them only once it is whole.
-def _kind_registry() -> Mapping[str, CapabilityKind]:
+@cache
+def _kind_registry() -> Mapping[str, CapabilityKind]:  # the registry itself, which ``kinds.register`` adds to
     from .kinds import KINDS
 
     return KINDS
+
+
+_HTTP, _MCP = "http", "mcp"  # the shipped kinds whose queries the aliases above name (kinds/http.py, kinds/mcp.py)
 
 
 def _kind_of(cap: Capability) -> tuple[CapabilityKind, Any]:

@@ -1,6 +1,6 @@
 """The catalog's path-glob language: matching a path, and inclusion between two globs, in polynomial time.
 
-The language (see ``catalog.HttpMatch``): ``*`` matches any run of characters, ``/`` included; every other
+The language (see ``kinds/http.py``'s ``HttpMatch``): ``*`` matches any run of characters, ``/`` included; every other
 character is literal. ``admits(glob, path)`` is the matcher the sidecar runs. ``included(new, old)`` answers
 whether every string ``new`` admits is also admitted by ``old``; ``witness(new, old)`` gives a string ``new``
 admits and ``old`` refuses (a shortest one, unless the search's budget ran out) or None when there is none.

@@ -13,8 +13,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .catalog import MCP_ITEMS, MCP_KINDS, MCP_PLUMBING, normalize_url, resource_glob
+from .catalog import normalize_url, resource_glob
 from .glob import Budget, GlobTooLong, compare
+
+# An ``mcp`` match names its server and exactly one item: a tool, a resource (a URI glob or URI template), a
+# prompt, or one piece of plumbing a server offers beyond its items (``true``: the whole of it).
+MCP_ITEMS = ("tool", "resource", "prompt")
+MCP_PLUMBING = ("logging", "completion", "subscriptions")
+MCP_KINDS = MCP_ITEMS + MCP_PLUMBING
 
 # Kinds of widening, as ``audit diff --json`` names them (mcp_url_changed and mcp_tool_changed as before).
 MCP_URL, MCP_TOOL = "mcp_url_changed", "mcp_tool_changed"

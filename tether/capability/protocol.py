@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 from .errors import BAD_REQUEST, ApiError
+from .events import DENIED
 
 # -- paths and headers ------------------------------------------------------------------------------------------
 REGISTER = "/v1/chains/register"
@@ -28,6 +29,8 @@ EVENTS = "/v1/events"
 EVENTS_STREAM = "/v1/events/stream"
 REPORTS = "/v1/reports"
 APPROVALS = "/v1/approvals"
+SLICES = "/v1/budgets/slices"
+SLICES_RETURN = "/v1/budgets/slices/return"
 
 PROOF_HEADER = "Tether-Proof"  # a sidecar run's signature over the request (tether/capability/proof.py)
 ERROR_HEADER = "Tether-Error"  # the code of every refusal, beside the JSON body (contract section 5)
@@ -56,6 +59,10 @@ class Wire:
     max_len: int = 4096
     minimum: float | None = None
     max_items: int = 100_000
+    min_len: int = 0  # a string's shortest (1: not empty)
+    maximum: float | None = None
+    nullable: bool = True  # False: null is refused, and an unset field is left out of the document
+    item: Any = None  # a Message class: the object (kind "object") or each object (kind "objects") read as one
 
 
 def wire(kind: str, default: Any = None, doc: str = "", **spec: Any) -> Any:
@@ -92,50 +99,71 @@ def finite_number(value: Any) -> bool:
         return False
 
 
+def _wrong(name: str, kind: str, value: Any, where: str) -> ApiError:
+    return _bad(f"'{name}' must be {KINDS[kind]}, not {kind_of(value)} ({where})", name)
+
+
 def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
     """The value as the field promises it, or a refusal naming the field (in the words the control plane's
     body reader uses for every other route). Absent and null read as absent."""
-    kind = spec.kind
-    wrong = _bad(f"'{name}' must be {KINDS[kind]}, not {kind_of(value)} ({where})", name)
+    kind = spec.kind  # the refusal's words are made only when one is raised: a batch of reports is read per request
     if kind == "string":
         if not isinstance(value, str):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         if len(value) > spec.max_len:
             raise _bad(f"'{name}' is longer than {spec.max_len} characters ({where})", name)
+        if len(value) < spec.min_len:
+            raise _bad(f"'{name}' must not be empty ({where})" if spec.min_len == 1 else
+                       f"'{name}' is shorter than {spec.min_len} characters ({where})", name)
     elif kind == "integer":
         if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     elif kind == "number":
         if not finite_number(value):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         value = float(value)
     elif kind == "boolean":
         if not isinstance(value, bool):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     elif kind == "object":
         if not isinstance(value, dict):
-            raise wrong
+            raise _wrong(name, kind, value, where)
+        if spec.item is not None:
+            return _nested(spec.item, value, name, name, where)
     elif kind == "numbers":
         if not isinstance(value, dict) or not all(finite_number(v) for v in value.values()):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     elif kind == "chain":  # read as the one spelling the verifier takes: the links joined by commas
         if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
             return ",".join(value)
         if not isinstance(value, str):
-            raise wrong
+            raise _wrong(name, kind, value, where)
     else:  # objects, strings
         item = dict if kind == "objects" else str
         if not isinstance(value, list):
-            raise wrong
+            raise _wrong(name, kind, value, where)
         for index, v in enumerate(value):
             if not isinstance(v, item):
                 what = "an object" if item is dict else "a string"
                 raise _bad(f"'{name}[{index}]' must be {what}, not {kind_of(v)} ({where})", name)
         if len(value) > spec.max_items:
             raise _bad(f"'{name}' holds more than {spec.max_items} items ({where})", name)
+        if spec.item is not None:
+            return [_nested(spec.item, v, f"{name}[{index}]", name, where) for index, v in enumerate(value)]
     if spec.minimum is not None and kind in ("integer", "number") and value < spec.minimum:
         raise _bad(f"'{name}' must be at least {spec.minimum:g} ({where})", name)
+    if spec.maximum is not None and kind in ("integer", "number") and value > spec.maximum:
+        raise _bad(f"'{name}' must be at most {spec.maximum:g} ({where})", name)
     return value
+
+
+def _nested(item: type[Message], value: dict[str, Any], path: str, name: str, where: str) -> Message:
+    """An object inside a message read as its own message; a refusal names the outer field (``settle``) and
+    says where inside it (``'settle[2]': 'used' must be an integer...``)."""
+    try:
+        return item.read(value)
+    except ApiError as exc:
+        raise _bad(f"'{path}': {exc.message} ({where})", name) from None
 
 
 _SCHEMA = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean", "object": "object",
@@ -147,11 +175,17 @@ def _field_schema(spec: Wire) -> dict[str, Any]:
         return {"oneOf": [{"type": "string", "description": "the links, root first, joined by commas"},
                           {"type": "array", "items": {"type": "string"}, "minItems": 1}],
                 **({"description": spec.doc} if spec.doc else {})}
-    schema: dict[str, Any] = {"type": [_SCHEMA[spec.kind], "null"] if not spec.required else _SCHEMA[spec.kind]}
+    if spec.kind == "object" and spec.item is not None:
+        nested = {**spec.item.schema(), **({"description": spec.doc} if spec.doc else {})}
+        return nested if spec.required or not spec.nullable else {"anyOf": [nested, {"type": "null"}]}
+    strict = spec.required or not spec.nullable
+    schema: dict[str, Any] = {"type": _SCHEMA[spec.kind] if strict else [_SCHEMA[spec.kind], "null"]}
     if spec.kind == "string":  # every bound the reader enforces is stated, the defaults included
         schema["maxLength"] = spec.max_len
+        if spec.min_len:
+            schema["minLength"] = spec.min_len
     if spec.kind == "objects":
-        schema["items"] = {"type": "object"}
+        schema["items"] = spec.item.schema() if spec.item is not None else {"type": "object"}
     elif spec.kind == "strings":
         schema["items"] = {"type": "string"}
     if spec.kind in ("objects", "strings"):
@@ -160,9 +194,14 @@ def _field_schema(spec: Wire) -> dict[str, Any]:
         schema["additionalProperties"] = {"type": "number"}
     if spec.minimum is not None:
         schema["minimum"] = spec.minimum
+    if spec.maximum is not None:
+        schema["maximum"] = spec.maximum
     if spec.doc:
         schema["description"] = spec.doc
     return schema
+
+
+_SPECS: dict[type, list[tuple[str, Wire]]] = {}
 
 
 class Message:
@@ -173,7 +212,10 @@ class Message:
 
     @classmethod
     def specs(cls) -> list[tuple[str, Wire]]:
-        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        specs = _SPECS.get(cls)
+        if specs is None:  # once per class: the declaration does not change
+            specs = _SPECS[cls] = [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        return specs
 
     @classmethod
     def read(cls, doc: Mapping[str, Any]) -> Self:
@@ -187,13 +229,24 @@ class Message:
             if value is None:
                 if spec.required:
                     raise _bad(f"{cls.WHAT} needs '{name}'", name)
+                if not spec.nullable and name in doc:
+                    raise _bad(f"'{name}' must be {KINDS[spec.kind]}, not null ({cls.WHAT})", name)
                 continue
             values[name] = _check(name, spec, value, cls.WHAT)
         return cls(**values)
 
     def to_doc(self) -> dict[str, Any]:
-        """The document to send: every field, null included (a reader reads null as absent)."""
-        return {name: getattr(self, name) for name, _ in self.specs()}
+        """The document to send: every field, null included (a reader reads null as absent), but for a field
+        that may not be null, left out when unset; a nested message as its own document."""
+        doc: dict[str, Any] = {}
+        for name, spec in self.specs():
+            value = getattr(self, name)
+            if value is None and not spec.nullable:
+                continue
+            if spec.item is not None and value is not None:
+                value = value.to_doc() if spec.kind == "object" else [v.to_doc() for v in value]
+            doc[name] = value
+        return doc
 
     @classmethod
     def schema(cls) -> dict[str, Any]:
@@ -364,3 +417,174 @@ def command_from(doc: Any) -> tuple[Command, str | None]:
         tid = doc.get("termination_id") if isinstance(doc, Mapping) else None
         return Command(termination_id=tid if isinstance(tid, str) and len(tid) <= 128 else None, mode="abort"), \
             exc.message
+
+
+# -- call reports ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReportBatch(Message):
+    """A run delivers call reports (``POST REPORTS``): final reports, and the write-ahead starts of calls still in
+    flight. Each item is a call report (``tether/capability/report.py``'s ``CallReport``, read by
+    ``read_final``/``read_start`` on the control plane, where one that does not fit refuses the whole batch).
+
+    The hot path: the sidecar's spool holds each report as its JSON line, so :meth:`encoded` writes the
+    document ``to_doc()`` would, from those lines, decoding and encoding nothing; the control plane reads the
+    batch with :meth:`read` (a list check per field) and each report once, as a ``CallReport``'s document."""
+
+    WHAT: ClassVar[str] = "the report batch"
+    reports: list[dict[str, Any]] = wire("objects", [], "final call reports")
+    starts: list[dict[str, Any]] = wire("objects", [], "write-ahead starts of calls in flight (no resolution)")
+
+    @staticmethod
+    def encoded(reports: Sequence[str], starts: Sequence[str] = ()) -> bytes:
+        """The batch's document from reports already encoded as JSON (the spool's lines): ``starts`` is left out
+        when there are none, which reads as the empty list."""
+        more = f',"starts":[{",".join(starts)}]' if starts else ""
+        return f'{{"reports":[{",".join(reports)}]{more}}}'.encode()
+
+
+@dataclass(frozen=True)
+class Accepted(Message):
+    """The control plane's answer to a report batch: reports stored for the first time, and repeats dropped."""
+
+    WHAT: ClassVar[str] = "the report batch's answer"
+    accepted: int = wire("integer", 0, "reports stored for the first time", required=True, minimum=0)
+    duplicates: int = wire("integer", 0, "reports of calls already reported (dropped)", required=True, minimum=0)
+
+
+# -- budget slices --------------------------------------------------------------------------------------------
+MAX_SLICE_SEQ = 10**12 - 1  # a slice's request number survives Redis's Lua JSON (14 significant digits) exactly
+
+
+@dataclass(frozen=True)
+class Settlement(Message):
+    """What one slice used, sent to settle it (the rest goes back to every counter it was taken from)."""
+
+    WHAT: ClassVar[str] = "a slice settlement"
+    slice: str = wire("string", required=True, max_len=200, doc="the slice's id, as its lease named it")
+    used: int = wire("integer", required=True, minimum=0, doc="calls of the slice the run forwarded")
+
+
+@dataclass(frozen=True)
+class SliceRequest(Message):
+    """A run leases a slice of a capability's calls budget (``POST SLICES``), settling used-up slices with it."""
+
+    WHAT: ClassVar[str] = "the slice request"
+    capability: str = wire("string", required=True, doc="the budgeted capability")
+    want: int = wire("integer", 1, "calls wanted (the control plane may give fewer)", minimum=1)
+    slice: str = wire("string", required=True, max_len=64, min_len=1,
+                      doc="the run's tag for the slice (no '/'): a retry takes nothing twice")
+    seq: int | None = wire("integer", None, "the run's number for this request, 1 up (a heartbeat names the last)",
+                           minimum=1, maximum=MAX_SLICE_SEQ)
+    settle: list[Settlement] = wire("objects", [], "used-up slices to settle first", item=Settlement)
+
+    def __post_init__(self) -> None:
+        if "/" in self.slice:
+            raise _bad(f"'slice' is the run's tag for the slice, with no '/' ({self.WHAT})", "slice")
+
+
+@dataclass(frozen=True)
+class SliceRefusal(Message):
+    """Why no slice was leased: the refusal the run gives its calls of the capability until it asks again."""
+
+    WHAT: ClassVar[str] = "the slice refusal"
+    code: str = wire("string", required=True, max_len=64, doc="tether.budget_exhausted or tether.rate_limited")
+    message: str = wire("string", "", "what is spent, and by whom", max_len=64 * 1024)
+    retry_after_s: float | None = wire("number", None, "a rate window: when the next one opens", minimum=0)
+    capability: str | None = wire("string", None)
+    jti: str | None = wire("string", None, "the link whose budget is spent", max_len=200)
+
+
+@dataclass(frozen=True)
+class SliceLease(Message):
+    """The control plane's answer to a slice request: the slice (its id and calls, and for a rate budget how
+    long its window lasts), or no slice (``calls`` 0) and why."""
+
+    WHAT: ClassVar[str] = "the slice answer"
+    slice: str | None = wire("string", None, "the slice's id (the run's id, '/', its tag)", max_len=200)
+    calls: int = wire("integer", 0, "calls leased (0: none, see error)", required=True, minimum=0)
+    window_ends_in: float | None = wire("number", None, "a rate budget's slice: seconds its window has left",
+                                        minimum=0)
+    error: SliceRefusal | None = wire("object", None, "why no slice was leased", item=SliceRefusal)
+
+    def __post_init__(self) -> None:
+        if self.calls and self.slice is None:
+            raise _bad(f"a slice of {self.calls} calls needs 'slice' ({self.WHAT})", "slice")
+
+
+@dataclass(frozen=True)
+class SliceReturn(Message):
+    """A run settles slices without taking one (``POST SLICES_RETURN``): on a stop, a drain, or the flush."""
+
+    WHAT: ClassVar[str] = "the slice return"
+    slices: list[Settlement] = wire("objects", [], "the slices to settle", required=True, item=Settlement)
+
+
+@dataclass(frozen=True)
+class Settled(Message):
+    """One slice settled: what it used, and what went back to its budget."""
+
+    WHAT: ClassVar[str] = "a settled slice"
+    slice: str = wire("string", required=True, max_len=200)
+    used: int = wire("integer", required=True, minimum=0)
+    returned: int = wire("integer", required=True, minimum=0)
+
+
+@dataclass(frozen=True)
+class SlicesSettled(Message):
+    """The control plane's answer to a slice return: each slice it settled now (one settled before is left out)."""
+
+    WHAT: ClassVar[str] = "the slice return's answer"
+    settled: list[Settled] = wire("objects", [], "the slices settled by this request", required=True, item=Settled)
+
+
+# -- approvals ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ApprovalRequest(Message):
+    """A run files a call it holds for a person's decision (``POST APPROVALS``). ``request`` is the held call,
+    whole (redacted as captures are); the control plane keeps it only whole (its rules: the approvals route)."""
+
+    WHAT: ClassVar[str] = "the approval request"
+    call_id: str = wire("string", required=True, max_len=200, min_len=1)
+    capability: str | None = wire("string", None, max_len=200)
+    method: str | None = wire("string", None, max_len=32)
+    url: str | None = wire("string", None, max_len=8192)
+    timeout_s: float | None = wire("number", None, "how long the run holds the call (capped at a day)", minimum=0,
+                                   nullable=False)
+    request: dict[str, Any] | None = wire("object", None, "the held call as the approver sees it")
+    call_hash: str | None = wire("string", None, "the held call's hash (as in request)", max_len=200)
+    summary: str | None = wire("string", None, "a line for the approver (cut to 500 characters)",
+                               max_len=64 * 1024, nullable=False)
+
+
+@dataclass(frozen=True)
+class ApprovalFiled(Message):
+    """What a run reads of the control plane's answer to an approval request (the approval, whole): its id,
+    which the decision will name."""
+
+    WHAT: ClassVar[str] = "the approval request's answer"
+    id: str = wire("string", required=True, max_len=200, min_len=1, doc="the approval's id")
+    status: str | None = wire("string", None, "pending", max_len=32)
+    expires_at: float | None = wire("number", None, "when the approval lapses, on the control plane's clock")
+
+
+@dataclass(frozen=True)
+class ApprovalDecision(Message):
+    """What a run reads of a decided approval (an approval event's payload, or one of a resync's approvals):
+    which approval, its status (approved, denied, expired, cancelled), and the call hash it approved."""
+
+    WHAT: ClassVar[str] = "the approval decision"
+    id: str = wire("string", required=True, max_len=200, min_len=1)
+    status: str = wire("string", DENIED, "approved, denied, expired or cancelled (absent: denied)", max_len=32)
+    call_hash: str | None = wire("string", None, "the hash of the call that was shown and approved", max_len=200)
+
+
+def decision_from(doc: Any) -> tuple[ApprovalDecision | None, str | None]:
+    """The decision a run applies, and why it could not be read (None when it could). One that cannot be read
+    is a denial of the approval it names, if it names one (fail closed: the held call is refused); one naming
+    no approval is none of the run's calls' and is dropped."""
+    try:
+        return ApprovalDecision.read(doc), None
+    except ApiError as exc:
+        aid = doc.get("id") if isinstance(doc, Mapping) else None
+        named = isinstance(aid, str) and 0 < len(aid) <= 200
+        return (ApprovalDecision(aid, DENIED) if named else None), exc.message

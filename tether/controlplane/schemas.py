@@ -118,7 +118,8 @@ FINAL_CALL: Schema = {**CALL, "required": ["call_id", "resolution"], "properties
 START: Schema = {**CALL, "properties": {**CALL["properties"], "resolution": {"type": "null"}},
                  "description": "A call's write-ahead start (capability.report.read_start): no resolution yet"}
 HEARTBEAT_REQUEST = protocol.Heartbeat.schema()  # declared once, with the message both sides use
-REPORTS_REQUEST = obj({"reports": nullable(array(FINAL_CALL)), "starts": nullable(array(START))})
+REPORTS_REQUEST = protocol.ReportBatch.schema()  # declared once, with the message; each item a call report
+REPORTS_REQUEST["properties"].update(reports=nullable(array(FINAL_CALL)), starts=nullable(array(START)))
 HELD_REQUEST: Schema = obj({
     "method": {"type": "string", "maxLength": 32},
     "url": {"type": "string", "maxLength": 65536},
@@ -134,16 +135,8 @@ HELD_REQUEST: Schema = obj({
     "call_hash": nullable({"type": "string", "maxLength": 80}),
 }, description="The held call as the approver sees it, whole (redacted by the sidecar as captures are); a body "
    f"past {APPROVAL_BODY_LIMIT} bytes is refused, never cut")
-APPROVAL_REQUEST = obj({
-    "call_id": {"type": "string", "minLength": 1, "maxLength": 200},
-    "capability": nullable({"type": "string", "maxLength": 200}),
-    "method": nullable({"type": "string", "maxLength": 32}),
-    "url": nullable({"type": "string", "maxLength": 8192}),
-    "summary": nullable(STR),
-    "timeout_s": {"type": "number", "minimum": 0, "description": "capped at a day"},
-    "request": nullable(HELD_REQUEST),
-    "call_hash": nullable(STR),
-}, "call_id")
+APPROVAL_REQUEST = protocol.ApprovalRequest.schema()  # declared once, with the message; the held call named here
+APPROVAL_REQUEST["properties"].update(request=nullable(HELD_REQUEST))
 QUIESCED_REQUEST = protocol.Quiesced.schema()
 QUIESCED_REQUEST["properties"].update(reports=nullable(array(FINAL_CALL)), starts=nullable(array(START)))
 APPROVE_REQUEST = obj({"call_hash": nullable({"type": "string", "maxLength": 200,
@@ -221,8 +214,11 @@ APPROVAL_SUMMARY = obj({
 EVENTS = protocol.Events.schema()  # declared once, with the message both sides use; the items named here
 EVENTS["properties"].update(events=array(ref("Event")), approvals=nullable(array(ref("Approval"))))
 LEASE = protocol.Lease.schema()
-ACCEPTED = obj({"accepted": {"type": "integer", "minimum": 0}, "duplicates": {"type": "integer", "minimum": 0}},
-               "accepted", "duplicates")
+ACCEPTED = protocol.Accepted.schema()
+SLICE_REQUEST = protocol.SliceRequest.schema()  # the budget slices' messages, declared once (protocol.py)
+SLICE_LEASE = protocol.SliceLease.schema()
+SLICE_RETURN = protocol.SliceReturn.schema()
+SLICES_SETTLED = protocol.SlicesSettled.schema()
 REPORTS = array(ref("Call"))
 APPROVALS = array(ref("Approval"))
 ENTRY = obj({"tier": TIER, "wire": ANY_OBJ, "budget": nullable(ANY_OBJ)}, "tier")

@@ -45,8 +45,7 @@ class Tracker:
         host = f"[{req.host}]" if ":" in req.host else req.host  # an IPv6 literal, bracketed as in a URL
         call = Call(call_id=str(uuid.uuid4()), agent=self.agent, method=req.method,
                     url=f"{req.scheme}://{host}:{req.port}{req.path.split('?', 1)[0]}", started_at=time.time())
-        state_of(flow).call = call
-        self.track(call, flow)
+        self.track(call, flow)  # the in-flight table links the call and the flow, both ways
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         state = state_of(flow)

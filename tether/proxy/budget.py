@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tether.capability import errors as codes
+from tether.capability import protocol
 from tether.capability.budget import next_want
 from tether.capability.errors import ApiError
 
@@ -157,12 +158,12 @@ class Budgets:
             self.asked += 1  # numbered and named as asked in one step: a beat built from here on lists it
             self.asking.add(tag)
             batch = self._settlements()
-            body: dict[str, Any] = {"capability": pool.capability, "want": pool.want, "slice": tag,
-                                    "seq": self.asked, "settle": self._items(batch)}
+            ask = protocol.SliceRequest(pool.capability, pool.want, tag, self.asked, self._items(batch))
             sent = time.monotonic()  # a window's end is counted from here: never later than the control plane's
             try:
                 self.requests += 1
-                answer = await self.channel.call("POST", "/v1/budgets/slices", body, timeout=5.0)
+                answer = read_answer(protocol.SliceLease, await self.channel.call(
+                    "POST", protocol.SLICES, ask.to_doc(), timeout=5.0))
             except ApiError as exc:
                 accounted = True
                 self._unanswered(batch, exc)
@@ -171,20 +172,18 @@ class Budgets:
                 return
             accounted = True
             self._acknowledged(batch)
-            if not answer.get("calls"):
-                error = answer.get("error") or {}
-                code = error.get("code") if error.get("code") in (codes.RATE_LIMITED, codes.BUDGET_EXHAUSTED) \
+            if not answer.calls or answer.slice is None:
+                error = answer.error or protocol.SliceRefusal(codes.BUDGET_EXHAUSTED)
+                code = error.code if error.code in (codes.RATE_LIMITED, codes.BUDGET_EXHAUSTED) \
                     else codes.BUDGET_EXHAUSTED
-                refusal = Refusal(code, error.get("message") or f"{pool.capability}: budget spent",
-                                  jti=error.get("jti"))
-                wait = float(error.get("retry_after_s") or 0) if code == codes.RATE_LIMITED else 0.0
+                refusal = Refusal(code, error.message or f"{pool.capability}: budget spent", jti=error.jti)
+                wait = (error.retry_after_s or 0.0) if code == codes.RATE_LIMITED else 0.0
                 self._refused(pool, refusal, max(REFUSAL_MEMORY_S, min(wait, 5.0)))
                 return
             now = time.monotonic()
-            ends = answer.get("window_ends_in")
-            size = int(answer["calls"])
-            pool.slices.append(Slice(answer["slice"], tag, size, None if ends is None else sent + float(ends)))
-            pool.last_size, pool.started_at, pool.refusal = size, now, None
+            ends = answer.window_ends_in
+            pool.slices.append(Slice(answer.slice, tag, answer.calls, None if ends is None else sent + ends))
+            pool.last_size, pool.started_at, pool.refusal = answer.calls, now, None
         finally:
             self.asking.discard(tag)  # held now, or given up on: an answer after this is never spent
             if not accounted:  # cancelled on its way: sent again with the next one
@@ -208,8 +207,8 @@ class Budgets:
         return batch
 
     @staticmethod
-    def _items(batch: list[Slice]) -> list[dict[str, Any]]:
-        return [{"slice": s.id, "used": s.spent} for s in batch]
+    def _items(batch: list[Slice]) -> list[protocol.Settlement]:
+        return [protocol.Settlement(s.id, s.spent) for s in batch]
 
     def _acknowledged(self, batch: list[Slice]) -> None:
         for s in batch:
@@ -265,17 +264,17 @@ class Budgets:
         batch = self._settlements()
         answer = await self._settle(batch)
         if answer is not None:
-            returned = sum(s["returned"] for s in answer.get("settled", []))
+            returned = sum(s.returned for s in answer.settled)
             log.info("returned %d unused call(s) of %d budget slice(s)", returned, len(batch))
 
-    async def _settle(self, batch: list[Slice]) -> Any:
+    async def _settle(self, batch: list[Slice]) -> protocol.SlicesSettled | None:
         """Send a batch of settlements; the answer, or None when there was nothing to send."""
         if not batch:
             return None
         self.requests += 1
         try:
-            answer = await self.channel.call("POST", "/v1/budgets/slices/return", {"slices": self._items(batch)},
-                                             timeout=5.0)
+            answer = read_answer(protocol.SlicesSettled, await self.channel.call(
+                "POST", protocol.SLICES_RETURN, protocol.SliceReturn(self._items(batch)).to_doc(), timeout=5.0))
         except ApiError as exc:
             self._unanswered(batch, exc)
             raise
@@ -294,3 +293,14 @@ class Budgets:
                 await self.flush()
             except ApiError as exc:
                 log.info("could not settle budget slices yet: %s", exc.message)
+
+
+def read_answer[M: protocol.Message](message: type[M], doc: Any) -> M:
+    """The control plane's answer as its message. One that cannot be read counts as no answer (503, as an
+    unreachable control plane): no slice is spent from it (its tag is given up on, so the sweep returns it), and
+    the settlements it carried are sent again (settling is idempotent)."""
+    try:
+        return message.read(doc)
+    except ApiError as exc:
+        raise ApiError(503, codes.CONTROLPLANE_UNREACHABLE, f"{message.WHAT} from the control plane: {exc.message}") \
+            from None

@@ -114,9 +114,8 @@ class ControlChannel:
 
     async def reports(self, lines: list[str], starts: Sequence[str] = ()) -> Any:
         """Deliver reports (and the starts of calls in flight) given as their JSON encodings (the spool's
-        lines): nothing is encoded twice."""
-        more = f',"starts":[{",".join(starts)}]' if starts else ""
-        return await self.call("POST", protocol.REPORTS, encoded=f'{{"reports":[{",".join(lines)}]{more}}}'.encode())
+        lines, written as ``protocol.ReportBatch`` by its fast path): nothing is encoded twice."""
+        return await self.call("POST", protocol.REPORTS, encoded=protocol.ReportBatch.encoded(lines, starts))
 
     async def ask_approval(self, doc: dict[str, Any]) -> Any:
         return await self.call("POST", protocol.APPROVALS, doc)

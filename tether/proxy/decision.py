@@ -8,6 +8,11 @@ for the report and for the error body. ``decide_tunnel`` answers for a CONNECT, 
 call once the person's decision (or its absence) is known.
 
 The facts come from the edge (tether/proxy/enforce.py reads them off a mitmproxy flow); the time comes in with them.
+
+What a request matched is each capability kind's to say: ``decide`` checks the request line, then asks each kind's
+decider in ``DECIDERS`` in turn (``tether/proxy/deciders/``: ``mcp``, then ``http``); the first that claims the
+request answers for it. A request no kind claims is refused here (``tether.capability_absent`` on a host the
+catalog knows, ``tether.unknown_destination`` elsewhere). This module names no kind.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, unquote_to_bytes
 
 from tether.capability import errors as codes
@@ -24,7 +30,8 @@ from tether.capability.catalog import Catalog
 from tether.capability.errors import TetherError
 from tether.capability.events import APPROVED, CANCELLED, DENIED
 
-from . import mcp
+if TYPE_CHECKING:
+    from . import mcp
 
 HTTP_STATUS = {
     codes.CAPABILITY_ABSENT: 403,
@@ -74,7 +81,7 @@ METHOD_PARAMS = frozenset({"_method", "__method", "_httpmethod", "x-http-method-
 # whatever their code point.
 FOLDING_CHARS = frozenset("\u2215\u2044\u29f8\u29f9\u29f5\u2216\ufe68\u3002\uff61\ufe52\u2024\u0338\u2afd"
                           "\u2571\u2572\u27cb\u27cd\u1735")
-_METHOD = re.compile(r"[A-Z]{1,16}")
+METHOD = re.compile(r"[A-Z]{1,16}")
 _RANK = {"direct": 0, "approval": 1}
 
 
@@ -163,6 +170,33 @@ class Refused(Answer):
 
 
 Decision = Allow | Hold | ReadBody | Refused
+# A kind's decider: its answer for a request it claims (one its capabilities could grant), None for any other.
+Decider = Callable[[Catalog, "ChainState", Facts], "Decision | None"]
+# (kind name, decider), tried in order; filled with the shipped kinds' deciders on first use (they import this
+# module for its vocabulary, so it cannot import them as it loads).
+DECIDERS: list[tuple[str, Decider]] = []
+
+
+def register(kind: str, decider: Decider) -> None:
+    """Add a kind's decider, tried before the shipped ones (a kind claims its own requests before ``http`` claims
+    whatever its capabilities match). A kind already registered is refused."""
+    deciders = _deciders()
+    if any(name == kind for name, _ in deciders):
+        raise ValueError(f"a decider for the kind {kind!r} is already registered")
+    deciders.insert(0, (kind, decider))
+
+
+def unregister(kind: str) -> None:
+    """Take a kind's decider out again (a test that registered one of its own)."""
+    DECIDERS[:] = [(name, decider) for name, decider in _deciders() if name != kind]
+
+
+def _deciders() -> list[tuple[str, Decider]]:
+    if not DECIDERS:
+        from .deciders import SHIPPED
+
+        DECIDERS.extend(SHIPPED)
+    return DECIDERS
 
 
 def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
@@ -170,25 +204,14 @@ def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
     refusal = _request_line(facts)
     if refusal is not None:
         return Refused(refusal=refusal)
-    server = catalog.mcp_server(facts.url)
-    if server is not None and facts.method == "POST":
-        if facts.body is None:
-            return ReadBody(server=server)
-        return _decide_rpc(catalog, chain, facts, server)
-    names = catalog.match_http(facts.host, facts.port, facts.method, facts.path)
-    capability, tier = _best(chain, names) if names else (None, None)
-    websocket_ok = capability is not None and _websocket_capability(catalog, capability)
-    refusal = _state_and_headers(chain, facts, websocket_ok=websocket_ok and server is None)
-    if refusal is None and server is not None:
-        return _decide_stream(catalog, chain, facts, server, capability, tier)
-    if refusal is None and not names:
-        refusal = (Refusal(codes.CAPABILITY_ABSENT, f"no capability covers {facts.method} {facts.path} on {facts.host}")
-                   if catalog.knows_host(facts.host, facts.port) else _unknown(facts.host, facts.port))
-    if refusal is None and tier == "absent":
-        refusal = Refusal(codes.CAPABILITY_ABSENT, f"{capability} is not granted to {chain.agent}")
-    if refusal is not None:
-        return Refused(refusal=refusal, capability=capability, tier=tier, server=server)
-    return (Hold if tier == "approval" else Allow)(capability=capability, tier=tier)
+    for _, decider in DECIDERS or _deciders():
+        answer = decider(catalog, chain, facts)
+        if answer is not None:
+            return answer
+    refusal = state_and_headers(chain, facts) or (
+        Refusal(codes.CAPABILITY_ABSENT, f"no capability covers {facts.method} {facts.path} on {facts.host}")
+        if catalog.knows_host(facts.host, facts.port) else _unknown(facts.host, facts.port))
+    return Refused(refusal=refusal)
 
 
 def decide_tunnel(catalog: Catalog, chain: ChainState, host: str, port: int, now: float,
@@ -217,7 +240,8 @@ def _unknown(host: str, port: int) -> Refusal:
     return Refusal(codes.UNKNOWN_DESTINATION, f"{host}:{port} is not a destination in the capability catalog")
 
 
-def _best(chain: ChainState, names: list[str]) -> tuple[str, str]:
+def best(chain: ChainState, names: list[str]) -> tuple[str, str]:
+    """Of the capabilities a request falls under, the one granted at the best tier, and that tier."""
     ranked = sorted(names, key=lambda n: _RANK.get(chain.tier(n), 2))
     return ranked[0], chain.tier(ranked[0])
 
@@ -230,7 +254,7 @@ def _request_line(facts: Facts) -> Refusal | None:
     if "#" in facts.path:
         return Refusal(codes.CAPABILITY_ABSENT, "a request target never carries a fragment ('#'); servers "
                        "disagree on what follows it, so it is not forwarded", reason="request_target")
-    if not _METHOD.fullmatch(facts.sent_method):
+    if not METHOD.fullmatch(facts.sent_method):
         # Methods are case-sensitive (RFC 9110): "get" is not GET, though some servers treat it as GET, and
         # the catalog matched the upper-cased name.
         return Refusal(codes.CAPABILITY_ABSENT, f"the method {facts.sent_method[:32]!r} is not an upper-case HTTP "
@@ -307,19 +331,6 @@ def body_override(content_type: str | None, body: bytes) -> tuple[str, str] | No
     return None
 
 
-def override_refusal(catalog: Catalog, facts: Facts, capability: str | None,
-                     override: tuple[str, str]) -> Refusal | None:
-    """A body's method override passes only when the capability the call matched grants that method on that path
-    too (then the server does what the capability allows, at its tier and budget); otherwise refused."""
-    name, method = override
-    if capability is not None and _METHOD.fullmatch(method) and capability in catalog.match_http(
-            facts.host, facts.port, method, facts.path):
-        return None
-    return Refusal(codes.CAPABILITY_ABSENT, f"the body field {name!r} asks the server to use the method "
-                   f"{method[:16]!r}, which {capability or 'no capability'} does not grant on this path; remove it",
-                   reason="method_override_body")
-
-
 def _folding_char(path: str) -> str | None:
     """A character of ``FOLDING_CHARS`` or of category Cf in the path, at any depth of percent-encoding."""
     text = path.split("?", 1)[0]
@@ -334,12 +345,7 @@ def _folding_char(path: str) -> str | None:
     return None
 
 
-def _websocket_capability(catalog: Catalog, name: str) -> bool:
-    cap = catalog.capabilities.get(name)
-    return cap is not None and cap.http is not None and cap.http.websocket
-
-
-def _state_and_headers(chain: ChainState, facts: Facts, *, websocket_ok: bool = False) -> Refusal | None:
+def state_and_headers(chain: ChainState, facts: Facts, *, websocket_ok: bool = False) -> Refusal | None:
     """May anything leave now, and do the headers say what the connection does?"""
     refusal = chain.refusal(facts.now, facts.now_mono)
     if refusal is not None:
@@ -366,142 +372,4 @@ def _state_and_headers(chain: ChainState, facts: Facts, *, websocket_ok: bool = 
         if name.strip("[]").lower().rstrip(".") != facts.host.lower().rstrip(".") or not same_port:
             return Refusal(codes.UNKNOWN_DESTINATION,
                            f"Host header {host_header!r} does not name the destination {facts.host}:{facts.port}")
-    return None
-
-
-def _plumbing(catalog: Catalog, chain: ChainState, server: str) -> Refusal | None:
-    """Session plumbing needs some item (a tool, resource, prompt or piece of plumbing) granted on that server."""
-    if any(chain.tier(c) != "absent" for c in catalog.mcp_capabilities(server)):
-        return None
-    return Refusal(codes.CAPABILITY_ABSENT, f"nothing on {server} is granted to {chain.agent}")
-
-
-@dataclass(slots=True)
-class _Need:
-    """One item a message needs: the capabilities that could grant it, what to call it in a refusal, and
-    whether the message uses it (held at approval tier, one unit of its budget) or only needs it to exist
-    (the end of a subscription, the prompt or resource a completion is about)."""
-
-    names: list[str]
-    label: str
-    uses: bool = True
-    fallback: str | None = None  # the capability a report names when the catalog has none for it
-
-
-def _needs(catalog: Catalog, server: str, message: mcp.Message) -> list[_Need] | None:
-    """What one message needs granted, or None when it is not an item's method (plumbing, or unknown)."""
-    method = message.method
-    if method == "tools/call":
-        return [_Need(catalog.match_mcp_item(server, "tool", message.tool or ""), f"tool {message.tool!r}",
-                      fallback=f"mcp:{message.tool}")]
-    if method == "prompts/get":
-        return [_Need(catalog.match_mcp_item(server, "prompt", message.prompt or ""), f"prompt {message.prompt!r}")]
-    if method == "resources/read":
-        return [_Need(catalog.match_resource(server, message.uri or ""), f"resource {message.uri!r}")]
-    if method in ("resources/subscribe", "resources/unsubscribe"):
-        ending = method == "resources/unsubscribe"  # ending a subscription is never held, never counted
-        return [_Need(catalog.match_resource(server, message.uri or ""), f"resource {message.uri!r}", uses=False),
-                _Need(catalog.match_mcp_item(server, "subscriptions"), f"subscriptions on {server}", uses=not ending)]
-    if method == mcp.LISTEN:
-        if not message.uris:
-            return None  # list-changed notifications only: plumbing, as the GET listen stream is
-        return [*(_Need(catalog.match_resource(server, uri), f"resource {uri!r}", uses=False) for uri in message.uris),
-                _Need(catalog.match_mcp_item(server, "subscriptions"), f"subscriptions on {server}")]
-    if method == "logging/setLevel":
-        return [_Need(catalog.match_mcp_item(server, "logging"), f"logging on {server}")]
-    if method == "completion/complete":
-        if message.prompt is not None:
-            about = _Need(catalog.match_mcp_item(server, "prompt", message.prompt), f"prompt {message.prompt!r}",
-                          uses=False)
-        else:
-            about = _Need(catalog.match_resource_template(server, message.uri or ""), f"resource {message.uri!r}",
-                          uses=False)
-        return [_Need(catalog.match_mcp_item(server, "completion"), f"completion on {server}"), about]
-    return None
-
-
-def _decide_stream(catalog: Catalog, chain: ChainState, facts: Facts, server: str, capability: str | None,
-                   tier: str | None) -> Decision:
-    """A GET (the server's stream to the client) or DELETE (the session's end) on an MCP endpoint."""
-    if facts.method not in ("GET", "DELETE"):
-        refusal: Refusal | None = Refusal(codes.CAPABILITY_ABSENT,
-                                          f"{facts.method} to an MCP endpoint is not in the catalog")
-    else:
-        refusal = _plumbing(catalog, chain, server)
-    if refusal is not None:
-        return Refused(refusal=refusal, capability=capability, tier=tier, server=server)
-    return Allow(capability=capability, tier=tier, server=server, detail=f"mcp {facts.method}")
-
-
-def _read_rpc(facts: Facts) -> mcp.Parsed | Refusal:
-    try:
-        # The server reads the bytes as sent: match those, and never a body we would have to decode.
-        encoding = (facts.content_encoding or "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            raise mcp.NotJsonRpc(f"an encoded body (Content-Encoding: {encoding}) is not matched")
-        return mcp.parse(facts.body or b"")
-    except mcp.NotJsonRpc as exc:
-        return Refusal(codes.CAPABILITY_ABSENT, f"not a JSON-RPC message tether can match: {exc}")
-
-
-def _decide_rpc(catalog: Catalog, chain: ChainState, facts: Facts, server: str) -> Decision:
-    """A JSON-RPC POST (one message or a batch): every message must be granted, or none leaves."""
-    parsed = _read_rpc(facts)
-    if isinstance(parsed, Refusal):
-        return Refused(refusal=parsed, server=server)
-    capability: str | None = None
-    detail: str | None = None
-    used: list[tuple[str, str]] = []  # (capability, tier) of every item a message uses: held, counted
-    callers: dict[str, str] = {}
-    refusal: Refusal | None = None
-    for message in parsed.messages:
-        needs = _needs(catalog, server, message)
-        if needs is not None:
-            for need in needs:
-                name, tier = _best(chain, need.names) if need.names else (None, "absent")
-                if tier == "absent":
-                    capability = name or need.fallback
-                    refusal = Refusal(codes.CAPABILITY_ABSENT, f"{need.label} is not granted to {chain.agent}",
-                                      capability=capability)
-                    break
-                if need.uses:
-                    used.append((name, tier))
-                    if message.method == "tools/call" and message.id is not None and name is not None:
-                        callers[mcp.id_key(message.id)] = name
-            if refusal is not None:
-                break
-            if message.method != "tools/call":
-                detail = f"mcp {message.method}"
-        elif message.is_plumbing:
-            refusal = _plumbing(catalog, chain, server)
-            if refusal is not None:
-                break
-            detail = detail or f"mcp {message.method or 'response'}"
-        else:
-            refusal = Refusal(codes.CAPABILITY_ABSENT, f"MCP method {message.method!r} is not in the catalog")
-            break
-    refusal = refusal or _rpc_headers(facts, parsed) or _state_and_headers(chain, facts)
-    if refusal is not None:
-        if capability is None and used:
-            capability = ",".join(dict.fromkeys(c for c, _ in used))
-        return Refused(refusal=refusal, capability=capability, server=server, detail=detail, parsed=parsed)
-    if not used:
-        return Allow(server=server, detail=detail or "mcp", parsed=parsed)
-    names = tuple(c for c, _ in used)
-    held = any(t == "approval" for _, t in used)
-    return (Hold if held else Allow)(capability=",".join(dict.fromkeys(names)), tier="approval" if held else "direct",
-                                     server=server, detail=detail, tools=names, parsed=parsed, callers=callers)
-
-
-def _rpc_headers(facts: Facts, parsed: mcp.Parsed) -> Refusal | None:
-    """Servers may route on the mcp-method / mcp-name headers: they must say what the body says."""
-    if parsed.batch:
-        return None
-    message = parsed.messages[0]
-    if facts.mcp_method is not None and facts.mcp_method != message.method:
-        return Refusal(codes.CAPABILITY_ABSENT, "the mcp-method header does not match the JSON-RPC body")
-    if facts.mcp_name is not None and message.method in mcp.MIRRORED:
-        if mcp.header_value(facts.mcp_name) != message.name:
-            return Refusal(codes.CAPABILITY_ABSENT, f"the mcp-name header does not match the "
-                           f"{'tool' if message.method == 'tools/call' else 'item'} in the body")
     return None

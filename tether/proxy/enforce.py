@@ -25,6 +25,7 @@ from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
 from tether.capability.events import APPROVAL_BODY_LIMIT
 
+from .deciders.http import override_refusal
 from .decision import (
     REWRITE_HEADERS,
     SPELLED_HEADERS,
@@ -39,7 +40,6 @@ from .decision import (
     body_override,
     decide,
     decide_tunnel,
-    override_refusal,
 )
 from .flowstate import FlowState, refuse, state_of
 from .framing import BODY_LIMIT, BodyLimit, no_continue
@@ -153,8 +153,7 @@ class Tunnels:
             return
         call = Call(call_id=str(uuid.uuid4()), agent=self.chain.agent, method="CONNECT", url=f"{host}:{port}",
                     started_at=time.time())
-        state_of(flow).call = call
-        self.track(call, flow)
+        self.track(call, flow)  # the in-flight table links the call and the flow, both ways
         refuse(flow, refusal)
         self.resolve(call, "refused", code=refusal.code)
 

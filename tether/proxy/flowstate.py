@@ -54,6 +54,12 @@ def state_of(flow: http.HTTPFlow) -> FlowState:
     return state
 
 
+def link_call(flow: http.HTTPFlow, call: Call) -> None:
+    """The flow's way back to its call, set once as the call arrives, by the in-flight table alone
+    (``CallTable(link=link_call)``: ``CallTable.start`` owns the link both ways)."""
+    state_of(flow).call = call
+
+
 def call_of(flow: http.HTTPFlow) -> Call | None:
     state = flow.metadata.get(KEY)
     return state.call if state is not None else None

@@ -10,7 +10,6 @@ the control plane commands, and a tool's failure touches only that call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -28,13 +27,14 @@ from .capture import CAPTURE_FILE, CaptureWriter
 from .channel import ControlChannel
 from .credentials import Credentials
 from .cutting import Cutter
+from .flowstate import link_call
 from .loops import ControlLoops
 from .pipeline import Pipeline
 from .quiesce import Drain, stop_plan
 from .reporting import Reporter, lock_state_dir
 from .startup import Proxy, SidecarConfig, learn, mitmproxy_addons, new_run, open_proxy, retrying, tether_addons
 from .state import Call, CallTable, SidecarState
-from .stopping import Edge, Termination, close_proxy, farewell, obeyed, retire
+from .stopping import Edge, StopParts, Termination, finish, obeyed, retire
 
 __all__ = ["Sidecar", "SidecarConfig", "mitmproxy_addons", "new_run"]
 
@@ -56,7 +56,7 @@ class Sidecar:
         self.capture = CaptureWriter(config.capture_path or config.state_dir / "captures" / CAPTURE_FILE,
                                      config.redact_fields, default_fields=config.redact_default_fields,
                                      policy=config.capture_policy, root=config.state_dir.parent, agent=self.agent)
-        self.calls: CallTable[http.HTTPFlow] = CallTable()  # the calls in flight, and which flow carries each
+        self.calls: CallTable[http.HTTPFlow] = CallTable(link_call)  # the calls in flight, which flow carries each
         self.credentials = Credentials(config.secrets, config.upstream_ca)
         self.resolved: list[Callable[[Call], None]] = []  # told of every call's end (tether/proxy/telemetry.py)
         self.catalog: Catalog = config.catalog  # type: ignore[assignment]
@@ -156,7 +156,8 @@ class Sidecar:
     async def stop(self) -> None:
         """Stop serving: admit nothing more, let what left finish within the stop window, cut the rest, and
         only then shut the proxy, deliver every report and tell the control plane we are gone (docs/termination.md,
-        "When the sidecar itself stops").
+        "When the sidecar itself stops"): the drain is ``proxy.quiesce``'s ``Drain``, what follows it the steps of
+        ``proxy.stoptail``, carried out by ``stopping.finish``.
 
         The order is what keeps the record true: a call not yet forwarded meets the stopping state at the
         Forwarder's last look and is refused by its own flow (it can never leave after that), so the only calls
@@ -169,23 +170,8 @@ class Sidecar:
             window = self.config.stop_window_s
             await self.edge.drain(*Drain.begin(stop_plan(window), time.monotonic()),
                                   f"stopping: cutting %d call(s) still in flight after the {window:.0f}s stop window")
-            await close_proxy(proxy, self.cutter)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *([proxy.task] if proxy else []), return_exceptions=True)
-        self.edge.sweep("the sidecar stopped while the call was in flight")
-        with contextlib.suppress(Exception):  # unused budget goes back; what is not returned counts as spent
-            await asyncio.wait_for(self.budgets.release(), 3.0)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(farewell(self.reporter, self.channel, self.loops, self.state), 3.0)
-        await self.close_sessions()
-        if proxy is not None and proxy.dns is not None:
-            proxy.dns.close()
-        if proxy is not None and proxy.enclosure is not None:
-            proxy.enclosure[1].close()
-        self.capture.close()
-        self._lock.close()
-        self.stopped.set()
+        await finish(StopParts(proxy, self.cutter, self._tasks, self.edge, self.budgets, self.reporter, self.channel,
+                               self.loops, self.state, self.close_sessions, self.capture, self._lock, self.stopped))
 
     async def close_sessions(self) -> None:
         """Close the HTTP client sessions (the control plane's, the OAuth2 token endpoints'): on every way out,

@@ -13,6 +13,7 @@ there, and its resolution unlinks both at once. A call's phase changes only thro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -193,16 +194,22 @@ def error_resolution(*, connected: bool, sent: bool, aborted: bool) -> str:
 
 
 class CallTable[Flow]:  # Flow: mitmproxy's HTTPFlow in the sidecar; this module stays free of mitmproxy
-    def __init__(self) -> None:
+    """The calls in flight and which flow carries each: the one owner of the call-to-flow link, both ways (``link``
+    gives the flow its call, ``flowstate.link_call`` in the sidecar, so the flow's hooks find it)."""
+
+    def __init__(self, link: Callable[[Flow, Call], None] | None = None) -> None:
         self.inflight: dict[str, Call] = {}
         self._flows: dict[str, Flow] = {}
+        self._link = link
         self.counts: dict[str, int] = dict.fromkeys(RESOLUTIONS, 0)
 
     def start(self, call: Call, flow: Flow | None = None) -> Call:
         """A call arrived (on ``flow``, when one carries it): in flight until its one resolution."""
-        self.inflight[call.call_id] = call
         if flow is not None:
+            if self._link is not None:
+                self._link(flow, call)
             self._flows[call.call_id] = flow
+        self.inflight[call.call_id] = call
         return call
 
     def flow_of(self, call_id: str) -> Flow | None:

@@ -4,7 +4,9 @@ A termination's command reaches ``Termination.on_command`` (from the heartbeat o
 then driven by one task, woken when a call finishes (the sidecar's ``resolved`` listeners) or at the machine's
 ``wake_at``, never by polling. Handing budget back and acknowledging are the only awaited actions: the machine
 orders them (every termination that reached the sidecar is acknowledged, one after another, each once).
-``drain`` runs the same ``Drain`` for the sidecar's own stop (``Sidecar.stop``).
+``drain`` runs the same ``Drain`` for the sidecar's own stop (``Sidecar.stop``); ``finish`` then carries out the
+stop's tail, the pure machine of ``proxy.stoptail``, one action at a time, each by its carrier in
+``STOP_CARRIERS`` within the action's own time limit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mitmproxy import http
@@ -42,8 +45,25 @@ from .quiesce import (
 )
 from .reporting import Reporter
 from .state import DRAINING, TERMINATED, Call, CallTable, SidecarState
+from .stoptail import (
+    CloseConnections,
+    CloseEnclosure,
+    CloseFiles,
+    CloseSessions,
+    Farewell,
+    Join,
+    Pause,
+    ReleaseBudget,
+    ShutDown,
+    StopListening,
+    Stopped,
+    StopTail,
+    SweepLeft,
+    TailAction,
+)
 
 if TYPE_CHECKING:
+    from .budget import Budgets
     from .startup import Proxy  # builds the pipeline: the addons are not this module's to load
 
 log = logging.getLogger("tether.sidecar")
@@ -208,16 +228,117 @@ class Termination:
                 await sleep_backoff(attempt)
 
 
-async def close_proxy(proxy: Proxy, cutter: Cutter) -> None:
-    """Stop listening and close what is open while the addons still run (every call on a connection meets its end,
-    and its report, before the last delivery, none after it); then shut mitmproxy down."""
+@dataclass(frozen=True)
+class StopParts:
+    """What a stop's tail acts on (``Sidecar.stop`` gives its own)."""
+
+    proxy: Proxy | None
+    cutter: Cutter
+    tasks: list[asyncio.Task[Any]]
+    edge: Edge
+    budgets: Budgets
+    reporter: Reporter
+    channel: ControlChannel
+    loops: ControlLoops
+    state: SidecarState | None
+    close_sessions: Callable[[], Awaitable[None]]
+    capture: CaptureWriter
+    lock: Any  # the state dir's lock file (``reporting.lock_state_dir``)
+    stopped: asyncio.Event
+
+
+async def _stop_listening(parts: StopParts, _: StopListening) -> None:
+    assert parts.proxy is not None
+    await parts.proxy.server.servers.update([])
+
+
+async def _close_enclosure(parts: StopParts, _: CloseEnclosure) -> None:
+    assert parts.proxy is not None and parts.proxy.enclosure is not None
+    parts.proxy.enclosure[0].close()
+
+
+async def _close_connections(parts: StopParts, _: CloseConnections) -> bool:
+    """Close what is open while the addons still run: every call on a connection meets its end, and its report,
+    before the last delivery, none after it."""
+    return parts.cutter.close_connections()
+
+
+async def _pause(_: StopParts, action: Pause) -> None:
+    await asyncio.sleep(action.seconds)  # the closed connections' last hooks resolve (and report) their calls
+
+
+async def _shut_down(parts: StopParts, _: ShutDown) -> None:
+    assert parts.proxy is not None
+    parts.proxy.master.shutdown()
+
+
+async def _join(parts: StopParts, _: Join) -> None:
+    for task in parts.tasks:
+        task.cancel()
+    await asyncio.gather(*parts.tasks, *([parts.proxy.task] if parts.proxy else []), return_exceptions=True)
+
+
+async def _sweep(parts: StopParts, action: SweepLeft) -> None:
+    parts.edge.sweep(action.detail)
+
+
+async def _release(parts: StopParts, _: ReleaseBudget) -> None:
+    await parts.budgets.release()  # what is not returned counts as spent
+
+
+async def _farewell(parts: StopParts, _: Farewell) -> None:
+    await farewell(parts.reporter, parts.channel, parts.loops, parts.state)
+
+
+async def _close_sessions(parts: StopParts, _: CloseSessions) -> None:
+    await parts.close_sessions()
+
+
+async def _close_files(parts: StopParts, _: CloseFiles) -> None:
+    proxy = parts.proxy
+    if proxy is not None and proxy.dns is not None:
+        proxy.dns.close()
+    if proxy is not None and proxy.enclosure is not None:
+        proxy.enclosure[1].close()
+    parts.capture.close()
+    parts.lock.close()
+
+
+async def _stopped(parts: StopParts, _: Stopped) -> None:
+    parts.stopped.set()
+
+
+# One carrier per action of the tail (tests/test_stop_tail.py checks the table has exactly the machine's actions).
+STOP_CARRIERS: Mapping[type, Callable[[StopParts, Any], Awaitable[bool | None]]] = {
+    StopListening: _stop_listening, CloseEnclosure: _close_enclosure, CloseConnections: _close_connections,
+    Pause: _pause, ShutDown: _shut_down, Join: _join, SweepLeft: _sweep, ReleaseBudget: _release,
+    Farewell: _farewell, CloseSessions: _close_sessions, CloseFiles: _close_files, Stopped: _stopped,
+}
+
+
+async def carry(parts: StopParts, action: TailAction,
+                carriers: Mapping[type, Callable[[StopParts, Any], Awaitable[bool | None]]] = STOP_CARRIERS,
+                ) -> bool | None:
+    """One action, within its time limit; a tolerant action's failure (or timeout) is swallowed."""
+    job: Awaitable[bool | None] = carriers[type(action)](parts, action)
+    if action.timeout_s is not None:
+        job = asyncio.wait_for(job, action.timeout_s)
+    if not action.tolerant:
+        return await job
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(proxy.server.servers.update([]), 5.0)
-    if proxy.enclosure is not None:
-        proxy.enclosure[0].close()
-    if cutter.close_connections():
-        await asyncio.sleep(0.2)  # their last hooks resolve (and report) the calls they carried
-    proxy.master.shutdown()
+        return await job
+    return None
+
+
+async def finish(parts: StopParts,
+                 carriers: Mapping[type, Callable[[StopParts, Any], Awaitable[bool | None]]] = STOP_CARRIERS) -> None:
+    """Run a stop's tail (``proxy.stoptail``) to its end."""
+    proxy = parts.proxy
+    tail = StopTail(proxy=proxy is not None, enclosed=proxy is not None and proxy.enclosure is not None)
+    action: TailAction | None = tail.begin()
+    while action is not None:
+        closed = await carry(parts, action, carriers)
+        action = tail.done(closed=bool(closed))
 
 
 async def farewell(reporter: Reporter, channel: ControlChannel, loops: ControlLoops,

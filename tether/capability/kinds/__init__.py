@@ -12,7 +12,7 @@ kind needs besides its module.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import http, mcp
@@ -26,12 +26,28 @@ Change = tuple[str, Any, Any, str]  # (what widened, old, new, detail), as `teth
 
 
 @runtime_checkable
+class KindIndex(Protocol):
+    """A kind's index over one catalog's capabilities of that kind (its matching queries are its own)."""
+
+    any_port_hosts: frozenset[str]  # hosts some capability reaches on any port
+    host_ports: frozenset[tuple[str, int]]  # (host, port) pairs some capability reaches
+
+
+@runtime_checkable
 class CapabilityKind(Protocol):
-    name: str  # the catalog key, the audit surface's wire key, and the Capability field holding the match
+    name: str  # the catalog key, the audit surface's wire key, and ``Capability.kind`` (an alias reads the match)
 
     def parse(self, source: str, where: str, raw: Any) -> Any:
         """The catalog entry under ``name`` checked and read as this kind's match (CatalogError naming
         ``source`` and ``where`` otherwise)."""
+        ...
+
+    def check(self, source: str, caps: Sequence[Capability]) -> None:
+        """What must hold across this kind's capabilities of one catalog (CatalogError otherwise)."""
+        ...
+
+    def index(self, entries: Sequence[tuple[int, Capability]]) -> KindIndex:
+        """The index of this kind's capabilities, each with its position in the catalog."""
         ...
 
     def to_dict(self, match: Any) -> dict[str, Any]: ...
@@ -47,16 +63,29 @@ class CapabilityKind(Protocol):
     def text(self, value: Mapping[str, Any]) -> str: ...
 
 
-KINDS: Mapping[str, CapabilityKind] = {kind.name: kind for kind in (http.KIND, mcp.KIND)}
+_REGISTRY: dict[str, CapabilityKind] = {kind.name: kind for kind in (http.KIND, mcp.KIND)}
+KINDS: Mapping[str, CapabilityKind] = _REGISTRY  # read-only to its users; ``register`` adds to it
+
+
+def register(kind: CapabilityKind) -> None:
+    """Add a kind to the registry (a catalog read afterwards knows its key). Its module calls this as it loads;
+    the shipped kinds are listed above instead. A name already taken is refused."""
+    if kind.name in _REGISTRY:
+        raise ValueError(f"a capability kind named {kind.name!r} is already registered")
+    _REGISTRY[kind.name] = kind
+
+
+def unregister(name: str) -> None:
+    """Take a kind out of the registry again (a test that registered one of its own)."""
+    _REGISTRY.pop(name, None)
 
 
 def match_of(cap: Capability) -> tuple[CapabilityKind, Any]:
     """A capability's kind and its match (the catalog parser gives every capability exactly one)."""
-    for kind in KINDS.values():
-        match = getattr(cap, kind.name, None)
-        if match is not None:
-            return kind, match
-    raise ValueError(f"capability {cap.name!r} has no match of a known kind ({', '.join(KINDS)})")
+    kind = _REGISTRY.get(cap.kind)
+    if kind is None:
+        raise ValueError(f"capability {cap.name!r} has no match of a known kind ({', '.join(KINDS)})")
+    return kind, cap.match
 
 
-__all__ = ["KINDS", "CapabilityKind", "Change", "match_of"]
+__all__ = ["KINDS", "CapabilityKind", "Change", "KindIndex", "match_of", "register", "unregister"]

@@ -6,6 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tether.capability import protocol
 from tether.capability.errors import APPROVAL_BODY_TOO_LARGE, ApiError
 from tether.capability.events import APPROVAL_BODY_LIMIT, APPROVED, DENIED, FILED, HELD
 
@@ -22,18 +23,12 @@ class ApprovalRoutes:
 
     async def h_approval_new(self, request: web.Request) -> web.Response:
         who = caller(request)
-        fields = await body(request, "the approval request")
-        call = {
-            "call_id": fields.string("call_id", required=True, nullable=False, max_len=200, non_empty=True),
-            "capability": fields.string("capability", max_len=200),
-            "method": fields.string("method", max_len=32),
-            "url": fields.string("url", max_len=8192),
-            "summary": (fields.string("summary", "", max_len=64 * 1024) or "")[:500],
-        }
+        ask = protocol.ApprovalRequest.read((await body(request, protocol.ApprovalRequest.WHAT)).doc)
+        call = {"call_id": ask.call_id, "capability": ask.capability, "method": ask.method, "url": ask.url,
+                "summary": (ask.summary or "")[:500]}
         # A wait that is not a number is refused; a longer one than a day is shortened (the service).
-        timeout = fields.number("timeout_s", None, minimum=0)
-        held = _held_request(fields.obj("request"))
-        return web.json_response(await self.approvals.request(who, call, held, timeout), status=201)
+        held = _held_request(ask.request)
+        return web.json_response(await self.approvals.request(who, call, held, ask.timeout_s), status=201)
 
     async def h_approvals(self, request: web.Request) -> web.Response:
         """A page of approvals (all of them without ``limit``); ``Tether-Total`` says how many match."""

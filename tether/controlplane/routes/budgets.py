@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..body import parse
+from tether.capability import protocol
+
+from .. import schemas as sc
 from ..services.budgets import BudgetService
-from . import ADMIN, ADMIN_OR_ANCESTOR, RUN, Route, body_bytes, caller, principal
+from . import ADMIN, ADMIN_OR_ANCESTOR, RUN, Route, body, caller, principal
 
 
 class BudgetRoutes:
@@ -14,13 +16,13 @@ class BudgetRoutes:
         self.budgets = budgets
 
     async def h_take(self, request: web.Request) -> web.Response:
-        doc = parse(await body_bytes(request)).doc  # the API's one JSON reader (depth, size, finite numbers)
-        return web.json_response(await self.budgets.take(caller(request), doc.get("capability"), doc.get("want", 1),
-                                                         doc.get("slice"), doc.get("settle"), doc.get("seq")))
+        ask = protocol.SliceRequest.read((await body(request, protocol.SliceRequest.WHAT)).doc)
+        return web.json_response((await self.budgets.take(caller(request), ask)).to_doc())
 
     async def h_return(self, request: web.Request) -> web.Response:
-        doc = parse(await body_bytes(request)).doc
-        return web.json_response({"settled": await self.budgets.settle(caller(request), doc.get("slices"))})
+        settle = protocol.SliceReturn.read((await body(request, protocol.SliceReturn.WHAT)).doc)
+        return web.json_response(protocol.SlicesSettled(await self.budgets.settle(caller(request), settle.slices))
+                                 .to_doc())
 
     async def h_budget(self, request: web.Request) -> web.Response:
         return web.json_response(await self.budgets.link_view(request.match_info["jti"], principal(request)))
@@ -30,10 +32,10 @@ class BudgetRoutes:
 
     def table(self) -> list[Route]:
         return [
-            Route("POST", "/v1/budgets/slices", self.h_take, "Lease a slice of a capability's calls budget", RUN,
-                  "budgets"),
-            Route("POST", "/v1/budgets/slices/return", self.h_return, "Return what a slice did not use", RUN,
-                  "budgets"),
+            Route("POST", protocol.SLICES, self.h_take, "Lease a slice of a capability's calls budget", RUN,
+                  "budgets", body=sc.SLICE_REQUEST, ok=sc.SLICE_LEASE),
+            Route("POST", protocol.SLICES_RETURN, self.h_return, "Return what a slice did not use", RUN,
+                  "budgets", body=sc.SLICE_RETURN, ok=sc.SLICES_SETTLED),
             Route("GET", "/v1/budgets", self.h_budgets, "Budgets as a tree: every root, or ?agent=A's links",
                   ADMIN, "budgets"),
             Route("GET", "/v1/budgets/{jti}", self.h_budget,

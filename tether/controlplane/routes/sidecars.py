@@ -89,9 +89,9 @@ class SidecarRoutes:
         return web.json_response((await self.sidecars.heartbeat(who, beat)).to_doc())
 
     async def h_reports_in(self, request: web.Request) -> web.Response:
-        fields = await body(request, "the report batch")
-        new, dup = await self.records.ingest(caller(request), fields.objects("reports"), fields.objects("starts"))
-        return web.json_response({"accepted": new, "duplicates": dup})
+        batch = protocol.ReportBatch.read((await body(request, protocol.ReportBatch.WHAT)).doc)
+        new, dup = await self.records.ingest(caller(request), batch.reports, batch.starts)
+        return web.json_response(protocol.Accepted(new, dup).to_doc())
 
     async def h_reports_out(self, request: web.Request) -> web.Response:
         return web.json_response(await self.records.reports(request.query.get("agent")))

@@ -31,7 +31,8 @@ from tether.capability.budget import (
     window_of,
 )
 from tether.capability.errors import BUDGET_EXHAUSTED, CHAIN_REVOKED, FORBIDDEN, NOT_FOUND, RATE_LIMITED, ApiError
-from tether.capability.protocol import HeldSlices
+from tether.capability.protocol import MAX_SLICE_SEQ as MAX_SEQ  # noqa: F401  (its number, read by the tests)
+from tether.capability.protocol import HeldSlices, Settled, Settlement, SliceLease, SliceRefusal, SliceRequest
 
 from .. import runs
 from ..auth import Caller
@@ -44,7 +45,6 @@ from .grants import GrantService
 log = logging.getLogger("tether.budgets")
 SWEEP_INTERVAL_S = 1.0
 MAX_SETTLE = 10_000
-MAX_SEQ = 10**12 - 1  # a slice's request number survives Redis's Lua JSON (14 significant digits) exactly
 
 
 def given_up(slice_doc: Doc, held: HeldSlices | None) -> bool:
@@ -125,19 +125,12 @@ class BudgetService:
         self.window_s = window_s or window_from_env()
 
     # -- slices ---------------------------------------------------------------------------------------
-    async def take(self, who: Caller, capability: Any, want: Any, tag: Any, settle: Any, seq: Any = None) -> Doc:
-        """Lease up to ``want`` calls of ``capability`` for ``who``'s run from every budgeted link of its chain:
-        ``{slice, calls, window_ends_in}``, or ``{slice: None, calls: 0, error}`` when a budget is spent.
-        ``seq`` numbers the run's slice requests in order (its heartbeat names the last one: see
-        :func:`given_up`)."""
-        if not isinstance(capability, str) or type(want) is not int or want < 1:
-            raise bad("body needs 'capability' (a name) and 'want' (a whole number of calls, 1 or more)")
-        if not isinstance(tag, str) or not 1 <= len(tag) <= 64 or "/" in tag:
-            raise bad("body needs 'slice': an id of the sidecar's choosing (1-64 characters, no '/'), so a retry "
-                      "takes nothing twice")
-        if seq is not None and (type(seq) is not int or not 1 <= seq <= MAX_SEQ):
-            raise bad(f"'seq', when given, numbers the run's slice requests: a whole number from 1 to {MAX_SEQ}")
-        await self.settle(who, settle or [])  # used-up slices, piggybacked on the next take
+    async def take(self, who: Caller, ask: SliceRequest) -> SliceLease:
+        """Lease up to ``ask.want`` calls of ``ask.capability`` for ``who``'s run from every budgeted link of its
+        chain: the slice, or no slice (``calls`` 0) and why when a budget is spent. ``ask.seq`` numbers the run's
+        slice requests in order (its heartbeat names the last one: see :func:`given_up`)."""
+        capability = ask.capability
+        await self.settle(who, ask.settle)  # used-up slices, piggybacked on the next take
         chain = await self._live_chain(who)
         if capability not in who.link["claims"]["caps"]:
             raise bad(f"{capability} is not granted to {who.agent}", capability=capability)
@@ -148,20 +141,20 @@ class BudgetService:
                       capability=capability)
         _, window_end = window_of(now, self.window_s)
         rated = any(c.kind == "per_minute" for c in counters)
-        slice_id = f"{who.run}/{tag}"  # the run owns its slices: only it may return them
+        slice_id = f"{who.run}/{ask.slice}"  # the run owns its slices: only it may return them
         doc = {"id": slice_id, "run": who.run, "agent": who.agent, "link": who.link_hash,
                "capability": capability, "taken_at": now, "window_end": window_end if rated else None}
-        if seq is not None:
-            doc["seq"] = seq
+        if ask.seq is not None:
+            doc["seq"] = ask.seq
         ttl = 2 * self.window_s + 3600 if rated else 0  # rate-window counters are forgotten after a while
         granted, worst = await self.store.take_slice(
-            doc, [(c.key, c.limit) for c in counters], min(want, MAX_SLICE), SLICE_FRACTION, ttl)
+            doc, [(c.key, c.limit) for c in counters], min(ask.want, MAX_SLICE), SLICE_FRACTION, ttl)
         if granted <= 0:
             tight = counters[worst or 0]
             holder = next((d["sub"] for d in chain if d["jti"] == tight.jti), "?")
             return self._refusal(capability, tight, holder, window_end - now)
         self.metrics.inc("tether_budget_slices_total")
-        return {"slice": slice_id, "calls": granted, "window_ends_in": round(window_end - now, 3) if rated else None}
+        return SliceLease(slice_id, granted, round(window_end - now, 3) if rated else None)
 
     async def _live_chain(self, who: Caller) -> list[Doc]:
         link = who.link
@@ -173,33 +166,30 @@ class BudgetService:
             raise ApiError(403, CHAIN_REVOKED, "a link of the chain is not registered; no slice")
         return [doc for doc in chain if doc is not None]
 
-    def _refusal(self, capability: str, tight: Any, holder: str, window_left: float) -> Doc:
+    def _refusal(self, capability: str, tight: Any, holder: str, window_left: float) -> SliceLease:
         """No slice is an answer, not an error of this API: the refusal the sidecar will give its calls (the
         calls themselves are refused 429 by the sidecar)."""
         self.metrics.inc(f'tether_budget_refusals_total{{kind="{tight.kind}"}}')
         if tight.kind == "per_minute":
             retry = max(0.0, window_left)
-            error = {"code": RATE_LIMITED, "retry_after_s": round(retry, 3),
-                     "message": f"{capability}: {holder}'s per_minute={tight.limit} is used up in this "
-                     f"{self.window_s:g}s window; retry in {retry:.1f}s"}
+            error = SliceRefusal(RATE_LIMITED, f"{capability}: {holder}'s per_minute={tight.limit} is used up in "
+                                 f"this {self.window_s:g}s window; retry in {retry:.1f}s", round(retry, 3),
+                                 capability, tight.jti)
         else:
-            error = {"code": BUDGET_EXHAUSTED, "message": f"{capability}: {holder}'s calls={tight.limit} budget is "
-                     "spent (it is shared with every delegate below it); ask its issuer for a new grant"}
-        return {"slice": None, "calls": 0, "error": {**error, "capability": capability, "jti": tight.jti}}
+            error = SliceRefusal(BUDGET_EXHAUSTED, f"{capability}: {holder}'s calls={tight.limit} budget is spent "
+                                 "(it is shared with every delegate below it); ask its issuer for a new grant",
+                                 None, capability, tight.jti)
+        return SliceLease(None, 0, None, error)
 
-    async def settle(self, who: Caller, items: Any) -> list[Doc]:
-        """Settle ``who``'s run's slices ``[{slice, used}]``: what was not used goes back to every counter."""
-        if not isinstance(items, list) or not all(
-                isinstance(i, dict) and isinstance(i.get("slice"), str) and type(i.get("used")) is int
-                and i["used"] >= 0 for i in items):
-            raise bad("slices to settle are [{slice, used}] with 'used' a whole number")
+    async def settle(self, who: Caller, items: list[Settlement]) -> list[Settled]:
+        """Settle ``who``'s run's slices: what each did not use goes back to every counter."""
         settled = []
         for item in items[:MAX_SETTLE]:
-            if not item["slice"].startswith(f"{who.run}/"):
-                raise ApiError(403, FORBIDDEN, f"slice {item['slice'][:80]!r} is not this run's")
-            doc = await self.store.settle_slice(item["slice"], item["used"], self.clock())
+            if not item.slice.startswith(f"{who.run}/"):
+                raise ApiError(403, FORBIDDEN, f"slice {item.slice[:80]!r} is not this run's")
+            doc = await self.store.settle_slice(item.slice, item.used, self.clock())
             if doc is not None:
-                settled.append({"slice": doc["id"], "used": doc["used"], "returned": doc["n"] - doc["used"]})
+                settled.append(Settled(doc["id"], doc["used"], doc["n"] - doc["used"]))
         return settled
 
     # -- views ------------------------------------------------------------------------------------------
