@@ -768,3 +768,18 @@ def test_b64url_helpers_round_trip() -> None:
         assert keys.b64url_decode(keys.b64url(raw)) == raw
         assert "=" not in keys.b64url(raw)
         assert keys.b64url(raw) == base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@pytest.mark.parametrize("typ", [GRANT_TYP, "tether-proof+jwt"])
+def test_links_and_proofs_are_signed_byte_for_byte_as_pyjwt_signs_them(typ: str) -> None:
+    # The sidecar signs without PyJWT (keys.sign_jws); what it writes must be what PyJWT writes, so links minted
+    # before and after read alike. Ed25519 signatures are deterministic: the whole compact form compares.
+    import jwt
+
+    key = Ed25519PrivateKey.generate()
+    claims: dict[str, Any] = {"sub": "agent-1", "iat": 1_800_000_000.125, "jti": "0123456789abcdef01234567",
+                              "caps": {"tickets.read": "direct", "naïve": {"tier": "approval", "calls": 3}},
+                              "note": "quote \" slash / unicode \u2603"}
+    assert keys.sign_jws(claims, key, typ) == jwt.encode(claims, key, algorithm="EdDSA", headers={"typ": typ})
+    with pytest.raises(TypeError):
+        keys.sign_jws({**claims, "iss": 7}, key, typ)

@@ -219,6 +219,8 @@ def test_a_ctrl_c_that_ends_code_run_from_a_string_still_exits_130(tmp_path: Pat
         "import sys\n"
         "from tether.cli import main as cli\n"
         "class Interrupting:\n"
+        "    def __init__(self, only=None):\n"
+        "        pass\n"
         "    def parse_args(self, argv):\n"
         "        exec('raise KeyboardInterrupt')\n"
         "cli.build_parser = Interrupting\n"

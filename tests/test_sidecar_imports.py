@@ -14,6 +14,9 @@ from .harness import PYTHON
 NOT_NEEDED = ("flask", "jinja2", "werkzeug", "ldap3", "mitmproxy.addons.onboarding", "mitmproxy.addons.proxyauth",
               "mitmproxy.addons.clientplayback", "mitmproxy.addons.maplocal", "mitmproxy.io", "mitmproxy.flowfilter",
               "yaml")
+# Imported by mitmproxy, their bodies deferred until something reads them (tether/proxy/deferred.py): a submodule
+# each loads when its body runs.
+DEFERRED = ("pyparsing.core", "unittest", "ruamel.yaml.main", "aiohttp", "jwt")
 
 
 def run(code: str) -> dict:
@@ -29,6 +32,29 @@ def test_the_sidecar_loads_only_the_mitmproxy_addons_it_runs() -> None:
     assert doc["names"] == ["Core", "Block", "DisableH2C", "Proxyserver", "DnsResolver", "NextLayer", "TlsConfig"]
     loaded = [m for m in doc["modules"] if m in NOT_NEEDED or m.split(".")[0] in NOT_NEEDED]
     assert loaded == [], loaded
+    assert [m for m in DEFERRED if m in doc["modules"]] == []
+
+
+def test_a_sidecar_process_loads_no_other_commands_module() -> None:
+    doc = run("import tether.cli.main as c\nc.build_parser('sidecar')\nimport tether.proxy.sidecar\n"
+              "print(json.dumps({'modules': sorted(sys.modules)}))")
+    commands = [m for m in doc["modules"] if m.startswith("tether.cli.")]
+    assert commands == ["tether.cli.main", "tether.cli.process", "tether.cli.remote", "tether.cli.sidecar"], commands
+
+
+def test_what_is_deferred_still_works_when_it_is_used() -> None:
+    # mitmproxy's command strings (pyparsing's grammar), its options files (ruamel.yaml) and its flow filters, in a
+    # process that loaded the sidecar first: each module's body runs at its first use, once.
+    doc = run("import tether.proxy.sidecar, io\nfrom mitmproxy import command, command_lexer, optmanager, options\n"
+              "deferred = 'pyparsing.core' not in sys.modules and 'ruamel.yaml.main' not in sys.modules\n"
+              "parts = [str(p) for p in command_lexer.expr.parse_string('a \"b c\"')]\n"
+              "opts = options.Options()\noptmanager.load(opts, 'listen_port: 8123\\n')\n"
+              "from mitmproxy import flowfilter\n"
+              "print(json.dumps({'deferred': deferred, 'parts': parts, 'unquoted': command.unquote(\"'x y'\"),"
+              " 'quoted': command_lexer.quote('x y'), 'port': opts.listen_port,"
+              " 'filter': flowfilter.parse('~q') is not None, 'same': sys.modules['pyparsing'].Word.__module__}))")
+    assert doc == {"deferred": True, "parts": ["a", " ", '"b c"'], "unquoted": "x y", "quoted": '"x y"',
+                   "port": 8123, "filter": True, "same": "pyparsing.core"}
 
 
 def test_mitmproxys_default_set_still_loads_when_asked_for() -> None:

@@ -19,7 +19,6 @@ import re
 from collections.abc import Container, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jwt
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -158,7 +157,7 @@ def _normalize_caps(caps: Mapping[str, Any], catalog: Catalog | None) -> dict[st
 
 
 def _sign(claims: dict[str, Any], key: Ed25519PrivateKey) -> str:
-    return jwt.encode(claims, key, algorithm=ALG, headers={"typ": GRANT_TYP})
+    return keys.sign_jws(claims, key, GRANT_TYP)
 
 
 def mint_root(

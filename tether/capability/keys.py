@@ -22,6 +22,17 @@ def b64url(data: bytes) -> str:
     return binascii.b2a_base64(data, newline=False).translate(_STD_TO_URL).rstrip(b"=").decode("ascii")
 
 
+def sign_jws(claims: dict[str, Any], key: Ed25519PrivateKey, typ: str) -> str:
+    """A compact JWS (EdDSA) of ``claims``: byte for byte what PyJWT's ``jwt.encode(claims, key, algorithm="EdDSA",
+    headers={"typ": typ})`` writes (header keys sorted, no spaces; Ed25519 signatures are deterministic), without
+    loading PyJWT in the sidecar (tests/test_chain.py compares the two)."""
+    if "iss" in claims and not isinstance(claims["iss"], str):
+        raise TypeError("Issuer (iss) must be a string.")
+    header = b64url(json.dumps({"alg": "EdDSA", "typ": typ}, separators=(",", ":")).encode())
+    signing_input = f"{header}.{b64url(json.dumps(claims, separators=(',', ':')).encode())}"
+    return f"{signing_input}.{b64url(key.sign(signing_input.encode('ascii')))}"
+
+
 def b64url_decode(text: str) -> bytes:
     """Decode unpadded base64url; as lenient as ``base64.urlsafe_b64decode`` (raises ValueError)."""
     if not isinstance(text, str):

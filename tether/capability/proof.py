@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jwt
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -51,7 +50,7 @@ def make_proof(
         claims["lnk"] = link
     if run is not None:
         claims["run"] = run
-    return jwt.encode(claims, key, algorithm="EdDSA", headers={"typ": PROOF_TYP})
+    return keys.sign_jws(claims, key, PROOF_TYP)
 
 
 def _unauthorized(message: str) -> ApiError:

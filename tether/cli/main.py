@@ -10,30 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
-
-from . import (
-    agents,
-    audit,
-    budgets,
-    capture,
-    completion,
-    controlplane,
-    example,
-    grant,
-    keys,
-    login,
-    mcp_stdio,
-    node,
-    operators,
-    ops,
-    run,
-    sidecar,
-    witness,
-)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -111,36 +92,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_demo(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Every command, in --help's order: its name, the module of this package that adds it ("" for this one) and the
+# function that does. A module is imported only when its command is built: a command given on the command line is
+# built alone (``main``), so `tether sidecar` loads none of the other commands' modules (bench/RESULTS.md, "Idle
+# RSS"); `tether --help` and `tether --version` build them all.
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("demo", "", "add_demo"), ("example", "example", "add_example"),
+    ("controlplane", "controlplane", "add_controlplane_group"), ("sidecar", "sidecar", "add_sidecar"),
+    ("run", "run", "add_run"), ("node", "node", "add_node"), ("mcp", "mcp_stdio", "add_mcp"),
+    ("keygen", "grant", "add_keygen"), ("keys", "keys", "add_keys"), ("grant", "grant", "add_grant"),
+    ("revoke", "agents", "add_revoke"), ("agents", "agents", "add_agents"), ("budgets", "budgets", "add_budgets"),
+    ("terminate", "ops", "add_terminate"), ("terminations", "ops", "add_terminations"),
+    ("approvals", "ops", "add_approvals"), ("records", "ops", "add_records"), ("audit", "audit", "add_audit"),
+    ("capture", "capture", "add_capture"), ("operators", "operators", "add_operators"),
+    ("login", "login", "add_login"), ("witness", "witness", "add_witness"),
+    ("completion", "completion", "add_completion"),
+)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``only``) the top level with that one command under it."""
     parser = Parser(prog="tether", description="Make a fleet of AI agents stoppable.",
                     epilog="Each command describes itself: tether COMMAND --help. Listings and verdicts take --json; "
                     "errors start with a stable code (docs/cli.md). Shell completion: tether completion bash|zsh|tcsh.")
-    parser.add_argument("--version", action="version", version=f"tether {_version()}")
+    parser.add_argument("--version", action=Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
-    add_demo(sub)
-    example.add_example(sub)
-    controlplane.add_controlplane_group(sub)
-    sidecar.add_sidecar(sub)
-    run.add_run(sub)
-    node.add_node(sub)
-    mcp_stdio.add_mcp(sub)
-    grant.add_keygen(sub)
-    keys.add_keys(sub)
-    grant.add_grant(sub)
-    agents.add_revoke(sub)
-    agents.add_agents(sub)
-    budgets.add_budgets(sub)
-    ops.add_terminate(sub)
-    ops.add_terminations(sub)
-    ops.add_approvals(sub)
-    ops.add_records(sub)
-    audit.add_audit(sub)
-    capture.add_capture(sub)
-    operators.add_operators(sub)
-    login.add_login(sub)
-    witness.add_witness(sub)
-    completion.add_completion(sub)
+    for name, module, adder in COMMANDS:
+        if only is None or name == only:
+            owner = importlib.import_module(f"{__package__}.{module}") if module else sys.modules[__name__]
+            getattr(owner, adder)(sub)
     return parser
+
+
+def command_named(argv: Sequence[str]) -> str | None:
+    """The command the command line names first, when it is one (``sidecar`` in ``tether sidecar ...``)."""
+    return argv[0] if argv and argv[0] in {name for name, _, _ in COMMANDS} else None
+
+
+class Version(argparse.Action):
+    """``--version``, its number looked up only when asked for (importlib.metadata is not light)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"tether {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
@@ -157,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = None
     try:
-        args = build_parser().parse_args(argv)  # bad usage: the command's usage and tether.usage, exit 2
+        given = sys.argv[1:] if argv is None else list(argv)
+        args = build_parser(command_named(given)).parse_args(given)  # bad usage: its usage, tether.usage, exit 2
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a reader that left is a BrokenPipeError we handle, not at exit
         return code

@@ -1,9 +1,10 @@
-"""The sidecar's only line to the control plane: its async transport, signed requests over aiohttp.
+"""The sidecar's only line to the control plane: its async transport, signed requests over ``proxy/http1.py``.
 
 Every request carries a fresh ``Tether-Proof`` signed with the chain's key, so the control plane knows
 which agent speaks and no agent can read another's commands or forge its reports. How a request is signed and
 encoded and how an answer or a refusal is read is the client core's (``tether/capability/transport.py``, shared
-with the CLI's transport); this module moves the bytes and follows the event stream.
+with the CLI's transport); this module moves the bytes (``proxy/http1.py``: HTTP/1.1 on asyncio streams and h11,
+keep-alive, never through a proxy) and follows the event stream.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tether.capability import protocol, transport
 from tether.capability.errors import CONTROLPLANE_UNREACHABLE as UNREACHABLE
 from tether.capability.errors import ApiError
 
+from . import http1
+
 COMPRESS_ABOVE = 16 * 1024  # bytes of a request body above which it is sent gzip-compressed
+MAX_LINE = http1.MAX_BODY  # bytes of one document of the event stream: a longer one breaks the stream
 
 
 class ControlChannel:
@@ -31,13 +35,13 @@ class ControlChannel:
         self.link = link
         self.key = key
         self.run = run  # this sidecar start's run id, signed into every request
-        self._session: aiohttp.ClientSession | None = None
+        self._session: http1.Client | None = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
+    def session(self) -> http1.Client:
         if self._session is None or self._session.closed:
-            # trust_env stays False: the sidecar must never send its own traffic through a proxy.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
+            # http1 never sends through a proxy: the sidecar's own traffic must not go through one.
+            self._session = http1.Client(limit=16)
         return self._session
 
     async def close(self) -> None:
@@ -52,13 +56,11 @@ class ControlChannel:
         request = transport.prepare(self.url, method, path, body, encoded=encoded,
                                     signer=self.signer if signed else None, compress_above=COMPRESS_ABOVE)
         try:
-            async with self.session.request(method, request.url, data=request.body or None, headers=request.headers,
-                                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                raw = await resp.read()
-                status, ctype = resp.status, resp.headers.get("Content-Type")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            resp = await self.session.request(method, request.url, body=request.body or None,
+                                              headers=request.headers, timeout=timeout)
+        except (TimeoutError, OSError) as exc:  # http1.ClientError is an OSError
             raise transport.unreachable(self.url, why(exc)) from None
-        return transport.read_answer(status, raw, ctype, f"{method} {self.url}{path}")
+        return transport.read_answer(resp.status, resp.body, resp.content_type, f"{method} {self.url}{path}")
 
     @property
     def signer(self) -> transport.Signer:
@@ -72,20 +74,21 @@ class ControlChannel:
         control plane ends the stream. Silence longer than ``idle_s`` (three missed keepalives) counts as a
         lost connection, as does anything else that breaks it: ApiError tether.controlplane_unreachable."""
         path = f"/v1/events/stream?after={after}"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=idle_s)
         try:
-            async with self.session.get(self.url + path, headers=self._headers("GET", path, b""),
-                                        timeout=timeout) as resp:
+            async with self.session.stream("GET", self.url + path, headers=self._headers("GET", path, b""),
+                                           connect_timeout=10.0, read_timeout=idle_s) as resp:
                 if resp.status >= 400:
                     transport.read_answer(resp.status, await resp.read(), None, f"GET {self.url}{path}")
                 buffer = b""
-                async for chunk in resp.content.iter_any():  # lines may be longer than any reader limit
+                async for chunk in resp.chunks():  # lines may be longer than any reader limit
                     buffer += chunk
                     *lines, buffer = buffer.split(b"\n")
+                    if len(buffer) > MAX_LINE:
+                        raise ValueError(f"a line of the stream is over {MAX_LINE} bytes")
                     for line in lines:
                         if line.strip():
                             yield json.loads(line)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, OSError, ValueError) as exc:
             raise ApiError(503, UNREACHABLE, f"event stream from {self.url} broken: {why(exc)}") from None
 
     # -- the calls a sidecar makes -------------------------------------------------------------------
@@ -131,9 +134,10 @@ async def sleep_backoff(attempt: int, cap: float = 2.0) -> None:
 
 def why(exc: BaseException) -> str:
     """A failed request in a few words (``connection refused``, ``timed out``), not the exception's repr."""
-    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+    if isinstance(exc, TimeoutError):
         return "timed out"
-    cause = getattr(exc, "os_error", None) or exc
-    if isinstance(cause, OSError) and cause.errno:
-        return os.strerror(cause.errno).lower()
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not the system's
+        return f"TLS: {exc.verify_message if isinstance(exc, ssl.SSLCertVerificationError) else exc.reason or exc}"
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno).lower()
     return str(exc) or type(exc).__name__

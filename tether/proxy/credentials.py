@@ -28,15 +28,15 @@ import ssl
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote, quote_plus, urlencode
 
-import aiohttp
 from mitmproxy import ctx, http
 
 from tether.capability import errors as codes
 from tether.capability.catalog import Catalog, host_key, url_route
 from tether.capability.credentials import Credential, Leaving, Route, route_refusal
 
+from . import http1
 from .decision import ChainState, Refusal
 from .flowstate import refuse, state_of
 from .secrets import SecretSpec, load_secrets
@@ -174,13 +174,11 @@ def token_times(now: float, expires_in: float) -> tuple[float, float]:
 class TokenClient:
     """One credential's token: cached, refreshed once per expiry, one request in flight at a time."""
 
-    def __init__(self, credential: Credential, client_secret: str, session: aiohttp.ClientSession,
-                 ssl_context: ssl.SSLContext | bool) -> None:
+    def __init__(self, credential: Credential, client_secret: str, session: http1.Client) -> None:
         assert credential.oauth2 is not None
         self.credential = credential
         self.secret = client_secret
-        self.session = session
-        self.ssl = ssl_context
+        self.session = session  # carries the TLS context the token endpoint is verified with
         self.token: Token | None = None
         self.issued: list[str] = []  # every token fetched (bounded): redacted from captures by value
         self.fetched = 0  # tokens fetched: what is redacted changes only then
@@ -218,7 +216,7 @@ class TokenClient:
             form["scope"] = oauth.scope
         if oauth.audience:
             form["audience"] = oauth.audience
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "Content-Type": "application/x-www-form-urlencoded"}
         if oauth.client_auth == "basic":  # RFC 6749 2.3.1: id and secret form-encoded, then Basic
             pair = f"{quote(oauth.client_id, safe='')}:{quote(self.secret, safe='')}"
             headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
@@ -228,22 +226,21 @@ class TokenClient:
         sent = time.monotonic()
         why: str
         try:
-            async with self.session.post(oauth.token_url, data=form, headers=headers, ssl=self.ssl,
-                                         timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                if resp.status != 200:
-                    why = f"the token endpoint {oauth.token_url} answered HTTP {resp.status}"
-                else:
-                    doc = await resp.json(content_type=None)
-                    value, expires_in = _token_from(doc)
-                    expires_at, refresh_at = token_times(sent, expires_in)
-                    self.token = Token(value, expires_at, refresh_at)
-                    self.issued = [*self.issued[-7:], value]
-                    self.fetched += 1
-                    self._failed = None
-                    log.info("credential %s: token fetched from %s (valid %.0fs)", self.credential.name,
-                             oauth.token_url, expires_in)
-                    return value
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            resp = await self.session.request("POST", oauth.token_url, body=urlencode(form).encode(),
+                                              headers=headers, timeout=10.0)
+            if resp.status != 200:
+                why = f"the token endpoint {oauth.token_url} answered HTTP {resp.status}"
+            else:
+                value, expires_in = _token_from(json.loads(resp.body))
+                expires_at, refresh_at = token_times(sent, expires_in)
+                self.token = Token(value, expires_at, refresh_at)
+                self.issued = [*self.issued[-7:], value]
+                self.fetched += 1
+                self._failed = None
+                log.info("credential %s: token fetched from %s (valid %.0fs)", self.credential.name,
+                         oauth.token_url, expires_in)
+                return value
+        except (TimeoutError, OSError) as exc:  # http1.ClientError is an OSError
             why = f"the token endpoint {oauth.token_url} could not be reached ({type(exc).__name__})"
         except ValueError as exc:
             why = f"the token endpoint {oauth.token_url} gave no usable token ({exc})"
@@ -296,7 +293,7 @@ class Credentials:
         self.upstream_ca = upstream_ca
         self.catalog: Catalog | None = None
         self.clients: dict[str, TokenClient] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session: http1.Client | None = None
         # Per process, not per call: what to strip for each credential, and the values to redact (made again
         # only when a token was fetched).
         self._strip: dict[str, frozenset[bytes]] = {}
@@ -351,13 +348,13 @@ class Credentials:
         client = self.clients.get(credential.name)
         if client is None:
             if self._session is None:
-                self._session = aiohttp.ClientSession()
-            context: ssl.SSLContext | bool = True
-            if self.upstream_ca:
-                context = ssl.create_default_context()
-                context.load_verify_locations(self.upstream_ca)
+                context: ssl.SSLContext | None = None  # http1's default: the system's trust store
+                if self.upstream_ca:
+                    context = ssl.create_default_context()
+                    context.load_verify_locations(self.upstream_ca)
+                self._session = http1.Client(ssl_context=context, max_body=1024 * 1024)
             client = self.clients[credential.name] = TokenClient(credential, self.secrets[credential.name],
-                                                                 self._session, context)
+                                                                 self._session)
         return client
 
     def value(self, credential: Credential) -> str | Awaitable[str]:

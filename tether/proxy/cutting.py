@@ -9,14 +9,15 @@ own, as closing the stream is cancellation to MCP but not every server watches f
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import aiohttp
 from mitmproxy import http
 
+from . import http1
 from .flowstate import state_of
 
 log = logging.getLogger("tether.sidecar")
@@ -68,13 +69,13 @@ class Cutter:
 
     async def _send_cancelled(self, url: str, headers: dict[str, str], ids: list[Any]) -> None:
         context = ssl.create_default_context(cafile=self.upstream_ca) if self.upstream_ca else None
+        client = http1.Client(ssl_context=context, max_body=1024 * 1024)
         try:
-            async with aiohttp.ClientSession() as session_http:
-                for request_id in ids:
-                    body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
-                            "params": {"requestId": request_id, "reason": "tether: terminated"}}
-                    async with session_http.post(url, json=body, headers=headers, ssl=context or True,
-                                                 timeout=aiohttp.ClientTimeout(total=3)) as resp:
-                        await resp.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.info("could not send notifications/cancelled to %s: %s", url, exc)
+            for request_id in ids:
+                body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                        "params": {"requestId": request_id, "reason": "tether: terminated"}}
+                await client.request("POST", url, body=json.dumps(body).encode(), headers=headers, timeout=3.0)
+        except (TimeoutError, OSError) as exc:  # http1.ClientError is an OSError
+            log.info("could not send notifications/cancelled to %s: %s", url, exc or type(exc).__name__)
+        finally:
+            await client.close()

@@ -9,6 +9,8 @@ imported as ``from mitmproxy.addons import x``) still works: the package body th
 
 Import ``Master`` from here too: ``mitmproxy.master`` imports ``.addons.termlog``, so importing it before this
 module would run the whole package body.
+
+pyparsing, ``mitmproxy.command_lexer`` and ruamel.yaml are deferred likewise (``tether/proxy/deferred.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 from types import ModuleType
 
 import mitmproxy
+
+from .deferred import defer
 
 PACKAGE = "mitmproxy.addons"
 
@@ -45,6 +49,7 @@ def _register_bare_package() -> None:
 
 
 _register_bare_package()
+defer("mitmproxy.command_lexer", by_name=("quote", "unquote"))  # before addons.core imports mitmproxy.command
 
 block = importlib.import_module(f"{PACKAGE}.block")
 core = importlib.import_module(f"{PACKAGE}.core")
