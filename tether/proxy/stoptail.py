@@ -75,79 +75,74 @@ class IllegalStep(Exception):
 
 # -- the actions: what the edge does at each step; ``timeout_s`` bounds it, ``tolerant`` swallows its errors ----
 @dataclass(frozen=True, slots=True)
-class StopListening:
+class Action:
+    """An action with no limit whose errors end the stop: the default; the actions below say where they differ."""
+
+    timeout_s: float | None = None
+    tolerant: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StopListening(Action):
     timeout_s: float | None = LISTEN_TIMEOUT_S
     tolerant: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class CloseEnclosure:
-    timeout_s: float | None = None
-    tolerant: bool = False
+class CloseEnclosure(Action):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
-class CloseConnections:
+class CloseConnections(Action):
     """The edge answers whether any connection was open (``done(closed=...)``)."""
 
-    timeout_s: float | None = None
-    tolerant: bool = False
-
 
 @dataclass(frozen=True, slots=True)
-class Pause:
+class Pause(Action):
     seconds: float = CONNECTIONS_SETTLE_S
-    timeout_s: float | None = None
-    tolerant: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class ShutDown:
-    timeout_s: float | None = None
-    tolerant: bool = False
+class ShutDown(Action):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
-class Join:
-    timeout_s: float | None = None
-    tolerant: bool = False
+class Join(Action):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
-class SweepLeft:
+class SweepLeft(Action):
     detail: str = STOP_SWEEP
-    timeout_s: float | None = None
-    tolerant: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseBudget:
+class ReleaseBudget(Action):
     timeout_s: float | None = RELEASE_TIMEOUT_S
     tolerant: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class Farewell:
+class Farewell(Action):
     timeout_s: float | None = FAREWELL_TIMEOUT_S
     tolerant: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class CloseSessions:
-    timeout_s: float | None = None
-    tolerant: bool = False
+class CloseSessions(Action):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
-class CloseFiles:
-    timeout_s: float | None = None
-    tolerant: bool = False
+class CloseFiles(Action):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
-class Stopped:
-    timeout_s: float | None = None
-    tolerant: bool = False
+class Stopped(Action):
+    pass
 
 
 TailAction = (StopListening | CloseEnclosure | CloseConnections | Pause | ShutDown | Join | SweepLeft | ReleaseBudget
