@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tether.capability.errors import CONFLICT, FORBIDDEN, NOT_FOUND, ApiError
 from tether.capability.events import CANCELLED, COMMAND, PENDING, by_termination
+from tether.capability.protocol import Command
 
 from .. import runs, telemetry
 from .. import termination as proto
@@ -326,23 +328,18 @@ class TerminationService:
 
     async def _send_commands(self, doc: Doc, new: Doc) -> Doc:
         """The drain or abort command to every link of the termination, stored and published."""
-        command = {
-            "termination_id": new["id"],
-            "mode": new["mode"],
-            "window_s": new["window_s"],
-            "deadline": new["deadline"],
-            "grace_s": new["grace_s"],
-            "issued_at": self.clock(),
-        }
+        command = Command(termination_id=new["id"], mode=new["mode"], window_s=new["window_s"],
+                          deadline=new["deadline"], grace_s=new["grace_s"], issued_at=self.clock())
         # A command belongs to a link (every run of it obeys), never to a bare agent id: a later link for
         # the same id starts clean. The standing command is stored as fixed; the event carries the window
         # left as of now (``remaining_s``), as a heartbeat's answer or a resync do when they hand it out.
         graph = await self.grants.graph()
         for link_hash in sorted(_links_of(new, graph)):
             agent = graph.by_hash[link_hash]["sub"] if link_hash in graph.by_hash else None
-            await self.store.put_doc(kinds.COMMAND, link_hash, {**command, "agent": agent, "link": link_hash})
-            await self.events.publish(COMMAND, link_hash, {**command, "link": link_hash,
-                                                           "remaining_s": proto.remaining(command, self.clock())})
+            stored = replace(command, agent=agent, link=link_hash).as_given()
+            await self.store.put_doc(kinds.COMMAND, link_hash, stored)
+            sent = replace(command, link=link_hash, remaining_s=proto.remaining(stored, self.clock()))
+            await self.events.publish(COMMAND, link_hash, sent.as_given())
         return new
 
     # The one table of what each action of the machine does (every action proto.advance can answer has its
