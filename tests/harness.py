@@ -91,6 +91,7 @@ def close_loop(loop: asyncio.AbstractEventLoop) -> None:
 # -- a private CA for HTTPS tool servers ----------------------------------------------------------------
 @dataclass
 class TestCA:
+    __test__ = False  # a certificate authority for the tests, not a test class for pytest to collect
     ca_pem: Path
     cert_pem: Path
     key_pem: Path
