@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -363,3 +364,157 @@ def test_messages_name_the_cause_in_a_few_words() -> None:
     assert why(TimeoutError()) == "timed out"
     assert why(ConnectionRefusedError(111, "Connect call failed")) == "connection refused"
     assert why(http1.ClientError("malformed answer: bad chunk")) == "malformed answer: bad chunk"
+
+
+# -- a pooled connection is reused only when it is clean (review findings, 2026-12-03) ---------------------------
+async def keep_alive_server(answer: Callable[[int, bytes], bytes | None]) -> tuple[asyncio.Server, str, list[bytes]]:
+    """A server keeping each connection open: for the n-th request on a connection, writes ``answer(n, head)``
+    (None: closes the connection instead, as a server whose keep-alive ran out does when the next one comes)."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                heads.append(head)
+                out = answer(n, head)
+                n += 1
+                if out is None:
+                    break
+                writer.write(out)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/", heads
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s%s" % (len(body), body, extra)
+
+
+async def test_a_connection_holding_bytes_nobody_asked_for_is_not_reused() -> None:
+    # The first answer carries a second answer past its Content-Length: reused, the connection would hand that
+    # to the next request as its answer, and every answer after it would be one late.
+    def answer(_: int, head: bytes) -> bytes:
+        path = head.split(b" ")[1]
+        return ok(b"first", ok(b"INJECTED")) if path == b"/one" else ok(b"real " + path)
+
+    server, url, _ = await keep_alive_server(answer)
+    client = http1.Client()
+    try:
+        assert (await client.request("GET", url + "one")).body == b"first"
+        await asyncio.sleep(0.05)
+        assert (await client.request("GET", url + "two")).body == b"real /two"
+        assert (await client.request("GET", url + "three")).body == b"real /three"
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_connection_the_server_wrote_to_while_idle_is_not_reused_for_a_heartbeat() -> None:
+    stale = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 5\r\n\r\nSTALE"
+    server, url, _ = await keep_alive_server(lambda _, head: ok(b"beat" if b"/heartbeat" in head else b"A"))
+    client = http1.Client()
+    try:
+        assert (await client.request("GET", url)).body == b"A"
+        (conn,) = [c for pool in client._idle.values() for c in pool]
+        conn.reader.feed_data(stale)  # as if the server had sent it while the connection sat in the pool
+        answer = await client.request("POST", url + "heartbeat", body=b"{}")
+        assert (answer.status, answer.body) == (200, b"beat")
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_get_on_a_pooled_connection_the_server_closed_as_it_came_is_sent_again() -> None:
+    server, url, heads = await keep_alive_server(lambda n, _: ok(b"ok") if n == 0 else None)
+    client = http1.Client()
+    try:
+        await client.request("GET", url)
+        answer = await client.request("GET", url)  # the pooled one closes on it (FIN, no byte): a new one answers
+        assert answer.body == b"ok" and len(heads) == 3
+        with pytest.raises(http1.ClientError):  # a POST is never sent twice: it may have been acted on
+            await client.request("POST", url, body=b"{}")
+        assert len(heads) == 4
+    finally:
+        await client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("method, status_line", [
+    ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 1234\r\n\r\n"),
+    ("GET", b"HTTP/1.1 204 No Content\r\nContent-Encoding: gzip\r\n\r\n"),
+    ("POST", b"HTTP/1.1 202 Accepted\r\nContent-Encoding: gzip\r\nContent-Length: 0\r\n\r\n"),
+])
+async def test_an_answer_without_a_body_is_empty_whatever_its_content_encoding(method: str, status_line: bytes) -> None:
+    server, url, _ = await keep_alive_server(lambda n, _: status_line)
+    client = http1.Client()
+    try:
+        answer = await client.request(method, url, body=b"{}" if method == "POST" else None)
+        assert answer.body == b""
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_deflate_is_read_zlib_wrapped_and_raw() -> None:
+    text = b"tether " * 1000
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    bodies = [zlib.compress(text), raw.compress(text) + raw.flush()]
+    server, url, _ = await keep_alive_server(
+        lambda n, _: b"HTTP/1.1 200 OK\r\nContent-Encoding: deflate\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(bodies[n % 2]), bodies[n % 2]))
+    client = http1.Client()
+    try:
+        assert (await client.request("GET", url)).body == text
+        assert (await client.request("GET", url)).body == text
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_the_wait_for_a_free_slot_counts_in_a_requests_deadline() -> None:
+    server, url, _ = await raw_server(slow)
+    client = http1.Client(limit=1)
+    try:
+        async with client.stream("GET", url, connect_timeout=0.5) as _:
+            pass
+    except TimeoutError:
+        pass  # the slow server never answers the stream's head: it held the only slot until then
+    try:
+        held = asyncio.create_task(client.request("GET", url, timeout=30))  # holds the only slot
+        await asyncio.sleep(0.1)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await client.request("GET", url, timeout=0.3)
+        assert time.monotonic() - began < 10  # bounded by its own deadline (30 s if the slot wait were not)
+        held.cancel()
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_stream_hands_a_compressed_flood_over_in_bounded_pieces() -> None:
+    flood = gzip.compress(b"\0" * (64 * 1024 * 1024))  # 64 MiB of zeros in ~64 KiB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(flood), flood))
+        await writer.drain()
+
+    server, url, _ = await raw_server(handler)
+    client = http1.Client()
+    try:
+        async with client.stream("GET", url) as answer:
+            sizes = [len(piece) async for piece in answer.chunks()]
+        assert sum(sizes) == 64 * 1024 * 1024 and max(sizes) <= http1.STREAM_PIECE
+    finally:
+        await client.close()
+        server.close()

@@ -24,7 +24,7 @@ import contextlib
 import ssl
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -33,6 +33,7 @@ import h11
 MAX_HEAD = 64 * 1024  # bytes of an answer's status line and headers
 MAX_BODY = 64 * 1024 * 1024  # bytes of an answer's body, decoded, unless the client is told otherwise
 READ_SIZE = 64 * 1024
+STREAM_PIECE = 1024 * 1024  # the most a stream hands its reader at once, decoded
 IDLE_S = 15.0  # a pooled connection unused this long is closed rather than reused
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})  # aiohttp's list
 
@@ -82,8 +83,9 @@ class Decoder:
     """An answer's body as sent (identity, gzip or deflate) to its bytes, never more than ``limit`` of them."""
 
     def __init__(self, encoding: str | None, limit: int) -> None:
-        self.limit, self.total = limit, 0
+        self.limit, self.total, self.fed = limit, 0, 0
         coding = (encoding or "identity").strip().lower()
+        self._deflate = coding == "deflate"  # zlib-wrapped as the RFC says, or raw (as some servers send it)
         if coding in ("gzip", "x-gzip"):
             self._z: zlib._Decompress | None = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif coding == "deflate":
@@ -93,8 +95,14 @@ class Decoder:
         else:
             raise ClientError(f"the answer's Content-Encoding {encoding!r} is not one this client reads")
 
+    def _first(self, data: bytes) -> None:
+        if self._deflate and not self.fed and data and data[0] & 0x0F != 8:  # no zlib header: raw deflate
+            self._z = zlib.decompressobj(-zlib.MAX_WBITS)
+        self.fed += len(data)
+
     def feed(self, data: bytes) -> bytes:
         if self._z is not None:
+            self._first(data)
             try:
                 data = self._z.decompress(data, self.limit - self.total + 1)
             except zlib.error as exc:
@@ -106,8 +114,24 @@ class Decoder:
             raise ClientError(f"the answer's body is over {self.limit} bytes")
         return data
 
-    def end(self) -> bytes:
+    def pieces(self, data: bytes, most: int) -> Iterator[bytes]:
+        """``data`` decoded, in pieces of at most ``most`` bytes: a small read of a compressed stream can decode
+        to a great deal, and a stream's reader holds one piece at a time."""
         if self._z is None:
+            yield self.feed(data)
+            return
+        self._first(data)
+        while data:
+            try:
+                out = self._z.decompress(data, most)
+            except zlib.error as exc:
+                raise ClientError(f"the answer's body does not decode ({exc})") from None
+            data = self._z.unconsumed_tail
+            if out:
+                yield self.feed_decoded(out)
+
+    def end(self) -> bytes:
+        if self._z is None or not self.fed:  # nothing was sent (a HEAD's, a 204's answer): nothing to decode
             return b""
         try:
             rest = self._z.flush()
@@ -132,10 +156,14 @@ class Connection:
     h11: h11.Connection = field(default_factory=lambda: h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD))
     idle_since: float = 0.0
     reused: bool = False
+    received: int = 0  # bytes read on this connection
 
     def usable(self, now: float) -> bool:
+        """Idle, open, and holding no byte nobody asked for: bytes the server sent past its answer, or while the
+        connection sat idle (a 408 before it closes), would be read as the next request's answer."""
         return (now - self.idle_since < IDLE_S and not self.reader.at_eof() and not self.writer.is_closing()
-                and self.h11.our_state is h11.IDLE and self.h11.their_state is h11.IDLE)
+                and self.h11.our_state is h11.IDLE and self.h11.their_state is h11.IDLE
+                and not self.h11.trailing_data[0] and not self.reader._buffer)  # asyncio keeps no public count
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -158,6 +186,7 @@ class Connection:
             if event is not h11.NEED_DATA:
                 return event
             data = await self.reader.read(READ_SIZE)  # b"": the server closed; h11 says what that means
+            self.received += len(data)
             try:
                 self.h11.receive_data(data)
             except h11.RemoteProtocolError as exc:
@@ -280,11 +309,12 @@ class Client:
         request = self._head(method, origin, target, headers, body)
         conn = self._pooled(origin) if pooled else None
         if conn is not None:
+            before = conn.received
             try:
                 return conn, await self._exchange_head(conn, request, body)
-            except (ClientError, ConnectionError) as exc:
+            except OSError as exc:  # ClientError, a reset, a TLS error: the server closed it, or never answered
                 self._discard(conn)
-                if method not in IDEMPOTENT or conn.h11.their_state is not h11.SEND_RESPONSE:
+                if method not in IDEMPOTENT or conn.received != before:  # a byte of an answer came: not again
                     raise _client_error(exc) from None
             except BaseException:
                 self._discard(conn)
@@ -298,27 +328,29 @@ class Client:
 
     async def request(self, method: str, url: str, *, body: bytes | None = None,
                       headers: Mapping[str, str] | None = None, timeout: float = 10.0) -> Response:
-        """One request and its whole answer, within ``timeout`` seconds (TimeoutError past it)."""
-        async with self._slot():
-            async with asyncio.timeout(timeout):
-                conn, head = await self._start(method.upper(), url, headers or {}, body)
-                try:
-                    answer = Response(head.status_code, _headers(head))
-                    answer.body = await _read_body(conn, answer, self.max_body)
-                except BaseException:
-                    self._discard(conn)
-                    raise
-                self._release(conn)
-                return answer
+        """One request and its whole answer, within ``timeout`` seconds (TimeoutError past it), the wait for a
+        free connection slot included."""
+        async with asyncio.timeout(timeout), self._slot():
+            conn, head = await self._start(method.upper(), url, headers or {}, body)
+            try:
+                answer = Response(head.status_code, _headers(head))
+                answer.body = await _read_body(conn, answer, self.max_body)
+            except BaseException:
+                self._discard(conn)
+                raise
+            self._release(conn)
+            return answer
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                      connect_timeout: float = 10.0, read_timeout: float = 30.0) -> AsyncIterator[Streamed]:
-        """A request whose answer is read as it arrives (``Streamed.chunks``): ``connect_timeout`` for the
-        connection and the answer's head, ``read_timeout`` for each read after it (TimeoutError past either).
-        A new connection, closed afterwards: a stream may last for hours, and takes no pooled one."""
-        async with self._slot():
-            async with asyncio.timeout(connect_timeout):
+        """A request whose answer is read as it arrives (``Streamed.chunks``): ``connect_timeout`` for a free
+        slot, the connection and the answer's head, ``read_timeout`` for each read after it (TimeoutError past
+        either). A new connection, closed afterwards: a stream may last for hours, and takes no pooled one."""
+        until = asyncio.get_running_loop().time() + connect_timeout
+        async with contextlib.AsyncExitStack() as held:
+            async with asyncio.timeout_at(until):
+                await held.enter_async_context(self._slot())
                 conn, head = await self._start(method.upper(), url, headers or {}, None, pooled=False)
             try:
                 yield Streamed(conn, Response(head.status_code, _headers(head)), read_timeout, self.max_body)
@@ -353,9 +385,9 @@ class Streamed:
             async with asyncio.timeout(self.read_timeout):
                 event = await self._conn.next_event()
             if isinstance(event, h11.Data):
-                data = decoder.feed(bytes(event.data))
-                if data:
-                    yield data
+                for data in decoder.pieces(bytes(event.data), STREAM_PIECE):
+                    if data:
+                        yield data
             elif isinstance(event, h11.EndOfMessage):
                 rest = decoder.end()
                 if rest:
