@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -233,3 +234,33 @@ def test_an_sse_list_s_parse_stands_for_its_events() -> None:
     data = b"".join(encode_pieces(take(secret, ConnectionStates(),
                                        parsed=ParsedBody(secret.response.raw_content, done.value)), FIELDS))
     assert b"t0ps3cret" not in data and data == reference(secret)
+
+
+class CountingFile:
+    """The capture's real file, counting its writes (each one a system call: the file is unbuffered)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.sizes = real, []  # type: ignore[var-annotated]
+
+    def write(self, data: Any) -> int:
+        self.sizes.append(len(data))
+        return self.real.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_a_small_flows_record_is_one_write_and_a_large_body_is_written_as_it_is(tmp_path: Path) -> None:
+    writer = CaptureWriter(tmp_path / "flows.mitm")
+    assert writer.write(tflow.tflow(resp=True))
+    counting = CountingFile(writer._open())
+    writer._file = counting  # type: ignore[assignment]
+    assert writer.write(tflow.tflow(resp=True))
+    assert len(counting.sizes) == 1  # a record is some 70 pieces: one write, not one each
+    big = tflow.tflow(resp=True)
+    big.response.content = b"z" * (1 << 20)
+    counting.sizes.clear()
+    assert writer.write(big)
+    assert (1 << 20) in counting.sizes and len(counting.sizes) <= 3  # the small runs around the body, joined
+    flows = list(read_flows(tmp_path / "flows.mitm"))
+    assert flows[-1].response.content == b"z" * (1 << 20)
