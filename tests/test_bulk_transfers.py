@@ -432,3 +432,36 @@ def test_a_body_reader_says_what_it_still_expects_and_is_told_what_passed_it() -
     taken(reader, 999)
     assert body_left(reader) == BodyLeft(1)
     assert body_left(Http10Reader()) == BodyLeft(None) and body_left(ChunkedReader()) is None
+
+
+def test_a_sink_writer_with_bytes_left_is_flushed_and_keeps_its_limits() -> None:
+    """The relay waits until the sink's writer has sent what mitmproxy gave it before the splice starts; its
+    buffer limits are put back as they were (asyncio answers them as (low, high): read the wrong way round,
+    putting them back raised ValueError and killed the connection's task, the answer stalled to its timeout)."""
+    from tether.proxy.relay import _flushed
+
+    async def main() -> tuple[tuple[int, int], tuple[int, int], int]:
+        a, b = socket.socketpair()
+        b.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=a)
+        before = writer.transport.get_write_buffer_limits()
+        writer.write(b"x" * (8 << 20))  # far more than the socket takes at once: most of it waits in the writer
+        loop = asyncio.get_running_loop()
+
+        async def peer() -> int:
+            got = 0
+            while got < (8 << 20):
+                got += len(await loop.sock_recv(b, 1 << 20))
+            return got
+
+        reading = asyncio.create_task(peer())
+        await asyncio.wait_for(_flushed(writer), 30)
+        left = writer.transport.get_write_buffer_size()
+        after = writer.transport.get_write_buffer_limits()
+        await asyncio.wait_for(reading, 30)
+        writer.close()
+        b.close()
+        return before, after, left
+
+    before, after, left = asyncio.run(main())
+    assert left == 0 and after == before

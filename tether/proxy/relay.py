@@ -55,6 +55,7 @@ log = logging.getLogger("tether.sidecar")
 
 CHUNK = 1 << 20  # bytes: what one step of the TLS relay decrypts, encrypts and writes at most
 PIPE_BYTES = 1 << 20  # the splice pipe's capacity (the default limit for an unprivileged process)
+YIELD_EVERY = 16  # splices without a wait after which the relay lets the event loop run other work
 RELAY_MIN = 64 << 10  # bytes: a smaller rest of a body is not worth the set-up
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 RELAYED = "tether.relayed_bytes"  # flow.metadata: how many of the body's bytes were relayed
@@ -95,7 +96,7 @@ def plain_stream(stream: Any) -> bool:
     return callable(relayable) and bool(relayable())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: it counts what the relay moved
 class Leg:
     """One body to relay: from ``source`` (whose read asked) to ``sink``, with the layers that frame it."""
 
@@ -107,6 +108,8 @@ class Leg:
     response: bool  # the answer's body (download), or the request's (upload)
     source_tls: Any = None  # the source's pyOpenSSL connection, when it speaks TLS
     sink_tls: Any = None
+    taken: int = 0  # of the body's bytes, how many left the source
+    given: int = 0  # and how many reached the sink: a relay that stops between the two lost some
 
 
 def _layers(top: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -225,7 +228,7 @@ async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Cal
     pipe_r, pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     with contextlib.suppress(OSError):
         fcntl.fcntl(pipe_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    in_pipe, wanted, ended = 0, count, False
+    in_pipe, wanted, ended, since_yield = 0, count, False, 0
     try:
         while True:
             moved = False
@@ -258,6 +261,10 @@ async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Cal
                 return ended
             if moved:
                 alive()
+                since_yield += 1
+                if since_yield >= YIELD_EVERY:  # both sides ready for long: other connections get their turn
+                    since_yield = 0
+                    await asyncio.sleep(0)
                 continue
             await _wait(sink_fd, True) if write_blocked or ended or wanted == 0 else await _wait(source_fd, False)
     finally:
@@ -273,9 +280,11 @@ def _counters(leg: Leg) -> tuple[Callable[[int], None], Callable[[int], None]]:
     counted = getattr(message.stream, "passed", None)
 
     def took(n: int) -> None:
+        leg.taken += n
         taken(leg.reader, n)
 
     def gave(n: int) -> None:
+        leg.given += n
         flow.metadata[RELAYED] = flow.metadata.get(RELAYED, 0) + n
         if counted is not None:
             counted(n)
@@ -301,13 +310,13 @@ async def _flushed(writer: asyncio.StreamWriter) -> None:
     transport = writer.transport
     if not transport.get_write_buffer_size():
         return
-    high, low = transport.get_write_buffer_limits()
-    transport.set_write_buffer_limits(0, 0)
+    low, high = transport.get_write_buffer_limits()  # asyncio answers (low, high)
+    transport.set_write_buffer_limits(high=0, low=0)
     try:
         await writer.drain()
     finally:
         if not transport.is_closing():
-            transport.set_write_buffer_limits(high, low)
+            transport.set_write_buffer_limits(high=high, low=low)
 
 
 async def relay_sockets(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) -> bool:
@@ -456,12 +465,18 @@ async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[i
             ended = await relay_sockets(handler, leg, read_raw)
         else:
             ended = await relay_streams(handler, leg, read_raw)
-    except SinkFailed as exc:
+    except (SinkFailed, SSL.Error) as exc:
+        if leg.taken != leg.given:  # bytes left the source that never reached the sink: the body is broken
+            log.info("the relay of a body stopped with %d bytes lost: %s (the connection is closed)",
+                     leg.taken - leg.given, exc)
+            raise OSError(f"the relay of a body lost {leg.taken - leg.given} bytes: {exc}") from exc
         log.info("the relay of a body stopped: %s (mitmproxy's path takes the rest)", exc)
         return False
-    except SSL.Error as exc:
-        log.info("the relay of a body stopped on a TLS error: %s (mitmproxy's path takes the rest)", exc)
-        return False
+    except (OSError, asyncio.CancelledError):
+        raise  # a broken source, an abort: mitmproxy's connection handler ends the connection
+    except Exception as exc:  # a bug of the relay's: never the connection's task, which mitmproxy would not see end
+        log.exception("the relay of a body failed (the connection is closed)")
+        raise OSError(f"the relay of a body failed: {exc!r}") from exc
     if not ended and leg.left.count is not None:
         await handler.server_event(events.DataReceived(connection, b""))
     return ended
