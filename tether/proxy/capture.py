@@ -446,7 +446,7 @@ def _tnet_dict(items: list[tuple[str, bytes]]) -> bytes:
 PIECE_BYTES = 64 << 10  # bytes at least this long go into a record as they are, not copied into it
 
 
-def coalesced(pieces: list[bytes]) -> Iterator[bytes]:
+def coalesced(pieces: Iterable[bytes]) -> Iterator[bytes]:
     """A record's pieces as few writes: runs of small ones joined (a small flow's record is some 70 pieces, and an
     unbuffered file makes each write a system call), a large one (``PIECE_BYTES`` on) written as it is."""
     run: list[bytes] = []
@@ -576,14 +576,15 @@ def encode_pieces(taken: Taken, fields: FieldNames) -> list[bytes]:
     a piece of its own, the very bytes object the flow holds."""
     if taken.values and taken.scrub_first:
         return _encode_taken(taken, fields, taken.values)  # a compressed body hides a value from a search
-    pieces = _encode_taken(taken, fields, ())
+    pieces = list(coalesced(_encode_taken(taken, fields, ())))  # a small flow's record: one piece
     # tnetstrings hold bytes and strings verbatim, each whole inside one piece: a value absent from every piece is
     # absent from every part of the flow, which is the usual case (the injected header is redacted by name). Only
     # a flow that holds one (a tool echoing its request back) is encoded again, scrubbing every header, body and
-    # path by value.
+    # path by value. (Joined pieces can only add a match across two of them: one more scrub, never one less.)
     for value in taken.values:
-        if any(value in piece for piece in pieces):
-            return _encode_taken(taken, fields, taken.values)
+        for piece in pieces:
+            if value in piece:
+                return _encode_taken(taken, fields, taken.values)
     return pieces
 
 
