@@ -186,6 +186,10 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
     if layer is None or (connection.tls and source_tls is None) or (sink.tls and sink_tls is None):
         return None
     source_layer, sink_layer = _http1_of(layer.connections.get(connection)), _http1_of(layer.connections.get(sink))
+    if any(isinstance(x, http_layer.HttpConnection) and not isinstance(x, _http1.Http1Connection)
+           for x in (source_layer, sink_layer)):
+        _streams.pop(connection.id, None)  # HTTP/2 (or 3) on either side, for good: never relayed, not walked again
+        return None
     want_source = _http1.Http1Client if response else _http1.Http1Server
     want_sink = _http1.Http1Server if response else _http1.Http1Client
     if not (isinstance(source_layer, want_source) and isinstance(sink_layer, want_sink)
