@@ -52,7 +52,10 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterato
     tools = ToolServer().start()
     secure = ToolServer(tls=test_ca).start()
     mcp = McpServer(port=free_port())  # in the catalog only; these tests speak plain HTTP
-    cp = prepare_controlplane(directory / "cp", tools.port, secure.port, mcp.port)
+    # A lease three times the tests' usual 3 s (the heartbeat, a third of it, still shows a hanging call): these tests push 16 MiB bodies and 200 KB headers through a
+    # sidecar, which on a loaded machine can hold its event loop past a 3 s lease; none of them is about the
+    # lease (the outage test, which is, runs on the shared `world` with the short one).
+    cp = prepare_controlplane(directory / "cp", tools.port, secure.port, mcp.port, lease_ttl=9.0)
     dead = free_port()
     catalog = cp.catalog_path.read_text().replace("\nroles:", (
         f'\n  dead.read: {{http: {{host: 127.0.0.1, port: {dead}, methods: [GET], path: "/dead*"}}}}'
@@ -191,11 +194,11 @@ def test_tool_faults_affect_only_their_call_and_are_never_retried(faulty: Faulty
     healthy(w, sc, "after-dead")
 
     with ThreadPoolExecutor(1) as pool:
-        hanging = pool.submit(requests.get, f"{base}/hang", proxies=px, timeout=(5, 4))
+        hanging = pool.submit(requests.get, f"{base}/hang", proxies=px, timeout=(5, 12))
         wait_until(lambda: w.tools.active > 0, 10, what="the hanging call to reach the tool")
         # The hang holds one call; the agent's other calls do not wait for it.
         healthy(w, sc, "during-hang")
-        wait_until(lambda: inflight_seen_by_controlplane(w, "flt-a") >= 1, 10,
+        wait_until(lambda: inflight_seen_by_controlplane(w, "flt-a") >= 1, 11,
                    what="the control plane to see the call in flight")
         with pytest.raises(requests.exceptions.ReadTimeout):
             hanging.result(timeout=30)
