@@ -7,7 +7,8 @@ An aiohttp upstream in its own process serves ``GET /stream/down`` (SIZE bytes, 
 written again and again, with a Content-Length) and takes ``POST /stream/up`` (reads the body as it arrives, counts
 it, answers the count), over HTTP and over HTTPS (a private CA). One client (aiohttp, in this process; one transfer
 at a time, its body read and counted in 1 MiB pieces, or sent from a 1 MiB block with a Content-Length) fetches and
-sends SIZE bytes through each setup:
+sends SIZE bytes through each setup. ``--framing chunked``: both ways chunked instead (the upstream's answer has no
+Content-Length, so aiohttp writes each 1 MiB block as a chunk; the client's upload has none either, same):
 
 - *direct*: no proxy;
 - *mitmdump*: bare mitmproxy, no addons of ours, with ``stream_large_bodies=1m`` (without it mitmdump holds a whole
@@ -79,7 +80,8 @@ cfg = json.loads(sys.argv[1])
 size, block = cfg["size"], bytes(range(256)) * (cfg["block"] // 256)
 
 async def down(request):
-    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+    length = {} if cfg["chunked"] else {"Content-Length": str(size)}
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", **length})
     await resp.prepare(request)
     left = size
     while left > 0:
@@ -172,13 +174,14 @@ class SpliceRelay:
 class Upstream(bs.ToolServerProcess):
     """UPSTREAM_CODE in a child process: HTTP and HTTPS."""
 
-    def __init__(self, ca: bs.TestCA, size: int) -> None:
+    def __init__(self, ca: bs.TestCA, size: int, chunked: bool = False) -> None:
         super().__init__(ca)
-        self.size = size
+        self.size, self.chunked = size, chunked
 
     def start(self) -> Upstream:
         cfg = {"http": self.http_port, "https": self.https_port, "cert": str(self.ca.cert_pem),
-               "key": str(self.ca.key_pem), "size": self.size, "block": BLOCK}
+               "key": str(self.ca.key_pem), "size": self.size, "block": BLOCK,
+               "chunked": self.chunked}
         self.proc = subprocess.Popen([sys.executable, "-c", UPSTREAM_CODE, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready", "upstream failed"
@@ -244,7 +247,8 @@ async def download(session: aiohttp.ClientSession, url: str, proxy: str | None, 
         raise RuntimeError(f"downloaded {got} bytes of {size}")
 
 
-async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, size: int) -> None:
+async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, size: int,
+                 chunked: bool = False) -> None:
     block = bytes(range(256)) * (BLOCK // 256)
 
     async def body():
@@ -254,7 +258,7 @@ async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, si
             left -= len(piece)
             yield piece
 
-    headers = {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+    headers = {"Content-Type": "application/octet-stream", **({} if chunked else {"Content-Length": str(size)})}
     async with session.post(url, proxy=proxy, data=body(), headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"POST {resp.status} {resp.headers.get('Tether-Error')} {(await resp.text())[:300]}")
@@ -263,25 +267,28 @@ async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, si
         raise RuntimeError(f"the upstream received {got} bytes of {size}")
 
 
-async def one_transfer(setup: Setup, direction: str, url: str, size: int) -> float:
+async def one_transfer(setup: Setup, direction: str, url: str, size: int, chunked: bool = False) -> float:
     """One transfer on a fresh connection (its TLS handshake and the proxy's decision included): MiB/s."""
     context = ssl.create_default_context(cafile=str(setup.ca))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, ssl=context),
                                      timeout=aiohttp.ClientTimeout(total=900)) as session:
         start = time.perf_counter()
-        await (download if direction == "download" else upload)(session, url, setup.proxy, size)
+        if direction == "download":
+            await download(session, url, setup.proxy, size)
+        else:
+            await upload(session, url, setup.proxy, size, chunked)
         return size / MIB / (time.perf_counter() - start)
 
 
 def measure(setups: list[Setup], direction: str, url: str, size: int, rounds: int,
-            upstream_pid: int) -> dict[str, Figures]:
+            upstream_pid: int, chunked: bool = False) -> dict[str, Figures]:
     figures = {s.name: Figures() for s in setups}
-    asyncio.run(one_transfer(setups[0], direction, url, size))  # warm-up, not counted: first-call costs paid
+    asyncio.run(one_transfer(setups[0], direction, url, size, chunked))  # warm-up, not counted: first-call costs paid
     for r in range(rounds):
         for s in setups[r % len(setups):] + setups[:r % len(setups)]:
             cpu0 = bs.cpu_seconds(s.pid) if s.pid else 0.0
             own0, up0 = bs.cpu_seconds(os.getpid()), bs.cpu_seconds(upstream_pid)
-            rate = asyncio.run(one_transfer(s, direction, url, size))
+            rate = asyncio.run(one_transfer(s, direction, url, size, chunked))
             fig = figures[s.name]
             fig.rates.append(rate)
             fig.bytes += size
@@ -319,17 +326,20 @@ def main() -> int:
     parser.add_argument("--setups", default=",".join((DIRECT, MITMDUMP, TETHER, NOCAP)),
                         help="which setups (direct and mitmdump always run: they are the baselines)")
     parser.add_argument("--no-splice", action="store_true", help="leave out the bare splice relay (plaintext)")
+    parser.add_argument("--framing", choices=("length", "chunked"), default="length",
+                        help="bodies with a Content-Length (default), or chunked both ways")
     args = parser.parse_args()
     size = parse_size(args.size)
     work = Path(tempfile.mkdtemp(prefix="tether-bench-stream-"))
     print(f"tether stream benchmark  {time.strftime('%Y-%m-%d %H:%M')}  nproc {os.cpu_count()}  "
           f"python {platform.python_version()}  aiohttp {aiohttp.__version__}  size {size / MIB:.0f} MiB  "
-          f"rounds {args.rounds}  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"rounds {args.rounds}  framing {args.framing}  "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     wanted = set(args.setups.split(",")) | {DIRECT, MITMDUMP} | ({BEFORE} if args.before else set())
     out: list[str] = []
     with ExitStack() as stack:
         ca = make_test_ca(work / "toolca")
-        upstream = stack.enter_context(bs.stopping(Upstream(ca, size).start()))
+        upstream = stack.enter_context(bs.stopping(Upstream(ca, size, args.framing == "chunked").start()))
         cp = prepare_controlplane(work / "cp", upstream.http_port, upstream.https_port, free_port(), lease_ttl=15.0)
         cp.catalog_path.write_text(cp.catalog_path.read_text().replace(
             "roles:", STREAM_CAPS.format(http=upstream.http_port, https=upstream.https_port).lstrip("\n") + "roles:"))
@@ -362,7 +372,8 @@ def main() -> int:
                       *(Setup(n, sc.proxy, Path(sc.ca), sc.proc.pid) for n, sc in sidecars.items())]
             for direction in args.directions.split(","):
                 url = base + ("/stream/down" if direction == "download" else "/stream/up")
-                figures = measure(setups, direction, url, size, args.rounds, upstream.proc.pid)
+                figures = measure(setups, direction, url, size, args.rounds, upstream.proc.pid,
+                                  args.framing == "chunked")
                 lines = report(scheme, direction, figures)
                 out += lines
                 print("\n".join(lines), flush=True)
