@@ -8,6 +8,18 @@ rest of that body but a counter: ``direct_relay()`` then moves it between the tw
 answer delimited by the upstream closing the connection, up to that close. Both ways: a streamed upload with a
 ``Content-Length`` goes to the upstream the same way.
 
+Chunked bodies (both ways, plaintext on both sides, ``relay_chunked``). mitmproxy sends a chunked message on
+chunked, every piece it passes a chunk of its own, so the sink is always between chunks when the relay starts: the
+source's bytes from there on pass as they are, framing included. The relay reads only the chunk-size lines and the
+CRLF closing each chunk (``scan_chunks``, peeking at the socket: nothing leaves the source until it is known to be
+framing or data) and splices runs of whole chunks, or the rest of one chunk's data, at a time. It relays a
+chunk-size line of hex digits alone; the zero-size last chunk (with the trailer section, which tether discards:
+``framing.py``), a line with an extension or anything else, and a malformed chunk end are left where they are and
+the relay ends before them: mitmproxy's path (h11, whose reader is put where the source stands) reads, or refuses,
+them as it always did, and sends the end. Started inside a chunk mitmproxy passed the start of, the relay first
+sends the rest of it as a chunk of its own. What follows the body on the source (a pipelined request) is never
+touched. Over TLS a chunked body keeps mitmproxy's path (with ``bulk_transfers()``).
+
 When. At every read of a connection, before it reads, the reader asks (``_leg``) whether the connection
 carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, its stream plain
 (``flow.response.stream is True``, or a capture's tee that has kept all it keeps: ``relayable()``), the layers
