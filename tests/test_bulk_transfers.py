@@ -6,12 +6,14 @@ real sidecar over HTTP and HTTPS, chunked and not, compared byte for byte."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
 import random
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -308,9 +310,8 @@ def test_every_framing_passes_byte_for_byte_both_ways_and_the_relay_takes_what_i
         relay_world: tuple[World, FramingServer], scheme: str) -> None:
     """24 MiB down with a Content-Length, chunked, and ended by the close, and up with a Content-Length and
     chunked: equal byte for byte. The relay takes the Content-Length bodies both ways (and, from a plaintext
-    upstream, the body ended by its close); chunked bodies too when both sides are plaintext (over TLS they keep
-    mitmproxy's path). The capture keeps each answer's first 1 MiB and counts the whole, the relayed rest
-    included."""
+    upstream, the body ended by its close), and chunked bodies. The capture keeps each answer's first 1 MiB and
+    counts the whole, the relayed rest included."""
     world, upstream = relay_world
     sc = world.sidecar(world.cp.issue("relay", {"relay.plain": "direct", "relay.tls": "direct"}))
     base = _base(upstream, scheme)
@@ -335,12 +336,10 @@ def test_every_framing_passes_byte_for_byte_both_ways_and_the_relay_takes_what_i
         assert resp.json() == {"sha256": digest, "bytes": RELAY_SIZE}
     assert len(_relayed(sc, "/blob/cl/")) == 1
     assert len(_relayed(sc, "/blob/eof/")) == (1 if scheme == "http" else 0)
-    if scheme == "http":  # chunked, both ways: relayed (from where the relay may start; again after a hand-back)
-        assert _relayed(sc, "/blob/chunked/") and all("chunked" in line for line in _relayed(sc, "/blob/chunked/"))
-        assert [line for line in _relayed(sc, "/digest") if "chunked" in line]
-        assert len([line for line in _relayed(sc, "/digest") if "chunked" not in line]) == 1
-    else:  # TLS on either side: a chunked body keeps mitmproxy's path
-        assert not _relayed(sc, "/blob/chunked/") and len(_relayed(sc, "/digest")) == 1
+    # chunked, both ways: relayed (from where the relay may start; again after a hand-back)
+    assert _relayed(sc, "/blob/chunked/") and all("chunked" in line for line in _relayed(sc, "/blob/chunked/"))
+    assert [line for line in _relayed(sc, "/digest") if "chunked" in line]
+    assert len([line for line in _relayed(sc, "/digest") if "chunked" not in line]) == 1
     flows = wait_until(lambda: [f for f in read_flows(sc.state_dir / "captures" / "flows.mitm")
                                 if f.request.path.startswith("/blob/cl/") and f.response is not None] or None,
                        20, what="the relayed answer's final capture")
@@ -576,8 +575,27 @@ def _read_response(f: Any) -> tuple[int, dict[str, str], bytes]:
 
 
 def _head(method: str, url: str, fields: str = "") -> bytes:
-    """An HTTP/1.1 request head to a proxy (absolute form)."""
-    return f"{method} {url} HTTP/1.1\r\nHost: {url.split('/')[2]}\r\n{fields}\r\n".encode()
+    """An HTTP/1.1 request head to a proxy: absolute form over HTTP, origin form inside an HTTPS tunnel."""
+    target = url if url.startswith("http://") else "/" + url.split("/", 3)[3]
+    return f"{method} {target} HTTP/1.1\r\nHost: {url.split('/')[2]}\r\n{fields}\r\n".encode()
+
+
+@contextlib.contextmanager
+def _connection(sc: SidecarProcess, base: str) -> Iterator[tuple[socket.socket, Any]]:
+    """A connection to the sidecar for requests to ``base``: over HTTPS a CONNECT tunnel, TLS to the sidecar."""
+    host, port = sc.proxy.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=120) as raw:
+        conn = raw
+        if base.startswith("https://"):
+            authority = base.split("/")[2]
+            raw.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += raw.recv(1)
+            assert head.split(b" ")[1] == b"200", head
+            conn = ssl.create_default_context(cafile=sc.ca).wrap_socket(raw, server_hostname="localhost")
+        with conn, conn.makefile("rb") as f:
+            yield conn, f
 
 
 def _passed(sc: SidecarProcess, path: str) -> int:
@@ -586,17 +604,17 @@ def _passed(sc: SidecarProcess, path: str) -> int:
                if "the relay of" in line and " passed " in line and path in line)
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 def test_chunked_bodies_are_relayed_byte_for_byte_and_the_connection_goes_on(
-        relay_world: tuple[World, FramingServer]) -> None:
-    """On one keep-alive connection to the sidecar (plaintext both sides): a 24 MiB chunked answer in uneven
-    chunks, another in 1 MiB chunks ending in a trailer field, a 24 MiB chunked upload, then a small answer: each
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
+    """On one keep-alive connection to the sidecar (plaintext both sides, or TLS both): a 24 MiB chunked answer in
+    uneven chunks, another in 1 MiB chunks ending in a trailer field, a 24 MiB chunked upload, then a small answer: each
     byte for byte (SHA-256), most of each chunked body passed by the relay, the trailer discarded as tether always
     does (framing.py), and the connection (and the sidecar's to the upstream) still in step after each."""
     world, upstream = relay_world
-    sc = world.sidecar(world.cp.issue("relay-chunked", {"relay.plain": "direct"}))
-    base, want = _base(upstream, "http"), _pattern(RELAY_SIZE)
-    host, port = sc.proxy.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=120) as conn, conn.makefile("rb") as f:
+    sc = world.sidecar(world.cp.issue("relay-chunked", {"relay.plain": "direct", "relay.tls": "direct"}))
+    base, want = _base(upstream, scheme), _pattern(RELAY_SIZE)
+    with _connection(sc, base) as (conn, f):
         for framing in ("chunked", "trailer"):
             conn.sendall(_head("GET", f"{base}/blob/{framing}/{RELAY_SIZE}"))
             status, fields, body = _read_response(f)
@@ -625,38 +643,37 @@ def test_chunked_bodies_are_relayed_byte_for_byte_and_the_connection_goes_on(
     assert flows[-1].comment == f"tether: streamed answer, the capture holds its first {MIB} of {RELAY_SIZE} bytes"
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 def test_a_pipelined_request_after_a_relayed_chunked_upload_is_answered(
-        relay_world: tuple[World, FramingServer]) -> None:
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
     """A chunked upload of 8 MiB and, in the same writes, the next request right after its last chunk: the relay
     stops before the last chunk, so the next request stays for mitmproxy's path and is answered after the first."""
     world, upstream = relay_world
-    sc = world.sidecar(world.cp.issue("relay-pipelined", {"relay.plain": "direct"}))
-    base, want = _base(upstream, "http"), _pattern(8 * MIB)
-    host, port = sc.proxy.removeprefix("http://").split(":")
+    sc = world.sidecar(world.cp.issue("relay-pipelined", {"relay.plain": "direct", "relay.tls": "direct"}))
+    base, want = _base(upstream, scheme), _pattern(8 * MIB)
     framed = b"".join(b"%x\r\n%s\r\n" % (len(want[at:at + 300_001]), want[at:at + 300_001])
                       for at in range(0, len(want), 300_001))
     data = (_head("POST", f"{base}/digest", "Transfer-Encoding: chunked\r\n") + framed
             + b"0\r\n\r\n" + _head("GET", f"{base}/blob/cl/1000"))
-    with socket.create_connection((host, int(port)), timeout=120) as conn, conn.makefile("rb") as f:
-        sender = threading.Thread(target=conn.sendall, args=(data,), daemon=True)
-        sender.start()
+    with _connection(sc, base) as (conn, f):
+        conn.sendall(data)  # the two answers are small: they wait in this socket while it sends
         status, _, body = _read_response(f)
         assert status == 200 and json.loads(body) == {"sha256": hashlib.sha256(want).hexdigest(), "bytes": len(want)}
         assert _read_response(f)[::2] == (200, _pattern(1000))
-        sender.join(30)
     assert _passed(sc, "/digest") > len(want) // 2
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 def test_an_abort_during_a_relayed_chunked_answer_cuts_it_and_the_record_says_unknown(
-        relay_world: tuple[World, FramingServer]) -> None:
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
     """An endless chunked answer (1 MiB chunks) relayed socket to socket; the agent terminated with abort: its read
     ends short with an error, and the call's report is unknown, tether.aborted."""
     world, upstream = relay_world
-    sc = world.sidecar(world.cp.issue("relay-cut-chunked", {"relay.plain": "direct"}))
+    sc = world.sidecar(world.cp.issue("relay-cut-chunked", {"relay.plain": "direct", "relay.tls": "direct"}))
     got, aborted = 0, False
     with pytest.raises(requests.exceptions.RequestException):  # the cut comes mid-read
-        with requests.get(f"{_base(upstream, 'http')}/endless-chunked", proxies=sc.proxies(), stream=True,
-                          timeout=60) as resp:
+        with requests.get(f"{_base(upstream, scheme)}/endless-chunked", proxies=sc.proxies(), verify=sc.ca,
+                          stream=True, timeout=60) as resp:
             assert resp.status_code == 200
             for piece in resp.iter_content(MIB):
                 got += len(piece)

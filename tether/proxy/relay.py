@@ -279,10 +279,10 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
     if coding:  # chunked: the sink frames it chunked too (mitmproxy frames every piece as a chunk of its own)
         chunks = chunk_reader(source_layer.body_reader)
         if isinstance(getattr(source_layer.body_reader, "reader", source_layer.body_reader), ChunkedReader) and (
-                source_tls is None and sink_tls is None):
-            return Leg(stream, connection, sink, source_layer.body_reader, None, response, chunks=chunks) \
-                if chunks is not None else None  # in a chunk's CRLF: at a later read
-        _streams.pop(connection.id, None)  # not chunked after all, or TLS on a side: mitmproxy's path
+                source_tls is not None or sink_tls is None):
+            return Leg(stream, connection, sink, source_layer.body_reader, None, response, source_tls, sink_tls,
+                       chunks) if chunks is not None else None  # in a chunk's CRLF: at a later read
+        _streams.pop(connection.id, None)  # not chunked after all, or plaintext in and TLS out: mitmproxy's path
         return None
     left = body_left(source_layer.body_reader)
     if left is None or (left.count is not None and left.count < RELAY_MIN) or (
@@ -567,11 +567,12 @@ def _tls_ssl(tls: Any) -> Any:
     return tls._ssl
 
 
-def _decrypt_into(tls: Any, buf: bytearray, at: int, most: int) -> int:
-    """SSL_read of at most ``most`` bytes straight into ``buf[at:]``: the bytes read, 0 when OpenSSL needs more
-    ciphertext; raises SSL.ZeroReturnError at the peer's close_notify, SSL.Error on a TLS failure."""
+def _decrypt_into(tls: Any, buf: bytearray, at: int, most: int, peek: bool = False) -> int:
+    """SSL_read (``peek``: SSL_peek, which leaves them to the next read) of at most ``most`` bytes straight into
+    ``buf[at:]``: the bytes read, 0 when OpenSSL needs more ciphertext; raises SSL.ZeroReturnError at the peer's
+    close_notify, SSL.Error on a TLS failure."""
     with SSL._ffi.from_buffer(buf) as view:
-        got = SSL._lib.SSL_read(_tls_ssl(tls), view + at, most)
+        got = (SSL._lib.SSL_peek if peek else SSL._lib.SSL_read)(_tls_ssl(tls), view + at, most)
         if got > 0:
             return int(got)
         try:
@@ -653,6 +654,88 @@ async def relay_streams(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) 
     return False
 
 
+async def relay_chunked_tls(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) -> bool:
+    """A chunked body from a TLS source (to a TLS or plaintext sink): as ``relay_chunked``, its bytes pass as they
+    are, framing included, decrypted and encrypted in bulk as ``relay_streams`` does; the chunk-size lines are read
+    with SSL_peek, so what the relay leaves (the last chunk, a line it does not relay) is still OpenSSL's to hand
+    mitmproxy's TLS layer. True when the source ended during it."""
+    ready = _ready(handler, leg)
+    tls = leg.source_tls
+    if ready is None or leg.chunks is None or tls is None:
+        return False
+    _, _, source_io, sink_io = ready
+    took, gave, body = _counters(leg)
+    left = leg.chunks._bytes_in_chunk
+    pos = ChunkPos(left, bool(left))
+    buf, peeked = bytearray(CHUNK), bytearray(CHUNK_PEEK)
+    view = memoryview(buf)
+    announced = False
+
+    async def send(data: bytes | memoryview) -> None:
+        if leg.sink_tls is not None:
+            leg.sink_tls.sendall(data)
+            data = _encrypted(leg.sink_tls)
+        try:
+            sink_io.writer.write(bytes(data))
+            await sink_io.writer.drain()
+        except OSError as exc:
+            raise SinkFailed(str(exc)) from exc
+
+    if left:  # the rest of a chunk mitmproxy passed the start of: a chunk of its own
+        _announce(leg, "TLS in bulk, chunked")
+        announced = True
+        await send(b"%x\r\n" % left)
+    while True:
+        if pos.data_left:
+            got = await _plaintext(leg, read_raw, source_io.writer, buf, min(pos.data_left, CHUNK))
+            if not got:
+                return True
+            took(got)
+            await send(view[:got])
+            gave(got)
+            body(got)
+            pos = ChunkPos(pos.data_left - got, True)
+            handler.timeout_watchdog.register_activity()
+            continue
+        try:
+            seen = _decrypt_into(tls, peeked, 0, CHUNK_PEEK, peek=True)
+        except SSL.ZeroReturnError:
+            return True
+        if not seen:
+            reply = _encrypted(tls)  # a TLS 1.3 key update's answer, a ticket: the source's own traffic
+            if reply:
+                source_io.writer.write(reply)
+            data = await read_raw(CHUNK)
+            if not data:
+                return True
+            tls.bio_write(data)
+            continue
+        scan = scan_chunks(pos, peeked[:seen])
+        if scan.stop and not announced:  # the body ends in what is at hand: mitmproxy's path, as if never asked
+            _streams.pop(leg.source.id, None)
+            return False
+        if not announced:
+            _announce(leg, "TLS in bulk, chunked")
+            announced = True
+        if scan.passable:
+            got = _decrypt_into(tls, buf, 0, scan.passable)  # peeked already: all there
+            if got != scan.passable:
+                raise OSError(f"TLS read {got} of the {scan.passable} bytes it had shown")
+            took(got)
+            await send(view[:got])
+            gave(got)
+            body(scan.data)
+        pos = scan.pos
+        if scan.stop or not scan.passable:  # the last chunk, a line the relay leaves, or one not all there yet
+            if scan.stop:
+                _streams.pop(leg.source.id, None)
+            if pos.crlf and not pos.data_left:
+                await send(b"\r\n")  # closes the chunk towards the sink; h11 checks and drops the source's
+            leg.chunks._bytes_in_chunk = pos.data_left
+            leg.chunks._bytes_to_discard = b"\r\n" if pos.crlf and not pos.data_left else b""
+            return False
+
+
 async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[int], Any]) -> bool:
     """Relay what may be relayed of the body ``connection`` is sending, if any; True when the connection ended
     (EOF) during it. After a relayed Content-Length body, the layers are handed an empty read: the reader's rest
@@ -663,7 +746,9 @@ async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[i
     if leg.chunks is None:
         _announce(leg, "splice" if leg.source_tls is None and leg.sink_tls is None else "TLS in bulk")
     try:
-        if leg.chunks is not None:
+        if leg.chunks is not None and leg.source_tls is not None:
+            ended = await relay_chunked_tls(handler, leg, read_raw)
+        elif leg.chunks is not None:
             ended = await relay_chunked(handler, leg, read_raw)
         elif leg.source_tls is None and leg.sink_tls is None:
             ended = await relay_sockets(handler, leg, read_raw)
@@ -686,7 +771,8 @@ async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[i
         log.info("the relay of %s's chunked %s passed %d bytes; %s", leg.stream.flow.request.pretty_url,
                  "answer" if leg.response else "request body", leg.given,
                  "the source closed" if ended else "mitmproxy's path reads on")
-    if not ended and leg.left is not None and leg.left.count is not None:
+    if not ended and ((leg.left is not None and leg.left.count is not None) or (
+            leg.chunks is not None and leg.source_tls is not None)):  # a TLS source: what OpenSSL holds, to h11
         await handler.server_event(events.DataReceived(connection, b""))
     return ended
 
