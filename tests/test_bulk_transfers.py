@@ -160,8 +160,9 @@ def _pattern(size: int) -> bytes:
 
 class FramingServer:
     """A raw HTTP/1.1 upstream (asyncio, in a thread of its own) that frames its answers as asked, over plaintext
-    and TLS: ``GET /blob/{cl,chunked,trailer,eof}/N`` answers N bytes of ``_pattern(N)`` with a Content-Length,
-    chunked in uneven pieces, chunked in 1 MiB pieces and a trailer field, or ended by closing the connection;
+    and TLS: ``GET /blob/{cl,chunked,trailer,ext,eof}/N`` answers N bytes of ``_pattern(N)`` with a Content-Length,
+    chunked in uneven pieces, chunked in 1 MiB pieces and a trailer field, the same with a chunk extension on the
+    middle chunk instead, or ended by closing the connection;
     ``GET /endless`` streams a Content-Length of 1 TiB until the client goes, ``GET /endless-chunked`` 1 MiB
     chunks; ``POST /digest`` answers the SHA-256 and length of the request body (Content-Length or chunked)."""
 
@@ -229,6 +230,16 @@ class FramingServer:
             for at in range(0, len(data), MIB):
                 writer.write(data[at:at + MIB])
                 await writer.drain()
+            return True
+        if framing == "ext":  # chunks of 1 MiB, the one in the middle with a chunk extension
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for at in range(0, len(data), MIB):
+                ext = b";x=1" if at == len(data) // 2 // MIB * MIB else b""
+                writer.write(b"%x%s\r\n%s\r\n" % (len(data[at:at + MIB]), ext, data[at:at + MIB]))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
             return True
         if framing == "trailer":  # chunks of 1 MiB (the last shorter), then a trailer field
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
@@ -686,3 +697,20 @@ def test_an_abort_during_a_relayed_chunked_answer_cuts_it_and_the_record_says_un
     report = wait_until(lambda: [r for r in reports_for(world.cp, "relay-cut-chunked")
                                  if r["url"].endswith("/endless-chunked")], 20, what="the cut call's report")[0]
     assert (report["resolution"], report["code"]) == ("unknown", "tether.aborted")
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_chunk_extension_ends_the_chunked_relay_and_the_body_still_arrives_whole(
+        relay_world: tuple[World, FramingServer], scheme: str) -> None:
+    """A chunk-size line with an extension half-way through a 24 MiB answer: the relay passes the chunks before
+    it and stops there for good (one relay, about half the body); mitmproxy's path reads the rest (dropping the
+    extension, as it always did), and the agent gets the body byte for byte."""
+    world, upstream = relay_world
+    sc = world.sidecar(world.cp.issue("relay-ext", {"relay.plain": "direct", "relay.tls": "direct"}))
+    with requests.get(f"{_base(upstream, scheme)}/blob/ext/{RELAY_SIZE}", proxies=sc.proxies(), verify=sc.ca,
+                      stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        got = b"".join(resp.iter_content(MIB))
+    assert hashlib.sha256(got).digest() == hashlib.sha256(_pattern(RELAY_SIZE)).digest()
+    assert len(_relayed(sc, "/blob/ext/")) == 1
+    assert RELAY_SIZE // 4 < _passed(sc, "/blob/ext/") < RELAY_SIZE // 2 + 64 * 1024

@@ -8,7 +8,8 @@ rest of that body but a counter: ``direct_relay()`` then moves it between the tw
 answer delimited by the upstream closing the connection, up to that close. Both ways: a streamed upload with a
 ``Content-Length`` goes to the upstream the same way.
 
-Chunked bodies (both ways, plaintext on both sides, ``relay_chunked``). mitmproxy sends a chunked message on
+Chunked bodies (both ways; ``relay_chunked`` plaintext on both sides, ``relay_chunked_tls`` from a TLS source, to
+either). mitmproxy sends a chunked message on
 chunked, every piece it passes a chunk of its own, so the sink is always between chunks when the relay starts: the
 source's bytes from there on pass as they are, framing included. The relay reads only the chunk-size lines and the
 CRLF closing each chunk (``scan_chunks``, peeking at the socket: nothing leaves the source until it is known to be
@@ -18,7 +19,9 @@ chunk-size line of hex digits alone; the zero-size last chunk (with the trailer 
 the relay ends before them: mitmproxy's path (h11, whose reader is put where the source stands) reads, or refuses,
 them as it always did, and sends the end. Started inside a chunk mitmproxy passed the start of, the relay first
 sends the rest of it as a chunk of its own. What follows the body on the source (a pipelined request) is never
-touched. Over TLS a chunked body keeps mitmproxy's path (with ``bulk_transfers()``).
+touched. From a TLS source the body is decrypted and encrypted in bulk as below, and the chunk-size lines are read
+with ``SSL_peek``: what the relay leaves stays in OpenSSL for mitmproxy's TLS layer, handed an empty read after the
+relay. A plaintext source with a TLS sink keeps mitmproxy's path (with ``bulk_transfers()``).
 
 When. At every read of a connection, before it reads, the reader asks (``_leg``) whether the connection
 carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, its stream plain
