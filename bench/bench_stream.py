@@ -7,14 +7,22 @@ An aiohttp upstream in its own process serves ``GET /stream/down`` (SIZE bytes, 
 written again and again, with a Content-Length) and takes ``POST /stream/up`` (reads the body as it arrives, counts
 it, answers the count), over HTTP and over HTTPS (a private CA). One client (aiohttp, in this process; one transfer
 at a time, its body read and counted in 1 MiB pieces, or sent from a 1 MiB block with a Content-Length) fetches and
-sends SIZE bytes through each setup:
+sends SIZE bytes through each setup. ``--framing chunked``: both ways chunked instead (the upstream's answer has no
+Content-Length, so aiohttp writes each 1 MiB block as a chunk; the client's upload has none either, same):
 
 - *direct*: no proxy;
 - *mitmdump*: bare mitmproxy, no addons of ours, with ``stream_large_bodies=1m`` (without it mitmdump holds a whole
   body before it passes it on: tether streams bodies over 1 MiB, so this is the like-for-like baseline);
 - *tether*: a real ``tether sidecar`` (full enforcement, call reports to a real control plane, capture on);
 - *tether --no-capture*: a second sidecar, capture off;
-- *tether (before)*, with ``--before DIR``: a third sidecar (capture on) run from the checkout in DIR.
+- *tether (before)*, with ``--before DIR``: a third sidecar (capture on) run from the checkout in DIR;
+- *splice relay* (plaintext only): no HTTP at all, a process of its own that connects each client connection to
+  the upstream and moves the bytes both ways with blocking ``splice(2)`` in two threads (``SPLICE_RELAY_CODE``):
+  what a third process on the path costs on this machine, whatever it does with the bytes: the ceiling of any
+  proxy, tether's relay included.
+
+The client's and the upstream's CPU seconds per GiB are printed too (through a proxy the client and the upstream
+pay more per byte than direct: their loopback peer is another process's TCP stack, not each other's).
 
 Rounds interleave the setups (A B A B, the order rotating), so load from other work on the machine falls on every
 setup alike. Printed per direction and scheme: the median rate of each setup (MiB/s), its ratio to direct and to
@@ -53,6 +61,7 @@ TARGET_RATIO = 0.5
 MIB = 1 << 20
 BLOCK = MIB
 DIRECT, MITMDUMP, TETHER, NOCAP = "direct", "mitmdump", "tether", "tether --no-capture"
+SPLICE = "splice relay"  # a bare splice forwarder in its own process: the ceiling of a third process on the path
 BEFORE = "tether (before)"  # --before DIR: a sidecar of the code in DIR, capture on, in the same rotation
 DIRECTIONS = ("download", "upload")
 STREAM_CAPS = """
@@ -71,7 +80,8 @@ cfg = json.loads(sys.argv[1])
 size, block = cfg["size"], bytes(range(256)) * (cfg["block"] // 256)
 
 async def down(request):
-    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+    length = {} if cfg["chunked"] else {"Content-Length": str(size)}
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", **length})
     await resp.prepare(request)
     left = size
     while left > 0:
@@ -105,16 +115,73 @@ asyncio.run(main())
 """
 
 
+# A bare forwarder: each accepted connection is joined to the upstream (argv: listen port, upstream port), bytes
+# moved both ways by blocking splice(2) through a pipe of 1 MiB, one thread a direction. It reads no HTTP: the
+# client's absolute-form request line reaches the upstream as sent (aiohttp's server takes it).
+SPLICE_RELAY_CODE = """
+import fcntl, os, socket, sys, threading
+listen, upstream = int(sys.argv[1]), int(sys.argv[2])
+
+def pump(a, b):
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+    try:
+        while n := os.splice(a.fileno(), w, 1 << 20):
+            while n:
+                n -= os.splice(r, b.fileno(), n)
+    except OSError:
+        pass
+    try:
+        b.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    os.close(r)
+    os.close(w)
+
+server = socket.create_server(("127.0.0.1", listen))
+print("ready", flush=True)
+while True:
+    client, _ = server.accept()
+    peer = socket.create_connection(("127.0.0.1", upstream))
+    for a, b in ((client, peer), (peer, client)):
+        threading.Thread(target=pump, args=(a, b), daemon=True).start()
+"""
+
+
+class SpliceRelay:
+    """SPLICE_RELAY_CODE in a child process, in front of the upstream's plaintext port."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.port, self.upstream_port = free_port(), upstream_port
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def proxy(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SpliceRelay:
+        self.proc = subprocess.Popen([sys.executable, "-c", SPLICE_RELAY_CODE, str(self.port), str(self.upstream_port)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready", "splice relay failed"
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class Upstream(bs.ToolServerProcess):
     """UPSTREAM_CODE in a child process: HTTP and HTTPS."""
 
-    def __init__(self, ca: bs.TestCA, size: int) -> None:
+    def __init__(self, ca: bs.TestCA, size: int, chunked: bool = False) -> None:
         super().__init__(ca)
-        self.size = size
+        self.size, self.chunked = size, chunked
 
     def start(self) -> Upstream:
         cfg = {"http": self.http_port, "https": self.https_port, "cert": str(self.ca.cert_pem),
-               "key": str(self.ca.key_pem), "size": self.size, "block": BLOCK}
+               "key": str(self.ca.key_pem), "size": self.size, "block": BLOCK,
+               "chunked": self.chunked}
         self.proc = subprocess.Popen([sys.executable, "-c", UPSTREAM_CODE, json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready", "upstream failed"
@@ -140,15 +207,20 @@ class Setup:
 class Figures:
     rates: list[float] = field(default_factory=list)  # MiB/s, one per transfer
     cpu: float = 0.0  # the proxy's CPU seconds over its transfers
+    client_cpu: float = 0.0  # this process's (the client's)
+    upstream_cpu: float = 0.0
     bytes: int = 0
 
     @property
     def median(self) -> float:
         return statistics.median(self.rates) if self.rates else 0.0
 
+    def per_gib(self, seconds: float) -> float:
+        return seconds / (self.bytes / (1 << 30)) if self.bytes else 0.0
+
     @property
     def cpu_per_gib(self) -> float:
-        return self.cpu / (self.bytes / (1 << 30)) if self.bytes else 0.0
+        return self.per_gib(self.cpu)
 
 
 def parse_size(text: str) -> int:
@@ -175,7 +247,8 @@ async def download(session: aiohttp.ClientSession, url: str, proxy: str | None, 
         raise RuntimeError(f"downloaded {got} bytes of {size}")
 
 
-async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, size: int) -> None:
+async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, size: int,
+                 chunked: bool = False) -> None:
     block = bytes(range(256)) * (BLOCK // 256)
 
     async def body():
@@ -185,7 +258,7 @@ async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, si
             left -= len(piece)
             yield piece
 
-    headers = {"Content-Length": str(size), "Content-Type": "application/octet-stream"}
+    headers = {"Content-Type": "application/octet-stream", **({} if chunked else {"Content-Length": str(size)})}
     async with session.post(url, proxy=proxy, data=body(), headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"POST {resp.status} {resp.headers.get('Tether-Error')} {(await resp.text())[:300]}")
@@ -194,26 +267,33 @@ async def upload(session: aiohttp.ClientSession, url: str, proxy: str | None, si
         raise RuntimeError(f"the upstream received {got} bytes of {size}")
 
 
-async def one_transfer(setup: Setup, direction: str, url: str, size: int) -> float:
+async def one_transfer(setup: Setup, direction: str, url: str, size: int, chunked: bool = False) -> float:
     """One transfer on a fresh connection (its TLS handshake and the proxy's decision included): MiB/s."""
     context = ssl.create_default_context(cafile=str(setup.ca))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, ssl=context),
                                      timeout=aiohttp.ClientTimeout(total=900)) as session:
         start = time.perf_counter()
-        await (download if direction == "download" else upload)(session, url, setup.proxy, size)
+        if direction == "download":
+            await download(session, url, setup.proxy, size)
+        else:
+            await upload(session, url, setup.proxy, size, chunked)
         return size / MIB / (time.perf_counter() - start)
 
 
-def measure(setups: list[Setup], direction: str, url: str, size: int, rounds: int) -> dict[str, Figures]:
+def measure(setups: list[Setup], direction: str, url: str, size: int, rounds: int,
+            upstream_pid: int, chunked: bool = False) -> dict[str, Figures]:
     figures = {s.name: Figures() for s in setups}
-    asyncio.run(one_transfer(setups[0], direction, url, size))  # warm-up, not counted: first-call costs paid
+    asyncio.run(one_transfer(setups[0], direction, url, size, chunked))  # warm-up, not counted: first-call costs paid
     for r in range(rounds):
         for s in setups[r % len(setups):] + setups[:r % len(setups)]:
             cpu0 = bs.cpu_seconds(s.pid) if s.pid else 0.0
-            rate = asyncio.run(one_transfer(s, direction, url, size))
+            own0, up0 = bs.cpu_seconds(os.getpid()), bs.cpu_seconds(upstream_pid)
+            rate = asyncio.run(one_transfer(s, direction, url, size, chunked))
             fig = figures[s.name]
             fig.rates.append(rate)
             fig.bytes += size
+            fig.client_cpu += bs.cpu_seconds(os.getpid()) - own0
+            fig.upstream_cpu += bs.cpu_seconds(upstream_pid) - up0
             if s.pid:
                 fig.cpu += bs.cpu_seconds(s.pid) - cpu0
     return figures
@@ -224,10 +304,11 @@ def report(scheme: str, direction: str, figures: dict[str, Figures]) -> list[str
     lines = [f"{scheme} {direction}:"]
     for name, fig in figures.items():
         rates = " ".join(f"{x:.0f}" for x in fig.rates)
-        cpu = f", proxy CPU {fig.cpu_per_gib:.1f} s/GiB" if fig.cpu else ""
+        cpu = f", proxy CPU {fig.cpu_per_gib:.2f} s/GiB" if fig.cpu else ""
+        cpu += f", client {fig.per_gib(fig.client_cpu):.2f}, upstream {fig.per_gib(fig.upstream_cpu):.2f} s/GiB"
         lines.append(f"  {name:<22} median {fig.median:7.1f} MiB/s  {fig.median / direct:5.2f}x direct  "
                      f"{fig.median / mitm:5.2f}x mitmdump{cpu}   (each: {rates})")
-    for name in (n for n in (TETHER, NOCAP, BEFORE) if n in figures):
+    for name in (n for n in (SPLICE, TETHER, NOCAP, BEFORE) if n in figures):
         ratio = figures[name].median / direct
         lines.append(f"  target {name}: >= {TARGET_RATIO:.2f}x direct: {'met' if ratio >= TARGET_RATIO else 'MISSED'}"
                      f" ({ratio:.2f}x)")
@@ -244,17 +325,21 @@ def main() -> int:
                         "git archive COMMIT | tar -x -C DIR: the code before a change, in the same rotation")
     parser.add_argument("--setups", default=",".join((DIRECT, MITMDUMP, TETHER, NOCAP)),
                         help="which setups (direct and mitmdump always run: they are the baselines)")
+    parser.add_argument("--no-splice", action="store_true", help="leave out the bare splice relay (plaintext)")
+    parser.add_argument("--framing", choices=("length", "chunked"), default="length",
+                        help="bodies with a Content-Length (default), or chunked both ways")
     args = parser.parse_args()
     size = parse_size(args.size)
     work = Path(tempfile.mkdtemp(prefix="tether-bench-stream-"))
     print(f"tether stream benchmark  {time.strftime('%Y-%m-%d %H:%M')}  nproc {os.cpu_count()}  "
           f"python {platform.python_version()}  aiohttp {aiohttp.__version__}  size {size / MIB:.0f} MiB  "
-          f"rounds {args.rounds}  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"rounds {args.rounds}  framing {args.framing}  "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     wanted = set(args.setups.split(",")) | {DIRECT, MITMDUMP} | ({BEFORE} if args.before else set())
     out: list[str] = []
     with ExitStack() as stack:
         ca = make_test_ca(work / "toolca")
-        upstream = stack.enter_context(bs.stopping(Upstream(ca, size).start()))
+        upstream = stack.enter_context(bs.stopping(Upstream(ca, size, args.framing == "chunked").start()))
         cp = prepare_controlplane(work / "cp", upstream.http_port, upstream.https_port, free_port(), lease_ttl=15.0)
         cp.catalog_path.write_text(cp.catalog_path.read_text().replace(
             "roles:", STREAM_CAPS.format(http=upstream.http_port, https=upstream.https_port).lstrip("\n") + "roles:"))
@@ -272,18 +357,23 @@ def main() -> int:
             finally:
                 os.chdir(here)
         mitm = stack.enter_context(bs.stopping(StreamingMitmdump(work / "mitmdump", ca.ca_pem).start()))
+        relay = stack.enter_context(bs.stopping(SpliceRelay(upstream.http_port).start())) if not args.no_splice \
+            else None
         time.sleep(2.0)
         pids = {MITMDUMP: mitm.pid, **{n: sc.proc.pid for n, sc in sidecars.items()}}
+        relay_setups = [Setup(SPLICE, relay.proxy, ca.ca_pem, relay.proc.pid)] if relay and relay.proc else []
         idle = {n: vm_kib(pid, "VmRSS") for n, pid in pids.items()}
         print("  pids: " + ", ".join(f"{n} {pid}" for n, pid in pids.items()), flush=True)
         for scheme in args.schemes.split(","):
             base = f"http://127.0.0.1:{upstream.http_port}" if scheme == "http" else \
                 f"https://localhost:{upstream.https_port}"
-            setups = [Setup(DIRECT, None, ca.ca_pem), Setup(MITMDUMP, mitm.proxy, mitm.ca, mitm.pid),
+            setups = [Setup(DIRECT, None, ca.ca_pem), *(relay_setups if scheme == "http" else []),
+                      Setup(MITMDUMP, mitm.proxy, mitm.ca, mitm.pid),
                       *(Setup(n, sc.proxy, Path(sc.ca), sc.proc.pid) for n, sc in sidecars.items())]
             for direction in args.directions.split(","):
                 url = base + ("/stream/down" if direction == "download" else "/stream/up")
-                figures = measure(setups, direction, url, size, args.rounds)
+                figures = measure(setups, direction, url, size, args.rounds, upstream.proc.pid,
+                                  args.framing == "chunked")
                 lines = report(scheme, direction, figures)
                 out += lines
                 print("\n".join(lines), flush=True)

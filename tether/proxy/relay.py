@@ -8,6 +8,21 @@ rest of that body but a counter: ``direct_relay()`` then moves it between the tw
 answer delimited by the upstream closing the connection, up to that close. Both ways: a streamed upload with a
 ``Content-Length`` goes to the upstream the same way.
 
+Chunked bodies (both ways; ``relay_chunked`` plaintext on both sides, ``relay_chunked_tls`` from a TLS source, to
+either). mitmproxy sends a chunked message on
+chunked, every piece it passes a chunk of its own, so the sink is always between chunks when the relay starts: the
+source's bytes from there on pass as they are, framing included. The relay reads only the chunk-size lines and the
+CRLF closing each chunk (``scan_chunks``, peeking at the socket: nothing leaves the source until it is known to be
+framing or data) and splices runs of whole chunks, or the rest of one chunk's data, at a time. It relays a
+chunk-size line of hex digits alone; the zero-size last chunk (with the trailer section, which tether discards:
+``framing.py``), a line with an extension or anything else, and a malformed chunk end are left where they are and
+the relay ends before them: mitmproxy's path (h11, whose reader is put where the source stands) reads, or refuses,
+them as it always did, and sends the end. Started inside a chunk mitmproxy passed the start of, the relay first
+sends the rest of it as a chunk of its own. What follows the body on the source (a pipelined request) is never
+touched. From a TLS source the body is decrypted and encrypted in bulk as below, and the chunk-size lines are read
+with ``SSL_peek``: what the relay leaves stays in OpenSSL for mitmproxy's TLS layer, handed an empty read after the
+relay. A plaintext source with a TLS sink keeps mitmproxy's path (with ``bulk_transfers()``).
+
 When. At every read of a connection, before it reads, the reader asks (``_leg``) whether the connection
 carries a body in mid-stream that may be relayed: an HTTP/1 message on both sides, its stream plain
 (``flow.response.stream is True``, or a capture's tee that has kept all it keeps: ``relayable()``), the layers
@@ -38,11 +53,13 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from h11._readers import ContentLengthReader, Http10Reader
+from h11._readers import ChunkedReader, ContentLengthReader, Http10Reader
 from mitmproxy.proxy import events, tunnel
 from mitmproxy.proxy import layer as proxy_layer
 from mitmproxy.proxy import server as proxy_server
@@ -58,6 +75,8 @@ PIPE_BYTES = 1 << 20  # the splice pipe's capacity (the default limit for an unp
 YIELD_EVERY = 16  # splices without a wait after which the relay lets the event loop run other work
 RELAY_MIN = 64 << 10  # bytes: a smaller rest of a body is not worth the set-up
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+CHUNK_PEEK = 64 << 10  # bytes: how much of a chunked body's source a look for its next chunk sizes peeks at
+CHUNK_HEAD_MAX = 18  # bytes: the longest chunk-size line relayed (16 hex digits and CRLF; others: mitmproxy's)
 RELAYED = "tether.relayed_bytes"  # flow.metadata: how many of the body's bytes were relayed
 
 _streams: dict[str, Any] = {}  # connection id -> the HttpStream whose body that connection is sending
@@ -88,6 +107,67 @@ def taken(reader: Any, count: int) -> None:
         inner._remaining -= count
 
 
+def chunk_reader(reader: Any) -> ChunkedReader | None:
+    """The h11 chunked reader under ``reader`` (possibly wrapped), when it is between chunks or inside one's data
+    (not reading the trailer section, not in the middle of a chunk's closing CRLF): where a relay may start."""
+    inner = getattr(reader, "reader", reader)
+    if isinstance(inner, ChunkedReader) and not inner._reading_trailer and not inner._bytes_to_discard:
+        return inner
+    return None
+
+
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPos:
+    """Where a relay stands in a chunked body: ``data_left`` bytes of the current chunk's data still to pass, then
+    (``crlf``) the CRLF that closes it; neither: at the next chunk-size line."""
+
+    data_left: int = 0
+    crlf: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkScan:
+    """What ``scan_chunks`` found: the first ``passable`` bytes of the window may pass as they are (``data`` of
+    them the body's own bytes), leaving the relay at ``pos``; ``stop``: the relay ends there (the last chunk, or a
+    chunk-size line it does not relay: an extension, a size too long), and mitmproxy's path reads what follows."""
+
+    passable: int
+    data: int
+    pos: ChunkPos
+    stop: bool
+
+
+def scan_chunks(pos: ChunkPos, window: bytes | bytearray) -> ChunkScan:
+    """Walk the chunked framing in ``window`` (the source's next bytes) from ``pos``. Only a chunk-size line of
+    hex digits alone is relayed; the zero-size last chunk (with the trailer section, which tether discards:
+    ``framing.py``), any other line, and a chunk's closing CRLF that is not one are left to mitmproxy's path (which
+    reads or refuses them as it always did). Pure."""
+    at, data, left, crlf, end = 0, 0, pos.data_left, pos.crlf, len(window)
+    while True:
+        if left:
+            step = min(left, end - at)
+            at, data, left = at + step, data + step, left - step
+            if left:
+                return ChunkScan(at, data, ChunkPos(left, crlf), False)
+        if crlf:
+            footer = window[at:at + 2]
+            if footer != b"\r\n"[:len(footer)]:
+                return ChunkScan(at, data, ChunkPos(0, True), True)  # malformed: h11 says so, as before
+            if len(footer) < 2:
+                return ChunkScan(at, data, ChunkPos(0, True), False)
+            at, crlf = at + 2, False
+        line_end = window.find(b"\r\n", at, at + CHUNK_HEAD_MAX)
+        if line_end < 0:
+            return ChunkScan(at, data, ChunkPos(), end - at >= CHUNK_HEAD_MAX)  # more to come, or not ours
+        size_text = window[at:line_end]
+        if not _CHUNK_SIZE.fullmatch(size_text) or int(size_text, 16) == 0:
+            return ChunkScan(at, data, ChunkPos(), True)
+        at, left, crlf = line_end + 2, int(size_text, 16), True
+
+
 def plain_stream(stream: Any) -> bool:
     """A body stream setting that passes the bytes as they are and needs to see no more of them."""
     if stream is True:
@@ -104,10 +184,11 @@ class Leg:
     source: Any  # the connection the body comes from
     sink: Any  # the connection it goes to
     reader: Any  # the source's h11 body reader
-    left: BodyLeft
+    left: BodyLeft | None  # None: a chunked body (``chunks``)
     response: bool  # the answer's body (download), or the request's (upload)
     source_tls: Any = None  # the source's pyOpenSSL connection, when it speaks TLS
     sink_tls: Any = None
+    chunks: ChunkedReader | None = None  # a chunked body's h11 reader
     taken: int = 0  # of the body's bytes, how many left the source
     given: int = 0  # and how many reached the sink: a relay that stops between the two lost some
 
@@ -173,10 +254,11 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
         _streams.pop(connection.id, None)
         return None
     sink = stream.context.client if response else stream.context.server
-    chunked = "chunked" in message.headers.get("transfer-encoding", "").lower()
-    if chunked or stream.context.options.store_streamed_bodies:
-        _streams.pop(connection.id, None)  # the sink frames it chunked (the source's bytes as they are would not
-        return None  # be), or mitmproxy keeps what streams: never relayed
+    coding = message.headers.get("transfer-encoding", "").strip().lower()
+    if (coding and coding != "chunked") or stream.context.options.store_streamed_bodies or (
+            coding and flow.request.http_version != "HTTP/1.1"):
+        _streams.pop(connection.id, None)  # a coding besides chunked, an HTTP/1.0 peer, or mitmproxy keeps what
+        return None  # streams: never relayed
     if not plain_stream(message.stream):
         return None
     http_layers, tls_layers = _layers(handler.layer)
@@ -196,6 +278,14 @@ def _leg(handler: Any, connection: Any) -> Leg | None:
             and source_layer.state == source_layer.read_body and not source_layer.buf
             and source_layer.stream_id == stream.stream_id and sink_layer.stream_id == stream.stream_id
             and _idle(stream, layer, source_layer, sink_layer)):
+        return None
+    if coding:  # chunked: the sink frames it chunked too (mitmproxy frames every piece as a chunk of its own)
+        chunks = chunk_reader(source_layer.body_reader)
+        if isinstance(getattr(source_layer.body_reader, "reader", source_layer.body_reader), ChunkedReader) and (
+                source_tls is not None or sink_tls is None):
+            return Leg(stream, connection, sink, source_layer.body_reader, None, response, source_tls, sink_tls,
+                       chunks) if chunks is not None else None  # in a chunk's CRLF: at a later read
+        _streams.pop(connection.id, None)  # not chunked after all, or plaintext in and TLS out: mitmproxy's path
         return None
     left = body_left(source_layer.body_reader)
     if left is None or (left.count is not None and left.count < RELAY_MIN) or (
@@ -224,14 +314,22 @@ class SinkFailed(Exception):
     """Writing to the other side failed (it closed or reset): the relay stops, mitmproxy's path sees the rest."""
 
 
-async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Callable[[int], None],
-                      gave: Callable[[int], None], alive: Callable[[], None]) -> bool:
-    """Move ``count`` bytes (None: up to the source's end) from ``source_fd`` to ``sink_fd`` through a pipe.
-    ``took(n)``: n bytes left the source; ``gave(n)``: n reached the sink. Returns whether the source ended
-    (EOF) first. A read error of the source raises OSError; a write error of the sink, SinkFailed."""
+def open_pipe() -> tuple[int, int]:
+    """A non-blocking pipe of ``PIPE_BYTES`` (as large as the system lets an unprivileged process make it)."""
     pipe_r, pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     with contextlib.suppress(OSError):
         fcntl.fcntl(pipe_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return pipe_r, pipe_w
+
+
+async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Callable[[int], None],
+                      gave: Callable[[int], None], alive: Callable[[], None],
+                      pipe: tuple[int, int] | None = None) -> bool:
+    """Move ``count`` bytes (None: up to the source's end) from ``source_fd`` to ``sink_fd`` through a pipe
+    (``pipe``, empty, kept open for the next call; else one of its own). ``took(n)``: n bytes left the source;
+    ``gave(n)``: n reached the sink. Returns whether the source ended (EOF) first, the pipe empty. A read error of
+    the source raises OSError; a write error of the sink, SinkFailed."""
+    pipe_r, pipe_w = pipe or open_pipe()
     in_pipe, wanted, ended, since_yield = 0, count, False, 0
     try:
         while True:
@@ -272,16 +370,23 @@ async def splice_body(source_fd: int, sink_fd: int, count: int | None, took: Cal
                 continue
             await _wait(sink_fd, True) if write_blocked or ended or wanted == 0 else await _wait(source_fd, False)
     finally:
-        os.close(pipe_r)
-        os.close(pipe_w)
+        if pipe is None:
+            os.close(pipe_r)
+            os.close(pipe_w)
 
 
-def _counters(leg: Leg) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    """``took(n)``: n of the body's bytes left the source (the h11 reader is told); ``gave(n)``: n reached the sink
-    (the flow's count, and the capture's tee, are told)."""
+def _counters(leg: Leg) -> tuple[Callable[[int], None], Callable[[int], None], Callable[[int], None]]:
+    """``took(n)``: n bytes left the source (a Content-Length reader is told); ``gave(n)``: n reached the sink;
+    ``body(n)``: n of the body's own bytes passed (the flow's count, and the capture's tee, are told): what
+    ``gave`` counts, but for a chunked body's, whose framing passes too."""
     flow = leg.stream.flow
     message = flow.response if leg.response else flow.request
     counted = getattr(message.stream, "passed", None)
+
+    def body(n: int) -> None:
+        flow.metadata[RELAYED] = flow.metadata.get(RELAYED, 0) + n
+        if counted is not None:
+            counted(n)
 
     def took(n: int) -> None:
         leg.taken += n
@@ -289,11 +394,10 @@ def _counters(leg: Leg) -> tuple[Callable[[int], None], Callable[[int], None]]:
 
     def gave(n: int) -> None:
         leg.given += n
-        flow.metadata[RELAYED] = flow.metadata.get(RELAYED, 0) + n
-        if counted is not None:
-            counted(n)
+        if leg.chunks is None:
+            body(n)
 
-    return took, gave
+    return took, gave, body
 
 
 def _ready(handler: Any, leg: Leg) -> tuple[Any, Any, Any, Any] | None:
@@ -330,8 +434,9 @@ async def relay_sockets(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) 
     if ready is None:
         return False
     source_transport, sink_transport, source_io, sink_io = ready
-    took, gave = _counters(leg)
+    took, gave, _ = _counters(leg)
     held = len(source_io.reader._buffer)
+    assert leg.left is not None
     count = leg.left.count
     first = await read_raw(held if count is None else min(held, count)) if held else b""  # at hand: no wait
     reading = source_transport.is_reading()  # the transport must not read what the splice is moving
@@ -362,15 +467,115 @@ async def relay_sockets(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) 
             source_transport.resume_reading()
 
 
+def _hand_back(leg: Leg, pos: ChunkPos, sink_writer: asyncio.StreamWriter) -> None:
+    """A chunked relay ends at ``pos``: the h11 reader is put where the source stands, and a chunk whose data the
+    relay passed is closed towards the sink (mitmproxy frames what follows as chunks of its own; the source's CRLF
+    is then h11's to check and drop). Only a sink that is gone sees a relay end inside a chunk's data."""
+    reader = leg.chunks
+    assert reader is not None
+    reader._bytes_in_chunk = pos.data_left
+    reader._bytes_to_discard = b"\r\n" if pos.crlf and not pos.data_left else b""
+    if pos.crlf and not pos.data_left:
+        sink_writer.write(b"\r\n")
+
+
+def _announce(leg: Leg, how: str) -> None:
+    request = leg.stream.flow.request
+    what = "chunked" if leg.left is None else "up to the close" if leg.left.count is None else f"{leg.left.count} bytes"
+    log.info("relaying the rest of %s %s's %s directly: %s (%s)", request.method, request.pretty_url,
+             "answer" if leg.response else "request body", what, how)
+
+
+async def relay_chunked(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) -> bool:
+    """Plaintext both ways, a chunked body: its bytes pass as they are, framing included (the sink reads the
+    same chunks), spliced a run of whole chunks, or the rest of one chunk's data, at a time; the relay reads
+    only the chunk-size lines and closing CRLFs, peeking at the source's socket (``scan_chunks``). It ends before
+    the last chunk (mitmproxy's path reads it, the trailer section and the end, as always), or before a line it
+    does not relay. True when the source ended (EOF) during it."""
+    ready = _ready(handler, leg)
+    if ready is None or leg.chunks is None:
+        return False
+    source_transport, sink_transport, source_io, sink_io = ready
+    left = leg.chunks._bytes_in_chunk
+    pos = ChunkPos(left, bool(left))
+    scan = scan_chunks(pos, source_io.reader._buffer)
+    if scan.stop:  # the body ends in what is at hand (or a line the relay leaves comes first): mitmproxy's path
+        _streams.pop(leg.source.id, None)
+        return False
+    _announce(leg, "splice, chunked")
+    took, gave, body = _counters(leg)
+    writer = sink_io.writer
+    reading = source_transport.is_reading()  # the transport must not read what the splice is moving
+    if reading:
+        source_transport.pause_reading()
+    try:
+        first = await read_raw(scan.passable) if scan.passable else b""  # at hand: no wait
+        took(len(first))
+        head = b"%x\r\n" % left if left else b""  # the rest of a chunk mitmproxy passed the start of: its own chunk
+        if head or first:
+            writer.write(head + first)
+        try:
+            await _flushed(writer)
+        except OSError as exc:
+            raise SinkFailed(str(exc)) from exc
+        gave(len(first))
+        body(scan.data)
+        pos = scan.pos
+        if source_io.reader._buffer or sink_transport.is_closing() or source_transport.is_closing():
+            _hand_back(leg, pos, writer)  # a line not all there yet is in the reader: mitmproxy's path reads it
+            return False
+        return await _splice_chunks(handler, leg, pos, source_transport, sink_transport, writer)
+    finally:
+        if reading and not source_transport.is_closing():
+            source_transport.resume_reading()
+
+
+async def _splice_chunks(handler: Any, leg: Leg, pos: ChunkPos, source_transport: Any, sink_transport: Any,
+                         writer: asyncio.StreamWriter) -> bool:
+    took, gave, body = _counters(leg)
+    source = socket.socket(fileno=os.dup(source_transport.get_extra_info("socket").fileno()))  # ours, as in
+    sink_fd = os.dup(sink_transport.get_extra_info("socket").fileno())  # relay_sockets
+    pipe = open_pipe()
+    try:
+        while True:
+            try:
+                window = source.recv(CHUNK_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await _wait(source.fileno(), False)
+                continue
+            if not window:
+                return True  # the source closed inside the body: mitmproxy's path sees it cut short
+            scan = scan_chunks(pos, window)
+            run, data, pos = scan.passable, scan.data, scan.pos
+            if pos.data_left:  # the window ends inside a chunk's data: the run takes the rest of it
+                run, data, pos = run + pos.data_left, data + pos.data_left, ChunkPos(0, True)
+            if run:
+                if await splice_body(source.fileno(), sink_fd, run, took, gave,
+                                     handler.timeout_watchdog.register_activity, pipe):
+                    return True
+                body(data)
+            if scan.stop or not run:  # the last chunk, a line the relay leaves, or a line not all there yet
+                if scan.stop:
+                    _streams.pop(leg.source.id, None)
+                _hand_back(leg, pos, writer)
+                return False
+    finally:
+        source.close()
+        os.close(sink_fd)
+        os.close(pipe[0])
+        os.close(pipe[1])
+
+
 def _tls_ssl(tls: Any) -> Any:
     return tls._ssl
 
 
-def _decrypt_into(tls: Any, buf: bytearray, at: int, most: int) -> int:
-    """SSL_read of at most ``most`` bytes straight into ``buf[at:]``: the bytes read, 0 when OpenSSL needs more
-    ciphertext; raises SSL.ZeroReturnError at the peer's close_notify, SSL.Error on a TLS failure."""
+def _decrypt_into(tls: Any, buf: bytearray, at: int, most: int, peek: bool = False) -> int:
+    """SSL_read (``peek``: SSL_peek, which leaves them to the next read) of at most ``most`` bytes straight into
+    ``buf[at:]``: the bytes read, 0 when OpenSSL needs more ciphertext; raises SSL.ZeroReturnError at the peer's
+    close_notify, SSL.Error on a TLS failure."""
     with SSL._ffi.from_buffer(buf) as view:
-        got = SSL._lib.SSL_read(_tls_ssl(tls), view + at, most)
+        got = (SSL._lib.SSL_peek if peek else SSL._lib.SSL_read)(_tls_ssl(tls), view + at, most)
         if got > 0:
             return int(got)
         try:
@@ -424,10 +629,10 @@ async def relay_streams(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) 
     """TLS on either side: the body through one buffer, decrypted and encrypted in bulk; True when the source ended
     during it. A TLS source keeps the body's last byte for mitmproxy's path (its TLS layer then sees the end)."""
     ready = _ready(handler, leg)
-    if ready is None or leg.left.count is None:
+    if ready is None or leg.left is None or leg.left.count is None:
         return False
     _, _, source_io, sink_io = ready
-    took, gave = _counters(leg)
+    took, gave, _ = _counters(leg)
     left = leg.left.count - (1 if leg.source_tls is not None else 0)
     buf = bytearray(CHUNK)
     view = memoryview(buf)
@@ -452,6 +657,88 @@ async def relay_streams(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) 
     return False
 
 
+async def relay_chunked_tls(handler: Any, leg: Leg, read_raw: Callable[[int], Any]) -> bool:
+    """A chunked body from a TLS source (to a TLS or plaintext sink): as ``relay_chunked``, its bytes pass as they
+    are, framing included, decrypted and encrypted in bulk as ``relay_streams`` does; the chunk-size lines are read
+    with SSL_peek, so what the relay leaves (the last chunk, a line it does not relay) is still OpenSSL's to hand
+    mitmproxy's TLS layer. True when the source ended during it."""
+    ready = _ready(handler, leg)
+    tls = leg.source_tls
+    if ready is None or leg.chunks is None or tls is None:
+        return False
+    _, _, source_io, sink_io = ready
+    took, gave, body = _counters(leg)
+    left = leg.chunks._bytes_in_chunk
+    pos = ChunkPos(left, bool(left))
+    buf, peeked = bytearray(CHUNK), bytearray(CHUNK_PEEK)
+    view = memoryview(buf)
+    announced = False
+
+    async def send(data: bytes | memoryview) -> None:
+        if leg.sink_tls is not None:
+            leg.sink_tls.sendall(data)
+            data = _encrypted(leg.sink_tls)
+        try:
+            sink_io.writer.write(bytes(data))
+            await sink_io.writer.drain()
+        except OSError as exc:
+            raise SinkFailed(str(exc)) from exc
+
+    if left:  # the rest of a chunk mitmproxy passed the start of: a chunk of its own
+        _announce(leg, "TLS in bulk, chunked")
+        announced = True
+        await send(b"%x\r\n" % left)
+    while True:
+        if pos.data_left:
+            got = await _plaintext(leg, read_raw, source_io.writer, buf, min(pos.data_left, CHUNK))
+            if not got:
+                return True
+            took(got)
+            await send(view[:got])
+            gave(got)
+            body(got)
+            pos = ChunkPos(pos.data_left - got, True)
+            handler.timeout_watchdog.register_activity()
+            continue
+        try:
+            seen = _decrypt_into(tls, peeked, 0, CHUNK_PEEK, peek=True)
+        except SSL.ZeroReturnError:
+            return True
+        if not seen:
+            reply = _encrypted(tls)  # a TLS 1.3 key update's answer, a ticket: the source's own traffic
+            if reply:
+                source_io.writer.write(reply)
+            data = await read_raw(CHUNK)
+            if not data:
+                return True
+            tls.bio_write(data)
+            continue
+        scan = scan_chunks(pos, peeked[:seen])
+        if scan.stop and not announced:  # the body ends in what is at hand: mitmproxy's path, as if never asked
+            _streams.pop(leg.source.id, None)
+            return False
+        if not announced:
+            _announce(leg, "TLS in bulk, chunked")
+            announced = True
+        if scan.passable:
+            got = _decrypt_into(tls, buf, 0, scan.passable)  # peeked already: all there
+            if got != scan.passable:
+                raise OSError(f"TLS read {got} of the {scan.passable} bytes it had shown")
+            took(got)
+            await send(view[:got])
+            gave(got)
+            body(scan.data)
+        pos = scan.pos
+        if scan.stop or not scan.passable:  # the last chunk, a line the relay leaves, or one not all there yet
+            if scan.stop:
+                _streams.pop(leg.source.id, None)
+            if pos.crlf and not pos.data_left:
+                await send(b"\r\n")  # closes the chunk towards the sink; h11 checks and drops the source's
+            leg.chunks._bytes_in_chunk = pos.data_left
+            leg.chunks._bytes_to_discard = b"\r\n" if pos.crlf and not pos.data_left else b""
+            return False
+
+
 async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[int], Any]) -> bool:
     """Relay what may be relayed of the body ``connection`` is sending, if any; True when the connection ended
     (EOF) during it. After a relayed Content-Length body, the layers are handed an empty read: the reader's rest
@@ -459,18 +746,20 @@ async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[i
     leg = _leg(handler, connection)
     if leg is None:
         return False
-    request = leg.stream.flow.request
-    log.info("relaying the rest of %s %s's %s directly: %s (%s)", request.method, request.pretty_url,
-             "answer" if leg.response else "request body",
-             "up to the close" if leg.left.count is None else f"{leg.left.count} bytes",
-             "splice" if leg.source_tls is None and leg.sink_tls is None else "TLS in bulk")
+    if leg.chunks is None:
+        _announce(leg, "splice" if leg.source_tls is None and leg.sink_tls is None else "TLS in bulk")
     try:
-        if leg.source_tls is None and leg.sink_tls is None:
+        if leg.chunks is not None and leg.source_tls is not None:
+            ended = await relay_chunked_tls(handler, leg, read_raw)
+        elif leg.chunks is not None:
+            ended = await relay_chunked(handler, leg, read_raw)
+        elif leg.source_tls is None and leg.sink_tls is None:
             ended = await relay_sockets(handler, leg, read_raw)
         else:
             ended = await relay_streams(handler, leg, read_raw)
     except (SinkFailed, SSL.Error) as exc:
-        if leg.taken != leg.given:  # bytes left the source that never reached the sink: the body is broken
+        if leg.taken != leg.given or leg.chunks is not None:  # bytes left the source that never reached the sink
+            # (the body is broken), or a chunked body's reader no longer knows where the source stands
             log.info("the relay of a body stopped with %d bytes lost: %s (the connection is closed)",
                      leg.taken - leg.given, exc)
             raise OSError(f"the relay of a body lost {leg.taken - leg.given} bytes: {exc}") from exc
@@ -481,7 +770,12 @@ async def relay_before_read(handler: Any, connection: Any, read_raw: Callable[[i
     except Exception as exc:  # a bug of the relay's: never the connection's task, which mitmproxy would not see end
         log.exception("the relay of a body failed (the connection is closed)")
         raise OSError(f"the relay of a body failed: {exc!r}") from exc
-    if not ended and leg.left.count is not None:
+    if leg.chunks is not None and leg.given:
+        log.info("the relay of %s's chunked %s passed %d bytes; %s", leg.stream.flow.request.pretty_url,
+                 "answer" if leg.response else "request body", leg.given,
+                 "the source closed" if ended else "mitmproxy's path reads on")
+    if not ended and ((leg.left is not None and leg.left.count is not None) or (
+            leg.chunks is not None and leg.source_tls is not None)):  # a TLS source: what OpenSSL holds, to h11
         await handler.server_event(events.DataReceived(connection, b""))
     return ended
 
