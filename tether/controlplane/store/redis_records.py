@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from tether.capability import jsonpieces
 
@@ -45,7 +45,9 @@ class RedisRecords(RedisCore):
 
     @_guarded
     @_writes
-    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
+    async def append_record(self, record: Doc, staged: int | None = None,
+                            close: Mapping[str, int] | None = None) -> bool:
+        # ``close``: no segment is sealed in Redis yet (``seals`` False), so every chain is at 0 and stays so.
         header = {k: v for k, v in record.items() if k != "calls"}
         rid = header["record_id"]
         if staged is None:
