@@ -31,7 +31,14 @@ from tether.controlplane.services import terminations as service
 from tether.controlplane.services.segments import SegmentService
 from tether.controlplane.store import open_store_url
 
-from .test_record_index import SUBJECTS, History, Identities, identities  # noqa: F401  (a fixture)
+from .test_record_index import (  # noqa: F401  (fixtures)
+    SUBJECTS,
+    History,
+    Identities,
+    flushed,
+    identities,
+    redis_url,
+)
 
 Doc = dict[str, Any]
 
@@ -137,6 +144,16 @@ def test_records_naming_sealed_segments_are_the_whole_log_rules_on_sqlite(
     assert history.written >= len(subjects)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(subjects=SUBJECTS, steps=st.lists(SEAL_STEP, min_size=4, max_size=30))
+def test_records_naming_sealed_segments_are_the_whole_log_rules_on_redis(
+        identities: Identities, redis_url: str, subjects: list[str],  # noqa: F811
+        steps: list[tuple[str, str, int]]) -> None:
+    flushed(redis_url)
+    history = asyncio.run(play(redis_url, identities, subjects, steps))
+    assert history.written >= len(subjects)
+
+
 # -- N calls sealed, then M more: the record the old code writes ---------------------------------------------------
 async def sealed_then_more(url: str, ids: Identities, sealed: int, more: int) -> tuple[History, list[Doc]]:
     store = open_store_url(url)
@@ -155,6 +172,24 @@ async def sealed_then_more(url: str, ids: Identities, sealed: int, more: int) ->
         return history, await history.expanded()
     finally:
         await store.close()
+
+
+def test_a_termination_after_calls_sealed_then_new_ones_lists_every_call_as_the_old_code_on_redis(
+        identities: Identities, redis_url: str) -> None:  # noqa: F811
+    flushed(redis_url)
+    history, log = asyncio.run(sealed_then_more(redis_url, identities, 30, 5))
+    (record,) = log
+    assert history.sealer.sealed == 30 and history.written == 1  # compared with the old code's record in write()
+    assert [s["count"] for s in record["sealed"]] == [7, 7, 7, 7, 2]
+    assert record["calls_from"] == [[0, 7], [1, 7], [2, 7], [3, 7], [4, 2], [-1, 6]]
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        assert client.llen(f"tether:0:records:calls:{record['record_id']}") == 6  # stored: only what was not sealed
+        assert client.hget("tether:0:chains:closed", identities.links["c"]) == record["record_id"]
+    finally:
+        client.close()
 
 
 def test_a_termination_after_calls_sealed_then_new_ones_lists_every_call_as_the_old_code(
