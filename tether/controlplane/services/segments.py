@@ -38,8 +38,8 @@ class SegmentService:
         self.sealed = 0  # calls sealed by this replica (a figure for tests and the log)
 
     async def run(self) -> None:
-        if not self.store.seals:
-            return
+        if not self.store.seals or self.min_calls <= 0:
+            return  # a store without segments, or sealing turned off (--seal-min 0): records as before
         while True:
             try:
                 await self.seal_once()
@@ -61,7 +61,7 @@ class SegmentService:
         key_id = proto.key_id_of(self.signing_key)
         while chain.get("closed_by") is None:
             calls = await self.store.seal_candidates(chain, self.clock() - self.settle_s, self.max_calls)
-            if len(calls) < self.min_calls:
+            if not calls or len(calls) < self.min_calls:
                 break
             header = seg.segment_header(agent=chain["agent"], link=chain["link"], seq=chain["seq"] + 1,
                                         prev=chain["head"], keys_of_calls=[(s, c) for s, c, _ in calls],
