@@ -135,8 +135,18 @@ def test_a_big_record_holds_every_call_once_verifies_and_healthz_answers(cp: Con
     url = cp.store or f"sqlite:///{cp.directory / 'tether.db'}"
     asyncio.run(fill(url, "big", link))
     sealed = cp.options == SEALING
-    if sealed:  # record form 2: every report sealed into the link's chain before the termination
-        wait_until(lambda: asyncio.run(chain_of(url, link)).get("count") == CALLS, 120, 0.2, "the reports sealed")
+    chain: dict[str, Any] = {}
+    if sealed:  # record form 2: sealed into the link's chain before the termination, until the sealer is done
+        # (a pass between two batches of the fill leaves the reports of later batches that sort before its last
+        # call unsealed: the record lists those itself)
+        seen: list[int] = []
+
+        def settled() -> bool:
+            chain.update(asyncio.run(chain_of(url, link)))
+            seen.append(chain.get("count", 0))
+            return len(seen) > 1 and seen[-1] == seen[-2] > 0
+
+        wait_until(settled, 120, 3.0, "the sealer to seal what it can")
 
     with HealthProbe(cp.url) as probe:
         tid = admin.request("POST", "/v1/agents/big/terminate", {"mode": "abort", "window_s": 0,
@@ -145,7 +155,9 @@ def test_a_big_record_holds_every_call_once_verifies_and_healthz_answers(cp: Con
                          and d, 120, 0.1, "the termination to end in a record")
     reconciling = next(step["at"] for step in doc["history"] if step["state"] == "reconciling")
     during = [a for a in probe.answers if a[0] >= reconciling and a[1] <= doc["completed_at"]]
-    assert during and all(status == 200 for _, _, status in during), (reconciling, doc["completed_at"], during[:5])
+    # (A record naming its sealed segments may be written in a few ms: no probe need fall inside it.)
+    assert (during or sealed) and all(status == 200 for _, _, status in during), (
+        reconciling, doc["completed_at"], during[:5])
 
     record = admin.request("GET", f"/v1/records/{tid}")
     reported = [c for c in record["calls"] if c.get("reported", True)]
@@ -160,9 +172,10 @@ def test_a_big_record_holds_every_call_once_verifies_and_healthz_answers(cp: Con
     assert all(c["resolution"] == "unknown" for c in unknown) and now == 0.0
     assert [u["agent"] for u in record["agents_unaccounted"]] == ["big"]  # no sidecar ever answered for it
 
-    if sealed:  # named by the record, not listed in it: its own calls are the 7 unknown ones
-        assert [(r["seq"], r["count"]) for r in record["segments"]] == [(2, CALLS)]
-        assert record["calls_from"] == [[0, 10_000], [1, 10_000], [-1, STARTS]]
+    if sealed:  # named by the record, not listed in it: its own calls are the rest, and the 7 unknown ones
+        assert [(r["seq"], r["count"]) for r in record["segments"]] == [(chain["seq"], chain["count"])]
+        own = sum(n for source, n in record["calls_from"] if source == -1)
+        assert own == CALLS - chain["count"] + STARTS and record["calls_from"][-1][0] == -1
     else:
         assert "segments" not in record and "calls_from" not in record
 
