@@ -65,7 +65,8 @@ class RecordService:
         return await self.store.reports([agent] if agent else None)
 
     async def records(self) -> list[Doc]:
-        return await self.store.records()
+        """Every record, whole, as served (a record of form 2 with its segments' calls expanded)."""
+        return [await self.record(head["record_id"]) for head in await self.store.record_heads()]
 
     async def reports_among(self, call_ids: list[str]) -> list[Doc]:
         """The final reports of these calls (those that have one)."""
@@ -79,6 +80,15 @@ class RecordService:
         """A record's own call entries (as stored and hashed: a record of form 2 without its segments' calls)
         as their canonical JSON text, a page at a time."""
         return self.store.record_calls(record_id)
+
+    async def every_call(self, head: Doc) -> AsyncIterator[list[str]]:
+        """Every call entry of a record as text, a page at a time: its own, then those of each segment it
+        names (record form 2), not merged (for a search through a record's calls)."""
+        async for page in self.store.record_calls(head["record_id"]):
+            yield page
+        for ref in head.get("segments") or ():
+            async for rows in self.store.segment_calls(ref["link"], 2000):
+                yield [text for _, _, _, text in rows]
 
     async def head(self, record_id: str) -> Doc:
         """A record's header (all but its calls) by its record id or its termination's id."""
