@@ -169,7 +169,12 @@ async def sealed_then_more(url: str, ids: Identities, sealed: int, more: int) ->
             await history.step("call", "c", 0)
         await history.step("inflight", "c", 0)
         await history.step("write", "p", 0)
-        return history, await history.expanded()
+        log = await history.expanded()
+        # What the console searches when it looks for the records of a call: every call, its segments' too.
+        head = (await store.record_heads())[0]
+        found = {json.loads(t)["call_id"] async for page in history.plane.records.every_call(head) for t in page}
+        assert found == {c["call_id"] for c in log[0]["calls"]}
+        return history, log
     finally:
         await store.close()
 

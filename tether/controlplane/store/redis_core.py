@@ -196,24 +196,32 @@ return seq
 # segment holds (``reports:loose:AGENT``). ARGV per report: call id, doc, start, entry text, link ('-': none),
 # agent.
 _PUT_REPORTS = """
-local new = {}
+local new, seen, loose, agent_of = {}, {}, {}, {}
 for i = 1, #ARGV, 6 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     local n = redis.call('INCR', KEYS[3])
     local k = (i + 5) / 6
+    local agent, link = ARGV[i + 5], ARGV[i + 4]
     redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 3])
-    redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 4])
+    redis.call('HSET', KEYS[5], ARGV[i], link)
     redis.call('ZADD', KEYS[2], n, ARGV[i])
-    if redis.call('ZCARD', KEYS[6 + 3 * k]) == 0 then redis.call('SADD', KEYS[8], ARGV[i + 5]) end
+    if not seen[agent] then  -- an agent's first report: its index of loose reports is whole from the start
+      seen[agent] = true
+      if redis.call('ZCARD', KEYS[6 + 3 * k]) == 0 then redis.call('SADD', KEYS[8], agent) end
+    end
     redis.call('ZADD', KEYS[6 + 3 * k], n, ARGV[i])
     redis.call('ZADD', KEYS[7 + 3 * k], ARGV[i + 2], ARGV[i])
     redis.call('ZADD', KEYS[8 + 3 * k], ARGV[i + 2], ARGV[i])
-    if ARGV[i + 4] ~= '-' then
-      redis.call('HINCRBY', KEYS[6], ARGV[i + 4], 1)
-      redis.call('HSETNX', KEYS[7], ARGV[i + 4], ARGV[i + 5])
+    if link ~= '-' then
+      loose[link] = (loose[link] or 0) + 1
+      agent_of[link] = agent
     end
     new[#new + 1] = ARGV[i]
   end
+end
+for link, n in pairs(loose) do
+  redis.call('HINCRBY', KEYS[6], link, n)
+  redis.call('HSETNX', KEYS[7], link, agent_of[link])
 end
 return new
 """
@@ -392,8 +400,8 @@ if redis.call('HEXISTS', KEYS[5], link) == 1 then return 0 end
 for i = 7, #ARGV do
   if not redis.call('ZSCORE', KEYS[9], ARGV[i]) then return -1 end
 end
-for i = 7, #ARGV do redis.call('ZREM', KEYS[9], ARGV[i]) end
 for i = 7, #ARGV, 1000 do
+  redis.call('ZREM', KEYS[9], unpack(ARGV, i, math.min(i + 999, #ARGV)))
   redis.call('RPUSH', KEYS[8], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
 redis.call('RPUSH', KEYS[7], ARGV[4])
