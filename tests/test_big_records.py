@@ -192,6 +192,24 @@ def test_a_big_record_holds_every_call_once_verifies_and_healthz_answers(cp: Con
     assert offline.returncode == 0, offline.stdout + offline.stderr
     shown = cli(cp, "records", "show", record["record_id"])
     assert shown.returncode == 0 and f"calls: {CALLS + STARTS}" in shown.stdout, shown.stderr
+    if sealed:  # one record alone, with only the public key: its segments checked too, an edited sealed call caught
+        (tmp_path / "record.json").write_text(json.dumps(record))
+        proved = cli(cp, "records", "prove", record["record_id"])
+        assert proved.returncode == 0, proved.stderr
+        (tmp_path / "proof.json").write_text(proved.stdout)
+        note = wait_until(lambda: (out := cli(cp, "records", "checkpoint").stdout).split("\n")[1:2] == ["1"] and out,
+                          60, 0.5, "the checkpoint of the one record")
+        (tmp_path / "checkpoint").write_text(note)
+        args = ["--proof", str(tmp_path / "proof.json"), "--checkpoint", str(tmp_path / "checkpoint"),
+                "--trust", f"{cp.signing_key_path}.pub"]
+        one = cli(cp, "records", "verify-one", str(tmp_path / "record.json"), *args)
+        assert one.returncode == 0, one.stdout + one.stderr
+        edited = json.loads(json.dumps(record))
+        edited["calls"][0]["resolution"] = "refused"  # the first call is sealed (calls_from starts with a segment)
+        assert record["calls_from"][0][0] == 0
+        (tmp_path / "edited.json").write_text(json.dumps(edited))
+        bad = cli(cp, "records", "verify-one", str(tmp_path / "edited.json"), *args)
+        assert bad.returncode == 1 and "segment 1 of link" in bad.stdout, bad.stdout + bad.stderr
 
 
 # -- records stored whole, by a control plane from before ----------------------------------------------------
