@@ -273,3 +273,36 @@ def test_a_served_record_of_form_2_hashes_over_its_own_calls_only() -> None:
     assert proto.record_hash(served) == proto.record_hash(body)
     assert seg.stored_form(served)["calls"] == own
     assert proto.record_hash({**served, "calls_from": [[-1, 1], [0, 1]]}) != proto.record_hash(body)
+
+
+# -- a Redis store from before segments ----------------------------------------------------------------------------
+async def staged_after_upgrade(url: str) -> tuple[list[str], bool]:
+    """Reports stored as a control plane from before segments left them (no index of loose reports, no mark):
+    the first record's staging builds the index from the index by start, and stages every report."""
+    import redis.asyncio as aioredis
+
+    store = open_store_url(url)
+    await store.open()
+    try:
+        reports = [{"call_id": f"old-{i:03d}", "agent": "old", "method": "GET", "url": "http://t/", "link": "L",
+                    "started_at": 1000.0 + (i * 37) % 50, "resolution": "completed", "status": 200}
+                   for i in range(50)]
+        await store.put_reports(reports)
+        client = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            await client.delete("tether:0:reports:loose:old")
+            await client.srem("tether:0:reports:loosed", "old")
+        finally:
+            await client.aclose()
+        staged = [cid async for page in store.stage_reports("rec-x", 0, ["old"], {"L"}, 7) for cid, _ in page.entries]
+        marked = bool(await store.r.sismember("tether:0:reports:loosed", "old"))  # type: ignore[attr-defined]
+        return staged, marked
+    finally:
+        await store.close()
+
+
+def test_a_redis_store_from_before_segments_stages_every_report(redis_url: str) -> None:  # noqa: F811
+    flushed(redis_url)
+    staged, marked = asyncio.run(staged_after_upgrade(redis_url))
+    assert marked and len(staged) == 50
+    assert staged == [f"old-{i:03d}" for i in sorted(range(50), key=lambda i: ((i * 37) % 50, i))]
