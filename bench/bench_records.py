@@ -85,6 +85,17 @@ class CodeControlPlane(ControlPlaneProcess):
         return {**super().env(), "PYTHONPATH": str(self.code)}
 
 
+async def chain_loose(store_url: str, link: str) -> int:
+    """How many of the link's reports no segment holds yet (its chain's ``loose``; the whole link's if none)."""
+    store = open_store_url(store_url)
+    await store.open()
+    try:
+        chain = (await store.chains([link])).get(link)
+        return int(chain["loose"]) if chain else 1 << 30
+    finally:
+        await store.close()
+
+
 async def read_back(store_url: str, termination_id: str) -> tuple[int, bool, float]:
     """The record's calls counted, then its hash recomputed, a page at a time from the store (never whole);
     and the seconds of the hash's pass: reading every entry text in order and hashing it, which any writer of
@@ -93,7 +104,7 @@ async def read_back(store_url: str, termination_id: str) -> tuple[int, bool, flo
     await store.open()
     try:
         head = next(h for h in await store.record_heads() if h["termination_id"] == termination_id)
-        calls = 0
+        calls = sum(ref["count"] for ref in head.get("segments") or ())  # record form 2: its segments' calls
         async for page in store.record_calls(head["record_id"]):
             calls += len(page)
         began = time.perf_counter()
@@ -209,18 +220,31 @@ def measure(directory: Path, store: str, calls: int, redis: RedisServer | None, 
         filled, cpu = time.perf_counter(), time.process_time()
         redis_pid = redis.proc.pid if redis is not None and redis.proc is not None else None
         server = cpu_s(redis_pid)
+        cp_cpu0 = cpu_s(cp.proc.pid if cp.proc else None)  # the control plane's CPU over the fill: its sealing
         asyncio.run(fill(store_url, "big", links["big"], calls))
         ingest_us = (time.process_time() - cpu) / calls * 1e6
         server_us = (cpu_s(redis_pid) - server) / calls * 1e6
+        stored_s = time.perf_counter() - filled
         which = "before" if code != ROOT else "this code"
-        print(f"  {store} ({which}): {calls:,} reports stored in {time.perf_counter() - filled:.1f} s "
+        sealed_s = 0.0
+        if code == ROOT:  # record form 2: wait for the control plane's sealer to seal the calls as the agent ran
+            began = time.perf_counter()
+            while asyncio.run(chain_loose(store_url, links["big"])) >= 1000:
+                time.sleep(0.2)
+            sealed_s = time.perf_counter() - began
+        seal_cpu = cpu_s(cp.proc.pid if cp.proc else None) - cp_cpu0
+        print(f"  {store} ({which}): control-plane CPU over the fill (and sealing) {seal_cpu / calls * 1e6:.1f} us "
+              f"a call (the code before seals nothing: its figure is the idle baseline); sealed "
+              f"{sealed_s:.1f} s after the fill ended", flush=True)
+        print(f"  {store} ({which}): {calls:,} reports stored in {stored_s:.1f} s "
               "(the bench's process, "
               f"the store's own put_reports in batches of {BATCH:,}): CPU per report {ingest_us:.1f} us here, "
-              f"{server_us:.1f} us in redis-server", flush=True)
+              f"{server_us:.1f} us in redis-server (with, for this code, the sealer's work meanwhile)", flush=True)
         time.sleep(5.5)  # past the termination driver's reconnection grace after its start
         base = terminate(cp, "small", redis_pid, store_url)
         big = terminate(cp, "big", redis_pid, store_url)
-        return {"store": store, "code": "before" if code != ROOT else "this code", "base": base, "big": big}
+        return {"store": store, "code": "before" if code != ROOT else "this code", "base": base, "big": big,
+                "seal_us": seal_cpu / calls * 1e6, "sealed_s": sealed_s}
     finally:
         cp.stop()
         if redis is not None:

@@ -88,6 +88,7 @@ def cmd_verify_one(args: argparse.Namespace) -> int:
     from tether.capability.shared import read_file
     from tether.controlplane.merkle import record_leaf, verify_inclusion
     from tether.controlplane.notes import NoteError, open_checkpoint
+    from tether.controlplane.segments import check_served
     from tether.controlplane.termination import record_hash
 
     if not (args.id and args.proof and args.checkpoint and args.trust):
@@ -104,6 +105,8 @@ def cmd_verify_one(args: argparse.Namespace) -> int:
         return _verdict(args, [f"the checkpoint: {exc}"], record, None, None)
     if record_hash(record) != record.get("hash"):
         problems.append("the record's content does not match its hash (edited)")
+    # A record of form 2 (as served): every segment it names, under the trusted key.
+    problems += check_served(record, {keys.thumbprint(public): public})
     if proof.get("size") != checkpoint.size:
         problems.append(f"the proof is for a log of {proof.get('size')} records, the checkpoint of {checkpoint.size}")
     elif not verify_inclusion(record_leaf(str(record.get("hash", ""))), int(proof.get("index", -1)), checkpoint.size,

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tether.capability.errors import USAGE, TetherError
+
 from .process import listen_error, wait_for_signal
 
 if TYPE_CHECKING:
@@ -61,6 +63,12 @@ def add_serve(sub: Any) -> None:
                       help="write every checkpoint here (checkpoint.SIZE, latest): an append-only or WORM mount")
     logs.add_argument("--witness", action="append", default=[], metavar="URL",
                       help="send every checkpoint to this C2SP tlog-witness (tether witness serve); repeat")
+    seal = p.add_argument_group("sealed segments: records of any size (docs/termination.md, \"Sealed segments\")")
+    seal.add_argument("--seal-after", type=float, default=30.0, metavar="S",
+                      help="seal a finished call into its link's chain of segments once it started this long ago "
+                           "(default 30; 0 seals at once)")
+    seal.add_argument("--seal-min", type=int, default=1000, metavar="N",
+                      help="seal a chain only N calls at a time or more (default 1000; 0 turns sealing off)")
     sso = p.add_argument_group("single sign-on (OpenID Connect; docs/console.md)")
     sso.add_argument("--oidc-issuer", metavar="URL", help="the provider's issuer URL (turns single sign-on on)")
     sso.add_argument("--oidc-client-id", metavar="ID", help="the console's client at the provider")
@@ -93,6 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                grace_s=args.grace, rate_window_s=args.rate_window, tls=tls is not None, sso=sso,
                oidc_redirect_uri=args.oidc_redirect_uri, catalog=catalog)
     configure_checkpoints(cp, args)
+    if args.seal_after < 0 or args.seal_min < 0:
+        raise TetherError("--seal-after and --seal-min take a number of seconds and of calls, 0 or more", code=USAGE)
+    cp.segments.settle_s, cp.segments.min_calls = args.seal_after, args.seal_min
     cp.approvals.separation_of_duties = not args.allow_self_approval
     # A made-up token is said once the server listens: never for a run that refused its input or its address.
     note = (f"tether: TETHER_ADMIN_TOKEN is not set; this run's admin token is\n    export TETHER_ADMIN_TOKEN={token}"

@@ -42,6 +42,7 @@ from .services.grants import GrantService
 from .services.health import HealthService
 from .services.operators import OperatorService
 from .services.records import RecordService
+from .services.segments import SegmentService
 from .services.sidecars import SidecarService
 from .services.terminations import TerminationService
 from .signing import check_head
@@ -89,7 +90,7 @@ class ControlPlane:
         self.routes: list[Route] = []
         self.background: list[Callable[[], Awaitable[None]]] = [self.loop_watch.run, self.clock_watch.run,
                                                                  self.terminations.run, self.budgets.run,
-                                                                 self.checkpoints.run]
+                                                                 self.checkpoints.run, self.segments.run]
         ops = OpsRoutes(health=self.health, catalog=catalog, signing_key=signing_key, auth=self.auth,
                         metrics=self.metrics, loop_watch=self.loop_watch, events=self.events, sidecars=self.sidecars,
                         terminations=self.terminations, routes=self.routes, clock=clock, clock_watch=self.clock_watch)
@@ -110,6 +111,7 @@ class ControlPlane:
         self.approvals = ApprovalService(store, metrics, self.events, clock, self.approval_ttl_s)
         self.records = RecordService(store, metrics, clock)
         self.checkpoints = CheckpointService(store, self.signing_key, clock=clock)  # sinks: set by the CLI
+        self.segments = SegmentService(store, self.signing_key, clock)  # settling time etc.: set by the CLI
         self.operators = OperatorService(store, metrics, clock)
         self.auth.operators = self.operators
         self.budgets = BudgetService(store, metrics, clock, self.grants, self.lease_ttl_s, budget_window_s)

@@ -257,6 +257,13 @@ RECORD = obj({
                                "record_id", "termination_id", "calls"),
                            description="earlier records holding as reported calls of this subtree, which this "
                                        "record therefore leaves out (a call belongs to exactly one record)"),
+    "segments": array(obj({"link": STR, "agent": STR, "seq": INT, "head": STR, "count": INT},
+                          "link", "agent", "seq", "head", "count"),
+                      description="record form 2: the chains of sealed segments whose calls are this record's "
+                                  "too (served expanded in calls; docs/termination.md, Sealed segments)"),
+    "sealed": array(ANY_OBJ, description="as served: the headers of the segments named, chain by chain"),
+    "calls_from": array(array(INT), description="as served: [source, n] runs over calls, source an index into "
+                                                "sealed or -1 for the record's own calls (the hashed ones)"),
     "prev_hash": STR, "hash": STR, "signature": STR,
 }, "record_id", "termination_id", "subject", "calls", "agents_terminated", "agents_unaccounted", "prev_hash",
     "hash", "signature")

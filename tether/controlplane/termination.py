@@ -157,7 +157,11 @@ def delivered(command: Doc | None, now: float) -> Doc | None:
 
 # -- the reconciliation record -----------------------------------------------------------------------
 def record_hash(record: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in record.items() if k not in ("hash", "signature")}
+    """``sha256:`` of the canonical JSON of the record as stored (a record of form 2 served with its segments'
+    calls expanded is hashed over its own: ``segments.stored_form``)."""
+    from .segments import stored_form
+
+    body = {k: v for k, v in stored_form(record).items() if k not in ("hash", "signature")}
     return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
 
 
@@ -317,6 +321,34 @@ class RecordBuilder:
             if not self.foreseen:
                 self._unknown_there(call_id, holders.get(call_id, (None, ()))[1])
         self.listed += n
+
+    def chains(self, chains: Mapping[str, Doc], links: Iterable[str]) -> tuple[list[Doc], dict[str, int]]:
+        """Record form 2: of the chains of sealed segments of ``links`` (``Store.chains``), the ones this
+        record names (open, non-empty, of one of its agents: ``segments``, sorted by link) and the ones its
+        append closes (link -> the seq read; 0 for a link with no chain). The calls of a chain an earlier record
+        of another termination closed are held there: counted in ``calls_held_by`` from the chain's count, as
+        ``count`` counts calls one by one (a chain this termination's record closed: its addendum ``amends``
+        it). A chain closed by a record not in ``known`` was closed since the log was read: this record's
+        append fails on the moved head, and it is built again."""
+        from .segments import chain_ref
+
+        named: list[Doc] = []
+        close: dict[str, int] = {}
+        for link in sorted(set(links)):
+            chain = chains.get(link)
+            if chain is None:
+                close[link] = 0
+                continue
+            owner = chain.get("closed_by")
+            if owner is not None:
+                if chain["agent"] in self.agents and owner in self.known and self._other(owner) and chain["count"]:
+                    self.held[owner] = self.held.get(owner, 0) + chain["count"]
+                continue
+            if chain["agent"] in self.agents or not chain["seq"]:
+                close[link] = chain["seq"]
+                if chain["seq"]:
+                    named.append(chain_ref(chain))
+        return named, close
 
     def _unknown_there(self, call_id: str, unknown_in: Iterable[str]) -> None:
         for rid in unknown_in:
@@ -544,8 +576,49 @@ class VerifyResult:
 
 
 def verify_records(records: list[Doc], public_key: Any) -> VerifyResult:
-    """Check the whole log: each hash, each signature, and each link to the previous record."""
-    return verify_digests([(record, record_hash(record)) for record in records], public_key)
+    """Check the whole log: each hash, each signature, and each link to the previous record; and, for a record
+    of form 2 (as served: ``segments.served``), every segment it names."""
+    from .segments import check_served
+
+    result = verify_digests([(record, record_hash(record)) for record in records], public_key)
+    problems = list(result.problems) + segment_problems(
+        records, lambda index, record, signers: check_served(record, signers), public_key)
+    return VerifyResult(not problems, result.count, tuple(problems))
+
+
+def log_signers(records: Sequence[Mapping[str, Any]], public_key: Any) -> list[dict[str, Any]]:
+    """For each record, key id -> public key of every key the log was signed with up to it (a segment is
+    signed by the key in force when it was sealed, which may be older than the record's)."""
+    from .rotation import signers
+
+    expected, _ = signers(list(records), public_key)
+    known: dict[str, Any] = {keys.thumbprint(public_key): public_key}
+    out: list[dict[str, Any]] = []
+    for key in expected:
+        if key is not None:
+            known.setdefault(keys.thumbprint(key), key)
+        out.append(dict(known))
+    return out
+
+
+def segment_problems(records: Sequence[Mapping[str, Any]], check: Any, public_key: Any) -> list[str]:
+    """The problems of the segments the records name (``check(index, record, signers)``), each named by its
+    record, and a chain named by two records (a segment belongs to the first record naming it)."""
+    problems: list[str] = []
+    named: dict[str, str] = {}
+    signers_at = log_signers(records, public_key) if any("segments" in r for r in records) else []
+    for index, record in enumerate(records):
+        if "segments" not in record:
+            continue
+        rid = record.get("record_id", f"#{index}")
+        for ref in record.get("segments") or ():
+            link = str(ref.get("link"))
+            if link in named:
+                problems.append(f"record {index} ({rid}): names the chain of link {link[:16]} that record "
+                                f"{named[link]} named already")
+            named.setdefault(link, str(rid))
+        problems += [f"record {index} ({rid}): {p}" for p in check(index, record, signers_at[index])]
+    return problems
 
 
 def verify_digests(records: Sequence[tuple[Mapping[str, Any], str]], public_key: Any) -> VerifyResult:

@@ -245,7 +245,7 @@ class Console:
         of calls at a time, and only the lines that name the call are decoded)."""
         needle, out = json.dumps(call_id), []
         for head in await self.cp.records.heads():
-            async for page in self.cp.records.calls(head["record_id"]):
+            async for page in self.cp.records.every_call(head):
                 for text in page:
                     if needle in text and (call := json.loads(text)).get("call_id") == call_id:
                         out.append({"record_id": head["record_id"], "termination_id": head["termination_id"],

@@ -20,8 +20,9 @@ from tether.capability.report import read_final, read_start
 
 from ..auth import Caller
 from ..metrics import Metrics
+from ..segments import OWN, check_chains, merged, runs_of
 from ..store import Doc, Store
-from ..termination import VerifyResult, record_frame, verify_digests
+from ..termination import VerifyResult, in_order_key, record_frame, segment_problems, verify_digests
 
 
 class RecordService:
@@ -64,7 +65,8 @@ class RecordService:
         return await self.store.reports([agent] if agent else None)
 
     async def records(self) -> list[Doc]:
-        return await self.store.records()
+        """Every record, whole, as served (a record of form 2 with its segments' calls expanded)."""
+        return [await self.record(head["record_id"]) for head in await self.store.record_heads()]
 
     async def reports_among(self, call_ids: list[str]) -> list[Doc]:
         """The final reports of these calls (those that have one)."""
@@ -75,8 +77,18 @@ class RecordService:
         return await self.store.record_heads()
 
     def calls(self, record_id: str) -> AsyncIterator[list[str]]:
-        """A record's call entries as their canonical JSON text, a page at a time."""
+        """A record's own call entries (as stored and hashed: a record of form 2 without its segments' calls)
+        as their canonical JSON text, a page at a time."""
         return self.store.record_calls(record_id)
+
+    async def every_call(self, head: Doc) -> AsyncIterator[list[str]]:
+        """Every call entry of a record as text, a page at a time: its own, then those of each segment it
+        names (record form 2), not merged (for a search through a record's calls)."""
+        async for page in self.store.record_calls(head["record_id"]):
+            yield page
+        for ref in head.get("segments") or ():
+            async for rows in self.store.segment_calls(ref["link"], 2000):
+                yield [text for _, _, _, text in rows]
 
     async def head(self, record_id: str) -> Doc:
         """A record's header (all but its calls) by its record id or its termination's id."""
@@ -86,8 +98,11 @@ class RecordService:
         raise ApiError(404, NOT_FOUND, f"no record {record_id}")
 
     async def record(self, record_id: str) -> Doc:
-        """A record, whole (its calls decoded)."""
+        """A record, whole (its calls decoded; a record of form 2 as served: its segments' calls expanded)."""
         head = await self.head(record_id)
+        if "segments" in head:
+            text = b"".join([chunk async for chunk in self.text(head)])
+            return await asyncio.to_thread(json.loads, text)
         calls: list[Doc] = []
         async for page in self.store.record_calls(head["record_id"]):
             calls += await asyncio.to_thread(lambda texts=page: [json.loads(t) for t in texts])
@@ -95,7 +110,17 @@ class RecordService:
 
     async def text(self, head: Doc) -> AsyncIterator[bytes]:
         """A record as JSON (its canonical spelling), a page of calls at a time: a record of any size is
-        served without being held whole."""
+        served without being held whole. A record of form 2 is served with every call, its own and its
+        segments' merged in the record's order (``segments.served``)."""
+        if "segments" in head:
+            async for chunk in self._expanded(head):
+                yield chunk
+            return
+        async for chunk in self.own_text(head):
+            yield chunk
+
+    async def own_text(self, head: Doc) -> AsyncIterator[bytes]:
+        """The record as stored and hashed: its header and its own calls."""
         opening, closing = record_frame(head)
         yield opening.encode()
         first = True
@@ -104,20 +129,92 @@ class RecordService:
             first = False
         yield closing.encode()
 
+    async def sealed(self, head: Doc) -> list[Doc]:
+        """The headers of the segments a record of form 2 names, chain by chain (as named), oldest first."""
+        out: list[Doc] = []
+        for ref in head.get("segments") or ():
+            out += await self.store.segments_of(ref["link"])
+        return out
+
+    async def _expanded(self, head: Doc) -> AsyncIterator[bytes]:
+        """A record of form 2 served: ``calls`` its own and its segments' merged in the record's order (its
+        ``unknown`` ones last, as stored), then ``calls_from`` and ``sealed``."""
+        sealed = await self.sealed(head)
+        index = {(s["link"], s["seq"]): i for i, s in enumerate(sealed)}
+        unknown: list[str] = []
+
+        async def own() -> AsyncIterator[list[tuple[Any, int, str]]]:
+            async for page in self.store.record_calls(head["record_id"], 2000):
+                docs = await asyncio.to_thread(lambda texts=page: [json.loads(t) for t in texts])
+                rows = []
+                for doc, text in zip(docs, page, strict=True):
+                    if doc.get("reported", True) is False:
+                        unknown.append(text)
+                    else:
+                        rows.append((in_order_key(doc), OWN, text))
+                yield rows
+
+        async def chain(link: str) -> AsyncIterator[list[tuple[Any, int, str]]]:
+            async for page in self.store.segment_calls(link, 2000):
+                yield [((started, cid), index.get((link, seq), OWN), text) for started, cid, seq, text in page]
+
+        frame = {**head, "sealed": sealed, "calls_from": []}
+        opening = record_frame(frame)[0]
+        yield opening.encode()
+        sources: list[int] = []
+        first = True
+        async for page in merged(own(), [chain(ref["link"]) for ref in head["segments"]]):
+            sources += [source for source, _ in page]
+            yield (("" if first else ",") + ",".join(text for _, text in page)).encode()
+            first = False
+        if unknown:
+            sources += [OWN] * len(unknown)
+            yield (("" if first else ",") + ",".join(unknown)).encode()
+        yield record_frame({**frame, "calls_from": runs_of(sources)})[1].encode()
+
     async def digest(self, head: Doc) -> str:
         """The hash of a record's content (``termination.record_hash``), over its stored entries a page at a
         time: what its ``hash`` must be."""
         body = {k: v for k, v in head.items() if k not in ("hash", "signature")}
         digest = hashlib.sha256()
-        async for chunk in self.text(body):
+        async for chunk in self.own_text(body):
             await asyncio.to_thread(digest.update, chunk)
         return "sha256:" + digest.hexdigest()
 
+    async def chain_digests(self, link: str) -> list[tuple[Doc, str]]:
+        """A chain's segments, each with the hash of its content recomputed from the calls stored."""
+        segments = await self.store.segments_of(link)
+        digests = {s["seq"]: hashlib.sha256() for s in segments}
+        opened: set[int] = set()
+        for segment in segments:
+            header = {k: v for k, v in segment.items() if k not in ("hash", "signature")}
+            digests[segment["seq"]].update(record_frame(header)[0].encode())
+        async for page in self.store.segment_calls(link, 5000):
+            for _, _, seq, text in page:
+                if seq not in digests:
+                    continue
+                digests[seq].update((b"," if seq in opened else b"") + text.encode())
+                opened.add(seq)
+        out = []
+        for segment in segments:
+            header = {k: v for k, v in segment.items() if k not in ("hash", "signature")}
+            digests[segment["seq"]].update(record_frame(header)[1].encode())
+            out.append((segment, "sha256:" + digests[segment["seq"]].hexdigest()))
+        return out
+
     async def verify(self, public_key: Any, heads: list[Doc] | None = None) -> VerifyResult:
         """``tether records verify`` in the control plane, without holding a record whole. ``heads``: the
-        record headers when the caller has read them already."""
+        record headers when the caller has read them already. The segments a record of form 2 names are
+        checked from the store (``segments.check_chains``)."""
         heads = await self.store.record_heads() if heads is None else heads
-        return verify_digests([(head, await self.digest(head)) for head in heads], public_key)
+        result = verify_digests([(head, await self.digest(head)) for head in heads], public_key)
+        chains: dict[int, dict[str, list[tuple[Doc, str]]]] = {}
+        for index, head in enumerate(heads):
+            if "segments" in head:
+                chains[index] = {ref["link"]: await self.chain_digests(ref["link"]) for ref in head["segments"]}
+        problems = list(result.problems) + segment_problems(
+            heads, lambda index, head, signers: check_chains(head["segments"], chains[index], signers), public_key)
+        return VerifyResult(not problems, result.count, tuple(problems))
 
     async def log_text(self) -> AsyncIterator[bytes]:
         """Every record, oldest first, as one JSON list (``GET /v1/records``), streamed like ``text``."""

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -222,6 +222,7 @@ class TerminationService:
                 break
             record_id = "rec-" + os.urandom(8).hex()
             builder = proto.RecordBuilder(doc, runs=mine, acks=acks, known=view.heads, agents=late, late=True)
+            named, close = await self._chains(builder, links, view.at)
             try:
                 staged = await self._stage_reports(builder, record_id, late, links, view.at, lease=doc["id"])
             except LeaseLost:
@@ -229,7 +230,9 @@ class TerminationService:
                 return
             addendum = proto.addendum_header(builder, record_id=record_id,
                                              prev_hash=view.head["hash"] if view.head else "", now=self.clock())
-            if await self._append(addendum, record_id, staged):
+            if named:
+                addendum["segments"] = named
+            if await self._append(addendum, record_id, staged, close):
                 log.info("termination %s: addendum %s (late: %s)", doc["id"], record_id,
                          ", ".join(proto.terminated_agents(addendum)))
                 break
@@ -364,6 +367,17 @@ class TerminationService:
         if missing:
             builder.learn(await self.store.heads_named(missing, at))
 
+    async def _chains(self, builder: proto.RecordBuilder, links: Iterable[str],
+                      at: int) -> tuple[list[Doc], dict[str, int]]:
+        """The chains of sealed segments of these links that the record names, and those its append closes
+        (``RecordBuilder.chains``), the records that closed chains before learned first: one row per link,
+        whatever the number of calls sealed (docs/termination.md, "Sealed segments")."""
+        chains = await self.store.chains(sorted(set(links)))
+        closers = sorted({c["closed_by"] for c in chains.values() if c.get("closed_by")} - builder.known.keys())
+        if closers:
+            builder.learn(await self.store.heads_named(closers, at))
+        return builder.chains(chains, links)
+
     async def write_record(self, doc: Doc) -> tuple[str, list[str]]:
         """Write the termination's record (once); returns its id and the agents it left unaccounted.
 
@@ -400,6 +414,7 @@ class TerminationService:
             foreseen = await store.call_holders([r["call_id"] for r in elsewhere])
             await self._learn(builder, foreseen, view.at)
             builder.foresee(elsewhere, foreseen)
+            named, close = await self._chains(builder, hashes, view.at)
             inputs = dict(record_id=record_id, seen=ended | held,
                           starts=[s for s in starts if s["call_id"] not in ended], links=links,
                           revocations=await store.revocations(), budgets=await budget_use(store, links, self.clock()),
@@ -411,13 +426,14 @@ class TerminationService:
                                                lease=doc["id"])
             staged = await self._stage(record_id, staged, unknown, digest)
             header, _ = builder.finish(**inputs, now=self.clock())
-            header = {**header, "key_id": proto.key_id_of(self.signing_key)}  # sorts after "calls": closing
+            header = {**header, "key_id": proto.key_id_of(self.signing_key),  # sorts after "calls": closing
+                      **({"segments": named} if named else {})}
             again, closing = proto.record_frame(header)
             if again != opening:  # cannot happen: the fields before the calls depend on nothing the pages said
                 raise RuntimeError(f"termination {doc['id']}: the record's opening changed while it was written")
             digest.update(closing.encode())
             sealed = proto.sign_hash(header, "sha256:" + digest.hexdigest(), self.signing_key)
-            if await store.append_record(sealed, staged=staged):
+            if await store.append_record(sealed, staged=staged, close=close):
                 return record_id, [u["agent"] for u in header["agents_unaccounted"]]
             await store.drop_staged(record_id)
 
@@ -458,12 +474,12 @@ class TerminationService:
             await self.store.stage_calls(record_id, start, encoded)
         return start + len(entries)
 
-    async def _append(self, header: Doc, record_id: str, staged: int) -> bool:
-        """Hash the record over its staged entries, sign it and append its header; False (what was staged
-        dropped) when another record was appended first."""
+    async def _append(self, header: Doc, record_id: str, staged: int, close: Mapping[str, int] | None = None) -> bool:
+        """Hash the record over its staged entries, sign it and append its header (closing the chains of
+        ``close``); False (what was staged dropped) when another record was appended first."""
         header = {**header, "key_id": proto.key_id_of(self.signing_key)}
         sealed = proto.sign_hash(header, await self.records.digest(header), self.signing_key)
-        if await self.store.append_record(sealed, staged=staged):
+        if await self.store.append_record(sealed, staged=staged, close=close):
             return True
         await self.store.drop_staged(record_id)
         return False

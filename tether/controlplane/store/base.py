@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,11 +302,14 @@ class Store(abc.ABC):
     # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
     # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
     @abc.abstractmethod
-    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
+    async def append_record(self, record: Doc, staged: int | None = None,
+                            close: Mapping[str, int] | None = None) -> bool:
         """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
         False when another writer got there first: the caller rebuilds on the new head. ``staged``: the record
         is a header whose ``staged`` call entries were stored with ``stage_calls`` under its record id;
-        otherwise ``record`` holds its ``calls``."""
+        otherwise ``record`` holds its ``calls``. ``close``: link -> the seq of its chain of segments the writer
+        read (0: none); in the same transaction (script) each must still be at that seq (else False), and each
+        is closed by this record unless a record closed it before (no segment is sealed on it again)."""
 
     @abc.abstractmethod
     async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
@@ -381,6 +384,40 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def reports_among(self, call_ids: list[str]) -> list[Doc]:
         """The final reports of these calls (those that have one)."""
+
+    # -- sealed segments (record form 2: controlplane/segments.py) -------------------------------------------
+    # One chain per link. ``stage_reports`` stages only reports no segment holds. A store without segments
+    # (``seals`` False) answers no chains, and nothing is ever sealed in it.
+    seals = False
+
+    async def chains(self, links: list[str]) -> dict[str, Doc]:
+        """link -> its chain: ``link``, ``agent``, ``seq`` (of its head; 0: none), ``head`` (its hash), ``count``
+        (calls its segments hold), ``last`` ([started, call id] of the last, or None), ``closed_by`` (the
+        record that closed it, or None), ``loose`` (the link's reports no segment holds, about)."""
+        return {}
+
+    async def sealable_links(self, min_calls: int) -> list[Doc]:
+        """The open chains with at least ``min_calls`` reports no segment holds."""
+        return []
+
+    async def seal_candidates(self, chain: Doc, cut: float, limit: int) -> list[tuple[float, str, str]]:
+        """(started, call id, entry text) of the chain's reports no segment holds that sort after its last
+        call and started before ``cut``, in the record's order, at most ``limit``."""
+        return []
+
+    async def append_segment(self, segment: Doc, calls: list[tuple[float, str, str]]) -> bool:
+        """Append a sealed segment holding these calls (``seal_candidates``' rows) to its link's chain, if its
+        ``seq`` follows the chain's head, its ``prev`` is the head's hash and no record closed the chain."""
+        return False
+
+    async def segments_of(self, link: str) -> list[Doc]:
+        """The headers of a chain's segments, oldest first."""
+        return []
+
+    async def segment_calls(self, link: str, page: int = 2000) -> AsyncIterator[list[tuple[float, str, int, str]]]:
+        """A chain's calls, (started, call id, seq, entry text), segment after segment, a page at a time."""
+        for _ in ():
+            yield []
 
     # -- leases on work that exactly one replica may drive ----------------------------------------------
     @abc.abstractmethod

@@ -64,12 +64,13 @@ from .redis_docs import RedisDocs
 from .redis_links import RedisLinks
 from .redis_records import RedisRecords
 from .redis_reports import RedisReports
+from .redis_segments import RedisSegments
 
 EVENT_RETENTION = 10_000
 STAGE_PART = 1000  # call ids per script: Redis, and every replica's requests, wait for 1,000 calls' staging at most
 
 
-class RedisStore(RedisLinks, RedisReports, RedisRecords, RedisDocs, RedisBudgets):
+class RedisStore(RedisLinks, RedisReports, RedisRecords, RedisSegments, RedisDocs, RedisBudgets):
     """The shared store, composed of one mixin per concern. The event log and report staging stay here, beside
     ``EVENT_RETENTION`` and ``STAGE_PART`` (tests set them on this module)."""
 
@@ -164,7 +165,8 @@ class RedisStore(RedisLinks, RedisReports, RedisRecords, RedisDocs, RedisBudgets
         """``stage_reports`` of one agent: pages of ``page`` reports read, each read and staged inside Redis
         ``STAGE_PART`` at a time from after the last id read."""
         await self._index_starts(agent)
-        keys = [*keys, self._key("reports", "started", agent)]
+        await self._loosen(agent)
+        keys = [*keys, self._key("reports", "loose", agent), self._key("reports", "started", agent)]
         after = ""
         while True:
             out = _Staging()
@@ -185,7 +187,9 @@ class RedisStore(RedisLinks, RedisReports, RedisRecords, RedisDocs, RedisBudgets
     async def _stage_merged(self, agents: list[str], keys: list[str], head: list[Any],
                             page: int) -> AsyncIterator[StagedPage]:
         """``stage_reports`` of several agents: ids merged in the record's order here (``_ordered_ids``)."""
-        async for ids in self._ordered_ids(agents, page):
+        for agent in agents:
+            await self._loosen(agent)
+        async for ids in self._ordered_ids(agents, page, "loose"):
             out = _Staging()
             for at in range(0, len(ids), STAGE_PART):
                 out.add(await self._staged("stage_reports", keys, [*head, *ids[at:at + STAGE_PART]]))

@@ -191,19 +191,37 @@ return seq
 # for a record's order: equal scores sort by member, i.e. by call id). ARGV: (call_id, doc, start, entry, link)
 # per report: its entry text in a record (``termination.entry_text``) and its link ('-' for none) are kept apart
 # from the report, so a record is staged without decoding one.
+# KEYS: reports, order, counter, entries, links, chains' loose counts, chains' agents, the agents whose index of
+# loose reports is whole; then per report: its agent's index by arrival, by start, and of its reports no
+# segment holds (``reports:loose:AGENT``). ARGV per report: call id, doc, start, entry text, link ('-': none),
+# agent.
 _PUT_REPORTS = """
-local new = {}
-for i = 1, #ARGV, 5 do
+local new, seen, loose, agent_of = {}, {}, {}, {}
+for i = 1, #ARGV, 6 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     local n = redis.call('INCR', KEYS[3])
-    local k = (i + 4) / 5
+    local k = (i + 5) / 6
+    local agent, link = ARGV[i + 5], ARGV[i + 4]
     redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 3])
-    redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 4])
+    redis.call('HSET', KEYS[5], ARGV[i], link)
     redis.call('ZADD', KEYS[2], n, ARGV[i])
-    redis.call('ZADD', KEYS[4 + 2 * k], n, ARGV[i])
-    redis.call('ZADD', KEYS[5 + 2 * k], ARGV[i + 2], ARGV[i])
+    if not seen[agent] then  -- an agent's first report: its index of loose reports is whole from the start
+      seen[agent] = true
+      if redis.call('ZCARD', KEYS[6 + 3 * k]) == 0 then redis.call('SADD', KEYS[8], agent) end
+    end
+    redis.call('ZADD', KEYS[6 + 3 * k], n, ARGV[i])
+    redis.call('ZADD', KEYS[7 + 3 * k], ARGV[i + 2], ARGV[i])
+    redis.call('ZADD', KEYS[8 + 3 * k], ARGV[i + 2], ARGV[i])
+    if link ~= '-' then
+      loose[link] = (loose[link] or 0) + 1
+      agent_of[link] = agent
+    end
     new[#new + 1] = ARGV[i]
   end
+end
+for link, n in pairs(loose) do
+  redis.call('HINCRBY', KEYS[6], link, n)
+  redis.call('HSETNX', KEYS[7], link, agent_of[link])
 end
 return new
 """
@@ -272,8 +290,19 @@ local after, n = ARGV[first], tonumber(ARGV[first + 1])
 local from = 0
 if after ~= '' then
   local rank = redis.call('ZRANK', KEYS[7], after)
-  if not rank then return redis.error_reply('tether: ' .. after .. ' left the index by start') end
-  from = rank + 1
+  if not rank then
+    -- Sealed into a segment since it was staged (KEYS[7] holds the reports no segment holds): the point
+    -- reached is found by its start (KEYS[8], the index by start); the record's append then fails on the
+    -- chain that moved, and the record is built again.
+    local score = redis.call('ZSCORE', KEYS[8], after)
+    if not score then return redis.error_reply('tether: ' .. after .. ' left the index by start') end
+    from = redis.call('ZCOUNT', KEYS[7], '-inf', '(' .. score)
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[7], score, score)) do
+      if member < after then from = from + 1 end
+    end
+  else
+    from = rank + 1
+  end
 end
 local ids = redis.call('ZRANGE', KEYS[7], from, from + n - 1)
 local reply = (function()
@@ -332,6 +361,55 @@ if tonumber(redis.call('GET', KEYS[5]) or '0') == pos then
   file_record(KEYS[6], pos, 5, #ARGV)
   redis.call('SET', KEYS[5], pos + 1)
 end
+return 1
+"""
+
+# ``_APPEND_RECORD`` that also closes chains of sealed segments (record form 2). KEYS: as it, then the chains'
+# seqs and the records that closed them. ARGV: prev_hash, hash, header, staged, record id, how many chains, per
+# chain its link and the seq its writer read, then the record's index keys. 2 (nothing written): a chain moved.
+_APPEND_CLOSING = _FILE_RECORD + """
+local head = redis.call('GET', KEYS[2]) or ''
+if head ~= ARGV[1] then return 0 end
+if redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return -1 end
+local nclose = tonumber(ARGV[6])
+for j = 0, nclose - 1 do
+  local link, seq = ARGV[7 + 2 * j], tonumber(ARGV[8 + 2 * j])
+  if tonumber(redis.call('HGET', KEYS[7], link) or '0') ~= seq then return 2 end
+end
+for j = 0, nclose - 1 do redis.call('HSETNX', KEYS[8], ARGV[7 + 2 * j], ARGV[5]) end
+local pos = redis.call('RPUSH', KEYS[1], ARGV[3]) - 1
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('PERSIST', KEYS[3])
+redis.call('PERSIST', KEYS[4])
+if tonumber(redis.call('GET', KEYS[5]) or '0') == pos then
+  file_record(KEYS[6], pos, 7 + 2 * nclose, #ARGV)
+  redis.call('SET', KEYS[5], pos + 1)
+end
+return 1
+"""
+
+# A sealed segment appended to its link's chain. KEYS: the chains' seqs, heads, counts, lasts, closers, loose
+# counts; the chain's segment headers; the segment's call ids; the agent's index of reports no segment holds.
+# ARGV: link, seq, prev, header, hash, last ('START CALL_ID'), then the call ids. 0: the chain moved or was
+# closed; -1: a call is no longer loose (nothing written).
+_APPEND_SEGMENT = """
+local link = ARGV[1]
+if tonumber(redis.call('HGET', KEYS[1], link) or '0') ~= tonumber(ARGV[2]) - 1 then return 0 end
+if (redis.call('HGET', KEYS[2], link) or '') ~= ARGV[3] then return 0 end
+if redis.call('HEXISTS', KEYS[5], link) == 1 then return 0 end
+for i = 7, #ARGV do
+  if not redis.call('ZSCORE', KEYS[9], ARGV[i]) then return -1 end
+end
+for i = 7, #ARGV, 1000 do
+  redis.call('ZREM', KEYS[9], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  redis.call('RPUSH', KEYS[8], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('RPUSH', KEYS[7], ARGV[4])
+redis.call('HSET', KEYS[1], link, ARGV[2])
+redis.call('HSET', KEYS[2], link, ARGV[5])
+redis.call('HINCRBY', KEYS[3], link, #ARGV - 6)
+redis.call('HSET', KEYS[4], link, ARGV[6])
+redis.call('HINCRBY', KEYS[6], link, 6 - #ARGV)
 return 1
 """
 
@@ -526,6 +604,8 @@ class RedisCore(Store):
             ("put_reports", _PUT_REPORTS),
             ("put_doc", _PUT_DOC),
             ("append_record", _APPEND_RECORD),
+            ("append_closing", _APPEND_CLOSING),
+            ("append_segment", _APPEND_SEGMENT),
             ("index_heads", _INDEX_HEADS),
             ("index_calls", _INDEX_CALLS),
             ("index_listed", _INDEX_LISTED),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from tether.capability import jsonpieces
 
@@ -45,7 +45,8 @@ class RedisRecords(RedisCore):
 
     @_guarded
     @_writes
-    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
+    async def append_record(self, record: Doc, staged: int | None = None,
+                            close: Mapping[str, int] | None = None) -> bool:
         header = {k: v for k, v in record.items() if k != "calls"}
         rid = header["record_id"]
         if staged is None:
@@ -56,10 +57,18 @@ class RedisRecords(RedisCore):
                 await self.stage_calls(rid, start, entries[start:start + 1000])
             staged = len(entries)
         encoded = await asyncio.to_thread(jsonpieces.dumps, header)
-        args = [record["prev_hash"], record["hash"], encoded, staged, *_filed_under(header)]
-        done = await self._run("append_record", [self._key("records"), self._key("records", "head"),
-                                                 self._calls_key(rid), self._ids_key(rid),
-                                                 self._key("records", "keyed"), self._key("records", "keys")], args)
+        keys = [self._key("records"), self._key("records", "head"), self._calls_key(rid), self._ids_key(rid),
+                self._key("records", "keyed"), self._key("records", "keys")]
+        if close:
+            pairs = [x for link, seq in sorted(close.items()) for x in (link, seq)]
+            done = await self._run("append_closing", [*keys, self._key("chains", "seq"), self._key("chains", "closed")],
+                                   [record["prev_hash"], record["hash"], encoded, staged, rid, len(close), *pairs,
+                                    *_filed_under(header)])
+            if done == 2:
+                return False  # a segment sealed since the writer read its chains: it builds again
+        else:
+            done = await self._run("append_record", keys,
+                                   [record["prev_hash"], record["hash"], encoded, staged, *_filed_under(header)])
         if done < 0:
             raise ValueError(f"record {rid}: the staged call entries are not the {staged} expected")
         if not done:
@@ -239,7 +248,7 @@ class RedisRecords(RedisCore):
         async for ids in self._ordered_ids(agents, page):
             yield await self._hmget(self._key("reports"), ids)
 
-    async def _ordered_ids(self, agents: list[str], page: int) -> AsyncIterator[list[str]]:
+    async def _ordered_ids(self, agents: list[str], page: int, index: str = "started") -> AsyncIterator[list[str]]:
         """The agents' indexes by start, merged: each read a slice at a time from where it stopped (by score,
         then by member), so no command's cost grows with the termination (a ZUNIONSTORE of 200,000 members
         holds Redis, and every replica's requests, for most of a second). A report stored meanwhile is
@@ -249,7 +258,7 @@ class RedisRecords(RedisCore):
         for agent in agents:
             await self._index_starts(agent)
         slice_n = max(100, page // len(agents))
-        cursors = [_Cursor(self._key("reports", "started", a)) for a in agents]
+        cursors = [_Cursor(self._key("reports", index, a)) for a in agents]
         while True:
             ids: list[str] = []
             while len(ids) < page:

@@ -29,12 +29,14 @@ class RedisReports(RedisCore):
         if not reports:
             return Stored(set(), 0)
         keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n"),
-                self._key("reports", "entry"), self._key("reports", "link")]
+                self._key("reports", "entry"), self._key("reports", "link"), self._key("chains", "loose"),
+                self._key("chains", "agent"), self._key("reports", "loosed")]
         args: list[str] = []
         for report in reports:
-            keys += [self._key("reports", "agent", report["agent"]), self._key("reports", "started", report["agent"])]
+            keys += [self._key("reports", "agent", report["agent"]), self._key("reports", "started", report["agent"]),
+                     self._key("reports", "loose", report["agent"])]
             args += [report["call_id"], _dump(report), repr(float(report.get("started_at") or 0)),
-                     entry_text(report), report.get("link") or "-"]
+                     entry_text(report), report.get("link") or "-", report["agent"]]
         new = {str(i) for i in await self._scripts["put_reports"](keys=keys, args=args)}  # decoded: str
         by_agent: dict[str, list[str]] = {}
         for report in reports:

@@ -28,11 +28,12 @@ from .sqlite_docs import SqliteDocs
 from .sqlite_links import SqliteLinks
 from .sqlite_records import SqliteRecords
 from .sqlite_reports import SqliteReports
+from .sqlite_segments import SqliteSegments
 
 EVENT_RETENTION = 10_000
 
 
-class SqliteStore(SqliteLinks, SqliteReports, SqliteRecords, SqliteDocs, SqliteBudgets):
+class SqliteStore(SqliteLinks, SqliteReports, SqliteRecords, SqliteSegments, SqliteDocs, SqliteBudgets):
     """The embedded store, composed of one mixin per concern. The event log stays here, beside
     ``EVENT_RETENTION`` (tests set it on this module)."""
 

@@ -50,6 +50,11 @@ CREATE TABLE IF NOT EXISTS seen (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS budgets (key TEXT PRIMARY KEY, used INTEGER NOT NULL, leased INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS slices (id TEXT PRIMARY KEY, open INTEGER NOT NULL, doc TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS slices_open ON slices(open);
+CREATE TABLE IF NOT EXISTS chains (link TEXT PRIMARY KEY, agent TEXT NOT NULL, seq INTEGER NOT NULL,
+    head TEXT NOT NULL, count INTEGER NOT NULL, last_started REAL, last_call TEXT, closed_by TEXT,
+    loose INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS segments (link TEXT NOT NULL, seq INTEGER NOT NULL, hash TEXT NOT NULL,
+    doc TEXT NOT NULL, PRIMARY KEY (link, seq));
 """
 
 # Primary result codes that mean "this file cannot take writes" (a full disk, a read-only file or file system,
@@ -137,6 +142,22 @@ def _reports_entries(db: sqlite3.Connection) -> None:
         db.execute("CREATE INDEX IF NOT EXISTS reports_order ON reports(agent, started, call_id)")
         db.execute("DROP INDEX IF EXISTS reports_agent")  # reports_order serves every lookup by agent
         db.execute(f"PRAGMA user_version = {_ENTRIES_KEPT}")
+
+
+def _reports_sealed(db: sqlite3.Connection) -> None:
+    """Reports get the column saying which segment of their link's chain holds them (``seg``; NULL: none), and
+    the two partial indexes the writer and the readers of records use: the reports no segment holds, in the
+    record's order per agent (what a record still stages), and the sealed ones per chain (``segment_calls``).
+    Additive: a file from before has no sealed report, and every record it holds reads as before."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(reports)")}
+    if "seg" in columns and _has_index(db, "reports_loose") and _has_index(db, "reports_sealed"):
+        return  # nothing to write: a file on a full disk or a read-only file system still opens
+    with _transaction(db):
+        if "seg" not in columns:
+            db.execute("ALTER TABLE reports ADD COLUMN seg INTEGER")
+        db.execute("CREATE INDEX IF NOT EXISTS reports_loose ON reports(agent, started, call_id) WHERE seg IS NULL")
+        db.execute("CREATE INDEX IF NOT EXISTS reports_sealed ON reports(link, seg, started, call_id) "
+                   "WHERE seg IS NOT NULL")
 
 
 def _index_rows(pos: int, header: Doc) -> list[tuple[str, int, str]]:
@@ -248,6 +269,7 @@ class SqliteCore(Store):
         db.executescript(_SCHEMA)
         _records_apart(db)
         _reports_entries(db)
+        _reports_sealed(db)
         _log_index(db)
         self._db = db
 

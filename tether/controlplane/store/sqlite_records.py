@@ -10,7 +10,7 @@ import heapq
 import itertools
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 from tether.capability import jsonpieces
@@ -30,6 +30,7 @@ from .sqlite_core import (
     _transaction,
     _writes,
 )
+from .sqlite_segments import close_chains
 
 
 class SqliteRecords(SqliteCore):
@@ -40,7 +41,8 @@ class SqliteRecords(SqliteCore):
     # per call entry, keyed by record id and position and indexed by call id (who holds a call). Entries are
     # staged before the header is appended; until then no query sees them (every read joins on ``records``).
     @_writes
-    async def append_record(self, record: Doc, staged: int | None = None) -> bool:
+    async def append_record(self, record: Doc, staged: int | None = None,
+                            close: Mapping[str, int] | None = None) -> bool:
         header = {k: v for k, v in record.items() if k != "calls"}
         rid = header["record_id"]
 
@@ -53,6 +55,8 @@ class SqliteRecords(SqliteCore):
                 head = row[0] if row else ""
                 if record["prev_hash"] != head:
                     return False
+                if close and not close_chains(db, rid, close):
+                    return False  # a segment sealed since the writer read its chains: it builds again
                 if staged is None:
                     db.executemany(_INSERT_ENTRY, rows)
                 else:
@@ -198,7 +202,7 @@ class SqliteRecords(SqliteCore):
             reader.execute("BEGIN")
             cursors = [reader.execute(
                 "SELECT started, call_id, link, entry, CASE WHEN entry IS NULL THEN doc END FROM reports "
-                "WHERE agent = ? ORDER BY started, call_id", (agent,)) for agent in sorted(set(agents))]
+                "WHERE agent = ? AND seg IS NULL ORDER BY started, call_id", (agent,)) for agent in sorted(set(agents))]
             return cursors[0] if len(cursors) == 1 else heapq.merge(*cursors, key=lambda row: (row[0], row[1]))
 
         try:

@@ -25,6 +25,7 @@ class SqliteReports(SqliteCore):
     async def put_reports(self, reports: list[Doc]) -> Stored:
         with self._tx() as db:
             new: set[str] = set()
+            loose: dict[str, tuple[str, int]] = {}
             for report in reports:
                 # Beside the report, its entry in a record (so a record is written without encoding a call).
                 cur = db.execute(
@@ -35,6 +36,12 @@ class SqliteReports(SqliteCore):
                 )
                 if cur.rowcount:
                     new.add(report["call_id"])
+                    if report.get("link"):
+                        loose[report["link"]] = (report["agent"], loose.get(report["link"], ("", 0))[1] + 1)
+            # How many reports of each link no segment holds yet (what the sealer looks for: services/segments.py).
+            db.executemany("INSERT INTO chains (link, agent, seq, head, count, loose) VALUES (?, ?, 0, '', 0, ?) "
+                           "ON CONFLICT (link) DO UPDATE SET loose = loose + excluded.loose",
+                           [(link, agent, n) for link, (agent, n) in loose.items()])
             # Only the reporting agent's own start is moot (a call id named by another agent deletes nothing).
             db.executemany("DELETE FROM starts WHERE call_id = ? AND agent = ?",
                            [(r["call_id"], r["agent"]) for r in reports])
