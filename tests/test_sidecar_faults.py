@@ -52,9 +52,10 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, test_ca: TestCA) -> Iterato
     tools = ToolServer().start()
     secure = ToolServer(tls=test_ca).start()
     mcp = McpServer(port=free_port())  # in the catalog only; these tests speak plain HTTP
-    # A lease three times the tests' usual 3 s (the heartbeat, a third of it, still shows a hanging call): these tests push 16 MiB bodies and 200 KB headers through a
-    # sidecar, which on a loaded machine can hold its event loop past a 3 s lease; none of them is about the
-    # lease (the outage test, which is, runs on the shared `world` with the short one).
+    # A lease three times the tests' usual 3 s (the heartbeat, a third of it, still shows a hanging call):
+    # these tests push 16 MiB bodies and 200 KB headers through a sidecar, which on a loaded machine can hold
+    # its event loop past a 3 s lease; none of them is about the lease (the outage test, which is, runs on the
+    # shared `world` with the short one).
     cp = prepare_controlplane(directory / "cp", tools.port, secure.port, mcp.port, lease_ttl=9.0)
     dead = free_port()
     catalog = cp.catalog_path.read_text().replace("\nroles:", (
