@@ -1,10 +1,12 @@
 """MCP over streamable HTTP, as far as enforcement needs it. Pure: bytes in, decisions and bytes out.
 
-A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``parse`` reads each message and the item it
-names (a ``tools/call``'s tool, a ``prompts/get``'s prompt, a resource method's URI, a completion's prompt or
-URI template, a ``subscriptions/listen``'s resources); ``proxy.decision`` says what each needs granted. The
-session plumbing (``initialize``, ``server/discover``, ``ping``, the four list methods, notifications, the
-client's answers to server requests) needs any item on that server; every other method is absent.
+A POST to an MCP endpoint carries one JSON-RPC message or a batch. ``parse`` (the shared model's,
+``capability/mcpwire.py``, named here too) reads each message and the item it names (a ``tools/call``'s tool, a
+``prompts/get``'s prompt, a resource method's URI, a completion's prompt or URI template, a
+``subscriptions/listen``'s resources); the mcp kind's decider (``capability/kinds/mcp.py``) says what each needs
+granted. The session plumbing (``initialize``, ``server/discover``, ``ping``, the four list methods,
+notifications, the client's answers to server requests) needs any item on that server; every other method is
+absent.
 
 Answers are rewritten so what the agent does not hold never reaches the model: every list result (tools,
 resources, resource templates, prompts) is filtered and a ``resources/updated`` about an ungranted resource is
