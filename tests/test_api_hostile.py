@@ -142,6 +142,44 @@ def test_ill_typed_sidecar_bodies_are_a_400_naming_the_field(cp: ControlPlanePro
     assert_refused(send(cp, "POST", path, body, sign=sidecar), 400, "tether.bad_request", fragment)
 
 
+GOOD_HELD = {"method": "POST", "url": "http://127.0.0.1/x", "headers": [["content-type", "application/json"]],
+             "body": "{}", "body_encoding": "text", "body_size": 2, "call_hash": "sha256:ab"}
+
+
+@pytest.mark.parametrize(("held", "field", "fragment"), [
+    ({"headers": [["content-type"]]}, "request.headers", "[name, value] pairs of strings"),
+    ({"headers": {"content-type": "x"}}, "request.headers", "[name, value] pairs of strings"),
+    ({"body_encoding": "gzip"}, "request.body_encoding", "'body_encoding' must be one of text, base64"),
+    ({"method": ["POST"]}, "request.method", "'method' must be a string, not a list"),
+    ({"call_hash": "h" * 81}, "request.call_hash", "'call_hash' is longer than 80 characters"),
+    ({"body_size": None}, "request.body_size", "'body_size' must be an integer, not null"),
+])
+def test_a_bad_held_call_is_a_400_naming_its_field_and_stores_nothing(cp: ControlPlaneProcess, sidecar: Signer,
+                                                                      held: dict, field: str, fragment: str) -> None:
+    call_id = f"bad-held-{field}-{len(json.dumps(held))}"
+    body = json.dumps({"call_id": call_id, "capability": "issues.write", "request": {**GOOD_HELD, **held}}).encode()
+    status, headers, doc = send(cp, "POST", "/v1/approvals", body, sign=sidecar)
+    assert_refused((status, headers, doc), 400, "tether.bad_request", "'request': ", fragment)
+    assert doc["error"]["field"] == field
+    listed = send(cp, "GET", "/v1/approvals?agent=hostile-sidecar", admin=True)[2]
+    assert call_id not in {a["call_id"] for a in listed}
+
+
+def test_a_held_call_filed_whole_is_answered_with_the_filing(cp: ControlPlaneProcess, sidecar: Signer) -> None:
+    """The answer is ``ApprovalFiled``: the approval's id, status, expiry, call and hash; the stored approval holds
+    the held call as its message writes it."""
+    body = json.dumps({"call_id": "good-held", "capability": "issues.write", "timeout_s": 60,
+                       "request": GOOD_HELD, "call_hash": "sha256:ab"}).encode()
+    status, _, filed = send(cp, "POST", "/v1/approvals", body, sign=sidecar)
+    assert status == 201, filed
+    assert set(filed) == {"id", "status", "expires_at", "call_id", "call_hash", "requested_at"}
+    assert (filed["status"], filed["call_id"], filed["call_hash"]) == ("pending", "good-held", "sha256:ab")
+    assert 59 <= filed["expires_at"] - filed["requested_at"] <= 60
+    stored = send(cp, "GET", f"/v1/approvals/{filed['id']}", admin=True)[2]
+    assert stored["request"] == {**GOOD_HELD, "body_truncated": False, "body_streamed": False}
+    assert send(cp, "POST", f"/v1/approvals/{filed['id']}/deny", b"{}", admin=True)[0] == 200
+
+
 @pytest.mark.parametrize(
     ("field", "raw", "fragment"),
     [

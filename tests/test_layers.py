@@ -44,7 +44,8 @@ def test_building_the_parser_loads_neither_side() -> None:
 
 
 @pytest.mark.parametrize("module", ["budget", "catalog", "chain", "credentials", "errors", "glob", "keys", "proof",
-                                    "shared", "tracing", "jsonpieces", "report", "events", "kinds"])
+                                    "shared", "tracing", "jsonpieces", "report", "events", "kinds",
+                                    "decision", "mcpwire", "protocol"])
 def test_the_shared_model_imports_neither_side(module: str) -> None:
     modules = loaded_after(f"import tether.capability.{module}")
     assert f"tether.capability.{module}" in modules

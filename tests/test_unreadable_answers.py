@@ -206,7 +206,7 @@ def test_an_approval_answer_without_an_id_refuses_the_held_call() -> None:
         assert answer != APPROVED and not desk.approvals
         (sent,) = seen
         assert sent == protocol.ApprovalRequest("c-1", "tickets.write", "POST", "http://127.0.0.1:9/tickets", 5.0,
-                                                {}, None).to_doc()
+                                                None, None).to_doc()  # no flow: no held call to show
 
     asyncio.run(go())
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from .errors import BAD_REQUEST, ApiError
-from .events import DENIED
+from .errors import APPROVAL_BODY_TOO_LARGE, BAD_REQUEST, ApiError
+from .events import APPROVAL_BODY_LIMIT, DENIED
 
 # -- paths and headers ------------------------------------------------------------------------------------------
 REGISTER = "/v1/chains/register"
@@ -46,7 +46,8 @@ RUN_STATES = (SERVING, DRAINING, ABORTING, TERMINATED, STOPPING, STOPPED, RETIRI
 # -- fields -------------------------------------------------------------------------------------------------------
 KINDS = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "true or false",
          "object": "an object", "objects": "a list of objects", "strings": "a list of strings",
-         "numbers": "an object of numbers", "chain": "the comma-joined links or a list of links"}
+         "numbers": "an object of numbers", "chain": "the comma-joined links or a list of links",
+         "pairs": "a list of [name, value] pairs of strings"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Wire:
     maximum: float | None = None
     nullable: bool = True  # False: null is refused, and an unset field is left out of the document
     item: Any = None  # a Message class: the object (kind "object") or each object (kind "objects") read as one
+    choices: tuple[str, ...] | None = None  # a string's only values (the schema's enum)
 
 
 def wire(kind: str, default: Any = None, doc: str = "", **spec: Any) -> Any:
@@ -115,6 +117,8 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
         if len(value) < spec.min_len:
             raise _bad(f"'{name}' must not be empty ({where})" if spec.min_len == 1 else
                        f"'{name}' is shorter than {spec.min_len} characters ({where})", name)
+        if spec.choices is not None and value not in spec.choices:
+            raise _bad(f"'{name}' must be one of {', '.join(spec.choices)}, not {value[:32]!r} ({where})", name)
     elif kind == "integer":
         if isinstance(value, bool) or not isinstance(value, int):
             raise _wrong(name, kind, value, where)
@@ -130,6 +134,12 @@ def _check(name: str, spec: Wire, value: Any, where: str) -> Any:
             raise _wrong(name, kind, value, where)
         if spec.item is not None:
             return _nested(spec.item, value, name, name, where)
+    elif kind == "pairs":  # headers: [name, value], each string bounded by max_len
+        if not isinstance(value, list) or len(value) > spec.max_items or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) and len(x) <= spec.max_len for x in p)
+                for p in value):
+            raise _bad(f"'{name}' must be at most {spec.max_items} [name, value] pairs of strings "
+                       f"({spec.max_len // 1024} KiB each) ({where})", name)
     elif kind == "numbers":
         if not isinstance(value, dict) or not all(finite_number(v) for v in value.values()):
             raise _wrong(name, kind, value, where)
@@ -163,11 +173,15 @@ def _nested(item: type[Message], value: dict[str, Any], path: str, name: str, wh
     try:
         return item.read(value)
     except ApiError as exc:
-        raise _bad(f"'{path}': {exc.message} ({where})", name) from None
+        if exc.http_status != 400:  # not a malformed field: a refusal of its own (413 for a held call cut short)
+            raise
+        inner = exc.details.get("field")  # one object: name the field inside it too ('request.headers')
+        named = f"{name}.{inner}" if inner and path == name else name
+        raise _bad(f"'{path}': {exc.message} ({where})", named) from None
 
 
 _SCHEMA = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean", "object": "object",
-           "objects": "array", "strings": "array", "numbers": "object"}
+           "objects": "array", "strings": "array", "numbers": "object", "pairs": "array"}
 
 
 def _field_schema(spec: Wire) -> dict[str, Any]:
@@ -184,11 +198,16 @@ def _field_schema(spec: Wire) -> dict[str, Any]:
         schema["maxLength"] = spec.max_len
         if spec.min_len:
             schema["minLength"] = spec.min_len
+        if spec.choices is not None:
+            schema["enum"] = [*spec.choices, *([] if strict else [None])]
     if spec.kind == "objects":
         schema["items"] = spec.item.schema() if spec.item is not None else {"type": "object"}
     elif spec.kind == "strings":
         schema["items"] = {"type": "string"}
-    if spec.kind in ("objects", "strings"):
+    elif spec.kind == "pairs":
+        schema["items"] = {"type": "array", "items": {"type": "string", "maxLength": spec.max_len},
+                           "minItems": 2, "maxItems": 2}
+    if spec.kind in ("objects", "strings", "pairs"):
         schema["maxItems"] = spec.max_items
     elif spec.kind == "numbers":
         schema["additionalProperties"] = {"type": "number"}
@@ -538,10 +557,59 @@ class SlicesSettled(Message):
 
 
 # -- approvals ------------------------------------------------------------------------------------------------
+MAX_HELD_HEADERS = 500
+MAX_HELD_BODY = 4 * ((APPROVAL_BODY_LIMIT + 2) // 3)  # characters: the limit's bytes as base64 (text is fewer)
+
+
+@dataclass(frozen=True)
+class HeldCall(Message):
+    """The held call inside an approval request, as the approver sees it: method, URL, headers and body, redacted
+    by the sidecar as captures are (``proxy/capture.py``'s ``held_call``), and its hash. Kept only whole: what the
+    approver sees is all that would leave. ``read`` refuses a field of the wrong kind or past its bound (400,
+    naming it) and a body past the limit (413 ``tether.approval_body_too_large``); ``cut`` says whether the call
+    was cut or streamed past the approver (then the control plane refuses it 413 too, and the sidecar the call)."""
+
+    WHAT: ClassVar[str] = "the held call"
+    method: str = wire("string", "", max_len=32)
+    url: str = wire("string", "", max_len=64 * 1024)
+    headers: list[list[str]] = wire("pairs", [], "the request's headers as sent, redacted", max_len=64 * 1024,
+                                    max_items=MAX_HELD_HEADERS)
+    body: str = wire("string", "", "the whole body (base64 when body_encoding says so)", max_len=MAX_HELD_BODY)
+    body_encoding: str = wire("string", "text", max_len=8, choices=("text", "base64"))
+    body_size: int = wire("integer", 0, f"the body's bytes as they leave (at most {APPROVAL_BODY_LIMIT}; -1: "
+                          "unknown, a streamed body: refused)", minimum=-1, nullable=False)
+    body_truncated: bool = wire("boolean", False, "never true when filed: a cut body is refused "
+                                "(413 tether.approval_body_too_large)")
+    body_streamed: bool = wire("boolean", False, "never true when filed: a body streamed past the approver is "
+                               "refused")
+    call_hash: str | None = wire("string", None, "the call's hash, which an approval binds to", max_len=80)
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any]) -> Self:
+        body = doc.get("body") if isinstance(doc, Mapping) else None
+        if isinstance(body, str) and len(body) > MAX_HELD_BODY:  # too large, not malformed: the 413 below
+            raise cls.too_large(None)
+        return super().read(doc)
+
+    def cut(self) -> ApiError | None:
+        """The refusal of a held call that is not whole (cut, streamed, of a size unknown or past the limit);
+        None when it is whole."""
+        if self.body_truncated or self.body_streamed or not 0 <= self.body_size <= APPROVAL_BODY_LIMIT:
+            return self.too_large(self.body_size if self.body_size >= 0 else None)
+        return None
+
+    @staticmethod
+    def too_large(size: int | None) -> ApiError:
+        return ApiError(413, APPROVAL_BODY_TOO_LARGE, "a held call is filed only with its whole body, at most "
+                        f"{APPROVAL_BODY_LIMIT} bytes (this one: {size if size is not None else 'unknown'} bytes, "
+                        "or cut by the sender): the approver must see everything that would leave",
+                        limit=APPROVAL_BODY_LIMIT)
+
+
 @dataclass(frozen=True)
 class ApprovalRequest(Message):
     """A run files a call it holds for a person's decision (``POST APPROVALS``). ``request`` is the held call,
-    whole (redacted as captures are); the control plane keeps it only whole (its rules: the approvals route)."""
+    whole (``HeldCall``); the control plane keeps it only whole."""
 
     WHAT: ClassVar[str] = "the approval request"
     call_id: str = wire("string", required=True, max_len=200, min_len=1)
@@ -550,7 +618,7 @@ class ApprovalRequest(Message):
     url: str | None = wire("string", None, max_len=8192)
     timeout_s: float | None = wire("number", None, "how long the run holds the call (capped at a day)", minimum=0,
                                    nullable=False)
-    request: dict[str, Any] | None = wire("object", None, "the held call as the approver sees it")
+    request: HeldCall | None = wire("object", None, "the held call as the approver sees it, whole", item=HeldCall)
     call_hash: str | None = wire("string", None, "the held call's hash (as in request)", max_len=200)
     summary: str | None = wire("string", None, "a line for the approver (cut to 500 characters)",
                                max_len=64 * 1024, nullable=False)
@@ -558,24 +626,32 @@ class ApprovalRequest(Message):
 
 @dataclass(frozen=True)
 class ApprovalFiled(Message):
-    """What a run reads of the control plane's answer to an approval request (the approval, whole): its id,
-    which the decision will name."""
+    """The control plane's answer to an approval request (built by its approval service): the approval's id,
+    which the decision will name, its status and when it lapses. Answers written before this message was the
+    answer were the approval document, whole: this reads them too (a reader ignores fields it does not know)."""
 
     WHAT: ClassVar[str] = "the approval request's answer"
     id: str = wire("string", required=True, max_len=200, min_len=1, doc="the approval's id")
     status: str | None = wire("string", None, "pending", max_len=32)
     expires_at: float | None = wire("number", None, "when the approval lapses, on the control plane's clock")
+    call_id: str | None = wire("string", None, "the held call the approval is for", max_len=200)
+    call_hash: str | None = wire("string", None, "the hash of the call filed, which an approval binds to",
+                                 max_len=200)
+    requested_at: float | None = wire("number", None, "when it was filed, on the control plane's clock")
 
 
 @dataclass(frozen=True)
 class ApprovalDecision(Message):
-    """What a run reads of a decided approval (an approval event's payload, or one of a resync's approvals):
-    which approval, its status (approved, denied, expired, cancelled), and the call hash it approved."""
+    """What a run reads of a decided approval (an approval event's payload, built by the control plane's approval
+    service, or one of a resync's approvals): which approval, its status (approved, denied, expired, cancelled),
+    and the call hash it approved; which call it was and who decided, for the run's log."""
 
     WHAT: ClassVar[str] = "the approval decision"
     id: str = wire("string", required=True, max_len=200, min_len=1)
     status: str = wire("string", DENIED, "approved, denied, expired or cancelled (absent: denied)", max_len=32)
     call_hash: str | None = wire("string", None, "the hash of the call that was shown and approved", max_len=200)
+    call_id: str | None = wire("string", None, "the held call", max_len=200)
+    decided_by: str | None = wire("string", None, "who decided (an operator, or a termination)", max_len=64 * 1024)
 
 
 def decision_from(doc: Any) -> tuple[ApprovalDecision | None, str | None]:

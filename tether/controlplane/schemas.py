@@ -12,7 +12,7 @@ from typing import Any
 
 from tether.capability import protocol
 from tether.capability.chain import MAX_LINKS
-from tether.capability.events import APPROVAL_BODY_LIMIT, APPROVED, CANCELLED, DENIED, EXPIRED, FILED, HELD, PENDING
+from tether.capability.events import APPROVED, CANCELLED, DENIED, EXPIRED, FILED, HELD, PENDING
 from tether.capability.shared import RESOLUTIONS
 
 Schema = dict[str, Any]
@@ -120,23 +120,8 @@ START: Schema = {**CALL, "properties": {**CALL["properties"], "resolution": {"ty
 HEARTBEAT_REQUEST = protocol.Heartbeat.schema()  # declared once, with the message both sides use
 REPORTS_REQUEST = protocol.ReportBatch.schema()  # declared once, with the message; each item a call report
 REPORTS_REQUEST["properties"].update(reports=nullable(array(FINAL_CALL)), starts=nullable(array(START)))
-HELD_REQUEST: Schema = obj({
-    "method": {"type": "string", "maxLength": 32},
-    "url": {"type": "string", "maxLength": 65536},
-    "headers": array(array({"type": "string", "maxLength": 65536}, minItems=2, maxItems=2), maxItems=500),
-    "body": {"type": "string", "maxLength": 4 * ((APPROVAL_BODY_LIMIT + 2) // 3),
-             "description": "the whole body (base64 when body_encoding says so)"},
-    "body_encoding": {"type": "string", "enum": ["text", "base64"]},
-    "body_size": {"type": "integer", "minimum": 0, "maximum": APPROVAL_BODY_LIMIT},
-    "body_truncated": {"type": ["boolean", "null"], "enum": [False, None],
-                       "description": "never true: a cut body is refused (413 tether.approval_body_too_large)"},
-    "body_streamed": {"type": ["boolean", "null"], "enum": [False, None],
-                      "description": "never true: a body streamed past the approver is refused"},
-    "call_hash": nullable({"type": "string", "maxLength": 80}),
-}, description="The held call as the approver sees it, whole (redacted by the sidecar as captures are); a body "
-   f"past {APPROVAL_BODY_LIMIT} bytes is refused, never cut")
-APPROVAL_REQUEST = protocol.ApprovalRequest.schema()  # declared once, with the message; the held call named here
-APPROVAL_REQUEST["properties"].update(request=nullable(HELD_REQUEST))
+APPROVAL_REQUEST = protocol.ApprovalRequest.schema()  # declared once, with the message; the held call nested in it
+APPROVAL_FILED = protocol.ApprovalFiled.schema()
 QUIESCED_REQUEST = protocol.Quiesced.schema()
 QUIESCED_REQUEST["properties"].update(reports=nullable(array(FINAL_CALL)), starts=nullable(array(START)))
 APPROVE_REQUEST = obj({"call_hash": nullable({"type": "string", "maxLength": 200,

@@ -62,9 +62,11 @@ class Approvals:
     async def await_approval(self, call: Call) -> str:
         flow = self.flow_of(call.call_id)
         # The body whole (Holds refused any past the limit): the approver sees everything that would leave.
-        shown = held_call(flow, self.capture.fields, limit=APPROVAL_BODY_LIMIT) if flow is not None else {}
+        shown = protocol.HeldCall(**held_call(flow, self.capture.fields, limit=APPROVAL_BODY_LIMIT)) \
+            if flow is not None else None
+        shown_hash = shown.call_hash if shown is not None else None
         ask = protocol.ApprovalRequest(call.call_id, call.capability, call.method, call.url, self.timeout_s, shown,
-                                       shown.get("call_hash"))
+                                       shown_hash)
         try:
             answer = await self.channel.ask_approval(ask.to_doc())
         except ApiError as exc:
@@ -79,7 +81,7 @@ class Approvals:
                       call.call_id, exc.message)
             return f"approval could not be requested: {exc.message}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        future.call_hash = shown.get("call_hash")  # type: ignore[attr-defined]
+        future.call_hash = shown_hash  # type: ignore[attr-defined]
         self.approvals[filed.id] = future
         log.info("call %s held for approval %s (%s)", call.call_id, filed.id, call.capability)
         try:
@@ -88,7 +90,7 @@ class Approvals:
             return "timeout"
         finally:
             self.approvals.pop(filed.id, None)
-        if decision == APPROVED and (flow is None or call_hash(flow.request) != shown.get("call_hash")):
+        if decision == APPROVED and (flow is None or call_hash(flow.request) != shown_hash):
             # The request changed while it was held: the person approved another request than this one.
             log.error("call %s changed while held; approval %s does not apply to it", call.call_id, filed.id)
             return DENIED

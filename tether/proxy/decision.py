@@ -1,18 +1,18 @@
 """The enforcement decision, pure: catalog + chain state + call facts -> an answer. No I/O, no flows, no clock.
 
-``decide`` answers for one request as the agent sent it: ``Allow`` (forward it once the final look, the budget
-and the write-ahead record let it leave), ``Hold`` (a person decides first), ``ReadBody`` (a JSON-RPC POST to
-an MCP server: decide again once its body is here) or ``Refused`` with a ``Refusal`` that carries a stable
-code from docs/contract.md section 5. Every answer also says what the call matched (capability, tier, MCP server),
-for the report and for the error body. ``decide_tunnel`` answers for a CONNECT, ``after_approval`` for a held
-call once the person's decision (or its absence) is known.
+``decide`` answers for one request as the agent sent it, in the shared vocabulary of ``capability/decision.py``
+(``Allow``, ``Hold``, ``ReadBody``, or ``Refused`` with a ``Refusal`` that carries a stable code from
+docs/contract.md section 5; re-exported here). ``decide_tunnel`` answers for a CONNECT, ``after_approval`` for a
+held call once the person's decision (or its absence) is known.
 
 The facts come from the edge (tether/proxy/enforce.py reads them off a mitmproxy flow); the time comes in with them.
 
-What a request matched is each capability kind's to say: ``decide`` checks the request line, then asks each kind's
-decider in ``DECIDERS`` in turn (``tether/proxy/deciders/``: ``mcp``, then ``http``); the first that claims the
-request answers for it. A request no kind claims is refused here (``tether.capability_absent`` on a host the
-catalog knows, ``tether.unknown_destination`` elsewhere). This module names no kind.
+What a request matched is each capability kind's to say: ``decide`` checks the request line (what every kind
+needs: no rewrite headers, no method override, no folding characters), then asks each kind's decider in the
+registry's order (``capability.kinds.DECIDERS``: a registered kind, then ``mcp``, then ``http``, each in its kind's
+module under ``capability/kinds/``); the first that claims the request answers for it. A request no kind claims
+is refused here (``tether.capability_absent`` on a host the catalog knows, ``tether.unknown_destination``
+elsewhere). This module names no kind.
 """
 
 from __future__ import annotations
@@ -20,38 +20,32 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, unquote_to_bytes
 
 from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
-from tether.capability.errors import TetherError
+from tether.capability.decision import (
+    HTTP_STATUS,
+    METHOD,
+    Allow,
+    Answer,
+    ChainState,
+    Decider,
+    Decision,
+    Facts,
+    Hold,
+    ReadBody,
+    Refusal,
+    Refused,
+    best,
+    state_and_headers,
+)
 from tether.capability.events import APPROVED, CANCELLED, DENIED
+from tether.capability.kinds import DECIDERS
 
-if TYPE_CHECKING:
-    from . import mcp
-
-HTTP_STATUS = {
-    codes.CAPABILITY_ABSENT: 403,
-    codes.UNKNOWN_DESTINATION: 403,
-    codes.CHAIN_INVALID: 403,
-    codes.CHAIN_REVOKED: 403,
-    codes.CHAIN_EXPIRED: 403,
-    codes.LEASE_EXPIRED: 503,
-    codes.DRAINING: 503,
-    codes.STOPPING: 503,
-    codes.TERMINATED: 503,
-    codes.APPROVAL_DENIED: 403,
-    codes.APPROVAL_TIMEOUT: 403,
-    codes.CAPTURE_UNAVAILABLE: 503,
-    codes.SPOOL_UNAVAILABLE: 503,
-    codes.CREDENTIAL_UNAVAILABLE: 503,
-    codes.BUDGET_EXHAUSTED: 429,
-    codes.RATE_LIMITED: 429,
-    codes.BAD_REQUEST: 400,
-}
+__all__ = ["DECIDERS", "HTTP_STATUS", "METHOD", "REWRITE_HEADERS", "SPELLED_HEADERS", "Allow", "Answer", "ChainState",
+           "Decider", "Decision", "Facts", "Hold", "ReadBody", "Refusal", "Refused", "after_approval", "best",
+           "body_override", "decide", "decide_tunnel", "state_and_headers"]
 
 # Headers that frameworks and front proxies (IIS URL Rewrite, Symfony, Laravel, Spring, Express method-override,
 # Rails, Envoy, nginx setups ...) honour to serve another path, method, host or scheme than the request line
@@ -81,122 +75,6 @@ METHOD_PARAMS = frozenset({"_method", "__method", "_httpmethod", "x-http-method-
 # whatever their code point.
 FOLDING_CHARS = frozenset("\u2215\u2044\u29f8\u29f9\u29f5\u2216\ufe68\u3002\uff61\ufe52\u2024\u0338\u2afd"
                           "\u2571\u2572\u27cb\u27cd\u1735")
-METHOD = re.compile(r"[A-Z]{1,16}")
-_RANK = {"direct": 0, "approval": 1}
-
-
-class Refusal(TetherError):
-    """A call tether refuses; nothing was sent upstream."""
-
-    def __init__(self, code: str, message: str, **details: Any) -> None:
-        super().__init__(message, code=code, **details)
-        self.http_status = HTTP_STATUS.get(code, 403)
-
-
-class ChainState(Protocol):
-    """What the decision reads of the sidecar's state (``proxy.state.SidecarState``)."""
-
-    mode: str
-
-    @property
-    def agent(self) -> str: ...
-
-    @property
-    def wire(self) -> str: ...
-
-    def tier(self, capability: str) -> str: ...
-
-    def refusal(self, now: float, now_mono: float) -> Refusal | None: ...
-
-
-# Facts and answers are built once per call on the sidecar's hot path and never changed after: plain slotted
-# dataclasses, not frozen ones (a frozen dataclass's __init__ costs three times as much).
-@dataclass(slots=True, kw_only=True)
-class Facts:
-    """One request as the agent sent it, and when: everything ``decide`` reads."""
-
-    method: str  # as matched: upper-cased
-    sent_method: str  # as sent (methods are case-sensitive)
-    host: str
-    port: int
-    path: str  # the request target, query included
-    url: str  # scheme://host:port/path, no query: the call's URL
-    now: float
-    now_mono: float
-    rewrite_headers: tuple[str, ...] = ()  # those of REWRITE_HEADERS the request carries, in that order
-    malformed_field: str | None = None  # the first header field RFC 9112 does not allow (obs-fold, CR, LF ...)
-    spelled_headers: tuple[str, ...] = ()  # underscore spellings of SPELLED_HEADERS, as sent
-    upgrade: bool = False
-    websocket: bool = False  # the upgrade asked for is a websocket (Upgrade: websocket on a GET)
-    chain_header: str | None = None  # Tether-Chain
-    host_header: str | None = None  # Host, or :authority
-    mcp_method: str | None = None  # the mcp-method header
-    mcp_name: str | None = None  # the mcp-name header
-    content_encoding: str | None = None
-    body: bytes | None = None  # None until the body is here
-
-
-@dataclass(slots=True, kw_only=True)
-class Answer:
-    capability: str | None = None  # what the call matched (several, comma-joined, for a batch of item uses)
-    tier: str | None = None
-    server: str | None = None  # the MCP endpoint, when the call goes to one
-    detail: str | None = None  # for the report: which MCP plumbing it was
-    tools: tuple[str, ...] | None = None  # the capabilities a JSON-RPC body's messages use (tools, resources,
-    #                                       prompts, plumbing): one budget unit each; the name it had for tools only
-    parsed: mcp.Parsed | None = None  # the JSON-RPC body, once read
-    callers: dict[str, str] | None = None  # each tools/call request's capability, by its id (mcp.id_key): a task
-    #                                        the call creates belongs to it, in a batch too
-
-
-@dataclass(slots=True, kw_only=True)
-class Allow(Answer):
-    pass
-
-
-@dataclass(slots=True, kw_only=True)
-class Hold(Answer):
-    pass
-
-
-@dataclass(slots=True, kw_only=True)
-class ReadBody(Answer):
-    pass
-
-
-@dataclass(slots=True, kw_only=True)
-class Refused(Answer):
-    refusal: Refusal
-
-
-Decision = Allow | Hold | ReadBody | Refused
-# A kind's decider: its answer for a request it claims (one its capabilities could grant), None for any other.
-Decider = Callable[[Catalog, "ChainState", Facts], "Decision | None"]
-# (kind name, decider), tried in order; filled with the shipped kinds' deciders on first use (they import this
-# module for its vocabulary, so it cannot import them as it loads).
-DECIDERS: list[tuple[str, Decider]] = []
-
-
-def register(kind: str, decider: Decider) -> None:
-    """Add a kind's decider, tried before the shipped ones (a kind claims its own requests before ``http`` claims
-    whatever its capabilities match). A kind already registered is refused."""
-    deciders = _deciders()
-    if any(name == kind for name, _ in deciders):
-        raise ValueError(f"a decider for the kind {kind!r} is already registered")
-    deciders.insert(0, (kind, decider))
-
-
-def unregister(kind: str) -> None:
-    """Take a kind's decider out again (a test that registered one of its own)."""
-    DECIDERS[:] = [(name, decider) for name, decider in _deciders() if name != kind]
-
-
-def _deciders() -> list[tuple[str, Decider]]:
-    if not DECIDERS:
-        from .deciders import SHIPPED
-
-        DECIDERS.extend(SHIPPED)
-    return DECIDERS
 
 
 def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
@@ -204,7 +82,7 @@ def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision:
     refusal = _request_line(facts)
     if refusal is not None:
         return Refused(refusal=refusal)
-    for _, decider in DECIDERS or _deciders():
+    for decider in DECIDERS:
         answer = decider(catalog, chain, facts)
         if answer is not None:
             return answer
@@ -238,12 +116,6 @@ def after_approval(decision: str, chain: ChainState, capability: str | None, now
 # -- the parts ------------------------------------------------------------------------------------------
 def _unknown(host: str, port: int) -> Refusal:
     return Refusal(codes.UNKNOWN_DESTINATION, f"{host}:{port} is not a destination in the capability catalog")
-
-
-def best(chain: ChainState, names: list[str]) -> tuple[str, str]:
-    """Of the capabilities a request falls under, the one granted at the best tier, and that tier."""
-    ranked = sorted(names, key=lambda n: _RANK.get(chain.tier(n), 2))
-    return ranked[0], chain.tier(ranked[0])
 
 
 def _request_line(facts: Facts) -> Refusal | None:
@@ -342,34 +214,4 @@ def _folding_char(path: str) -> str | None:
         if deeper == text:
             return None
         text = deeper
-    return None
-
-
-def state_and_headers(chain: ChainState, facts: Facts, *, websocket_ok: bool = False) -> Refusal | None:
-    """May anything leave now, and do the headers say what the connection does?"""
-    refusal = chain.refusal(facts.now, facts.now_mono)
-    if refusal is not None:
-        return refusal
-    if facts.websocket and facts.method == "GET" and websocket_ok:
-        pass  # a websocket the capability grants: the connection is the call (tracked, drained, cut, captured)
-    elif facts.websocket:
-        return Refusal(codes.CAPABILITY_ABSENT, "no capability here grants a websocket (an http capability takes "
-                       "websocket: true)", reason="websocket")
-    elif facts.upgrade or facts.method == "CONNECT":
-        # Another upgraded stream (h2c, a tunnel in a tunnel) would outlive the call's decision (and a
-        # revocation, drain or abort) unseen: tether does not let one start.
-        return Refusal(codes.CAPABILITY_ABSENT, "protocol upgrades other than granted websockets (h2c, tunnels in "
-                       "tunnels) are not forwarded")
-    if facts.chain_header is not None and facts.chain_header.strip() != chain.wire:
-        return Refusal(codes.CHAIN_INVALID, "the request carries a Tether-Chain that is not this sidecar's; "
-                       "an agent cannot borrow another chain", reason="foreign_chain")
-    host_header = facts.host_header
-    if host_header:
-        name, port = host_header, None
-        if not host_header.endswith("]") and ":" in host_header:
-            name, _, port = host_header.rpartition(":")
-        same_port = port is None or (port.isdigit() and int(port) == facts.port)
-        if name.strip("[]").lower().rstrip(".") != facts.host.lower().rstrip(".") or not same_port:
-            return Refusal(codes.UNKNOWN_DESTINATION,
-                           f"Host header {host_header!r} does not name the destination {facts.host}:{facts.port}")
     return None

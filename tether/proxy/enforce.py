@@ -24,8 +24,8 @@ from mitmproxy import http
 from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
 from tether.capability.events import APPROVAL_BODY_LIMIT
+from tether.capability.kinds.http import override_refusal
 
-from .deciders.http import override_refusal
 from .decision import (
     REWRITE_HEADERS,
     SPELLED_HEADERS,

@@ -1,4 +1,5 @@
-"""Capability kinds behind one protocol, in one registry: ``http`` (``http.py``) and ``mcp`` (``mcp.py``).
+"""Capability kinds behind one protocol, in one registry: ``http`` (``http.py``) and ``mcp`` (``mcp.py``). A kind
+is one module: its match, its catalog index and its decision.
 
 A catalog capability names exactly one match, under its kind's key (``http:`` or ``mcp:``). Everything that
 depends on which kind it is and is not the sidecar's per-request matching goes through the kind: how its catalog
@@ -6,8 +7,11 @@ entry is read (``parse``) and written back in the catalog's canonical form, whic
 (``to_dict``); the scheme, host and port its calls go to, when fixed (``route``); what the audit surface shows of
 it (``wire``), how a surface's wire is read back (``wire_ok``), whether a new wire admits more than an old one
 (``widenings``), and its one line in ``tether audit surface`` (``text``). The catalog's loader, the audit surface
-and its diff ask the registry and name no kind themselves. docs/catalog.md ("Capability kinds") says what a new
-kind needs besides its module.
+and its diff ask the registry and name no kind themselves. The sidecar's per-request matching is the kind's too:
+``decide`` answers a request the kind's capabilities could grant (in ``capability/decision.py``'s words) and None
+for any other; the sidecar's ``decide`` asks the kinds in ``DECIDERS``'s order (a registered kind first, then
+``mcp``, whose endpoints a request to one belongs to whatever http capability its request line falls under, then
+``http``). docs/catalog.md ("Capability kinds") says what a new kind needs besides its module.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from . import http, mcp
 
 if TYPE_CHECKING:
-    from ..catalog import Capability
+    from ..catalog import Capability, Catalog
     from ..credentials import Route
+    from ..decision import ChainState, Decider, Decision, Facts
     from ..glob import Budget
 
 Change = tuple[str, Any, Any, str]  # (what widened, old, new, detail), as `tether audit diff --json` names it
@@ -62,22 +67,42 @@ class CapabilityKind(Protocol):
 
     def text(self, value: Mapping[str, Any]) -> str: ...
 
+    def decide(self, catalog: Catalog, chain: ChainState, facts: Facts) -> Decision | None:
+        """The answer for a request this kind's capabilities could grant (it claims the request); None for any
+        other. Pure, and on the sidecar's hot path: once per request, before any upstream byte."""
+        ...
+
 
 _REGISTRY: dict[str, CapabilityKind] = {kind.name: kind for kind in (http.KIND, mcp.KIND)}
 KINDS: Mapping[str, CapabilityKind] = _REGISTRY  # read-only to its users; ``register`` adds to it
+_ASKED: list[CapabilityKind] = [mcp.KIND, http.KIND]  # the order their deciders are asked in
+# The kinds' deciders in that order, the one list the sidecar's ``decide`` walks (kept in step with _ASKED, changed
+# in place: a reader holding it sees a registration).
+DECIDERS: list[Decider] = [kind.decide for kind in _ASKED]
 
 
 def register(kind: CapabilityKind) -> None:
-    """Add a kind to the registry (a catalog read afterwards knows its key). Its module calls this as it loads;
-    the shipped kinds are listed above instead. A name already taken is refused."""
+    """Add a kind to the registry (a catalog read afterwards knows its key, the sidecar asks its decider). Its
+    module calls this as it loads; the shipped kinds are listed above instead. Its decider is asked before the
+    shipped ones: a kind claims its own requests before ``http`` claims whatever its capabilities' request lines
+    match. A name already taken is refused."""
     if kind.name in _REGISTRY:
         raise ValueError(f"a capability kind named {kind.name!r} is already registered")
     _REGISTRY[kind.name] = kind
+    _ASKED.insert(0, kind)
+    DECIDERS[:] = [k.decide for k in _ASKED]
 
 
 def unregister(name: str) -> None:
     """Take a kind out of the registry again (a test that registered one of its own)."""
     _REGISTRY.pop(name, None)
+    _ASKED[:] = [k for k in _ASKED if k.name != name]
+    DECIDERS[:] = [k.decide for k in _ASKED]
+
+
+def asked() -> list[str]:
+    """The kinds' names in the order their deciders are asked."""
+    return [k.name for k in _ASKED]
 
 
 def match_of(cap: Capability) -> tuple[CapabilityKind, Any]:
@@ -88,4 +113,4 @@ def match_of(cap: Capability) -> tuple[CapabilityKind, Any]:
     return kind, cap.match
 
 
-__all__ = ["KINDS", "CapabilityKind", "Change", "KindIndex", "match_of", "register", "unregister"]
+__all__ = ["DECIDERS", "KINDS", "CapabilityKind", "Change", "KindIndex", "asked", "match_of", "register", "unregister"]

@@ -1,4 +1,6 @@
-"""The ``http`` kind: calls matched by host, port, methods and a path glob (``catalog.HttpMatch``).
+"""The ``http`` kind: calls matched by host, port, methods and a path glob (``HttpMatch``), and answered
+(``decide``): a request one or more http capabilities fall under (by host, port, method and path, ``HttpIndex``)
+is answered at the best tier they are granted at.
 
 On the audit surface its wire is ``{host, port, methods, path}``; a new wire widens when its host differs, its
 port is lifted or changed, it adds a method, or its path glob admits a path the old one refused (decided by
@@ -13,12 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import errors as codes
 from ..catalog import check_keys, fail, host_key, safe_path
 from ..credentials import Route
+from ..decision import METHOD, Allow, ChainState, Decision, Facts, Hold, Refusal, Refused, best, state_and_headers
 from ..glob import MAX_GLOB, Budget, GlobTooLong, admits, compare
 
 if TYPE_CHECKING:
-    from ..catalog import Capability
+    from ..catalog import Capability, Catalog
 
 NAME = "http"
 # What widened, as `tether audit diff --json` names it.
@@ -100,6 +104,45 @@ def _is_ipv6(text: str) -> bool:
     return True
 
 
+# -- the decision: what a request an http capability covers is answered ------------------------------------
+def decide(catalog: Catalog, chain: ChainState, facts: Facts) -> Decision | None:
+    """The answer for a request some http capability covers; None (not claimed) when none does."""
+    names = catalog.indexes[NAME].match(facts.host, facts.port, facts.method, facts.path)
+    if not names:
+        return None
+    capability, tier = best(chain, names)
+    refusal = state_and_headers(chain, facts, websocket_ok=_websocket_capability(catalog, capability))
+    if refusal is None and tier == "absent":
+        refusal = Refusal(codes.CAPABILITY_ABSENT, f"{capability} is not granted to {chain.agent}")
+    if refusal is not None:
+        return Refused(refusal=refusal, capability=capability, tier=tier)
+    return (Hold if tier == "approval" else Allow)(capability=capability, tier=tier)
+
+
+def matched(catalog: Catalog, chain: ChainState, facts: Facts) -> tuple[str | None, str | None]:
+    """The http capability a request falls under at its best tier, and that tier (None, None when none)."""
+    names = catalog.indexes[NAME].match(facts.host, facts.port, facts.method, facts.path)
+    return best(chain, names) if names else (None, None)
+
+
+def override_refusal(catalog: Catalog, facts: Facts, capability: str | None,
+                     override: tuple[str, str]) -> Refusal | None:
+    """A body's method override passes only when the capability the call matched grants that method on that path
+    too (then the server does what the capability allows, at its tier and budget); otherwise refused."""
+    name, method = override
+    if capability is not None and METHOD.fullmatch(method) and capability in catalog.indexes[NAME].match(
+            facts.host, facts.port, method, facts.path):
+        return None
+    return Refusal(codes.CAPABILITY_ABSENT, f"the body field {name!r} asks the server to use the method "
+                   f"{method[:16]!r}, which {capability or 'no capability'} does not grant on this path; remove it",
+                   reason="method_override_body")
+
+
+def _websocket_capability(catalog: Catalog, name: str) -> bool:
+    cap = catalog.capabilities.get(name)
+    return cap is not None and cap.kind == NAME and cap.match.websocket
+
+
 class HttpKind:
     name = NAME
 
@@ -147,6 +190,8 @@ class HttpKind:
     def text(self, value: Mapping[str, Any]) -> str:
         port = f":{value['port']}" if value.get("port") is not None else ""
         return f"{','.join(value['methods'])} {value['host']}{port}{value['path']}"
+
+    decide = staticmethod(decide)  # the function above, called as it is: once per request on the hot path
 
 
 def _path_widening(old: str, new: str, budget: Budget) -> list[Change]:

@@ -7,11 +7,10 @@ from typing import Any
 from aiohttp import web
 
 from tether.capability import protocol
-from tether.capability.errors import APPROVAL_BODY_TOO_LARGE, ApiError
-from tether.capability.events import APPROVAL_BODY_LIMIT, APPROVED, DENIED, FILED, HELD
+from tether.capability.events import APPROVED, DENIED, FILED, HELD
 
 from .. import schemas as sc
-from ..body import Fields, bad, query_int
+from ..body import bad, query_int
 from ..openapi import refusal
 from ..services.approvals import ApprovalService
 from . import ADMIN, ADMIN_OR_SIDECAR, APPROVE, RUN, Route, body, caller, operator, principal
@@ -23,12 +22,11 @@ class ApprovalRoutes:
 
     async def h_approval_new(self, request: web.Request) -> web.Response:
         who = caller(request)
+        # The held call inside is read as its own message (protocol.HeldCall): a field that does not fit is
+        # refused 400 naming it, a call that is not whole 413 (the service); nothing is stored either way.
         ask = protocol.ApprovalRequest.read((await body(request, protocol.ApprovalRequest.WHAT)).doc)
-        call = {"call_id": ask.call_id, "capability": ask.capability, "method": ask.method, "url": ask.url,
-                "summary": (ask.summary or "")[:500]}
-        # A wait that is not a number is refused; a longer one than a day is shortened (the service).
-        held = _held_request(ask.request)
-        return web.json_response(await self.approvals.request(who, call, held, ask.timeout_s), status=201)
+        filed = await self.approvals.request(who, ask)
+        return web.json_response(filed.to_doc(), status=201)
 
     async def h_approvals(self, request: web.Request) -> web.Response:
         """A page of approvals (all of them without ``limit``); ``Tether-Total`` says how many match."""
@@ -66,7 +64,7 @@ class ApprovalRoutes:
     def table(self) -> list[Route]:
         return [
             Route("POST", "/v1/approvals", self.h_approval_new, "Ask for approval of a held call", RUN, "approvals",
-                  body=sc.APPROVAL_REQUEST, ok=sc.ref("Approval"), status=201, extra_responses={
+                  body=sc.APPROVAL_REQUEST, ok=sc.APPROVAL_FILED, status=201, extra_responses={
                       413: refusal(413, "The held call's body is cut, or past the limit (tether.approval_body_too_"
                                    "large; the error's limit says how many bytes), or the body is over 8 MiB"),
                       429: refusal(429, "The run (32) or the link (128) has its fill of pending approvals "
@@ -89,40 +87,3 @@ class ApprovalRoutes:
             Route("POST", "/v1/approvals/{id}/deny", self.h_deny, "Deny a held call", ADMIN, "approvals",
                   body=sc.obj({}), ok=sc.ref("Approval"), roles=APPROVE),
         ]
-
-
-MAX_HEADERS = 500
-MAX_SHOWN_BODY = 4 * ((APPROVAL_BODY_LIMIT + 2) // 3)  # characters: the limit's bytes as base64 (text is fewer)
-
-
-def _held_request(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The held call as the sidecar sent it, kept whole: what the approver sees is all that would leave. A part
-    the control plane cannot keep whole is refused, never cut (the sidecar then refuses the call)."""
-    if value is None:
-        return None
-    held = Fields(value, "'request'")
-    headers = held.raw("headers", [])
-    if not isinstance(headers, list) or len(headers) > MAX_HEADERS or not all(
-            isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) and len(x) <= 64 * 1024 for x in h)
-            for h in headers):
-        raise bad(f"'request.headers' must be at most {MAX_HEADERS} [name, value] pairs of strings (64 KiB each)",
-                  field="request.headers")
-    size = held.integer("body_size", 0, nullable=True, minimum=-1)
-    body = held.string("body", "", max_len=MAX_SHOWN_BODY + 1) or ""
-    if (held.boolean("body_truncated", False, nullable=True) or held.boolean("body_streamed", False, nullable=True)
-            or len(body) > MAX_SHOWN_BODY or size is None or size < 0 or size > APPROVAL_BODY_LIMIT):
-        raise ApiError(413, APPROVAL_BODY_TOO_LARGE, "a held call is filed only with its whole body, at most "
-                       f"{APPROVAL_BODY_LIMIT} bytes (this one: {size if size is not None and size >= 0 else 'unknown'}"
-                       " bytes, or cut by the sender): the approver must see everything that would leave",
-                       limit=APPROVAL_BODY_LIMIT)
-    return {
-        "method": held.string("method", "", max_len=32) or "",
-        "url": held.string("url", "", max_len=64 * 1024) or "",
-        "headers": headers,
-        "body": body,
-        "body_encoding": "base64" if held.raw("body_encoding") == "base64" else "text",
-        "body_size": size,
-        "body_truncated": False,  # kept for readers of the older shape: a held body is never cut now
-        "body_streamed": False,
-        "call_hash": held.string("call_hash", max_len=80) or None,
-    }

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tether.capability import protocol
 from tether.capability.errors import (
     APPROVAL_QUEUE_FULL,
     CHAIN_EXPIRED,
@@ -53,11 +54,16 @@ class ApprovalService:
         # admin token is no one person, so it is not held to it. ``controlplane serve --allow-self-approval``.
         self.separation_of_duties = True
 
-    async def request(self, caller: Caller, call: Doc, held: Doc | None, timeout_s: float | None) -> Doc:
-        """File a held call (``call``: call_id, capability, method, url, summary) for a decision. A longer wait
-        than a day is shortened to a day."""
+    async def request(self, caller: Caller, ask: protocol.ApprovalRequest) -> protocol.ApprovalFiled:
+        """File a held call for a decision; the answer names the approval its decision will name. The held call
+        is kept only whole (``HeldCall.cut``: 413 otherwise, nothing stored). A longer wait than a day is
+        shortened to a day."""
+        held = ask.request
+        refusal = held.cut() if held is not None else None
+        if refusal is not None:
+            raise refusal
         link = caller.link
-        ttl = min(self.ttl_s if timeout_s is None else timeout_s, MAX_WAIT_S)
+        ttl = min(self.ttl_s if ask.timeout_s is None else ask.timeout_s, MAX_WAIT_S)
         now = self.clock()
         await self._room_for(caller, now)
         approval_id = "apr-" + os.urandom(6).hex()
@@ -67,11 +73,14 @@ class ApprovalService:
             "agent": caller.agent,
             "link": caller.link_hash,
             "run_id": caller.run,
-            **call,
+            "call_id": ask.call_id, "capability": ask.capability, "method": ask.method, "url": ask.url,
+            "summary": (ask.summary or "")[:500],
             # What the approver decides on: the exact request (redacted by the sidecar as captures are), its
-            # hash, where the agent sits (agent ids from the root) and who may decide.
-            "request": held,
-            "call_hash": held.get("call_hash") if held else None,
+            # hash, where the agent sits (agent ids from the root) and who may decide. The held call is stored
+            # as its message writes it (body_truncated and body_streamed false, kept for readers of the older
+            # shape).
+            "request": held.to_doc() if held is not None else None,
+            "call_hash": held.call_hash if held is not None else None,
             "chain": [c["sub"] if c else "?" for c in chain],
             "deciders": ["approver", "admin"],  # the roles that may decide (tether/controlplane/auth.py)
             "status": PENDING,
@@ -83,7 +92,7 @@ class ApprovalService:
         }
         await self.store.put_doc(kinds.APPROVAL, approval_id, doc)
         self.metrics.inc("tether_approvals_requested_total")
-        return doc
+        return protocol.ApprovalFiled(approval_id, PENDING, doc["expires_at"], ask.call_id, doc["call_hash"], now)
 
     async def _room_for(self, caller: Caller, now: float) -> None:
         """Refuse a new approval when the caller's run, or its link, already has its fill waiting."""
@@ -176,12 +185,8 @@ class ApprovalService:
                "version": doc["version"] + 1}
         if not await self.store.cas_doc(kinds.APPROVAL, approval_id, doc["version"], new):
             raise ApiError(409, CONFLICT, f"approval {approval_id} was decided concurrently")
-        await self.events.publish(
-            APPROVAL,
-            doc.get("link") or doc["agent"],
-            {"id": approval_id, "call_id": doc["call_id"], "status": decision, "decided_by": by,
-             "call_hash": doc.get("call_hash")},
-        )
+        decided = protocol.ApprovalDecision(approval_id, decision, doc.get("call_hash"), doc["call_id"], by)
+        await self.events.publish(APPROVAL, doc.get("link") or doc["agent"], decided.to_doc())
         return new
 
     async def _not_their_own(self, approval: Doc, name: str) -> None:
