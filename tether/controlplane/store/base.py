@@ -111,13 +111,143 @@ class LinkConflict(Exception):
         self.registered = registered
 
 
-class Store(abc.ABC):
+class RecordLog(abc.ABC):
+    """The store's half that keeps the reconciliation records and their sealed segments: declared apart from
+    `Store` (which takes it in) only so that no class of the store passes 300 lines; each backend implements both
+    in its records modules."""
+
+    # -- reconciliation records: one hash chain -------------------------------------------------------
+    # A record is stored as its header (every field but ``calls``) and its call entries apart, each entry as
+    # its canonical JSON text (``controlplane.termination.encode_entry``), so a record of any size is written a
+    # page at a time and read a page at a time; ``records()`` still gives whole records. Each final report has
+    # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
+    # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
+    @abc.abstractmethod
+    async def append_record(self, record: Doc, staged: int | None = None,
+                            close: Mapping[str, int] | None = None) -> bool:
+        """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
+        False when another writer got there first: the caller rebuilds on the new head. ``staged``: the record
+        is a header whose ``staged`` call entries were stored with ``stage_calls`` under its record id;
+        otherwise ``record`` holds its ``calls``. ``close``: link -> the seq of its chain of segments the writer
+        read (0: none); in the same transaction (script) each must still be at that seq (else False), and each
+        is closed by this record unless a record closed it before (no segment is sealed on it again)."""
+
+    @abc.abstractmethod
+    async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
+        """Store call entries (call id, reported, canonical JSON text) of a record not appended yet, from
+        position ``start``; nothing reads them until ``append_record(header, staged=n)`` appends it."""
+
+    @abc.abstractmethod
+    async def drop_staged(self, record_id: str) -> None:
+        """Forget the staged entries of a record that was not appended (its append lost the race)."""
+
+    @abc.abstractmethod
+    async def record_heads(self, start: int = 0) -> list[Doc]:
+        """Every record without its ``calls`` (its header), oldest first; from position ``start`` on (the
+        checkpoints read only what is new)."""
+
+    @abc.abstractmethod
+    async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
+        """``LogView`` from the log's index (kept with each append; a log from before it is indexed first)."""
+
+    @abc.abstractmethod
+    async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
+        """(position, header) of the records with these ids at or before position ``at``, oldest first."""
+
+    @abc.abstractmethod
+    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
+        """(position, header) of the records at or after position ``at``, oldest first (0: the whole log)."""
+
+    @abc.abstractmethod
+    def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
+        """A record's call entries (appended or staged), as their canonical JSON text, in order, a page at
+        a time."""
+
+    @abc.abstractmethod
+    async def call_holders(self, call_ids: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
+        """For each of these calls that an appended record lists: the first record (oldest) that holds it as
+        reported, or None, and every record that lists it ``unknown`` (``reported: false``), oldest first."""
+
+    @abc.abstractmethod
+    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
+        """Every call an appended record lists ``unknown`` -> those records, oldest first (few: the calls of
+        agents that went silent, never heard of again)."""
+
+    async def records(self) -> list[Doc]:
+        """Every record, whole (its calls decoded), oldest first: for small logs and tests; the API and the
+        termination driver read headers and pages instead."""
+        out: list[Doc] = []
+        for head in await self.record_heads():
+            texts = [text async for page in self.record_calls(head["record_id"]) for text in page]
+            out.append({**head, "calls": await asyncio.to_thread(lambda texts=texts: [json.loads(t) for t in texts])})
+        return out
+
+    @abc.abstractmethod
+    def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
+        """These agents' final reports in a record's order (``controlplane.termination.in_order_key``: by
+        ``started_at``, missing as 0, then ``call_id``), a page at a time, as of when the first page is read."""
+
+    async def stage_reports(self, record_id: str, start: int, agents: list[str], links: set[str],
+                            page: int = 5000) -> AsyncIterator[StagedPage]:
+        """Stage, from position ``start``, the call entries of these agents' final reports that came from a run
+        of one of ``links`` (or carry no link) and that no appended record holds as reported, in the record's
+        order, a page at a time; each page is staged before it is yielded. This one decodes every report;
+        the stores override it with one that copies the entry text kept beside each report
+        (``termination.entry_text``)."""
+        async for reports in self.report_pages(agents, page):
+            reports = [r for r in reports if r.get("link") is None or r.get("link") in links]
+            holders = await self.call_holders([r["call_id"] for r in reports])
+            entries = [(r["call_id"], entry_text(r)) for r in reports if holders.get(r["call_id"], (None,))[0] is None]
+            await self.stage_calls(record_id, start, [(cid, True, text) for cid, text in entries])
+            start += len(entries)
+            yield StagedPage(entries, holders)
+
+    @abc.abstractmethod
+    async def reports_among(self, call_ids: list[str]) -> list[Doc]:
+        """The final reports of these calls (those that have one)."""
+
+    # -- sealed segments (record form 2: controlplane/segments.py) -------------------------------------------
+    # One chain per link. ``stage_reports`` stages only reports no segment holds. A store without segments
+    # (``seals`` False) answers no chains, and nothing is ever sealed in it.
+    seals = False
+
+    async def chains(self, links: list[str]) -> dict[str, Doc]:
+        """link -> its chain: ``link``, ``agent``, ``seq`` (of its head; 0: none), ``head`` (its hash), ``count``
+        (calls its segments hold), ``last`` ([started, call id] of the last, or None), ``closed_by`` (the
+        record that closed it, or None), ``loose`` (the link's reports no segment holds, about)."""
+        return {}
+
+    async def sealable_links(self, min_calls: int) -> list[Doc]:
+        """The open chains with at least ``min_calls`` reports no segment holds."""
+        return []
+
+    async def seal_candidates(self, chain: Doc, cut: float, limit: int) -> list[tuple[float, str, str]]:
+        """(started, call id, entry text) of the chain's reports no segment holds that sort after its last
+        call and started before ``cut``, in the record's order, at most ``limit``."""
+        return []
+
+    async def append_segment(self, segment: Doc, calls: list[tuple[float, str, str]]) -> bool:
+        """Append a sealed segment holding these calls (``seal_candidates``' rows) to its link's chain, if its
+        ``seq`` follows the chain's head, its ``prev`` is the head's hash and no record closed the chain."""
+        return False
+
+    async def segments_of(self, link: str) -> list[Doc]:
+        """The headers of a chain's segments, oldest first."""
+        return []
+
+    async def segment_calls(self, link: str, page: int = 2000) -> AsyncIterator[list[tuple[float, str, int, str]]]:
+        """A chain's calls, (started, call id, seq, entry text), segment after segment, a page at a time."""
+        for _ in ():
+            yield []
+
+
+class Store(RecordLog, abc.ABC):
     url: str
 
-    async def open(self) -> None:  # noqa: B027 - optional hook
+    async def open(self) -> None:
         """Connect and create the schema."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         pass
 
     @abc.abstractmethod
@@ -294,130 +424,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def cas_doc(self, kind: str, doc_id: str, expect_version: int, doc: Doc) -> bool:
         """Replace doc only if its ``version`` field still equals expect_version (0: must not exist)."""
-
-    # -- reconciliation records: one hash chain -------------------------------------------------------
-    # A record is stored as its header (every field but ``calls``) and its call entries apart, each entry as
-    # its canonical JSON text (``controlplane.termination.encode_entry``), so a record of any size is written a
-    # page at a time and read a page at a time; ``records()`` still gives whole records. Each final report has
-    # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
-    # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
-    @abc.abstractmethod
-    async def append_record(self, record: Doc, staged: int | None = None,
-                            close: Mapping[str, int] | None = None) -> bool:
-        """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
-        False when another writer got there first: the caller rebuilds on the new head. ``staged``: the record
-        is a header whose ``staged`` call entries were stored with ``stage_calls`` under its record id;
-        otherwise ``record`` holds its ``calls``. ``close``: link -> the seq of its chain of segments the writer
-        read (0: none); in the same transaction (script) each must still be at that seq (else False), and each
-        is closed by this record unless a record closed it before (no segment is sealed on it again)."""
-
-    @abc.abstractmethod
-    async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
-        """Store call entries (call id, reported, canonical JSON text) of a record not appended yet, from
-        position ``start``; nothing reads them until ``append_record(header, staged=n)`` appends it."""
-
-    @abc.abstractmethod
-    async def drop_staged(self, record_id: str) -> None:
-        """Forget the staged entries of a record that was not appended (its append lost the race)."""
-
-    @abc.abstractmethod
-    async def record_heads(self, start: int = 0) -> list[Doc]:
-        """Every record without its ``calls`` (its header), oldest first; from position ``start`` on (the
-        checkpoints read only what is new)."""
-
-    @abc.abstractmethod
-    async def log_view(self, termination_id: str, agents: list[str]) -> LogView:
-        """``LogView`` from the log's index (kept with each append; a log from before it is indexed first)."""
-
-    @abc.abstractmethod
-    async def heads_named(self, record_ids: list[str], at: int) -> list[tuple[int, Doc]]:
-        """(position, header) of the records with these ids at or before position ``at``, oldest first."""
-
-    @abc.abstractmethod
-    async def heads_from(self, at: int) -> list[tuple[int, Doc]]:
-        """(position, header) of the records at or after position ``at``, oldest first (0: the whole log)."""
-
-    @abc.abstractmethod
-    def record_calls(self, record_id: str, page: int = 2000) -> AsyncIterator[list[str]]:
-        """A record's call entries (appended or staged), as their canonical JSON text, in order, a page at
-        a time."""
-
-    @abc.abstractmethod
-    async def call_holders(self, call_ids: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
-        """For each of these calls that an appended record lists: the first record (oldest) that holds it as
-        reported, or None, and every record that lists it ``unknown`` (``reported: false``), oldest first."""
-
-    @abc.abstractmethod
-    async def unknown_calls(self) -> dict[str, tuple[str, ...]]:
-        """Every call an appended record lists ``unknown`` -> those records, oldest first (few: the calls of
-        agents that went silent, never heard of again)."""
-
-    async def records(self) -> list[Doc]:
-        """Every record, whole (its calls decoded), oldest first: for small logs and tests; the API and the
-        termination driver read headers and pages instead."""
-        out: list[Doc] = []
-        for head in await self.record_heads():
-            texts = [text async for page in self.record_calls(head["record_id"]) for text in page]
-            out.append({**head, "calls": await asyncio.to_thread(lambda texts=texts: [json.loads(t) for t in texts])})
-        return out
-
-    @abc.abstractmethod
-    def report_pages(self, agents: list[str], page: int = 2000) -> AsyncIterator[list[Doc]]:
-        """These agents' final reports in a record's order (``controlplane.termination.in_order_key``: by
-        ``started_at``, missing as 0, then ``call_id``), a page at a time, as of when the first page is read."""
-
-    async def stage_reports(self, record_id: str, start: int, agents: list[str], links: set[str],
-                            page: int = 5000) -> AsyncIterator[StagedPage]:
-        """Stage, from position ``start``, the call entries of these agents' final reports that came from a run
-        of one of ``links`` (or carry no link) and that no appended record holds as reported, in the record's
-        order, a page at a time; each page is staged before it is yielded. This one decodes every report;
-        the stores override it with one that copies the entry text kept beside each report
-        (``termination.entry_text``)."""
-        async for reports in self.report_pages(agents, page):
-            reports = [r for r in reports if r.get("link") is None or r.get("link") in links]
-            holders = await self.call_holders([r["call_id"] for r in reports])
-            entries = [(r["call_id"], entry_text(r)) for r in reports if holders.get(r["call_id"], (None,))[0] is None]
-            await self.stage_calls(record_id, start, [(cid, True, text) for cid, text in entries])
-            start += len(entries)
-            yield StagedPage(entries, holders)
-
-    @abc.abstractmethod
-    async def reports_among(self, call_ids: list[str]) -> list[Doc]:
-        """The final reports of these calls (those that have one)."""
-
-    # -- sealed segments (record form 2: controlplane/segments.py) -------------------------------------------
-    # One chain per link. ``stage_reports`` stages only reports no segment holds. A store without segments
-    # (``seals`` False) answers no chains, and nothing is ever sealed in it.
-    seals = False
-
-    async def chains(self, links: list[str]) -> dict[str, Doc]:
-        """link -> its chain: ``link``, ``agent``, ``seq`` (of its head; 0: none), ``head`` (its hash), ``count``
-        (calls its segments hold), ``last`` ([started, call id] of the last, or None), ``closed_by`` (the
-        record that closed it, or None), ``loose`` (the link's reports no segment holds, about)."""
-        return {}
-
-    async def sealable_links(self, min_calls: int) -> list[Doc]:
-        """The open chains with at least ``min_calls`` reports no segment holds."""
-        return []
-
-    async def seal_candidates(self, chain: Doc, cut: float, limit: int) -> list[tuple[float, str, str]]:
-        """(started, call id, entry text) of the chain's reports no segment holds that sort after its last
-        call and started before ``cut``, in the record's order, at most ``limit``."""
-        return []
-
-    async def append_segment(self, segment: Doc, calls: list[tuple[float, str, str]]) -> bool:
-        """Append a sealed segment holding these calls (``seal_candidates``' rows) to its link's chain, if its
-        ``seq`` follows the chain's head, its ``prev`` is the head's hash and no record closed the chain."""
-        return False
-
-    async def segments_of(self, link: str) -> list[Doc]:
-        """The headers of a chain's segments, oldest first."""
-        return []
-
-    async def segment_calls(self, link: str, page: int = 2000) -> AsyncIterator[list[tuple[float, str, int, str]]]:
-        """A chain's calls, (started, call id, seq, entry text), segment after segment, a page at a time."""
-        for _ in ():
-            yield []
 
     # -- leases on work that exactly one replica may drive ----------------------------------------------
     @abc.abstractmethod
