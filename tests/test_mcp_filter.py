@@ -408,6 +408,18 @@ def test_every_list_loses_what_the_agent_does_not_hold() -> None:
     assert value["result"]["resources"] == [] and value["result"]["prompts"] == []
 
 
+def test_a_message_with_both_a_method_and_a_result_has_its_result_filtered_too() -> None:
+    """A server can write ``method`` beside ``result`` in one message: no client answers it as a request, and a
+    client reading it as an answer must not find a hidden tool in it (it used to pass whole)."""
+    def both() -> dict[str, Any]:
+        return {**tools_result(5), "method": "notifications/message", "params": {}}
+
+    value, removed = mcp.filter_lists_message(both(), allowed)
+    assert removed == 3 and b"delete_everything" not in json.dumps(value).encode()
+    body, removed_in_body = mcp.filter_json_body(json.dumps(both()).encode(), allowed)
+    assert removed_in_body == 3 and b"send_email" not in body
+
+
 def test_updates_about_resources_the_agent_does_not_hold_are_dropped() -> None:
     assert mcp.filter_lists_message(updated("docs://public/a"), VISIBLE) == (updated("docs://public/a"), 0)
     assert mcp.filter_lists_message(updated("docs://private/b"), VISIBLE) == (None, 1)

@@ -333,7 +333,8 @@ def filter_lists_message(value: Any, allowed: Visible | Callable[[str], bool]) -
             continue
         if "method" in item:
             removed += _filter_tools_param(item.get("params"), visible)
-            continue
+            if "result" not in item:  # a message with both is no request a client answers: its lists go too
+                continue
         if visible.observe is not None and ("result" in item or "error" in item):
             visible.observe(item)
         result = item.get("result")
