@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from h11._readers import ChunkedReader
+
+from tether.proxy.relay import CHUNK_SIZE_MAX, ChunkPos, ChunkScan, chunk_reader, scan_chunks
 
 from .conftest import World, build_world, teardown_world
 from .harness import TestCA, free_port, wait_until
@@ -120,3 +123,17 @@ def test_a_chunk_size_past_32_bits_is_not_relayed_raw_so_no_request_is_smuggled_
         wait_until(lambda: len(upstream.received) > 200_000, 30, what="the long chunk's bytes upstream")
     assert b"100000005\r\n" not in upstream.received
     assert all(not line.startswith(b"DELETE") for line in upstream.lines), upstream.lines
+
+
+def test_only_canonical_chunk_sizes_below_256_mib_are_relayed_and_a_larger_rest_is_not_started() -> None:
+    """The scan stops before a leading zero, 8 digits or more, and relays 1 to 7 digits of either case; a relay
+    does not start inside a chunk with more than ``CHUNK_SIZE_MAX`` left (it would frame that rest itself)."""
+    for line in (b"05", b"10000000", b"100000005", b"ffffffffffffffff"):
+        assert scan_chunks(ChunkPos(), line + b"\r\nhello\r\n") == ChunkScan(0, 0, ChunkPos(), True), line
+    for line, size in ((b"5", 5), (b"aBc", 0xABC), (b"fffffff", CHUNK_SIZE_MAX)):
+        assert scan_chunks(ChunkPos(), line + b"\r\n") == ChunkScan(len(line) + 2, 0, ChunkPos(size, True), False)
+    reader = ChunkedReader()
+    reader._bytes_in_chunk = CHUNK_SIZE_MAX + 1
+    assert chunk_reader(reader) is None
+    reader._bytes_in_chunk = CHUNK_SIZE_MAX
+    assert chunk_reader(reader) is reader
