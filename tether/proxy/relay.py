@@ -14,7 +14,9 @@ chunked, every piece it passes a chunk of its own, so the sink is always between
 source's bytes from there on pass as they are, framing included. The relay reads only the chunk-size lines and the
 CRLF closing each chunk (``scan_chunks``, peeking at the socket: nothing leaves the source until it is known to be
 framing or data) and splices runs of whole chunks, or the rest of one chunk's data, at a time. It relays a
-chunk-size line of hex digits alone; the zero-size last chunk (with the trailer section, which tether discards:
+chunk-size line of hex digits alone, canonical and at most 7 of them (every upstream reads it as the relay does: a
+longer size, which a server keeping 32 bits would read short, would let the chunk's data smuggle a request past
+tether); the zero-size last chunk (with the trailer section, which tether discards:
 ``framing.py``), a line with an extension or anything else, and a malformed chunk end are left where they are and
 the relay ends before them: mitmproxy's path (h11, whose reader is put where the source stands) reads, or refuses,
 them as it always did, and sends the end. Started inside a chunk mitmproxy passed the start of, the relay first
@@ -76,7 +78,8 @@ YIELD_EVERY = 16  # splices without a wait after which the relay lets the event 
 RELAY_MIN = 64 << 10  # bytes: a smaller rest of a body is not worth the set-up
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 CHUNK_PEEK = 64 << 10  # bytes: how much of a chunked body's source a look for its next chunk sizes peeks at
-CHUNK_HEAD_MAX = 18  # bytes: the longest chunk-size line relayed (16 hex digits and CRLF; others: mitmproxy's)
+CHUNK_HEAD_MAX = 9  # bytes: the longest chunk-size line relayed (7 hex digits and CRLF; others: mitmproxy's)
+CHUNK_SIZE_MAX = (1 << 28) - 1  # the largest chunk relayed (7 hex digits): no upstream's integer overflows on it
 RELAYED = "tether.relayed_bytes"  # flow.metadata: how many of the body's bytes were relayed
 
 _streams: dict[str, Any] = {}  # connection id -> the HttpStream whose body that connection is sending
@@ -109,14 +112,19 @@ def taken(reader: Any, count: int) -> None:
 
 def chunk_reader(reader: Any) -> ChunkedReader | None:
     """The h11 chunked reader under ``reader`` (possibly wrapped), when it is between chunks or inside one's data
-    (not reading the trailer section, not in the middle of a chunk's closing CRLF): where a relay may start."""
+    (not reading the trailer section, not in the middle of a chunk's closing CRLF), with less of the chunk left
+    than ``CHUNK_SIZE_MAX`` (the relay frames that rest as a chunk of its own): where a relay may start."""
     inner = getattr(reader, "reader", reader)
-    if isinstance(inner, ChunkedReader) and not inner._reading_trailer and not inner._bytes_to_discard:
+    if (isinstance(inner, ChunkedReader) and not inner._reading_trailer and not inner._bytes_to_discard
+            and inner._bytes_in_chunk <= CHUNK_SIZE_MAX):
         return inner
     return None
 
 
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+# The agent's chunk-size lines reach the upstream as they are: only the canonical spelling of a size every parser
+# holds (no leading zero, at most 7 digits) is relayed. A larger size, read by a server that keeps 32 bits of it,
+# would end the chunk early and parse its data (a last chunk and a request tether never saw) as the next request.
+_CHUNK_SIZE = re.compile(rb"[1-9A-Fa-f][0-9A-Fa-f]{0,6}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +150,9 @@ class ChunkScan:
 
 def scan_chunks(pos: ChunkPos, window: bytes | bytearray) -> ChunkScan:
     """Walk the chunked framing in ``window`` (the source's next bytes) from ``pos``. Only a chunk-size line of
-    hex digits alone is relayed; the zero-size last chunk (with the trailer section, which tether discards:
-    ``framing.py``), any other line, and a chunk's closing CRLF that is not one are left to mitmproxy's path (which
-    reads or refuses them as it always did). Pure."""
+    hex digits alone, canonical and at most ``CHUNK_SIZE_MAX`` (``_CHUNK_SIZE``), is relayed; the zero-size last
+    chunk (with the trailer section, which tether discards: ``framing.py``), any other line, and a chunk's closing
+    CRLF that is not one are left to mitmproxy's path (which reads or refuses them as it always did). Pure."""
     at, data, left, crlf, end = 0, 0, pos.data_left, pos.crlf, len(window)
     while True:
         if left:
