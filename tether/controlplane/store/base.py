@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,6 +301,16 @@ class Store(abc.ABC):
     # page at a time and read a page at a time; ``records()`` still gives whole records. Each final report has
     # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
     # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
+    def on_append(self, listener: Callable[[Doc], None]) -> None:
+        """Call ``listener(header)`` in this process after each record this store appends (its header: the
+        record without ``calls``), on the event loop, before ``append_record`` returns: the checkpoints take
+        the new leaf from here instead of reading it back. Records other processes append are not told."""
+        self.__dict__.setdefault("_append_listeners", []).append(listener)
+
+    def _appended(self, header: Doc) -> None:
+        for listener in self.__dict__.get("_append_listeners", ()):
+            listener(header)
+
     @abc.abstractmethod
     async def append_record(self, record: Doc, staged: int | None = None) -> bool:
         """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
