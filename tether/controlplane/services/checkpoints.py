@@ -215,7 +215,7 @@ class CheckpointService:
 
     async def sync_if_due(self) -> int:
         """Make the directory's new files durable when its batch is due (in a worker thread): how many."""
-        sink = self._sink
+        sink = self.sink()
         if sink is None or not sink.due(self.clock()):
             return 0
         sizes = sink.take(self.clock())
@@ -349,32 +349,38 @@ class DirectorySink:
 def keep_checkpoint(directory: Path, size: int, note: str, *, durable: bool = True) -> None:
     """The directory sink: ``checkpoint.SIZE``, written once and never rewritten (append-only: a WORM mount),
     whole (a temporary file linked into place), durably unless ``durable`` is false (``DirectorySink``:
-    the batch makes it durable), and ``latest``, a relative symbolic link to it, replaced atomically (a
-    rename: no data to write). A note of a size already kept that differs from the kept one (the same
-    checkpoint with other cosignatures, from a later publication) is kept as ``latest`` itself, a file."""
+    the batch makes it durable), and ``latest``, a second name of that same file (a hard link), replaced
+    atomically by a rename: no second file to create. A note of a size already kept that differs from the
+    kept one (the same checkpoint with other cosignatures, from a later publication) is kept as ``latest``
+    itself, a file of its own."""
     name = f"checkpoint.{size}"
     target, data = directory / name, note.encode()
     try:
-        created = publish_file(str(target), data, 0o644) if durable else _link_new(directory, name, data)
+        created = publish_file(str(target), data, 0o644) if durable else _publish_lazily(directory, name, data)
     except FileNotFoundError:  # no directory yet
         directory.mkdir(parents=True, exist_ok=True)
-        created = publish_file(str(target), data, 0o644) if durable else _link_new(directory, name, data)
+        created = publish_file(str(target), data, 0o644) if durable else _publish_lazily(directory, name, data)
+    if created is None:
+        return  # written, and named latest already
     if not created and target.read_bytes() != data:
         replace_file(directory / "latest", data)  # a size kept before, with another note: the file stays
         return
-    link = directory / f".latest.{os.getpid()}.{size}"
+    link = f"{directory}/.latest.{os.getpid()}"
     try:
-        os.symlink(name, link)
+        os.link(target, link)
     except FileExistsError:
-        link.unlink()
-        os.symlink(name, link)
-    os.replace(link, directory / "latest")
+        os.unlink(link)
+        os.link(target, link)
+    os.replace(link, f"{directory}/latest")
 
 
-def _link_new(directory: Path, name: str, data: bytes) -> bool:
-    """``name`` created holding ``data`` whole, not yet durable: a temporary file (this process's, by
-    name) linked into place; False when ``name`` existed (it stands untouched)."""
-    tmp = directory / f".{name}.{os.getpid()}"
+def _publish_lazily(directory: Path, name: str, data: bytes) -> bool | None:
+    """``name`` created holding ``data`` whole, not yet durable, and ``latest`` made that same file: a
+    temporary file (this process's, by name) linked as ``name``, then renamed onto ``latest`` (one file
+    created, two names given: the least a checkpoint can cost the disk short of its data). None when both
+    were done; False when ``name`` existed (it stands untouched, and ``latest`` too)."""
+    d = str(directory)
+    tmp = f"{d}/.{name}.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.fchmod(fd, 0o644)  # whatever the umask: readers (an auditor's copy job) read it
@@ -382,12 +388,12 @@ def _link_new(directory: Path, name: str, data: bytes) -> bool:
     finally:
         os.close(fd)
     try:
-        os.link(tmp, directory / name)
-        return True
+        os.link(tmp, f"{d}/{name}")
     except FileExistsError:
-        return False
-    finally:
         os.unlink(tmp)
+        return False
+    os.replace(tmp, f"{d}/latest")
+    return None
 
 
 def _make_durable(directory: Path, names: list[str]) -> None:
