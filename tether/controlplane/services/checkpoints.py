@@ -205,11 +205,13 @@ class CheckpointService:
             return False
         note = self._note(tree, tree.size)
         lines = [line for w in self.witnesses if (line := await self._witness(w, tree, note))]
+        kept = with_lines(note, lines) if lines else note
         if sink is not None:
             if size < 0:  # this process's first checkpoint: what a crash left of the last batch, repaired
                 sink.recover(tree, lambda n: self._note(tree, n), self.verifier())
-            sink.keep(tree.size, with_lines(note, lines))  # on the loop: a small file, no fsync (see sync_s)
-        telemetry.checkpoint(self.origin, tree.size, _b64(tree.root()), with_lines(note, lines), self.clock())
+            sink.keep(tree.size, kept)  # on the loop: a small file, no fsync (see sync_s)
+        if traced:
+            telemetry.checkpoint(self.origin, tree.size, _b64(tree.root()), kept, self.clock())
         self._published = (tree.size, self.clock())
         return True
 
