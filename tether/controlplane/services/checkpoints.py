@@ -355,16 +355,16 @@ def keep_checkpoint(directory: Path, size: int, note: str, *, durable: bool = Tr
     atomically by a rename: no second file to create. A note of a size already kept that differs from the
     kept one (the same checkpoint with other cosignatures, from a later publication) is kept as ``latest``
     itself, a file of its own."""
-    name = f"checkpoint.{size}"
-    target, data = directory / name, note.encode()
+    name, data = f"checkpoint.{size}", note.encode()
+    target = f"{directory}/{name}"
     try:
-        created = publish_file(str(target), data, 0o644) if durable else _publish_lazily(directory, name, data)
+        created = publish_file(target, data, 0o644) if durable else _publish_lazily(str(directory), name, data)
     except FileNotFoundError:  # no directory yet
         directory.mkdir(parents=True, exist_ok=True)
-        created = publish_file(str(target), data, 0o644) if durable else _publish_lazily(directory, name, data)
+        created = publish_file(target, data, 0o644) if durable else _publish_lazily(str(directory), name, data)
     if created is None:
         return  # written, and named latest already
-    if not created and target.read_bytes() != data:
+    if not created and Path(target).read_bytes() != data:
         replace_file(directory / "latest", data)  # a size kept before, with another note: the file stays
         return
     link = f"{directory}/.latest.{os.getpid()}"
@@ -376,12 +376,11 @@ def keep_checkpoint(directory: Path, size: int, note: str, *, durable: bool = Tr
     os.replace(link, f"{directory}/latest")
 
 
-def _publish_lazily(directory: Path, name: str, data: bytes) -> bool | None:
+def _publish_lazily(d: str, name: str, data: bytes) -> bool | None:
     """``name`` created holding ``data`` whole, not yet durable, and ``latest`` made that same file: a
     temporary file (this process's, by name) linked as ``name``, then renamed onto ``latest`` (one file
     created, two names given: the least a checkpoint can cost the disk short of its data). None when both
     were done; False when ``name`` existed (it stands untouched, and ``latest`` too)."""
-    d = str(directory)
     tmp = f"{d}/.{name}.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
