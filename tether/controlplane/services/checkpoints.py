@@ -299,7 +299,7 @@ class DirectorySink:
             return
         _make_durable(self.path, [f"checkpoint.{n}" for n in sizes])
         self.batches += 1
-        tmp = self.path / f".synced.{os.getpid()}"
+        tmp = self.path / f".synced.{os.getpid()}.{max(sizes)}"  # a batch at shutdown may overlap the last one
         tmp.write_text(f"{max(sizes)}\n")
         os.replace(tmp, self.path / SYNCED)
 
