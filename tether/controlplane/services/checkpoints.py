@@ -393,8 +393,19 @@ def _publish_lazily(d: str, name: str, data: bytes) -> bool | None:
     except FileExistsError:
         os.unlink(tmp)
         return False
-    os.replace(tmp, f"{d}/latest")
+    _swap_in(tmp, f"{d}/latest")
     return None
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    """``tmp`` renamed onto ``path``, atomically. On Linux by exchanging the two names (``renameat2`` with
+    ``RENAME_EXCHANGE``) and removing the old one: ext4 starts writing a file's data out when a rename
+    replaces another file (``auto_da_alloc``), about 35 us of CPU a checkpoint here, which the batch does
+    anyway. Where the exchange is not offered (another system, no ``path`` yet), a plain rename."""
+    if _renameat2 is not None and _renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _EXCHANGE) == 0:
+        os.unlink(tmp)  # now the old ``path``
+        return
+    os.replace(tmp, path)
 
 
 def _make_durable(directory: Path, names: list[str]) -> None:
@@ -434,6 +445,22 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 
 _syncfs = _load_syncfs()
+_AT_FDCWD, _EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _load_renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_renameat2 = _load_renameat2()
 
 
 def _refusal(status: int, text: str, old: int, size: int) -> str:
