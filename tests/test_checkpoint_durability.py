@@ -188,7 +188,8 @@ def test_the_directory_sink_batches_and_repairs_only_incomplete_files() -> None:
         sink.sync(sink.take(0.0))
         assert sink.batches == 1 and mark(sink.path) == 3 and not sink.due(1.0)
         latest = sink.path / "latest"  # the newest file under a second name, and nothing else left behind
-        assert latest.read_text() == note(tree, 3) and latest.stat().st_ino == (sink.path / "checkpoint.3").stat().st_ino
+        assert latest.read_text() == note(tree, 3)
+        assert latest.stat().st_ino == (sink.path / "checkpoint.3").stat().st_ino
         assert sorted(p.name for p in sink.path.iterdir()) == [".synced", "checkpoint.1", "checkpoint.2",
                                                                "checkpoint.3", "latest"]
         sink.keep(4, note(tree, 4))
