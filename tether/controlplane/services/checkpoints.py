@@ -221,7 +221,11 @@ class CheckpointService:
         if sink is None or not sink.due(self.clock()):
             return 0
         sizes = sink.take(self.clock())
-        await asyncio.to_thread(sink.sync, sizes)
+        try:
+            await asyncio.to_thread(sink.sync, sizes)
+        except BaseException:
+            sink.give_back(sizes)  # not durable: in the next batch (the mark did not move past them)
+            raise
         return len(sizes)
 
     def sync_now(self) -> int:
@@ -291,6 +295,9 @@ class DirectorySink:
         """The sizes written since the last batch, handed to one ``sync`` (on the loop: ``keep`` goes on)."""
         sizes, self._unsynced, self._synced_at = self._unsynced, [], now
         return sizes
+
+    def give_back(self, sizes: list[int]) -> None:
+        self._unsynced[:0] = sizes
 
     def sync(self, sizes: list[int]) -> None:
         """The files of ``sizes`` durable, then ``.synced`` names the newest (itself durable with the next
