@@ -111,13 +111,27 @@ class LinkConflict(Exception):
         self.registered = registered
 
 
-class Store(abc.ABC):
+class AppendListeners:
+    """Who is told of this process's appends to the record log (a store's part; see ``Store``)."""
+
+    def on_append(self, listener: Callable[[Doc], None]) -> None:
+        """Call ``listener(header)`` in this process after each record this store appends (its header: the
+        record without ``calls``), on the event loop, before ``append_record`` returns: the checkpoints take
+        the new leaf from here instead of reading it back. Records other processes append are not told."""
+        self.__dict__.setdefault("_append_listeners", []).append(listener)
+
+    def _appended(self, header: Doc) -> None:
+        for listener in self.__dict__.get("_append_listeners", ()):
+            listener(header)
+
+
+class Store(abc.ABC, AppendListeners):
     url: str
 
-    async def open(self) -> None:  # noqa: B027 - optional hook
+    async def open(self) -> None:  # an optional hook
         """Connect and create the schema."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:  # an optional hook
         pass
 
     @abc.abstractmethod
@@ -301,16 +315,6 @@ class Store(abc.ABC):
     # page at a time and read a page at a time; ``records()`` still gives whole records. Each final report has
     # its entry text kept beside it when stored (``termination.entry_text``), and ``stage_reports`` stages a
     # record's calls from those texts (a store may keep a reference to the report's text instead of a copy).
-    def on_append(self, listener: Callable[[Doc], None]) -> None:
-        """Call ``listener(header)`` in this process after each record this store appends (its header: the
-        record without ``calls``), on the event loop, before ``append_record`` returns: the checkpoints take
-        the new leaf from here instead of reading it back. Records other processes append are not told."""
-        self.__dict__.setdefault("_append_listeners", []).append(listener)
-
-    def _appended(self, header: Doc) -> None:
-        for listener in self.__dict__.get("_append_listeners", ()):
-            listener(header)
-
     @abc.abstractmethod
     async def append_record(self, record: Doc, staged: int | None = None) -> bool:
         """Append if ``record['prev_hash']`` is the hash of the current last record (or "" when empty).
