@@ -61,6 +61,10 @@ def add_serve(sub: Any) -> None:
                            "records, before you give a witness its checkpoints)")
     logs.add_argument("--checkpoint-dir", metavar="DIR",
                       help="write every checkpoint here (checkpoint.SIZE, latest): an append-only or WORM mount")
+    logs.add_argument("--checkpoint-sync", type=float, default=None, metavar="S",
+                      help="make the directory's new checkpoint files durable in one batch at most every S seconds "
+                           "(default 5; 0: at every checkpoint) and at shutdown; a machine crash can lose the "
+                           "last S seconds of them, which the next start writes again from the log (docs/audit.md)")
     logs.add_argument("--witness", action="append", default=[], metavar="URL",
                       help="send every checkpoint to this C2SP tlog-witness (tether witness serve); repeat")
     seal = p.add_argument_group("sealed segments: records of any size (docs/termination.md, \"Sealed segments\")")
@@ -185,6 +189,10 @@ def configure_checkpoints(cp: ControlPlane, args: argparse.Namespace) -> None:
         raise TetherError(f"--log-origin {args.log_origin!r}: a name without spaces or '+'", code=BAD_REQUEST)
     cp.checkpoints.origin = args.log_origin
     cp.checkpoints.directory = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.checkpoint_sync is not None:
+        if not args.checkpoint_sync >= 0:
+            raise TetherError(f"--checkpoint-sync {args.checkpoint_sync}: seconds, 0 or more", code=BAD_REQUEST)
+        cp.checkpoints.sync_s = args.checkpoint_sync
     cp.checkpoints.witnesses = [Witness(url) for url in args.witness]
 
 

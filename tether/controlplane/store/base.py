@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,7 +241,21 @@ class RecordLog(abc.ABC):
             yield []
 
 
-class Store(RecordLog, abc.ABC):
+class AppendListeners:
+    """Who is told of this process's appends to the record log (a store's part; see ``Store``)."""
+
+    def on_append(self, listener: Callable[[Doc], None]) -> None:
+        """Call ``listener(header)`` in this process after each record this store appends (its header: the
+        record without ``calls``), on the event loop, before ``append_record`` returns: the checkpoints take
+        the new leaf from here instead of reading it back. Records other processes append are not told."""
+        self.__dict__.setdefault("_append_listeners", []).append(listener)
+
+    def _appended(self, header: Doc) -> None:
+        for listener in self.__dict__.get("_append_listeners", ()):
+            listener(header)
+
+
+class Store(RecordLog, AppendListeners, abc.ABC):
     url: str
 
     async def open(self) -> None:

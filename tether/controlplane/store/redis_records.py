@@ -73,6 +73,7 @@ class RedisRecords(RedisCore):
             raise ValueError(f"record {rid}: the staged call entries are not the {staged} expected")
         if not done:
             return False
+        self._appended(header)
         await self._index_records()
         return True
 

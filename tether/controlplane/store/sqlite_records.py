@@ -72,7 +72,10 @@ class SqliteRecords(SqliteCore):
                 _file_records(db, upto, {pos: header})  # the log's index, in the append's transaction
                 return True
 
-        return await self._off_loop(append)
+        done = await self._off_loop(append)
+        if done:
+            self._appended(header)
+        return done
 
     @_writes
     async def stage_calls(self, record_id: str, start: int, entries: list[tuple[str, bool, str]]) -> None:
