@@ -148,6 +148,10 @@ def check_served(record: Mapping[str, Any], signers: Mapping[str, Any]) -> list[
     sources = list(sources_of(record["calls_from"]))
     if len(sources) != len(calls) or any(s != OWN and not 0 <= s < len(sealed) for s in sources):
         return ["calls_from does not match the record's calls"]
+    named = {str(ref.get("link")) for ref in record["segments"]}
+    strays = sorted({str(s.get("link"))[:16] for s in sealed if str(s.get("link")) not in named})
+    if strays:  # its calls would be covered by neither the record's hash nor a chain it names: made up
+        return [f"sealed holds a segment of link {link}, a chain the record does not name" for link in strays]
     texts: dict[int, list[str]] = {i: [] for i in range(len(sealed))}
     for call, source in zip(calls, sources, strict=True):
         if source != OWN:
