@@ -73,3 +73,74 @@ def test_a_stored_call_claiming_a_segment_the_chain_does_not_have_fails_online_v
     assert len(served["calls"]) == len(log[0]["calls"]) + 1  # the planted call is served
     assert not proto.verify_records([served], history.key.public_key()).ok  # offline: caught (hash)
     assert not online.ok, "online verification passed a record served with a call planted in the store"
+
+
+# -- segments sealed before a key rotation, named by a record after it --------------------------------------------
+async def sealed_across_a_rotation(url: str, ids: Identities, out: Path) -> tuple[Doc, Any]:
+    """30 calls sealed under the old key; ``tether keys rotate``'s record appended; the record written under the
+    new key. Writes the served record, its inclusion proof and a checkpoint, and the new public key, to ``out``."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tether.capability import keys
+    from tether.capability.catalog import parse_catalog
+    from tether.controlplane.app import ControlPlane
+    from tether.controlplane.rotation import cross_sign, rotation_record
+    from tether.controlplane.services import kinds
+    from tether.controlplane.services import terminations as service
+
+    from .harness import ADMIN_TOKEN
+    from .test_segments import SealingHistory
+
+    store = open_store_url(url)
+    await store.open()
+    try:
+        history = SealingHistory(store, ids, ["p"], min_calls=1)
+        history.sealer.max_calls = 7
+        await history.setup()
+        for _ in range(30):
+            await history.step("call", "c", 0)
+        await history.step("seal", "p", 0)
+        old, new = history.key, Ed25519PrivateKey.generate()
+        heads = await store.record_heads()
+        rotation = rotation_record(record_id="rec-rotation", prev_hash=heads[-1]["hash"] if heads else "", old=old,
+                                   new=new, by="test", reason="test", now=history.tick())
+        assert await store.append_record(proto.seal(cross_sign(rotation, new), old))
+        catalog = parse_catalog(ids.proc.catalog_path.read_text(), str(ids.proc.catalog_path))
+        plane = ControlPlane(store, new, catalog, ADMIN_TOKEN, clock=lambda: history.now, replica="me")
+        doc = await store.get_doc(kinds.TERMINATION, "term-p")
+        assert doc is not None and await store.try_lease("termination:term-p", "me", service.LEASE_S, history.tick())
+        record_id, _ = await plane.terminations.write_record(doc)
+        served = await plane.records.record(record_id)
+        assert "segments" in served and served["sealed"][0]["key_id"] == proto.key_id_of(old)
+        (out / "record.json").write_text(json.dumps(served))
+        (out / "proof.json").write_text(json.dumps(await plane.checkpoints.inclusion(record_id, None)))
+        (out / "checkpoint").write_text(await plane.checkpoints.checkpoint())
+        (out / "new.pub").write_bytes(keys.public_pem(new.public_key()))
+        log = [await plane.records.record(h["record_id"]) for h in await store.record_heads()]
+        return served, (proto.verify_records(log, new.public_key()), await plane.records.verify(new.public_key()))
+    finally:
+        await store.close()
+
+
+def test_verify_one_accepts_a_record_whose_segments_were_sealed_before_a_key_rotation(
+        identities: Identities, tmp_path: Path) -> None:  # noqa: F811
+    import os
+    import subprocess
+    import sys
+
+    served, (offline, online) = asyncio.run(
+        sealed_across_a_rotation(f"sqlite:///{tmp_path / 't.db'}", identities, tmp_path))
+    assert offline.ok and online.ok, (offline.problems, online.problems)  # the whole log follows the rotation
+    one = subprocess.run([sys.executable, "-m", "tether", "records", "verify-one", str(tmp_path / "record.json"),
+                          "--proof", str(tmp_path / "proof.json"), "--checkpoint", str(tmp_path / "checkpoint"),
+                          "--trust", str(tmp_path / "new.pub")], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ})
+    assert one.returncode == 0, one.stdout + one.stderr
+    edited = json.loads(json.dumps(served))
+    edited["calls"][0]["status"] = 500  # still caught: the head the record names pins every segment
+    (tmp_path / "record.json").write_text(json.dumps(edited))
+    bad = subprocess.run([sys.executable, "-m", "tether", "records", "verify-one", str(tmp_path / "record.json"),
+                          "--proof", str(tmp_path / "proof.json"), "--checkpoint", str(tmp_path / "checkpoint"),
+                          "--trust", str(tmp_path / "new.pub")], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ})
+    assert bad.returncode == 1 and "segment 1 of link" in bad.stdout, bad.stdout + bad.stderr
