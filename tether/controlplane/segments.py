@@ -92,9 +92,11 @@ def stored_form(record: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _chain_problems(ref: Mapping[str, Any], segments: Sequence[tuple[Mapping[str, Any], str]],
-                    signers: Mapping[str, Any]) -> list[str]:
+                    signers: Mapping[str, Any] | None) -> list[str]:
     """What is wrong with one chain a record names: ``segments``, its segments oldest first with the hash of
-    each one's content as recomputed; ``signers``, key id -> public key of the keys the log was signed with."""
+    each one's content as recomputed; ``signers``, key id -> public key of the keys the log was signed with
+    (None: signatures not checked, for a record trusted by its hash alone: the head it names pins every
+    segment through the ``prev`` links, whichever key sealed them)."""
     from cryptography.exceptions import InvalidSignature
 
     problems: list[str] = []
@@ -108,13 +110,15 @@ def _chain_problems(ref: Mapping[str, Any], segments: Sequence[tuple[Mapping[str
             problems.append(f"{what}: prev does not name segment {n - 1} (a segment removed, inserted or reordered)")
         if segment.get("hash") != digest:
             problems.append(f"{what}: content does not match its hash (edited)")
-        key = signers.get(str(segment.get("key_id")))
-        try:
-            if key is None:
-                raise ValueError
-            key.verify(keys.b64url_decode(str(segment.get("signature", ""))), str(segment.get("hash", "")).encode())
-        except (InvalidSignature, ValueError):
-            problems.append(f"{what}: signature does not verify under a key of the log")
+        if signers is not None:
+            key = signers.get(str(segment.get("key_id")))
+            try:
+                if key is None:
+                    raise ValueError
+                key.verify(keys.b64url_decode(str(segment.get("signature", ""))),
+                           str(segment.get("hash", "")).encode())
+            except (InvalidSignature, ValueError):
+                problems.append(f"{what}: signature does not verify under a key of the log")
         total += int(segment.get("count") or 0)
         prev = str(segment.get("hash", ""))
     if len(segments) != ref.get("seq") or prev != ref.get("head"):
@@ -125,7 +129,7 @@ def _chain_problems(ref: Mapping[str, Any], segments: Sequence[tuple[Mapping[str
 
 
 def check_chains(refs: Sequence[Mapping[str, Any]], chains: Mapping[str, Sequence[tuple[Mapping[str, Any], str]]],
-                 signers: Mapping[str, Any]) -> list[str]:
+                 signers: Mapping[str, Any] | None) -> list[str]:
     """Every chain a record names, against its segments (link -> segments with their recomputed hashes)."""
     problems: list[str] = []
     for ref in refs:
@@ -133,7 +137,7 @@ def check_chains(refs: Sequence[Mapping[str, Any]], chains: Mapping[str, Sequenc
     return problems
 
 
-def check_served(record: Mapping[str, Any], signers: Mapping[str, Any]) -> list[str]:
+def check_served(record: Mapping[str, Any], signers: Mapping[str, Any] | None) -> list[str]:
     """The segments of a served record of form 2: each segment's hash over its calls (``calls_from``), its
     signature, the chain's links, the head and count the record names; and the expanded calls in the
     record's order. Nothing for a record without segments."""
