@@ -144,3 +144,38 @@ def test_verify_one_accepts_a_record_whose_segments_were_sealed_before_a_key_rot
                           "--trust", str(tmp_path / "new.pub")], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1], env={**os.environ})
     assert bad.returncode == 1 and "segment 1 of link" in bad.stdout, bad.stdout + bad.stderr
+
+
+async def sealed_by_a_stale_replica(url: str, ids: Identities) -> tuple[int, int]:
+    """A replica still running on the old key after ``tether keys rotate``: its sealer must seal nothing (as its
+    termination service writes nothing); a replica on the new key seals the same calls."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tether.controlplane.rotation import cross_sign, rotation_record
+    from tether.controlplane.services.segments import SegmentService
+
+    from .test_segments import SealingHistory
+
+    store = open_store_url(url)
+    await store.open()
+    try:
+        history = SealingHistory(store, ids, ["p"], min_calls=1)
+        await history.setup()
+        for _ in range(10):
+            await history.step("call", "c", 0)
+        old, new = history.key, Ed25519PrivateKey.generate()
+        rotation = rotation_record(record_id="rec-rotation", prev_hash="", old=old, new=new, by="test",
+                                   reason="test", now=history.tick())
+        assert await store.append_record(proto.seal(cross_sign(rotation, new), old))
+        history.tick()
+        stale = await SegmentService(store, old, lambda: history.now, settle_s=0.0, min_calls=1).seal_once()
+        fresh = await SegmentService(store, new, lambda: history.now, settle_s=0.0, min_calls=1).seal_once()
+        return stale, fresh
+    finally:
+        await store.close()
+
+
+def test_a_replica_left_on_the_old_key_after_a_rotation_seals_nothing(identities: Identities,  # noqa: F811
+                                                                      tmp_path: Path) -> None:
+    stale, fresh = asyncio.run(sealed_by_a_stale_replica(f"sqlite:///{tmp_path / 't.db'}", identities))
+    assert (stale, fresh) == (0, 10)
