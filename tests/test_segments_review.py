@@ -179,3 +179,29 @@ def test_a_replica_left_on_the_old_key_after_a_rotation_seals_nothing(identities
                                                                       tmp_path: Path) -> None:
     stale, fresh = asyncio.run(sealed_by_a_stale_replica(f"sqlite:///{tmp_path / 't.db'}", identities))
     assert (stale, fresh) == (0, 10)
+
+
+def test_a_malformed_served_record_of_form_2_is_a_problem_named_not_a_crash(tmp_path: Path) -> None:
+    """``tether records verify --file`` of a log whose form-2 record has a malformed ``calls_from``, ``sealed`` or
+    ``segments``: exit 1 naming the record, as for any malformed record (it crashed with a traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tether.capability import keys
+
+    key = Ed25519PrivateKey.generate()
+    (tmp_path / "k.pub").write_bytes(keys.public_pem(key.public_key()))
+    base = {"record_id": "r", "prev_hash": "", "segments": [{"link": "l"}], "calls": [{"call_id": "a"}],
+            "calls_from": [[0, 1]], "sealed": [{}]}
+    for n, bad in enumerate(({"calls_from": "x"}, {"sealed": [1]}, {"calls_from": [[0, "a"]]}, {"segments": [3]},
+                             {"calls": "x"})):
+        path = tmp_path / f"bad{n}.json"
+        path.write_text(json.dumps([{**base, **bad}]))
+        out = subprocess.run([sys.executable, "-m", "tether", "records", "verify", "--file", str(path), "--trust",
+                              str(tmp_path / "k.pub")], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[1], env={**os.environ})
+        assert out.returncode == 1 and "Traceback" not in out.stderr, (bad, out.stdout, out.stderr)
+        assert "record 0 (r)" in out.stdout, (bad, out.stdout)
