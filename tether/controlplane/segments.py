@@ -81,11 +81,24 @@ def served(record: Mapping[str, Any]) -> bool:
     return "segments" in record and "calls_from" in record
 
 
+def well_formed(record: Mapping[str, Any]) -> bool:
+    """A served record of form 2 whose served-only fields have their shapes (``calls_from`` pairs of integers,
+    ``sealed`` and ``segments`` lists of objects, ``calls`` a list): anything else is refused as a problem of
+    the record, never a crash of the verifier."""
+    def pair(run: Any) -> bool:
+        return (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run) and run[1] >= 0)
+
+    return (isinstance(record.get("calls_from"), list) and all(pair(r) for r in record["calls_from"])
+            and isinstance(record.get("sealed"), list) and all(isinstance(x, dict) for x in record["sealed"])
+            and isinstance(record.get("segments"), list) and all(isinstance(x, dict) for x in record["segments"])
+            and isinstance(record.get("calls"), list))
+
+
 def stored_form(record: Mapping[str, Any]) -> Mapping[str, Any]:
     """The record as hashed: a served record of form 2 without its served-only fields and with only its own
     calls; any other record as it is."""
-    if not served(record):
-        return record
+    if not served(record) or not well_formed(record):
+        return record  # a malformed one hashes as it is: its hash fails, named
     calls = record.get("calls") or []
     own = [call for call, source in zip(calls, sources_of(record["calls_from"]), strict=False) if source == OWN]
     return {**{k: v for k, v in record.items() if k not in SERVED_ONLY}, "calls": own}
@@ -147,6 +160,8 @@ def check_served(record: Mapping[str, Any], signers: Mapping[str, Any] | None) -
         return []
     if not served(record):
         return ["the record names segments but does not carry them (serve it from GET /v1/records)"]
+    if not well_formed(record):
+        return ["the record's segments, sealed or calls_from are malformed"]
     calls = list(record.get("calls") or [])
     sealed = list(record.get("sealed") or [])
     sources = list(sources_of(record["calls_from"]))
