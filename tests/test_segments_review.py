@@ -13,7 +13,7 @@ from typing import Any
 from tether.controlplane import termination as proto
 from tether.controlplane.store import open_store_url
 
-from .test_record_index import History, Identities, identities  # noqa: F401  (fixtures)
+from .test_record_index import History, Identities, identities, redis_url  # noqa: F401  (fixtures)
 from .test_segments import sealed_then_more
 
 Doc = dict[str, Any]
@@ -205,3 +205,38 @@ def test_a_malformed_served_record_of_form_2_is_a_problem_named_not_a_crash(tmp_
                              cwd=Path(__file__).resolve().parents[1], env={**os.environ})
         assert out.returncode == 1 and "Traceback" not in out.stderr, (bad, out.stdout, out.stderr)
         assert "record 0 (r)" in out.stdout, (bad, out.stdout)
+
+
+def test_a_closed_chain_keeps_no_loose_count_on_redis(identities: Identities, redis_url: str) -> None:  # noqa: F811
+    """The sealer reads every link's count of loose reports each pass (``sealable_links``: an HGETALL); a chain
+    a record closed is never sealed again, so it must not stay in that hash (nor come back with a late report),
+    or the hash, and every pass, grows with every link the store ever had."""
+    import redis
+
+    from .test_record_index import flushed
+
+    flushed(redis_url)
+
+    async def run() -> tuple[Doc, str]:
+        store = open_store_url(redis_url)
+        await store.open()
+        try:
+            from .test_segments import SealingHistory
+
+            history = SealingHistory(store, identities, ["p"], min_calls=1)
+            await history.setup()
+            for _ in range(5):
+                await history.step("call", "c", 0)
+            await history.step("write", "p", 0)
+            await history.step("call", "c", 0)  # after the record: its chain is closed
+            return (await store.chains([identities.links["c"]]))[identities.links["c"]], identities.links["c"]
+        finally:
+            await store.close()
+
+    chain, link = asyncio.run(run())
+    assert chain["closed_by"] is not None
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        assert client.hget("tether:0:chains:loose", link) is None
+    finally:
+        client.close()
