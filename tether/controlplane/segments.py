@@ -81,20 +81,35 @@ def served(record: Mapping[str, Any]) -> bool:
     return "segments" in record and "calls_from" in record
 
 
+def well_formed(record: Mapping[str, Any]) -> bool:
+    """A served record of form 2 whose served-only fields have their shapes (``calls_from`` pairs of integers,
+    ``sealed`` and ``segments`` lists of objects, ``calls`` a list): anything else is refused as a problem of
+    the record, never a crash of the verifier."""
+    def pair(run: Any) -> bool:
+        return (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run) and run[1] >= 0)
+
+    return (isinstance(record.get("calls_from"), list) and all(pair(r) for r in record["calls_from"])
+            and isinstance(record.get("sealed"), list) and all(isinstance(x, dict) for x in record["sealed"])
+            and isinstance(record.get("segments"), list) and all(isinstance(x, dict) for x in record["segments"])
+            and isinstance(record.get("calls"), list))
+
+
 def stored_form(record: Mapping[str, Any]) -> Mapping[str, Any]:
     """The record as hashed: a served record of form 2 without its served-only fields and with only its own
     calls; any other record as it is."""
-    if not served(record):
-        return record
+    if not served(record) or not well_formed(record):
+        return record  # a malformed one hashes as it is: its hash fails, named
     calls = record.get("calls") or []
     own = [call for call, source in zip(calls, sources_of(record["calls_from"]), strict=False) if source == OWN]
     return {**{k: v for k, v in record.items() if k not in SERVED_ONLY}, "calls": own}
 
 
 def _chain_problems(ref: Mapping[str, Any], segments: Sequence[tuple[Mapping[str, Any], str]],
-                    signers: Mapping[str, Any]) -> list[str]:
+                    signers: Mapping[str, Any] | None) -> list[str]:
     """What is wrong with one chain a record names: ``segments``, its segments oldest first with the hash of
-    each one's content as recomputed; ``signers``, key id -> public key of the keys the log was signed with."""
+    each one's content as recomputed; ``signers``, key id -> public key of the keys the log was signed with
+    (None: signatures not checked, for a record trusted by its hash alone: the head it names pins every
+    segment through the ``prev`` links, whichever key sealed them)."""
     from cryptography.exceptions import InvalidSignature
 
     problems: list[str] = []
@@ -108,13 +123,15 @@ def _chain_problems(ref: Mapping[str, Any], segments: Sequence[tuple[Mapping[str
             problems.append(f"{what}: prev does not name segment {n - 1} (a segment removed, inserted or reordered)")
         if segment.get("hash") != digest:
             problems.append(f"{what}: content does not match its hash (edited)")
-        key = signers.get(str(segment.get("key_id")))
-        try:
-            if key is None:
-                raise ValueError
-            key.verify(keys.b64url_decode(str(segment.get("signature", ""))), str(segment.get("hash", "")).encode())
-        except (InvalidSignature, ValueError):
-            problems.append(f"{what}: signature does not verify under a key of the log")
+        if signers is not None:
+            key = signers.get(str(segment.get("key_id")))
+            try:
+                if key is None:
+                    raise ValueError
+                key.verify(keys.b64url_decode(str(segment.get("signature", ""))),
+                           str(segment.get("hash", "")).encode())
+            except (InvalidSignature, ValueError):
+                problems.append(f"{what}: signature does not verify under a key of the log")
         total += int(segment.get("count") or 0)
         prev = str(segment.get("hash", ""))
     if len(segments) != ref.get("seq") or prev != ref.get("head"):
@@ -125,7 +142,7 @@ def _chain_problems(ref: Mapping[str, Any], segments: Sequence[tuple[Mapping[str
 
 
 def check_chains(refs: Sequence[Mapping[str, Any]], chains: Mapping[str, Sequence[tuple[Mapping[str, Any], str]]],
-                 signers: Mapping[str, Any]) -> list[str]:
+                 signers: Mapping[str, Any] | None) -> list[str]:
     """Every chain a record names, against its segments (link -> segments with their recomputed hashes)."""
     problems: list[str] = []
     for ref in refs:
@@ -133,7 +150,7 @@ def check_chains(refs: Sequence[Mapping[str, Any]], chains: Mapping[str, Sequenc
     return problems
 
 
-def check_served(record: Mapping[str, Any], signers: Mapping[str, Any]) -> list[str]:
+def check_served(record: Mapping[str, Any], signers: Mapping[str, Any] | None) -> list[str]:
     """The segments of a served record of form 2: each segment's hash over its calls (``calls_from``), its
     signature, the chain's links, the head and count the record names; and the expanded calls in the
     record's order. Nothing for a record without segments."""
@@ -143,11 +160,17 @@ def check_served(record: Mapping[str, Any], signers: Mapping[str, Any]) -> list[
         return []
     if not served(record):
         return ["the record names segments but does not carry them (serve it from GET /v1/records)"]
+    if not well_formed(record):
+        return ["the record's segments, sealed or calls_from are malformed"]
     calls = list(record.get("calls") or [])
     sealed = list(record.get("sealed") or [])
     sources = list(sources_of(record["calls_from"]))
     if len(sources) != len(calls) or any(s != OWN and not 0 <= s < len(sealed) for s in sources):
         return ["calls_from does not match the record's calls"]
+    named = {str(ref.get("link")) for ref in record["segments"]}
+    strays = sorted({str(s.get("link"))[:16] for s in sealed if str(s.get("link")) not in named})
+    if strays:  # its calls would be covered by neither the record's hash nor a chain it names: made up
+        return [f"sealed holds a segment of link {link}, a chain the record does not name" for link in strays]
     texts: dict[int, list[str]] = {i: [] for i in range(len(sealed))}
     for call, source in zip(calls, sources, strict=True):
         if source != OWN:

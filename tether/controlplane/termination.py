@@ -611,7 +611,10 @@ def segment_problems(records: Sequence[Mapping[str, Any]], check: Any, public_ke
         if "segments" not in record:
             continue
         rid = record.get("record_id", f"#{index}")
-        for ref in record.get("segments") or ():
+        refs = record.get("segments")
+        for ref in refs if isinstance(refs, list) else ():
+            if not isinstance(ref, dict):
+                continue  # said by ``check`` (a malformed record)
             link = str(ref.get("link"))
             if link in named:
                 problems.append(f"record {index} ({rid}): names the chain of link {link[:16]} that record "

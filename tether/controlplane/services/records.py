@@ -181,9 +181,12 @@ class RecordService:
             await asyncio.to_thread(digest.update, chunk)
         return "sha256:" + digest.hexdigest()
 
-    async def chain_digests(self, link: str) -> list[tuple[Doc, str]]:
-        """A chain's segments, each with the hash of its content recomputed from the calls stored."""
+    async def chain_digests(self, link: str) -> tuple[list[tuple[Doc, str]], int]:
+        """A chain's segments, each with the hash of its content recomputed from the calls stored; and how many
+        stored calls claim a segment the chain does not have (a reader serves them as the record's own, so a
+        record served with them fails its hash: the online check must say so too)."""
         segments = await self.store.segments_of(link)
+        strays = 0
         digests = {s["seq"]: hashlib.sha256() for s in segments}
         opened: set[int] = set()
         for segment in segments:
@@ -192,6 +195,7 @@ class RecordService:
         async for page in self.store.segment_calls(link, 5000):
             for _, _, seq, text in page:
                 if seq not in digests:
+                    strays += 1
                     continue
                 digests[seq].update((b"," if seq in opened else b"") + text.encode())
                 opened.add(seq)
@@ -200,7 +204,7 @@ class RecordService:
             header = {k: v for k, v in segment.items() if k not in ("hash", "signature")}
             digests[segment["seq"]].update(record_frame(header)[1].encode())
             out.append((segment, "sha256:" + digests[segment["seq"]].hexdigest()))
-        return out
+        return out, strays
 
     async def verify(self, public_key: Any, heads: list[Doc] | None = None) -> VerifyResult:
         """``tether records verify`` in the control plane, without holding a record whole. ``heads``: the
@@ -209,10 +213,16 @@ class RecordService:
         heads = await self.store.record_heads() if heads is None else heads
         result = verify_digests([(head, await self.digest(head)) for head in heads], public_key)
         chains: dict[int, dict[str, list[tuple[Doc, str]]]] = {}
+        planted: list[str] = []
         for index, head in enumerate(heads):
             if "segments" in head:
-                chains[index] = {ref["link"]: await self.chain_digests(ref["link"]) for ref in head["segments"]}
-        problems = list(result.problems) + segment_problems(
+                chains[index] = {}
+                for ref in head["segments"]:
+                    chains[index][ref["link"]], strays = await self.chain_digests(ref["link"])
+                    if strays:
+                        planted.append(f"record {index} ({head.get('record_id')}): {strays} stored call(s) of link "
+                                       f"{str(ref['link'])[:16]} claim a segment its chain does not have (planted)")
+        problems = list(result.problems) + planted + segment_problems(
             heads, lambda index, head, signers: check_chains(head["segments"], chains[index], signers), public_key)
         return VerifyResult(not problems, result.count, tuple(problems))
 

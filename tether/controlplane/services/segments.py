@@ -49,8 +49,18 @@ class SegmentService:
 
     async def seal_once(self) -> int:
         """One pass over every open chain with enough reports waiting: returns how many calls it sealed."""
+        from ..rotation import key_in_force
+
+        chains = await self.store.sealable_links(self.min_calls)
+        if not chains:
+            return 0
+        # As the record writer: a replica still on the old key after ``tether keys rotate`` signs nothing (a
+        # segment under a retired key would be named by the next record and accepted as "a key of the log").
+        if not key_in_force((await self.store.log_view("", [])).head, self.signing_key.public_key()):
+            log.warning("sealing segments: this replica's key is not the one in force at the log's head; not sealing")
+            return 0
         n = 0
-        for chain in await self.store.sealable_links(self.min_calls):
+        for chain in chains:
             n += await self.seal_chain(chain)
         return n
 

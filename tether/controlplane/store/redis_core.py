@@ -192,9 +192,9 @@ return seq
 # per report: its entry text in a record (``termination.entry_text``) and its link ('-' for none) are kept apart
 # from the report, so a record is staged without decoding one.
 # KEYS: reports, order, counter, entries, links, chains' loose counts, chains' agents, the agents whose index of
-# loose reports is whole; then per report: its agent's index by arrival, by start, and of its reports no
-# segment holds (``reports:loose:AGENT``). ARGV per report: call id, doc, start, entry text, link ('-': none),
-# agent.
+# loose reports is whole, the chains' closers; then per report: its agent's index by arrival, by start, and of
+# its reports no segment holds (``reports:loose:AGENT``). ARGV per report: call id, doc, start, entry text,
+# link ('-': none), agent.
 _PUT_REPORTS = """
 local new, seen, loose, agent_of = {}, {}, {}, {}
 for i = 1, #ARGV, 6 do
@@ -207,11 +207,11 @@ for i = 1, #ARGV, 6 do
     redis.call('ZADD', KEYS[2], n, ARGV[i])
     if not seen[agent] then  -- an agent's first report: its index of loose reports is whole from the start
       seen[agent] = true
-      if redis.call('ZCARD', KEYS[6 + 3 * k]) == 0 then redis.call('SADD', KEYS[8], agent) end
+      if redis.call('ZCARD', KEYS[7 + 3 * k]) == 0 then redis.call('SADD', KEYS[8], agent) end
     end
-    redis.call('ZADD', KEYS[6 + 3 * k], n, ARGV[i])
-    redis.call('ZADD', KEYS[7 + 3 * k], ARGV[i + 2], ARGV[i])
+    redis.call('ZADD', KEYS[7 + 3 * k], n, ARGV[i])
     redis.call('ZADD', KEYS[8 + 3 * k], ARGV[i + 2], ARGV[i])
+    redis.call('ZADD', KEYS[9 + 3 * k], ARGV[i + 2], ARGV[i])
     if link ~= '-' then
       loose[link] = (loose[link] or 0) + 1
       agent_of[link] = agent
@@ -220,7 +220,8 @@ for i = 1, #ARGV, 6 do
   end
 end
 for link, n in pairs(loose) do
-  redis.call('HINCRBY', KEYS[6], link, n)
+  -- a closed chain is never sealed again: no count of its loose reports (the sealer reads every count)
+  if redis.call('HEXISTS', KEYS[9], link) == 0 then redis.call('HINCRBY', KEYS[6], link, n) end
   redis.call('HSETNX', KEYS[7], link, agent_of[link])
 end
 return new
@@ -365,8 +366,9 @@ return 1
 """
 
 # ``_APPEND_RECORD`` that also closes chains of sealed segments (record form 2). KEYS: as it, then the chains'
-# seqs and the records that closed them. ARGV: prev_hash, hash, header, staged, record id, how many chains, per
-# chain its link and the seq its writer read, then the record's index keys. 2 (nothing written): a chain moved.
+# seqs, the records that closed them and the loose counts. ARGV: prev_hash, hash, header, staged, record id, how
+# many chains, per chain its link and the seq its writer read, then the record's index keys. 2 (nothing
+# written): a chain moved.
 _APPEND_CLOSING = _FILE_RECORD + """
 local head = redis.call('GET', KEYS[2]) or ''
 if head ~= ARGV[1] then return 0 end
@@ -376,7 +378,10 @@ for j = 0, nclose - 1 do
   local link, seq = ARGV[7 + 2 * j], tonumber(ARGV[8 + 2 * j])
   if tonumber(redis.call('HGET', KEYS[7], link) or '0') ~= seq then return 2 end
 end
-for j = 0, nclose - 1 do redis.call('HSETNX', KEYS[8], ARGV[7 + 2 * j], ARGV[5]) end
+for j = 0, nclose - 1 do
+  redis.call('HSETNX', KEYS[8], ARGV[7 + 2 * j], ARGV[5])
+  redis.call('HDEL', KEYS[9], ARGV[7 + 2 * j])  -- closed: never sealed again, so no count the sealer reads
+end
 local pos = redis.call('RPUSH', KEYS[1], ARGV[3]) - 1
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('PERSIST', KEYS[3])

@@ -61,7 +61,8 @@ class RedisRecords(RedisCore):
                 self._key("records", "keyed"), self._key("records", "keys")]
         if close:
             pairs = [x for link, seq in sorted(close.items()) for x in (link, seq)]
-            done = await self._run("append_closing", [*keys, self._key("chains", "seq"), self._key("chains", "closed")],
+            done = await self._run("append_closing", [*keys, self._key("chains", "seq"), self._key("chains", "closed"),
+                                                     self._key("chains", "loose")],
                                    [record["prev_hash"], record["hash"], encoded, staged, rid, len(close), *pairs,
                                     *_filed_under(header)])
             if done == 2:

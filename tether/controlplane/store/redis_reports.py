@@ -30,7 +30,8 @@ class RedisReports(RedisCore):
             return Stored(set(), 0)
         keys = [self._key("reports"), self._key("reports", "order"), self._key("reports", "n"),
                 self._key("reports", "entry"), self._key("reports", "link"), self._key("chains", "loose"),
-                self._key("chains", "agent"), self._key("reports", "loosed")]
+                self._key("chains", "agent"), self._key("reports", "loosed"),
+                self._key("chains", "closed")]
         args: list[str] = []
         for report in reports:
             keys += [self._key("reports", "agent", report["agent"]), self._key("reports", "started", report["agent"]),
