@@ -671,7 +671,10 @@ def test_a_pipelined_request_after_a_relayed_chunked_upload_is_answered(
         status, _, body = _read_response(f)
         assert status == 200 and json.loads(body) == {"sha256": hashlib.sha256(want).hexdigest(), "bytes": len(want)}
         assert _read_response(f)[::2] == (200, _pattern(1000))
-    assert _passed(sc, "/digest") > len(want) // 2
+    # The relay took part. How much of the body it carried over TLS depends on where the TLS records fall: a
+    # chunk-size line split across two records hands the body back to mitmproxy's path until a later read (README,
+    # limitations), so past the first chunk the share is the scheduler's, not a property to assert.
+    assert _passed(sc, "/digest") > (len(want) // 2 if scheme == "http" else 0)
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
