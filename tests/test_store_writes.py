@@ -279,3 +279,35 @@ def test_redis_out_of_memory_turns_healthz_503_then_200_and_loses_nothing(
                           lambda: redis_config(redis_server, "maxmemory", "0"), "OOM")
     finally:
         teardown_world(world)
+
+
+def test_closing_the_sqlite_store_waits_for_work_still_running_on_a_worker_thread(tmp_path: Path) -> None:
+    """A task cancelled while its query runs in a worker thread leaves the thread running; closing the store then
+    closed the connection under it (a control plane that failed to listen right after start-up died by SIGSEGV
+    in CI). Closing now waits for that work, which finishes on an open connection."""
+    from tether.controlplane.store.sqlite import SqliteStore
+
+    outcome: list[object] = []
+
+    def slow(db: Any) -> None:
+        time.sleep(0.5)  # still running when the store is closed
+        try:
+            outcome.append(db.execute("SELECT count(*) FROM records").fetchone()[0])
+        except Exception as exc:  # what the query met is the test's finding
+            outcome.append(exc)
+
+    async def scenario() -> float:
+        store = SqliteStore(str(tmp_path / "cp.db"))
+        await store.open()
+        task = asyncio.create_task(store._off_loop(slow))
+        await asyncio.sleep(0.1)  # the work is in its thread
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        began = time.monotonic()
+        await store.close()
+        return time.monotonic() - began
+
+    waited = asyncio.run(scenario())
+    assert outcome == [0], outcome
+    assert waited >= 0.2

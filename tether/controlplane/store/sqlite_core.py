@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS segments (link TEXT NOT NULL, seq INTEGER NOT NULL, h
 
 # Primary result codes that mean "this file cannot take writes" (a full disk, a read-only file or file system,
 # an I/O error writing it), as against a bug or a busy lock.
+CLOSE_WAIT_S = 30.0  # how long closing the store waits for work still running on a worker thread
 _UNWRITABLE = {13: "SQLITE_FULL", 8: "SQLITE_READONLY", 10: "SQLITE_IOERR", 14: "SQLITE_CANTOPEN"}
 
 
@@ -258,6 +259,11 @@ class SqliteCore(Store):
         self._local = threading.local()
         self._thread_dbs: list[sqlite3.Connection] = []
         self._thread_lock = threading.Lock()
+        # Work handed to worker threads and not finished there (counted up on the loop, down in the thread): a
+        # task cancelled while it waits leaves its thread running, and closing a connection a thread is using
+        # crashes the process, so ``close`` waits for this to reach 0 first.
+        self._working = 0
+        self._idle = threading.Condition(self._thread_lock)
 
     async def open(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
@@ -274,6 +280,7 @@ class SqliteCore(Store):
         self._db = db
 
     async def close(self) -> None:
+        await asyncio.to_thread(self._wait_idle, CLOSE_WAIT_S)
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -297,7 +304,23 @@ class SqliteCore(Store):
         return db
 
     async def _off_loop[R](self, work: Callable[[sqlite3.Connection], R]) -> R:
-        return await asyncio.to_thread(lambda: work(self._thread_db()))
+        with self._thread_lock:
+            self._working += 1
+
+        def run() -> R:
+            try:
+                return work(self._thread_db())
+            finally:
+                with self._thread_lock:
+                    self._working -= 1
+                    self._idle.notify_all()
+
+        return await asyncio.to_thread(run)
+
+    def _wait_idle(self, timeout: float) -> bool:
+        """Wait (in a worker thread) until no work runs on the threads' connections; False after ``timeout``."""
+        with self._thread_lock:
+            return self._idle.wait_for(lambda: self._working == 0, timeout)
 
     @property
     def db(self) -> sqlite3.Connection:
