@@ -395,27 +395,68 @@ return 1
 
 # A sealed segment appended to its link's chain. KEYS: the chains' seqs, heads, counts, lasts, closers, loose
 # counts; the chain's segment headers; the segment's call ids; the agent's index of reports no segment holds.
-# ARGV: link, seq, prev, header, hash, last ('START CALL_ID'), then the call ids. 0: the chain moved or was
-# closed; -1: a call is no longer loose (nothing written).
+# ARGV: link, seq, prev, header, hash, last ('START CALL_ID'), the call ids as one JSON array (one argument:
+# redis-py encodes each argument in Python, on the event loop, and a segment has up to 10,000 calls). 0: the
+# chain moved or was closed; -1: a call is no longer loose (nothing written).
 _APPEND_SEGMENT = """
 local link = ARGV[1]
 if tonumber(redis.call('HGET', KEYS[1], link) or '0') ~= tonumber(ARGV[2]) - 1 then return 0 end
 if (redis.call('HGET', KEYS[2], link) or '') ~= ARGV[3] then return 0 end
 if redis.call('HEXISTS', KEYS[5], link) == 1 then return 0 end
-for i = 7, #ARGV do
-  if not redis.call('ZSCORE', KEYS[9], ARGV[i]) then return -1 end
+local ids = cjson.decode(ARGV[7])
+for i = 1, #ids do
+  if not redis.call('ZSCORE', KEYS[9], ids[i]) then return -1 end
 end
-for i = 7, #ARGV, 1000 do
-  redis.call('ZREM', KEYS[9], unpack(ARGV, i, math.min(i + 999, #ARGV)))
-  redis.call('RPUSH', KEYS[8], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+for i = 1, #ids, 1000 do
+  redis.call('ZREM', KEYS[9], unpack(ids, i, math.min(i + 999, #ids)))
+  redis.call('RPUSH', KEYS[8], unpack(ids, i, math.min(i + 999, #ids)))
 end
 redis.call('RPUSH', KEYS[7], ARGV[4])
 redis.call('HSET', KEYS[1], link, ARGV[2])
 redis.call('HSET', KEYS[2], link, ARGV[5])
-redis.call('HINCRBY', KEYS[3], link, #ARGV - 6)
+redis.call('HINCRBY', KEYS[3], link, #ids)
 redis.call('HSET', KEYS[4], link, ARGV[6])
-redis.call('HINCRBY', KEYS[6], link, 6 - #ARGV)
+redis.call('HINCRBY', KEYS[6], link, -#ids)
 return 1
+"""
+
+# One page of a chain's seal candidates, filtered inside Redis: the agent's reports no segment holds, by start,
+# from ``low`` to before ``cut``, that belong to the link and sort after the chain's last sealed call. KEYS: the
+# agent's index of loose reports, the reports' links, their entry texts. ARGV: link, low, cut, the last call's
+# start ('' when none) and id, offset, page size, how many are still wanted. Returns how many rows it read
+# (fewer than the page when it had enough), then per call taken: its start as Redis spells it, its id, its
+# entry text ('' when none). The page is bounded (a script holds Redis); the caller asks again from
+# ``offset + read``. Call ids compare by their bytes (as Python compares them: UTF-8 keeps code point order),
+# never by Lua's ``<``, which follows the server's locale.
+_SEAL_PAGE = """
+local function after(a, b)
+  local n = math.min(#a, #b)
+  for i = 1, n do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x > y end
+  end
+  return #a > #b
+end
+local link, last, last_id = ARGV[1], nil, ARGV[5]
+if ARGV[4] ~= '' then last = tonumber(ARGV[4]) end
+local want = tonumber(ARGV[8])
+local rows = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[2], '(' .. ARGV[3], 'WITHSCORES', 'LIMIT', ARGV[6], ARGV[7])
+local out, read = {0}, 0
+for i = 1, #rows, 2 do
+  if #out > 3 * want then break end
+  read = read + 1
+  local cid = rows[i]
+  if redis.call('HGET', KEYS[2], cid) == link then
+    local score = tonumber(rows[i + 1])
+    if last == nil or score > last or (score == last and after(cid, last_id)) then
+      out[#out + 1] = rows[i + 1]
+      out[#out + 1] = cid
+      out[#out + 1] = redis.call('HGET', KEYS[3], cid) or ''
+    end
+  end
+end
+out[1] = read
+return out
 """
 
 # KEYS: the index's count, the index. ARGV: the position of the first record to file (the count expected),
@@ -611,6 +652,7 @@ class RedisCore(Store):
             ("append_record", _APPEND_RECORD),
             ("append_closing", _APPEND_CLOSING),
             ("append_segment", _APPEND_SEGMENT),
+            ("seal_page", _SEAL_PAGE),
             ("index_heads", _INDEX_HEADS),
             ("index_calls", _INDEX_CALLS),
             ("index_listed", _INDEX_LISTED),
