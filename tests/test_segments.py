@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
@@ -306,3 +307,59 @@ def test_a_redis_store_from_before_segments_stages_every_report(redis_url: str) 
     staged, marked = asyncio.run(staged_after_upgrade(redis_url))
     assert marked and len(staged) == 50
     assert staged == [f"old-{i:03d}" for i in sorted(range(50), key=lambda i: ((i * 37) % 50, i))]
+
+
+# -- the order of a chain's calls when starts tie: Redis filters in a script, SQLite in SQL; both by bytes ---
+TIED_IDS = ["b", "a", "B", "é", "Z", "aa", "a\u0301", "\U0001f600", "ß", "~", "a b"]
+
+
+def tied_report(cid: str, link: str, started: float) -> Doc:
+    return {"call_id": cid, "agent": "tie", "method": "GET", "url": "http://t/", "link": link,
+            "started_at": started, "ended_at": started, "resolution": "completed", "status": 200,
+            "capability": "x"}
+
+
+async def sealed_in_order(url: str) -> tuple[list[list[str]], list[str]]:
+    store = open_store_url(url)
+    await store.open()
+    try:
+        reports = [tied_report(cid, "L", 100.0) for cid in TIED_IDS]
+        reports += [tied_report(f"other-{cid}", "M", 100.0) for cid in TIED_IDS]  # another link, same agent
+        reports += [tied_report("later", "L", 101.0), tied_report("too-new", "L", 1e9)]
+        await store.put_reports(reports)
+        sealer = SegmentService(store, Ed25519PrivateKey.generate(), lambda: 1000.0, settle_s=0.0, min_calls=1,
+                                max_calls=3)
+        await sealer.seal_once()
+        # Late reports of the same start as the chain's last call: the one sorting before it is never sealed
+        # (its record lists it), the one after is sealed by the next pass.
+        last = (await store.chains(["L"]))["L"]["last"]
+        await store.put_reports([tied_report(last[1] + "\x00", "L", last[0]),
+                                 tied_report(last[1][:-1] if len(last[1]) > 1 else "", "L", last[0])])
+        await sealer.seal_once()
+        segments: list[list[str]] = []
+        async for page in store.segment_calls("L"):
+            for _, cid, n, _ in page:
+                while len(segments) < n:
+                    segments.append([])
+                segments[n - 1].append(cid)
+        return segments, [c for s in segments for c in s]
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_tied_starts_are_sealed_in_byte_order_on_both_stores(kind: str, redis_url: str,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    if kind == "redis":
+        flushed(redis_url)
+        url = redis_url
+    else:
+        url = f"sqlite:///{tmp_path / 'tether.db'}"
+    segments, calls = asyncio.run(sealed_in_order(url))
+    tied = sorted(TIED_IDS, key=lambda c: c.encode("utf-8"))
+    assert tied == sorted(TIED_IDS)  # Python's str order is UTF-8's byte order
+    assert calls[:len(tied) + 1] == [*tied, "later"]
+    assert all(len(s) <= 3 for s in segments)
+    # the late report sorting after the last sealed call was sealed; the one before it never is
+    assert calls[len(tied) + 1:] == ["later\x00"]
+    assert "too-new" not in calls and not any(c.startswith("other-") for c in calls)
