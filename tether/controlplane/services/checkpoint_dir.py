@@ -33,7 +33,8 @@ log = logging.getLogger("tether.checkpoints")
 DEFAULT_SYNC_S = 5.0
 SYNCED = ".synced"  # the newest size the last batch made durable
 ISSUED = ".issued"  # the journal: a line per checkpoint issued since the last batch ("SIZE" or "SIZE NOTE-B64")
-Batch = tuple[list[tuple[int, str]], list[int]]  # (checkpoints whose files are to be written, files written)
+Issued = tuple[int, str | None, bytes]  # (size, its note, or None: signed in the batch, its root)
+Batch = tuple[list[Issued], list[int]]  # (checkpoints whose files are to be written, files written)
 
 
 @dataclass
@@ -45,26 +46,29 @@ class DirectorySink:
 
     path: Path
     sync_s: float = DEFAULT_SYNC_S
+    sign: Callable[[int, bytes], str] | None = None  # (size, root) -> the log's note, for a checkpoint kept unsigned
     recovered: bool = False
     batches: int = 0  # batches made durable (the bench and the tests read it)
-    _queued: list[tuple[int, str]] = field(default_factory=list)  # issued, journaled, no file yet
+    _queued: list[Issued] = field(default_factory=list)  # issued, journaled, no file yet
     _unsynced: list[int] = field(default_factory=list)  # files written since the last batch
     _synced_at: float | None = None  # when the last batch was taken (None: none yet, the first is due at once)
     _journal: int | None = None  # the open ``.issued``
+    _mark: int | None = None  # the open ``.synced``
     _journaled: int = 0  # lines journaled by this process (a batch empties the journal only if none came since)
     _latest: tuple[int, bytes] = (-1, b"")  # what ``latest`` holds (written under ``_lock``)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- on the event loop ---------------------------------------------------------------------------------
-    def keep(self, size: int, note: str, *, plain: bool = True) -> None:
+    def keep(self, size: int, note: str | None, root: bytes = b"", *, plain: bool = True) -> None:
         """Checkpoint ``size`` issued: its journal line (the note itself only when it is not the log's own,
-        ``plain``: a witness's cosignatures added), its file left to the batch."""
-        line = f"{size}\n" if plain else f"{size} {base64.b64encode(note.encode()).decode()}\n"
+        ``plain``: a witness's cosignatures added), its file left to the batch. ``note`` None: nobody has seen
+        it yet, the batch signs it (``sign``) from ``root``."""
+        line = f"{size}\n" if plain or note is None else f"{size} {base64.b64encode(note.encode()).decode()}\n"
         if self._journal is None:
             self._journal = os.open(self.path / ISSUED, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(self._journal, line.encode())
         self._journaled += 1
-        self._queued.append((size, note))
+        self._queued.append((size, note, root))
 
     def newest(self) -> int:
         """The newest size issued to this directory (-1: none yet)."""
@@ -80,7 +84,7 @@ class DirectorySink:
         self._queued, self._unsynced, self._synced_at = [], [], now
         return batch, self._journaled
 
-    def take_queued(self) -> list[tuple[int, str]]:
+    def take_queued(self) -> list[Issued]:
         """The checkpoints whose files are still to be written, for ``write`` now (``flush``)."""
         notes, self._queued = self._queued, []
         return notes
@@ -106,14 +110,17 @@ class DirectorySink:
         self.sync(sizes)
         return sizes
 
-    def write(self, notes: list[tuple[int, str]]) -> list[int]:
+    def write(self, notes: list[Issued]) -> list[int]:
         """Each checkpoint's file created whole (an existing one stands: append-only), and ``latest`` moved to
         the newest if it is newer than what it names (never back). Not durable: the batch is."""
         if not notes:
             return []
         with self._lock:
             newest: tuple[int, bytes, bool] | None = None
-            for size, note in notes:
+            for size, note, root in notes:
+                if note is None:
+                    assert self.sign is not None, "a checkpoint kept unsigned with no signer"
+                    note = self.sign(size, root)
                 data = note.encode()
                 created = _create(str(self.path), f"checkpoint.{size}", data)
                 if newest is None or size >= newest[0]:
@@ -126,7 +133,7 @@ class DirectorySink:
                 else:  # a size kept before with another note (other cosignatures): a file of its own
                     replace_file(self.path / "latest", data)
                 self._latest = (size, data)
-        return [n for n, _ in notes]
+        return [n for n, _, _ in notes]
 
     def sync(self, sizes: list[int]) -> None:
         """The files of ``sizes`` durable, then ``.synced`` names the newest (itself durable with the next
@@ -135,9 +142,10 @@ class DirectorySink:
             return
         _make_durable(self.path, [f"checkpoint.{n}" for n in sizes])
         self.batches += 1
-        tmp = self.path / f".synced.{os.getpid()}.{max(sizes)}"  # a batch at shutdown may overlap the last one
-        tmp.write_text(f"{max(sizes)}\n")
-        os.replace(tmp, self.path / SYNCED)
+        with self._lock:  # written in place (a rename over it would start ext4 writing it out at once)
+            if self._mark is None:
+                self._mark = os.open(self.path / SYNCED, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._mark, f"{max(sizes):>20}\n".encode(), 0)  # one width: no old digits left behind
 
     # -- at start ------------------------------------------------------------------------------------------
     def synced(self) -> int:

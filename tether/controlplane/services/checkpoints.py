@@ -33,7 +33,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..merkle import ProofError, Tree, record_leaf
-from ..notes import Checkpoint, Verifier, signed_checkpoint, with_lines
+from ..notes import Checkpoint, Verifier, key_id, signed_checkpoint, with_lines
 from ..store import Store
 from .checkpoint_dir import DEFAULT_SYNC_S, DirectorySink
 
@@ -73,6 +73,7 @@ class CheckpointService:
     _pending: list[tuple[str, str]] = field(default_factory=list)  # (prev_hash, hash) appended here since
     _overflow: bool = False
     _sink: DirectorySink | None = None
+    _kid: bytes | None = None  # the note key's id, computed once
     _http: Any = None  # the witnesses' HTTP client (httpx.AsyncClient), made on first use
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ class CheckpointService:
         if self.directory is None:
             return None
         if self._sink is None or self._sink.path != self.directory:
-            self._sink = DirectorySink(self.directory)
+            self._sink = DirectorySink(self.directory, sign=self._signed)
         self._sink.sync_s = self.sync_s
         return self._sink
 
@@ -174,7 +175,12 @@ class CheckpointService:
                 raise
 
     def _note(self, tree: Tree, size: int) -> str:
-        return signed_checkpoint(Checkpoint(self.origin, size, tree.root(size)), self.origin, self.signing_key)
+        return self._signed(size, tree.root(size))
+
+    def _signed(self, size: int, root: bytes) -> str:
+        if self._kid is None:
+            self._kid = key_id(self.origin, self.signing_key.public_key())
+        return signed_checkpoint(Checkpoint(self.origin, size, root), self.origin, self.signing_key, self._kid)
 
     async def inclusion(self, record_id: str, size: int | None) -> dict[str, Any]:
         heads = await self.store.record_heads()
@@ -231,6 +237,11 @@ class CheckpointService:
         tree = taken if taken is not None else await self.tree(full=idle)
         if tree.size == size and not idle:
             return False
+        if sink is not None and not self.witnesses and not traced:  # the directory alone: signed in its batch
+            self._ready(sink, tree)
+            sink.keep(tree.size, None, tree.root())
+            self._published = (tree.size, self.clock())
+            return True
         note = self._note(tree, tree.size)
         cosigned = await asyncio.gather(*(self._witness(w, tree, note) for w in self.witnesses)) \
             if self.witnesses else []  # at once, each over the one kept client
