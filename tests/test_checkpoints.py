@@ -8,31 +8,16 @@ import json
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from tether.capability import keys
 from tether.controlplane.notes import COSIGNATURE_V1, Verifier
 from tether.controlplane.termination import seal
 
-from .harness import PYTHON, RedisServer, free_port, prepare_controlplane, stop_process, wait_until
+from .harness import PYTHON, free_port, prepare_controlplane, stop_process, wait_until
 from .test_keys import _terminate_one, tether
 
 ORIGIN = "tether.test/records"
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tether.db'}"
-        return
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        yield redis.url()
-    finally:
-        redis.stop()
 
 
 def start_witness(tmp_path: Path, log_vkey: str, name: str = "witness.test") -> tuple[subprocess.Popen, int, str]:

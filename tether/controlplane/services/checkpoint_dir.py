@@ -193,8 +193,8 @@ class DirectorySink:
                 log.error("checkpoint directory %s: checkpoint.%d is unreadable or missing and past the log's %d "
                           "records: left as it is", self.path, n, tree.size)
                 continue
-            ours, kept = note(n), journal.get(n)
-            data = (kept if kept and _same_checkpoint(kept, ours, verifier) else ours).encode()
+            own, kept = note(n), journal.get(n)
+            data = (kept if kept and _same_checkpoint(kept, own, verifier) else own).encode()
             replace_file(target, data)
             (torn if n in on_disk else missing).append(n)
             self._unsynced.append(n)
@@ -207,8 +207,9 @@ class DirectorySink:
             log.warning("checkpoint directory %s: %d checkpoint files a crash left incomplete written again "
                         "from the log (sizes %s)", self.path, len(torn), ", ".join(map(str, torn[:10])))
         if missing:
-            log.warning("checkpoint directory %s: %d checkpoints issued before the last stop and never written "
-                        "written from the log (sizes %s)", self.path, len(missing), ", ".join(map(str, missing[:10])))
+            log.warning("checkpoint directory %s: %d checkpoints issued before the last stop, their files never "
+                        "written: written from the log (sizes %s)", self.path, len(missing),
+                        ", ".join(map(str, missing[:10])))
         return sorted(torn + missing)
 
 
