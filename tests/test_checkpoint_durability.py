@@ -74,26 +74,18 @@ def test_a_killed_control_plane_s_unwritten_checkpoints_and_a_crash_s_empty_file
     try:
         cp.start()
         wait_until(lambda: mark(directory) == 0 and files(directory) == [0], 60, what="the start's batch")
-        for n, agent in enumerate(("a", "b"), start=1):
+        for n, agent in enumerate(("a", "b", "c"), start=1):
             _terminate_one(cp, tmp_path, agent)
             wait_until(lambda n=n: n in issued(directory), 60, what=f"checkpoint {n} issued")
         assert files(directory) == [0] and size_of(latest) == 0  # issued, their files the batch's (in an hour)
+        cp.stop(signal.SIGKILL)  # between the records' checkpoints and their files
+        assert files(directory) == [0]
 
-        # A checkpoint served is in the directory first: latest never names an older one than a reader got.
-        note = served(cp)
-        assert note.split("\n")[1] == "2" and latest.read_text() == note
-        assert files(directory) == [0, 1, 2] and mark(directory) == 0  # written, not yet made durable
-
-        _terminate_one(cp, tmp_path, "c")
-        wait_until(lambda: 3 in issued(directory), 60, what="checkpoint 3 issued")
-        cp.stop(signal.SIGKILL)  # between the record's checkpoint and its file
-        assert 3 not in files(directory) and size_of(latest) == 2
-
-        cp.start()
+        cp.start()  # its first checkpoint is of 3 records: 1 and 2 come only from the journal
         wait_until(lambda: size_of(latest) == 3, 60, what="checkpoint 3 after the restart")
         wait_until(lambda: mark(directory) == 3, 60, what="the restart's first batch covering 1 to 3")
-        assert "never written: written from the log (sizes 3)" in (tmp_path / "controlplane.log").read_text()
-        assert (directory / "checkpoint.2").read_text() == note
+        assert "never written: written from the log (sizes 1, 2, 3)" in (tmp_path / "controlplane.log").read_text()
+        assert files(directory) == [0, 1, 2, 3]
         wait_until(lambda: issued(directory) == set(), 30, what="the journal emptied by the batch")
         kept = {n: (directory / f"checkpoint.{n}").read_bytes() for n in (1, 2, 3)}
         for n in (1, 2, 3):
@@ -131,17 +123,26 @@ def test_the_batch_runs_at_its_interval_and_at_shutdown(tmp_path: Path, store: s
         _terminate_one(cp, tmp_path, "b")
         wait_until(lambda: 2 in issued(directory), 60, what="checkpoint 2 issued")
         assert files(directory) == [0] and mark(directory) == 0  # 1 and 2 issued, not batched yet
+
+        # A checkpoint served is in the directory first: latest never names an older one than a reader got.
+        note = served(cp)
+        assert note.split("\n")[1] == "2" and latest.read_text() == note
+        assert files(directory) == [0, 1, 2] and mark(directory) == 0  # written, not yet made durable
+        _terminate_one(cp, tmp_path, "c")
+        wait_until(lambda: 3 in issued(directory), 60, what="checkpoint 3 issued")
+        assert files(directory) == [0, 1, 2] and latest.read_text() == note
         cp.stop()  # SIGTERM: the shutdown makes the last batch
-        assert files(directory) == [0, 1, 2] and mark(directory) == 2 and size_of(latest) == 2
+        assert files(directory) == [0, 1, 2, 3] and mark(directory) == 3 and size_of(latest) == 3
+        assert (directory / "checkpoint.2").read_text() == note
         assert issued(directory) == set()  # the batch covered the journal: emptied
-        assert latest.stat().st_ino == (directory / "checkpoint.2").stat().st_ino
+        assert latest.stat().st_ino == (directory / "checkpoint.3").stat().st_ino
 
         cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(directory), "--checkpoint-sync", "0.2")
         cp.start()
-        _terminate_one(cp, tmp_path, "c")
-        wait_until(lambda: size_of(latest) == 3 and mark(directory) == 3, 60, what="checkpoint 3 batched by 0.2 s")
+        _terminate_one(cp, tmp_path, "d")
+        wait_until(lambda: size_of(latest) == 4 and mark(directory) == 4, 60, what="checkpoint 4 batched by 0.2 s")
         verifies(cp, tmp_path, latest)
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):
             verifies(cp, tmp_path, directory / f"checkpoint.{n}")
     finally:
         cp.stop()
