@@ -302,6 +302,9 @@ def test_a_witness_refuses_a_log_rewritten_with_the_signing_key(tmp_path: Path, 
         for agent in ("a", "b", "c"):
             _terminate_one(cp, tmp_path, agent)
         wait_until(lambda: witnessed(tmp_path) == 3, 30, what="the witness at size 3")
+        # the directory writes its files in the batch, up to --checkpoint-sync (5 s) after the witness saw them
+        wait_until(lambda: latest.exists() and latest.read_text().split("\n")[1] == "3"
+                   and "witness.test" in latest.read_text(), 30, what="checkpoint 3, cosigned, in the directory")
         (tmp_path / "witnessed.txt").write_text(latest.read_text())
         log = json.loads(tether("records", "list", "--json", cwd=tmp_path, env=cp.env()).stdout)
         cp.stop()
