@@ -12,6 +12,7 @@ from .harness import (
     ControlPlaneProcess,
     Identity,
     McpServer,
+    RedisServer,
     SidecarProcess,
     TestCA,
     ToolServer,
@@ -35,6 +36,20 @@ class World:
         sidecar = SidecarProcess(self.cp, identity, list(extra))
         self.sidecars.append(sidecar)
         return sidecar.start(self.ca.ca_pem if upstream_ca else None)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A store's URL, once for each kind: a SQLite file in the test's directory, a redis-server of its own
+    (test modules with a store fixture of their own, or a parametrized `store`, override it)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tether.db'}"
+        return
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        yield redis.url()
+    finally:
+        redis.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
-"""The directory sink commits in groups (``--checkpoint-sync``): each checkpoint's file is written at once, and
-made durable in one batch at most every S seconds and at shutdown; ``.synced`` names the newest size the last
-batch covered. A killed control plane loses nothing (the kernel holds what it wrote); what a machine crash
-would leave on disk (the files past the mark empty: written, never flushed) is written again from the log at
-the next start, byte for byte. A test cannot lose a page cache: the crash's damage is made by hand, and the
-batch is seen by its mark, written only after the ``syncfs`` returned."""
+"""The directory sink commits in groups (``--checkpoint-sync``): a checkpoint issued is a line in ``.issued``; its
+file is written, with the others issued since, and made durable in one batch at most every S seconds and at
+shutdown; ``.synced`` names the newest size the last batch covered; a checkpoint served by ``GET
+/v1/records/checkpoint`` is in the directory before it is served. A control plane killed before the batch
+never wrote its last files: the next start writes every one the journal lists from the log, byte for byte as
+the batch would have; what a machine crash would leave on disk (the files past the mark empty) is written again
+too. A test cannot lose a page cache: the crash's damage is made by hand, and the batch is seen by its mark,
+written only after the ``syncfs`` returned."""
 
 from __future__ import annotations
 
@@ -11,32 +13,18 @@ import asyncio
 import signal
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import urllib.request
 from pathlib import Path
-
-import pytest
 
 from tether.capability import keys
 from tether.controlplane.services.checkpoints import CheckpointService, DirectorySink
 from tether.controlplane.store import open_store_url
 from tether.controlplane.termination import seal
 
-from .harness import PYTHON, RedisServer, prepare_controlplane, wait_until
+from .harness import PYTHON, prepare_controlplane, wait_until
 from .test_keys import _terminate_one, tether
 
 ORIGIN = "tether.test/records"
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tether.db'}"
-        return
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        yield redis.url()
-    finally:
-        redis.stop()
 
 
 def size_of(path: Path) -> int:
@@ -55,12 +43,29 @@ def mark(directory: Path) -> int:
         return 0
 
 
+def issued(directory: Path) -> set[int]:
+    """The sizes the journal lists: checkpoints issued since the last batch."""
+    try:
+        return {int(line.split(" ")[0]) for line in (directory / ".issued").read_text().splitlines()}
+    except (OSError, ValueError):
+        return set()
+
+
+def files(directory: Path) -> list[int]:
+    return sorted(int(p.name[11:]) for p in directory.glob("checkpoint.*"))
+
+
+def served(cp) -> str:  # type: ignore[no-untyped-def]
+    with urllib.request.urlopen(cp.url + "/v1/records/checkpoint", timeout=30) as resp:
+        return resp.read().decode()
+
+
 def verifies(cp, tmp_path: Path, path: Path) -> None:  # type: ignore[no-untyped-def]
     ok = tether("records", "verify", "--checkpoint", str(path), cwd=tmp_path, env=cp.env())
     assert ok.returncode == 0, f"{path.name}: {ok.stdout}{ok.stderr}"
 
 
-def test_a_killed_control_plane_leaves_every_checkpoint_and_a_crash_s_empty_files_come_back(
+def test_a_killed_control_plane_s_unwritten_checkpoints_and_a_crash_s_empty_files_come_back(
         tmp_path: Path, store: str) -> None:
     directory = tmp_path / "checkpoints"
     latest = directory / "latest"
@@ -68,19 +73,25 @@ def test_a_killed_control_plane_leaves_every_checkpoint_and_a_crash_s_empty_file
     cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(directory), "--checkpoint-sync", "3600")
     try:
         cp.start()
-        for n, agent in enumerate(("a", "b"), start=1):
+        wait_until(lambda: mark(directory) == 0 and files(directory) == [0], 60, what="the start's batch")
+        for n, agent in enumerate(("a", "b", "c"), start=1):
             _terminate_one(cp, tmp_path, agent)
-            wait_until(lambda n=n: size_of(latest) == n, 60, what=f"checkpoint {n}")
-        assert mark(directory) == 0  # the first batch at start (checkpoint 0), the next not for an hour
-        _terminate_one(cp, tmp_path, "c")
-        cp.stop(signal.SIGKILL)  # right after the record: its checkpoint may not have gone out
-        cp.start()
+            wait_until(lambda n=n: n in issued(directory), 60, what=f"checkpoint {n} issued")
+        assert files(directory) == [0] and size_of(latest) == 0  # issued, their files the batch's (in an hour)
+        cp.stop(signal.SIGKILL)  # between the records' checkpoints and their files
+        assert files(directory) == [0]
+
+        cp.start()  # its first checkpoint is of 3 records: 1 and 2 come only from the journal
         wait_until(lambda: size_of(latest) == 3, 60, what="checkpoint 3 after the restart")
-        wait_until(lambda: mark(directory) == 3, 60, what="the restart's first batch covering 2 and 3")
+        wait_until(lambda: mark(directory) == 3, 60, what="the restart's first batch covering 1 to 3")
+        assert "never written: written from the log (sizes 1, 2, 3)" in (tmp_path / "controlplane.log").read_text()
+        assert files(directory) == [0, 1, 2, 3]
+        wait_until(lambda: issued(directory) == set(), 30, what="the journal emptied by the batch")
         kept = {n: (directory / f"checkpoint.{n}").read_bytes() for n in (1, 2, 3)}
         for n in (1, 2, 3):
             assert size_of(directory / f"checkpoint.{n}") == n
             verifies(cp, tmp_path, directory / f"checkpoint.{n}")
+        assert served(cp) == kept[3].decode()  # the log's own checkpoint 3, as the batch would have written it
         cp.stop(signal.SIGKILL)
 
         # What a machine crash before the batch leaves on ext4: the files past the mark linked but empty
@@ -108,18 +119,31 @@ def test_the_batch_runs_at_its_interval_and_at_shutdown(tmp_path: Path, store: s
     try:
         cp.start()
         _terminate_one(cp, tmp_path, "a")
-        wait_until(lambda: size_of(latest) == 1, 60, what="checkpoint 1")
+        wait_until(lambda: 1 in issued(directory), 60, what="checkpoint 1 issued")
         _terminate_one(cp, tmp_path, "b")
-        wait_until(lambda: size_of(latest) == 2, 60, what="checkpoint 2")
-        assert (directory / ".synced").exists() and mark(directory) == 0  # 1 and 2 readable, not batched yet
+        wait_until(lambda: 2 in issued(directory), 60, what="checkpoint 2 issued")
+        assert files(directory) == [0] and mark(directory) == 0  # 1 and 2 issued, not batched yet
+
+        # A checkpoint served is in the directory first: latest never names an older one than a reader got.
+        note = served(cp)
+        assert note.split("\n")[1] == "2" and latest.read_text() == note
+        assert files(directory) == [0, 1, 2] and mark(directory) == 0  # written, not yet made durable
+        _terminate_one(cp, tmp_path, "c")
+        wait_until(lambda: 3 in issued(directory), 60, what="checkpoint 3 issued")
+        assert files(directory) == [0, 1, 2] and latest.read_text() == note
         cp.stop()  # SIGTERM: the shutdown makes the last batch
-        assert mark(directory) == 2
+        assert files(directory) == [0, 1, 2, 3] and mark(directory) == 3 and size_of(latest) == 3
+        assert (directory / "checkpoint.2").read_text() == note
+        assert issued(directory) == set()  # the batch covered the journal: emptied
+        assert latest.stat().st_ino == (directory / "checkpoint.3").stat().st_ino
 
         cp.options = ("--log-origin", ORIGIN, "--checkpoint-dir", str(directory), "--checkpoint-sync", "0.2")
         cp.start()
-        _terminate_one(cp, tmp_path, "c")
-        wait_until(lambda: size_of(latest) == 3 and mark(directory) == 3, 60, what="checkpoint 3 batched by 0.2 s")
+        _terminate_one(cp, tmp_path, "d")
+        wait_until(lambda: size_of(latest) == 4 and mark(directory) == 4, 60, what="checkpoint 4 batched by 0.2 s")
         verifies(cp, tmp_path, latest)
+        for n in (1, 2, 3, 4):
+            verifies(cp, tmp_path, directory / f"checkpoint.{n}")
     finally:
         cp.stop()
 
@@ -146,22 +170,25 @@ def test_checkpoints_follow_this_process_s_records_and_another_writer_s(tmp_path
         await theirs.open()
         try:
             service = CheckpointService(ours, key, origin=ORIGIN, directory=tmp_path / "d", sync_s=3600)
-            head = ""
+            head, expected = "", {}
             for i, writer in enumerate((ours, ours, theirs, ours, ours, theirs, theirs, ours)):
                 sealed = seal({"record_id": f"rec-{i}", "termination_id": f"t-{i}", "calls": [], "prev_hash": head,
                                "agents_unaccounted": []}, key)
                 assert await writer.append_record(sealed)
                 head = sealed["hash"]
                 assert await service.publish_if_due()
-                fresh = CheckpointService(theirs, key, origin=ORIGIN)
-                assert (tmp_path / "d" / f"checkpoint.{i + 1}").read_text() == await fresh.checkpoint()
+                assert i + 1 in issued(tmp_path / "d")
+                expected[i + 1] = await CheckpointService(theirs, key, origin=ORIGIN).checkpoint()
                 if i == 0:
                     assert await service.sync_if_due() == 1  # the first batch: due at once
-                    assert mark(tmp_path / "d") == 1
+                    assert mark(tmp_path / "d") == 1 and issued(tmp_path / "d") == set()
                 else:
                     assert await service.sync_if_due() == 0  # the next: in an hour
+                    assert files(tmp_path / "d") == [1]  # issued, written by that batch
             assert isinstance(service.sink(), DirectorySink)
-            assert service.sync_now() == 7 and mark(tmp_path / "d") == 8
+            assert service.sync_now() == 7 and mark(tmp_path / "d") == 8 and files(tmp_path / "d") == list(expected)
+            for n, note in expected.items():
+                assert (tmp_path / "d" / f"checkpoint.{n}").read_text() == note
         finally:
             await ours.close()
             await theirs.close()
@@ -169,41 +196,62 @@ def test_checkpoints_follow_this_process_s_records_and_another_writer_s(tmp_path
     asyncio.run(run())
 
 
-def test_the_directory_sink_batches_and_repairs_only_incomplete_files() -> None:
-    """``DirectorySink``: files written at once, durable per batch; at a start, a file past the mark that is not
-    a signed note is written again, a signed note of another history is kept (evidence)."""
+def test_the_directory_sink_journals_batches_and_repairs() -> None:
+    """``DirectorySink``: a checkpoint kept is a journal line; the batch writes its file (signing it when it was
+    kept unsigned), moves ``latest`` (never back), makes them durable and empties the journal. At a start, a
+    size past the mark whose file was never written (the journal lists it) or is not a signed note is written
+    from the log (the journal's own note when it is that checkpoint cosigned); a signed note of another history
+    is kept (evidence); a journal line a crash cut short names nothing."""
     from tether.controlplane.merkle import Tree, record_leaf
-    from tether.controlplane.notes import Checkpoint, Verifier, signed_checkpoint
+    from tether.controlplane.notes import Checkpoint, Verifier, signed_checkpoint, with_lines
 
     key = keys.generate()
-    tree = Tree([record_leaf(f"sha256:{i:064x}") for i in range(5)])
-    other = Tree([record_leaf(f"sha256:{i + 9:064x}") for i in range(5)])
+    tree = Tree([record_leaf(f"sha256:{i:064x}") for i in range(8)])
+    other = Tree([record_leaf(f"sha256:{i + 9:064x}") for i in range(8)])
+    verifier = Verifier(ORIGIN, key.public_key())
 
     def note(t: Tree, n: int) -> str:
         return signed_checkpoint(Checkpoint(ORIGIN, n, t.root(n)), ORIGIN, key)
 
+    def sink_at(path: Path) -> DirectorySink:
+        return DirectorySink(path, sign=lambda n, root: signed_checkpoint(Checkpoint(ORIGIN, n, root), ORIGIN, key))
+
     with tempfile.TemporaryDirectory() as d:
-        sink = DirectorySink(Path(d) / "c")
-        assert sink.recover(tree, lambda n: note(tree, n), Verifier(ORIGIN, key.public_key())) == []
+        sink = sink_at(Path(d) / "c")
+        assert sink.recover(tree, lambda n: note(tree, n), verifier) == []
         assert mark(sink.path) == 0  # the mark made before any file that is not durable
-        for n in (1, 2, 3):
-            sink.keep(n, note(tree, n))
+        sink.keep(1, note(tree, 1))
+        sink.keep(2, None, tree.root(2))  # unsigned: the batch signs it
+        sink.keep(3, note(tree, 3))
+        assert issued(sink.path) == {1, 2, 3} and files(sink.path) == [] and sink.newest() == 3
         assert sink.due(0.0)
-        sink.sync(sink.take(0.0))
-        assert sink.batches == 1 and mark(sink.path) == 3 and not sink.due(1.0)
+        batch, journaled = sink.take(0.0)
+        assert sink.commit(batch) == [1, 2, 3]
+        sink.done(journaled)
+        assert sink.batches == 1 and mark(sink.path) == 3 and not sink.due(1.0) and issued(sink.path) == set()
+        for n in (1, 2, 3):
+            assert (sink.path / f"checkpoint.{n}").read_text() == note(tree, n)
         latest = sink.path / "latest"  # the newest file under a second name, and nothing else left behind
         assert latest.read_text() == note(tree, 3)
         assert latest.stat().st_ino == (sink.path / "checkpoint.3").stat().st_ino
-        assert sorted(p.name for p in sink.path.iterdir()) == [".synced", "checkpoint.1", "checkpoint.2",
+        assert sorted(p.name for p in sink.path.iterdir()) == [".issued", ".synced", "checkpoint.1", "checkpoint.2",
                                                                "checkpoint.3", "latest"]
-        sink.keep(4, note(tree, 4))
+        assert sink.write([(1, note(tree, 1), b"")]) == [1] and latest.read_text() == note(tree, 3)  # not back
+
+        cosigned = with_lines(note(tree, 4), ["\u2014 witness.test AAAAAAAA\n"])
+        sink.keep(4, cosigned, plain=False)
         sink.keep(5, note(other, 5))  # a history that is not this tree's
+        sink.keep(6, None, tree.root(6))
         assert not sink.due(1.0) and sink.due(5.0)
-        (sink.path / "checkpoint.4").write_bytes(b"")
+        sink.write(sink.take_queued()[1:])  # killed with 4 never written, 5 and 6 written
+        (sink.path / "checkpoint.6").write_bytes(b"")  # a crash: 6 (and latest, its second name) empty
         (sink.path / "checkpoint.3").write_bytes(b"")  # within the mark: durable before, not looked at
-        again = DirectorySink(sink.path)
-        assert again.recover(tree, lambda n: note(tree, n), Verifier(ORIGIN, key.public_key())) == [4]
-        assert (sink.path / "checkpoint.4").read_text() == note(tree, 4)
+        with open(sink.path / ".issued", "a") as journal:
+            journal.write("7")  # a line the crash cut short
+        again = sink_at(sink.path)
+        assert again.recover(tree, lambda n: note(tree, n), verifier) == [4, 6]
+        assert (sink.path / "checkpoint.4").read_text() == cosigned
         assert (sink.path / "checkpoint.5").read_text() == note(other, 5)
-        assert (sink.path / "checkpoint.3").read_bytes() == b""
-        assert again.take(0.0) == [4, 5]
+        assert (sink.path / "checkpoint.6").read_text() == note(tree, 6) == latest.read_text()
+        assert (sink.path / "checkpoint.3").read_bytes() == b"" and files(sink.path) == [1, 2, 3, 4, 5, 6]
+        assert again.take(0.0) == (([], [4, 5, 6]), 0)

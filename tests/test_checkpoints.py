@@ -8,31 +8,16 @@ import json
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from tether.capability import keys
 from tether.controlplane.notes import COSIGNATURE_V1, Verifier
 from tether.controlplane.termination import seal
 
-from .harness import PYTHON, RedisServer, free_port, prepare_controlplane, stop_process, wait_until
+from .harness import PYTHON, free_port, prepare_controlplane, stop_process, wait_until
 from .test_keys import _terminate_one, tether
 
 ORIGIN = "tether.test/records"
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tether.db'}"
-        return
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        yield redis.url()
-    finally:
-        redis.stop()
 
 
 def start_witness(tmp_path: Path, log_vkey: str, name: str = "witness.test") -> tuple[subprocess.Popen, int, str]:
@@ -317,6 +302,9 @@ def test_a_witness_refuses_a_log_rewritten_with_the_signing_key(tmp_path: Path, 
         for agent in ("a", "b", "c"):
             _terminate_one(cp, tmp_path, agent)
         wait_until(lambda: witnessed(tmp_path) == 3, 30, what="the witness at size 3")
+        # the directory writes its files in the batch, up to --checkpoint-sync (5 s) after the witness saw them
+        wait_until(lambda: latest.exists() and latest.read_text().split("\n")[1] == "3"
+                   and "witness.test" in latest.read_text(), 30, what="checkpoint 3, cosigned, in the directory")
         (tmp_path / "witnessed.txt").write_text(latest.read_text())
         log = json.loads(tether("records", "list", "--json", cwd=tmp_path, env=cp.env()).stdout)
         cp.stop()

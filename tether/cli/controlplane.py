@@ -62,9 +62,10 @@ def add_serve(sub: Any) -> None:
     logs.add_argument("--checkpoint-dir", metavar="DIR",
                       help="write every checkpoint here (checkpoint.SIZE, latest): an append-only or WORM mount")
     logs.add_argument("--checkpoint-sync", type=float, default=None, metavar="S",
-                      help="make the directory's new checkpoint files durable in one batch at most every S seconds "
-                           "(default 5; 0: at every checkpoint) and at shutdown; a machine crash can lose the "
-                           "last S seconds of them, which the next start writes again from the log (docs/audit.md)")
+                      help="write the directory's new checkpoint files and make them durable in one batch at most "
+                           "every S seconds (default 5; 0: at every checkpoint) and at shutdown; a kill leaves them "
+                           "in the journal .issued, a machine crash can lose the last S seconds of them, and the "
+                           "next start writes them from the log (docs/audit.md)")
     logs.add_argument("--witness", action="append", default=[], metavar="URL",
                       help="send every checkpoint to this C2SP tlog-witness (tether witness serve); repeat")
     seal = p.add_argument_group("sealed segments: records of any size (docs/termination.md, \"Sealed segments\")")

@@ -87,13 +87,15 @@ def _check_text(text: str) -> None:
         raise NoteError("a note's text is one or more lines, each ending in a newline, none empty")
 
 
-def sign_note(text: str, name: str, key: Ed25519PrivateKey) -> str:
-    """``text`` with one signature line by ``key`` under ``name``."""
+def sign_note(text: str, name: str, key: Ed25519PrivateKey, kid: bytes | None = None) -> str:
+    """``text`` with one signature line by ``key`` under ``name`` (``kid``: its key id, when the caller keeps
+    it: ``key_id(name, key.public_key())``)."""
     _check_text(text)
     if not _NAME.fullmatch(name):
         raise NoteError(f"a key name has no spaces or '+': {name!r}")
     signature = key.sign(text.encode())
-    return f"{text}\n{DASH} {name} {_b64(key_id(name, key.public_key()) + signature)}\n"
+    kid = key_id(name, key.public_key()) if kid is None else kid
+    return f"{text}\n{DASH} {name} {_b64(kid + signature)}\n"
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,8 @@ def parse_checkpoint(text: str) -> Checkpoint:
     return Checkpoint(origin, int(size), digest, tuple(extensions))
 
 
-def signed_checkpoint(checkpoint: Checkpoint, name: str, key: Ed25519PrivateKey) -> str:
-    return sign_note(checkpoint.text(), name, key)
+def signed_checkpoint(checkpoint: Checkpoint, name: str, key: Ed25519PrivateKey, kid: bytes | None = None) -> str:
+    return sign_note(checkpoint.text(), name, key, kid)
 
 
 def open_checkpoint(note: str, verifier: Verifier) -> tuple[Checkpoint, Note]:

@@ -11,21 +11,19 @@ sink receives the latest one: an append-only directory (``checkpoint.SIZE`` file
 the newest: put it on a WORM mount) and witnesses speaking C2SP ``tlog-witness`` (``tether witness serve``),
 whose cosignatures are kept beside it.
 
-The directory commits in groups (``DirectorySink``): each checkpoint's file is written at once (readers see it)
-and made durable in one batch every ``sync_s`` and at shutdown. A checkpoint is a function of the log alone
-(the RFC 6962 root of its first N leaves, signed with deterministic Ed25519), so the store's log is its durable
-source: on start, any file a machine crash left empty or torn is written again, and the checkpoint of the log
-as it is covers every smaller one the crash took (docs/audit.md, "Durability of the directory sink").
+The directory commits in groups (``checkpoint_dir.DirectorySink``): a checkpoint costs the loop a journal
+line; its file is written, with the others issued since, and made durable in one batch every ``sync_s`` (in a
+worker thread) and at shutdown; one that is served is written first. A checkpoint is a function of the log
+alone, so the store's log is its durable source: on start, every file past the last batch that a kill never
+wrote or a machine crash left torn is written from the log (docs/audit.md, "Durability of the directory sink").
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import ctypes
+import contextlib
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,16 +32,15 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tether.capability.shared import publish_file, replace_file
-
 from ..merkle import ProofError, Tree, record_leaf
-from ..notes import Checkpoint, NoteError, Verifier, open_checkpoint, signed_checkpoint, with_lines
+from ..notes import Checkpoint, Verifier, key_id, signed_checkpoint, with_lines
 from ..store import Store
+from .checkpoint_dir import DEFAULT_SYNC_S, DirectorySink
+
+__all__ = ["DEFAULT_ORIGIN", "DEFAULT_SYNC_S", "CheckpointService", "DirectorySink", "Witness"]
 
 log = logging.getLogger("tether.checkpoints")
 DEFAULT_ORIGIN = "tether/records"
-DEFAULT_SYNC_S = 5.0
-SYNCED = ".synced"  # the directory sink's mark: the newest size its last batch made durable
 PENDING_MAX = 10_000  # appended headers kept for the next checkpoint; past this, the log is read instead
 
 
@@ -76,6 +73,8 @@ class CheckpointService:
     _pending: list[tuple[str, str]] = field(default_factory=list)  # (prev_hash, hash) appended here since
     _overflow: bool = False
     _sink: DirectorySink | None = None
+    _kid: bytes | None = None  # the note key's id, computed once
+    _http: Any = None  # the witnesses' HTTP client (httpx.AsyncClient), made on first use
 
     def __post_init__(self) -> None:
         self.store.on_append(self._appended)
@@ -111,7 +110,7 @@ class CheckpointService:
         if self.directory is None:
             return None
         if self._sink is None or self._sink.path != self.directory:
-            self._sink = DirectorySink(self.directory)
+            self._sink = DirectorySink(self.directory, sign=self._signed)
         self._sink.sync_s = self.sync_s
         return self._sink
 
@@ -146,11 +145,42 @@ class CheckpointService:
         return tree
 
     async def checkpoint(self, tree: Tree | None = None) -> str:
+        """The log's checkpoint now, as served (``GET /v1/records/checkpoint``): with a directory sink, its file
+        is written first, and any the batch has not written yet, so ``latest`` never names an older one than
+        a reader was served."""
         tree = await self.tree() if tree is None else tree
-        return self._note(tree, tree.size)
+        note = self._note(tree, tree.size)
+        sink = self.sink()
+        if sink is not None:
+            self._ready(sink, tree)
+            if tree.size > sink.newest():
+                sink.keep(tree.size, note)
+            await self._flush(sink)
+        return note
+
+    def _ready(self, sink: DirectorySink, tree: Tree) -> None:
+        """Before the directory's first checkpoint from this process: what a kill or a crash left of the last
+        batch written from the log."""
+        if not sink.recovered:
+            sink.recover(tree, lambda n: self._note(tree, n), self.verifier())
+
+    async def _flush(self, sink: DirectorySink) -> None:
+        """The files of the checkpoints issued and not yet written, written now (in a worker thread)."""
+        notes = sink.take_queued()
+        if notes:
+            try:
+                sink.written(await asyncio.to_thread(sink.write, notes))
+            except BaseException:
+                sink.give_back((notes, []))
+                raise
 
     def _note(self, tree: Tree, size: int) -> str:
-        return signed_checkpoint(Checkpoint(self.origin, size, tree.root(size)), self.origin, self.signing_key)
+        return self._signed(size, tree.root(size))
+
+    def _signed(self, size: int, root: bytes) -> str:
+        if self._kid is None:
+            self._kid = key_id(self.origin, self.signing_key.public_key())
+        return signed_checkpoint(Checkpoint(self.origin, size, root), self.origin, self.signing_key, self._kid)
 
     async def inclusion(self, record_id: str, size: int | None) -> dict[str, Any]:
         heads = await self.store.record_heads()
@@ -184,6 +214,10 @@ class CheckpointService:
                 await asyncio.sleep(self.interval_s)
         finally:
             self.sync_now()
+            if self._http is not None:
+                with contextlib.suppress(Exception):
+                    await self._http.aclose()
+                self._http = None
 
     async def publish_if_due(self) -> bool:
         from .. import telemetry
@@ -203,42 +237,61 @@ class CheckpointService:
         tree = taken if taken is not None else await self.tree(full=idle)
         if tree.size == size and not idle:
             return False
+        if sink is not None and not self.witnesses and not traced:  # the directory alone: signed in its batch
+            self._ready(sink, tree)
+            sink.keep(tree.size, None, tree.root())
+            self._published = (tree.size, self.clock())
+            return True
         note = self._note(tree, tree.size)
-        lines = [line for w in self.witnesses if (line := await self._witness(w, tree, note))]
+        cosigned = await asyncio.gather(*(self._witness(w, tree, note) for w in self.witnesses)) \
+            if self.witnesses else []  # at once, each over the one kept client
+        lines = [line for line in cosigned if line]
         kept = with_lines(note, lines) if lines else note
         if sink is not None:
-            if size < 0:  # this process's first checkpoint: what a crash left of the last batch, repaired
-                sink.recover(tree, lambda n: self._note(tree, n), self.verifier())
-            sink.keep(tree.size, kept)  # on the loop: a small file, no fsync (see sync_s)
+            self._ready(sink, tree)
+            sink.keep(tree.size, kept, plain=not lines)  # on the loop: a journal line; the file in the batch
         if traced:
             telemetry.checkpoint(self.origin, tree.size, _b64(tree.root()), kept, self.clock())
         self._published = (tree.size, self.clock())
         return True
 
     async def sync_if_due(self) -> int:
-        """Make the directory's new files durable when its batch is due (in a worker thread): how many."""
+        """The directory's batch when it is due, in a worker thread: the files of the checkpoints issued since
+        the last one written, made durable, the mark moved. How many files it covered."""
         sink = self.sink()
         if sink is None or not sink.due(self.clock()):
             return 0
-        sizes = sink.take(self.clock())
+        batch, journaled = sink.take(self.clock())
         try:
-            await asyncio.to_thread(sink.sync, sizes)
+            sizes = await asyncio.to_thread(sink.commit, batch)
         except BaseException:
-            sink.give_back(sizes)  # not durable: in the next batch (the mark did not move past them)
+            sink.give_back(batch)  # not durable: in the next batch (the mark did not move past them)
             raise
+        sink.done(journaled)
         return len(sizes)
 
     def sync_now(self) -> int:
-        """Make every checkpoint file written so far durable, now (at shutdown): how many."""
+        """The batch now, whatever its interval (at shutdown): how many files it covered."""
         sink = self._sink
         if sink is None:
             return 0
-        sizes = sink.take(self.clock())
+        batch, journaled = sink.take(self.clock())
         try:
-            sink.sync(sizes)
+            sizes = sink.commit(batch)
         except OSError:
-            log.exception("making the checkpoint directory %s durable failed", sink.path)
+            log.exception("writing the checkpoint directory %s durably failed", sink.path)
+            return 0
+        sink.done(journaled)
         return len(sizes)
+
+    async def _http_client(self) -> Any:
+        """One HTTP client for the witnesses, kept (a client made per call builds a TLS context: ~20 ms of
+        CPU on the loop for each checkpoint)."""
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.AsyncClient(timeout=10)
+        return self._http
 
     async def _witness(self, witness: Witness, tree: Tree, note: str) -> str:
         import httpx
@@ -248,8 +301,8 @@ class CheckpointService:
             proof = tree.consistency_proof(old, tree.size) if 0 < old < tree.size else []
             body = f"old {old}\n" + "".join(f"{_b64(h)}\n" for h in proof) + "\n" + note
             try:
-                async with httpx.AsyncClient(timeout=10) as http:
-                    resp = await http.post(witness.url.rstrip("/") + "/add-checkpoint", content=body.encode())
+                http = await self._http_client()
+                resp = await http.post(witness.url.rstrip("/") + "/add-checkpoint", content=body.encode())
             except httpx.HTTPError as exc:
                 log.warning("witness %s unreachable: %s", witness.url, exc)
                 return ""
@@ -268,206 +321,6 @@ class CheckpointService:
                       _refusal(resp.status_code, resp.text, old, tree.size))
             return ""
         return ""
-
-
-@dataclass
-class DirectorySink:
-    """The append-only directory, committed in groups. ``keep`` writes a checkpoint's file at once (whole: a
-    temporary file linked into place) without waiting for the disk; ``sync`` makes a batch of them durable
-    (one ``syncfs`` of the directory's file system on Linux, else an fsync of each file and the directory)
-    and then marks the newest size it covered in ``.synced``. ``recover``, at start, rewrites any file past
-    that mark that a machine crash left empty or torn (a checkpoint is a function of the log: the same bytes)."""
-
-    path: Path
-    sync_s: float = DEFAULT_SYNC_S
-    _unsynced: list[int] = field(default_factory=list)  # sizes written since the last batch
-    _synced_at: float | None = None  # when the last batch was taken (None: none yet, the first is due at once)
-    batches: int = 0  # batches made durable (the bench and the tests read it)
-
-    def keep(self, size: int, note: str) -> None:
-        keep_checkpoint(self.path, size, note, durable=False)
-        self._unsynced.append(size)
-
-    def due(self, now: float) -> bool:
-        return bool(self._unsynced) and (self._synced_at is None or now - self._synced_at >= self.sync_s)
-
-    def take(self, now: float) -> list[int]:
-        """The sizes written since the last batch, handed to one ``sync`` (on the loop: ``keep`` goes on)."""
-        sizes, self._unsynced, self._synced_at = self._unsynced, [], now
-        return sizes
-
-    def give_back(self, sizes: list[int]) -> None:
-        self._unsynced[:0] = sizes
-
-    def sync(self, sizes: list[int]) -> None:
-        """The files of ``sizes`` durable, then ``.synced`` names the newest (itself durable with the next
-        batch: a mark behind the files only makes ``recover`` look at a few more)."""
-        if not sizes:
-            return
-        _make_durable(self.path, [f"checkpoint.{n}" for n in sizes])
-        self.batches += 1
-        tmp = self.path / f".synced.{os.getpid()}.{max(sizes)}"  # a batch at shutdown may overlap the last one
-        tmp.write_text(f"{max(sizes)}\n")
-        os.replace(tmp, self.path / SYNCED)
-
-    def synced(self) -> int:
-        """The newest size the last batch made durable (0: no mark, or one a crash tore: look at every file)."""
-        try:
-            return int((self.path / SYNCED).read_text().strip() or 0)
-        except (OSError, ValueError):
-            return 0
-
-    def recover(self, tree: Tree, note: Callable[[int], str], verifier: Verifier) -> list[int]:
-        """At start: each ``checkpoint.N`` past the mark that is not a note signed with this log's key (a crash
-        left it empty, or part of it) written again with checkpoint N of the log, and made durable with the
-        next batch. A signed note that differs (another history: a restored backup, a rewrite) is evidence,
-        never overwritten; one past the log's size is reported. The sizes written again."""
-        try:
-            names = os.listdir(self.path)
-        except FileNotFoundError:
-            names = []
-        sizes = sorted(int(x[11:]) for x in names if x.startswith("checkpoint.") and x[11:].isdigit())
-        if not (self.path / SYNCED).exists():
-            # No mark yet: a directory kept before batches (each file was fsynced) or a new one. The mark is
-            # made, durably, before the first file that is not: from here on a file past it may be incomplete.
-            self.path.mkdir(parents=True, exist_ok=True)
-            replace_file(self.path / SYNCED, f"{sizes[-1] if sizes else 0}\n".encode())
-        mark, fixed = self.synced(), []
-        for n in sizes:
-            if n <= mark:
-                continue
-            self._unsynced.append(n)  # written after the last batch: durable with the next one
-            target = self.path / f"checkpoint.{n}"
-            try:
-                open_checkpoint(target.read_text(), verifier)
-                continue  # whole (it may be of another history: then it is kept, as evidence)
-            except (NoteError, UnicodeDecodeError, ValueError):
-                pass
-            if n > tree.size:
-                log.error("checkpoint directory %s: %s is unreadable and past the log's %d records: left as it is",
-                          self.path, target.name, tree.size)
-                continue
-            replace_file(target, note(n).encode())
-            fixed.append(n)
-        if fixed:
-            log.warning("checkpoint directory %s: %d checkpoint files a crash left incomplete written again "
-                        "from the log (sizes %s)", self.path, len(fixed), ", ".join(map(str, fixed[:10])))
-        return fixed
-
-
-def keep_checkpoint(directory: Path, size: int, note: str, *, durable: bool = True) -> None:
-    """The directory sink: ``checkpoint.SIZE``, written once and never rewritten (append-only: a WORM mount),
-    whole (a temporary file linked into place), durably unless ``durable`` is false (``DirectorySink``:
-    the batch makes it durable), and ``latest``, a second name of that same file (a hard link), replaced
-    atomically by a rename: no second file to create. A note of a size already kept that differs from the
-    kept one (the same checkpoint with other cosignatures, from a later publication) is kept as ``latest``
-    itself, a file of its own."""
-    name, data = f"checkpoint.{size}", note.encode()
-    target = f"{directory}/{name}"
-    try:
-        created = publish_file(target, data, 0o644) if durable else _publish_lazily(str(directory), name, data)
-    except FileNotFoundError:  # no directory yet
-        directory.mkdir(parents=True, exist_ok=True)
-        created = publish_file(target, data, 0o644) if durable else _publish_lazily(str(directory), name, data)
-    if created is None:
-        return  # written, and named latest already
-    if not created and Path(target).read_bytes() != data:
-        replace_file(directory / "latest", data)  # a size kept before, with another note: the file stays
-        return
-    link = f"{directory}/.latest.{os.getpid()}"
-    try:
-        os.link(target, link)
-    except FileExistsError:
-        os.unlink(link)
-        os.link(target, link)
-    os.replace(link, f"{directory}/latest")
-
-
-def _publish_lazily(d: str, name: str, data: bytes) -> bool | None:
-    """``name`` created holding ``data`` whole, not yet durable, and ``latest`` made that same file: a
-    temporary file (this process's, by name) linked as ``name``, then renamed onto ``latest`` (one file
-    created, two names given: the least a checkpoint can cost the disk short of its data). None when both
-    were done; False when ``name`` existed (it stands untouched, and ``latest`` too)."""
-    tmp = f"{d}/.{name}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.fchmod(fd, 0o644)  # whatever the umask: readers (an auditor's copy job) read it
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, f"{d}/{name}")
-    except FileExistsError:
-        os.unlink(tmp)
-        return False
-    _swap_in(tmp, f"{d}/latest")
-    return None
-
-
-def _swap_in(tmp: str, path: str) -> None:
-    """``tmp`` renamed onto ``path``, atomically. On Linux by exchanging the two names (``renameat2`` with
-    ``RENAME_EXCHANGE``) and removing the old one: ext4 starts writing a file's data out when a rename
-    replaces another file (``auto_da_alloc``), about 35 us of CPU a checkpoint here, which the batch does
-    anyway. Where the exchange is not offered (another system, no ``path`` yet), a plain rename."""
-    if _renameat2 is not None and _renameat2(_AT_FDCWD, tmp.encode(), _AT_FDCWD, path.encode(), _EXCHANGE) == 0:
-        os.unlink(tmp)  # now the old ``path``
-        return
-    os.replace(tmp, path)
-
-
-def _make_durable(directory: Path, names: list[str]) -> None:
-    """These files of ``directory``, and its entries, on disk: one ``syncfs`` of its file system on Linux
-    (one journal commit however many files; it also flushes what else is waiting on that file system),
-    elsewhere an fsync of each file, then of the directory."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        if _syncfs is not None:
-            if _syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"syncfs of {directory}: {os.strerror(err)}")
-            return
-        for name in names:
-            try:
-                f = os.open(directory / name, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(f)
-            finally:
-                os.close(f)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _load_syncfs() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_syncfs = _load_syncfs()
-_AT_FDCWD, _EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
-
-
-def _load_renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_renameat2 = _load_renameat2()
 
 
 def _refusal(status: int, text: str, old: int, size: int) -> str:
