@@ -158,15 +158,16 @@ while True:
 # The same forwarder with the kernel moving the bytes (argv: listen port, upstream port, the bench directory): each
 # accepted connection's request head is read here and sent on (as a proxy decides before it relays), then both
 # sockets go into an eBPF sockhash whose sk_skb verdict program (bench/sockmap_bpf.py) redirects every skb
-# received on one to the other's send side: no byte wakes this process. Everything queued on the client's socket is
-# read with the head (a partly read skb would be redirected whole: its first bytes twice). ``--sockmap-buffers``
+# received on one to the other's send side: no byte wakes this process. What is queued on the client's socket is read
+# with the head (FIONREAD's count of it: a partly read skb would be redirected whole, its first bytes twice; a
+# segment coalesced into the last queued skb meanwhile still can be). ``--sockmap-buffers``
 # fixes both sockets' buffers (argv[4]; 0: autotuned). Joined after the head is sent, so what the
 # kernel redirects follows it. Bytes already queued on a socket when it joins (the upload's first, the answer's)
 # would wait for the next bytes to arrive, which a client whose window they fill never sends: setting SO_RCVLOWAT
 # runs tcp_data_ready(), and with it the verdict on them, at once. One thread a connection waits for either side's
 # close (POLLRDHUP: nothing is read here), then closes both (closing a socket takes it out of the map).
 SOCKMAP_RELAY_CODE = """
-import select, socket, sys, threading
+import fcntl, select, socket, struct, sys, termios, threading
 sys.path.insert(0, sys.argv[3])
 from sockmap_bpf import Redirector
 listen, upstream, buffers = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
@@ -184,13 +185,11 @@ def serve(client):
         if not piece:
             return
         head += piece
-    client.setblocking(False)  # and all else queued: a partly read skb would be redirected whole (bytes twice)
-    try:
-        while piece := client.recv(1 << 20):
-            head += piece
-    except BlockingIOError:
-        pass
-    client.setblocking(True)
+    queued = struct.unpack("i", fcntl.ioctl(client, termios.FIONREAD, b"\\0" * 4))[0]
+    while queued > 0:  # and all queued with it: a partly read skb would be redirected whole (bytes twice)
+        piece = client.recv(queued)
+        head += piece
+        queued -= len(piece)
     for s in (client, peer) if buffers else ():
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
