@@ -20,8 +20,14 @@ Content-Length, so aiohttp writes each 1 MiB block as a chunk; the client's uplo
   the upstream and moves the bytes both ways with blocking ``splice(2)`` in two threads (``SPLICE_RELAY_CODE``):
   what a third process on the path costs on this machine, whatever it does with the bytes: the ceiling of any
   proxy, tether's relay included.
+- *sockmap relay* (plaintext only, ``--no-sockmap`` to leave it out): the same bare forwarder, but after reading
+  each request's head it puts both sockets into an eBPF sockhash (``bench/sockmap_bpf.py``) and the kernel
+  redirects every byte received on one to the other's send side (``SOCKMAP_RELAY_CODE``): the forwarder's process
+  never wakes for the body. Needs root (or CAP_BPF and CAP_NET_ADMIN).
 
-The client's and the upstream's CPU seconds per GiB are printed too (through a proxy the client and the upstream
+The client's and the upstream's CPU seconds per GiB are printed too, and the whole machine's (every core's busy
+time over the transfer, from /proc/stat: other work on the machine included, and the kernel threads that do a sockmap
+redirect's sending, which no process of the setup is charged for) (through a proxy the client and the upstream
 pay more per byte than direct: their loopback peer is another process's TCP stack, not each other's).
 
 Rounds interleave the setups (A B A B, the order rotating), so load from other work on the machine falls on every
@@ -62,6 +68,7 @@ MIB = 1 << 20
 BLOCK = MIB
 DIRECT, MITMDUMP, TETHER, NOCAP = "direct", "mitmdump", "tether", "tether --no-capture"
 SPLICE = "splice relay"  # a bare splice forwarder in its own process: the ceiling of a third process on the path
+SOCKMAP = "sockmap relay"  # a bare forwarder whose bytes the kernel redirects (eBPF sockhash): no wake-up a byte
 BEFORE = "tether (before)"  # --before DIR: a sidecar of the code in DIR, capture on, in the same rotation
 DIRECTIONS = ("download", "upload")
 STREAM_CAPS = """
@@ -148,11 +155,75 @@ while True:
 """
 
 
-class SpliceRelay:
-    """SPLICE_RELAY_CODE in a child process, in front of the upstream's plaintext port."""
+# The same forwarder with the kernel moving the bytes (argv: listen port, upstream port, the bench directory): each
+# accepted connection's request head is read here and sent on (as a proxy decides before it relays), then both
+# sockets go into an eBPF sockhash whose sk_skb verdict program (bench/sockmap_bpf.py) redirects every skb
+# received on one to the other's send side: no byte wakes this process. What is queued on the client's socket is read
+# with the head (FIONREAD's count of it: a partly read skb would be redirected whole, its first bytes twice; a
+# segment coalesced into the last queued skb meanwhile still can be). ``--sockmap-buffers``
+# fixes both sockets' buffers (argv[4]; 0: autotuned). Joined after the head is sent, so what the
+# kernel redirects follows it. Bytes already queued on a socket when it joins (the upload's first, the answer's)
+# would wait for the next bytes to arrive, which a client whose window they fill never sends: setting SO_RCVLOWAT
+# runs tcp_data_ready(), and with it the verdict on them, at once. One thread a connection waits for either side's
+# close (POLLRDHUP: nothing is read here), then closes both (closing a socket takes it out of the map).
+SOCKMAP_RELAY_CODE = """
+import fcntl, select, socket, struct, sys, termios, threading
+sys.path.insert(0, sys.argv[3])
+from sockmap_bpf import Redirector
+listen, upstream, buffers = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
+try:
+    redirect = Redirector.create()
+except OSError as e:  # not root, or a kernel without sockmap
+    print(f"unavailable: {e}", flush=True)
+    sys.exit(1)
 
-    def __init__(self, upstream_port: int) -> None:
-        self.port, self.upstream_port = free_port(), upstream_port
+def serve(client):
+    peer = socket.create_connection(("127.0.0.1", upstream))
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        piece = client.recv(65536)
+        if not piece:
+            return
+        head += piece
+    queued = struct.unpack("i", fcntl.ioctl(client, termios.FIONREAD, b"\\0" * 4))[0]
+    while queued > 0:  # and all queued with it: a partly read skb would be redirected whole (bytes twice)
+        piece = client.recv(queued)
+        head += piece
+        queued -= len(piece)
+    for s in (client, peer) if buffers else ():
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
+    peer.sendall(head)
+    for s in (client, peer):
+        redirect.set_budget(s, 1 << 62)  # before they join: a socket in the map without a budget passes its bytes
+    redirect.join(client, peer)
+    for s in (client, peer):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # data_ready now: redirect what is already queued
+    poll = select.poll()
+    for s in (client, peer):
+        poll.register(s, select.POLLRDHUP)
+    try:
+        poll.poll()
+    finally:
+        client.close()
+        peer.close()
+
+server = socket.create_server(("127.0.0.1", listen))
+print("ready", flush=True)
+while True:
+    client, _ = server.accept()
+    threading.Thread(target=serve, args=(client,), daemon=True).start()
+"""
+
+
+class SpliceRelay:
+    """SPLICE_RELAY_CODE (or another forwarder's code) in a child process, in front of the upstream's plaintext
+    port."""
+
+    code = SPLICE_RELAY_CODE
+
+    def __init__(self, upstream_port: int, buffers: int = 0) -> None:
+        self.port, self.upstream_port, self.buffers = free_port(), upstream_port, buffers
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -160,15 +231,24 @@ class SpliceRelay:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> SpliceRelay:
-        self.proc = subprocess.Popen([sys.executable, "-c", SPLICE_RELAY_CODE, str(self.port), str(self.upstream_port)],
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready", "splice relay failed"
+        self.proc = subprocess.Popen([sys.executable, "-c", self.code, str(self.port), str(self.upstream_port),
+                                      str(ROOT / "bench"), str(self.buffers)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if (line := self.proc.stdout.readline().strip()) != "ready":
+            self.stop()
+            raise RuntimeError(line or f"{type(self).__name__} failed")
         return self
 
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+
+
+class SockmapRelay(SpliceRelay):
+    """SOCKMAP_RELAY_CODE in a child process."""
+
+    code = SOCKMAP_RELAY_CODE
 
 
 class Upstream(bs.ToolServerProcess):
@@ -209,6 +289,7 @@ class Figures:
     cpu: float = 0.0  # the proxy's CPU seconds over its transfers
     client_cpu: float = 0.0  # this process's (the client's)
     upstream_cpu: float = 0.0
+    machine_cpu: float = 0.0  # every core's busy time (/proc/stat): kernel threads included (a kworker's redirects)
     bytes: int = 0
 
     @property
@@ -227,6 +308,12 @@ def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
     return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def machine_busy() -> float:
+    """CPU seconds all cores have spent busy since boot (user, nice, system, irq, softirq, steal)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
 
 
 def vm_kib(pid: int, field_name: str) -> float:
@@ -287,13 +374,14 @@ def measure(setups: list[Setup], direction: str, url: str, size: int, rounds: in
     for r in range(rounds):
         for s in setups[r % len(setups):] + setups[:r % len(setups)]:
             cpu0 = bs.cpu_seconds(s.pid) if s.pid else 0.0
-            own0, up0 = bs.cpu_seconds(os.getpid()), bs.cpu_seconds(upstream_pid)
+            own0, up0, all0 = bs.cpu_seconds(os.getpid()), bs.cpu_seconds(upstream_pid), machine_busy()
             rate = asyncio.run(one_transfer(s, direction, url, size, chunked))
             fig = figures[s.name]
             fig.rates.append(rate)
             fig.bytes += size
             fig.client_cpu += bs.cpu_seconds(os.getpid()) - own0
             fig.upstream_cpu += bs.cpu_seconds(upstream_pid) - up0
+            fig.machine_cpu += machine_busy() - all0
             if s.pid:
                 fig.cpu += bs.cpu_seconds(s.pid) - cpu0
     return figures
@@ -305,10 +393,11 @@ def report(scheme: str, direction: str, figures: dict[str, Figures]) -> list[str
     for name, fig in figures.items():
         rates = " ".join(f"{x:.0f}" for x in fig.rates)
         cpu = f", proxy CPU {fig.cpu_per_gib:.2f} s/GiB" if fig.cpu else ""
-        cpu += f", client {fig.per_gib(fig.client_cpu):.2f}, upstream {fig.per_gib(fig.upstream_cpu):.2f} s/GiB"
+        cpu += (f", client {fig.per_gib(fig.client_cpu):.2f}, upstream {fig.per_gib(fig.upstream_cpu):.2f}, "
+                f"machine {fig.per_gib(fig.machine_cpu):.2f} s/GiB")
         lines.append(f"  {name:<22} median {fig.median:7.1f} MiB/s  {fig.median / direct:5.2f}x direct  "
                      f"{fig.median / mitm:5.2f}x mitmdump{cpu}   (each: {rates})")
-    for name in (n for n in (SPLICE, TETHER, NOCAP, BEFORE) if n in figures):
+    for name in (n for n in (SPLICE, SOCKMAP, TETHER, NOCAP, BEFORE) if n in figures):
         ratio = figures[name].median / direct
         lines.append(f"  target {name}: >= {TARGET_RATIO:.2f}x direct: {'met' if ratio >= TARGET_RATIO else 'MISSED'}"
                      f" ({ratio:.2f}x)")
@@ -326,6 +415,9 @@ def main() -> int:
     parser.add_argument("--setups", default=",".join((DIRECT, MITMDUMP, TETHER, NOCAP)),
                         help="which setups (direct and mitmdump always run: they are the baselines)")
     parser.add_argument("--no-splice", action="store_true", help="leave out the bare splice relay (plaintext)")
+    parser.add_argument("--no-sockmap", action="store_true", help="leave out the bare sockmap relay (plaintext)")
+    parser.add_argument("--sockmap-buffers", type=parse_size, default=0, metavar="SIZE",
+                        help="the sockmap relay's SO_SNDBUF and SO_RCVBUF on both sockets (default: autotuned)")
     parser.add_argument("--framing", choices=("length", "chunked"), default="length",
                         help="bodies with a Content-Length (default), or chunked both ways")
     args = parser.parse_args()
@@ -357,11 +449,17 @@ def main() -> int:
             finally:
                 os.chdir(here)
         mitm = stack.enter_context(bs.stopping(StreamingMitmdump(work / "mitmdump", ca.ca_pem).start()))
-        relay = stack.enter_context(bs.stopping(SpliceRelay(upstream.http_port).start())) if not args.no_splice \
-            else None
+        relays = {}
+        for name, cls, off, buffers in ((SPLICE, SpliceRelay, args.no_splice, 0),
+                                        (SOCKMAP, SockmapRelay, args.no_sockmap, args.sockmap_buffers)):
+            if not off:
+                try:
+                    relays[name] = stack.enter_context(bs.stopping(cls(upstream.http_port, buffers).start()))
+                except RuntimeError as e:
+                    print(f"  {name}: left out: {e}", flush=True)
         time.sleep(2.0)
         pids = {MITMDUMP: mitm.pid, **{n: sc.proc.pid for n, sc in sidecars.items()}}
-        relay_setups = [Setup(SPLICE, relay.proxy, ca.ca_pem, relay.proc.pid)] if relay and relay.proc else []
+        relay_setups = [Setup(n, r.proxy, ca.ca_pem, r.proc.pid) for n, r in relays.items() if r.proc]
         idle = {n: vm_kib(pid, "VmRSS") for n, pid in pids.items()}
         print("  pids: " + ", ".join(f"{n} {pid}" for n, pid in pids.items()), flush=True)
         for scheme in args.schemes.split(","):
