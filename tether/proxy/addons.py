@@ -21,7 +21,7 @@ from mitmproxy import http
 from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
 
-from . import mcp
+from . import liststream, mcp, streamlayer
 from .capture import CaptureWriter, ParsedBody
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
@@ -206,6 +206,12 @@ class McpFilter:
             return
         self._sessions(flow, server, resp)
         media = mcp.media_type(resp.headers.get("content-type", ""))
+        if mcp.is_json(media) and self._only_lists(flow) and streamlayer.installed() and liststream.streamable(
+                resp.status_code, resp.headers, flow.request.http_version):
+            # a large JSON list filtered as it arrives, item by item (tether/proxy/liststream.py); its headers
+            # wait for the first judged byte, and until then it may still be filtered whole (below)
+            resp.stream = streamlayer.StreamedList(liststream.JsonListStream(self._allowed(server, flow)))
+            return
         if media != mcp.SSE or self._only_lists(flow):
             if self._lists_items(flow) or is_listen(flow):
                 state.no_stream = True  # read whole and filtered in response()
@@ -229,6 +235,10 @@ class McpFilter:
         server = state.mcp_server
         resp = flow.response
         if server is None or resp is None or state.refused is not None:
+            return None
+        if isinstance(resp.stream, streamlayer.StreamedList):  # filtered as it passed; the body is what passed
+            if resp.raw_content is not None:
+                state.answer_parse = ParsedBody(resp.raw_content, resp.stream.stream.value)
             return None
         if resp.stream:
             sse = state.mcp_sse
@@ -441,8 +451,10 @@ class Capture:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         resp = flow.response
-        if resp is not None and resp.stream and not isinstance(resp.stream, _Tee) and call_of(flow) is not None:
+        if resp is not None and resp.stream and not isinstance(resp.stream, (_Tee, streamlayer.StreamedList)) \
+                and call_of(flow) is not None:
             resp.stream = _Tee(resp.stream, self.stream_bytes)  # lives and goes with the flow
+        # (a StreamedList keeps what passed itself: the capture gets the whole final body, as when held)
 
     def request(self, flow: http.HTTPFlow) -> None:
         call = call_of(flow)

@@ -1,0 +1,334 @@
+"""A large JSON list answer filtered as it arrives (issue 23 item 6). Pure: bytes in, judged bytes out.
+
+The buffered filter (``mcp.read_answer`` and ``mcp.filtered``) holds the whole answer before a byte passes, so
+a 10 MB ``tools/list`` costs its client the upstream's write, the sidecar's parse and the sidecar's write one
+after the other. ``JsonListStream`` reads the answer chunk by chunk instead and passes what it has judged: the
+message's members as the server wrote them and, of each list in its ``result`` (tools, resources, resource
+templates, prompts, tasks), each item as soon as its end has arrived, if the agent holds it. Each item is read
+by one C call (``json.JSONDecoder.raw_decode``) once its text is complete; only the envelope is walked here.
+
+Its output is the buffered filter's, byte for byte (``mcp.splice``: the answer's text without the removed
+items; nothing removed, the answer itself), for every answer it reads to the end. What it does not read the
+buffered filter reads: a batch, a message with a ``method``, a ``result`` with ``inputRequests``, a key named
+twice, an encoding other than UTF-8, a member or item over ``ITEM_LIMIT``, text that is not JSON. Met before a
+byte has passed, these raise ``Fallback`` (the caller filters the whole answer, ``raw`` holding every byte);
+met after, ``Cut`` (the caller cuts the answer: what passed is never a whole JSON text, as the message's closing
+brace is held until the answer has ended, so no client reads it as an answer, and no unjudged item passed).
+
+Memory: the unread rest of one member or item (at most ``ITEM_LIMIT``), what passed (``out``: the capture
+writes the final body, as for the buffered filter) and the kept items' values (``value``: the capture's
+redaction reads the body's keys off it, ``capture.ParsedBody``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from . import mcp
+
+ITEM_LIMIT = 4 << 20  # characters: the most of one unfinished member or list item held (else: not streamed)
+STREAM_FROM = 64 * 1024  # bytes: an answer that says it is shorter is filtered whole (one read holds it)
+
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+class Fallback(Exception):
+    """Nothing has passed: filter the whole answer instead (``JsonListStream.raw`` holds it)."""
+
+
+class Cut(Exception):
+    """Part of the answer has passed and the rest cannot be judged: the answer must be cut."""
+
+
+class _More(Exception):
+    """Not enough text yet for the next step."""
+
+
+class JsonListStream:
+    """Feed it the answer's chunks (``feed``), then ``finish``; each returns the bytes judged (see the module)."""
+
+    def __init__(self, allowed: mcp.Visible | Callable[[str], bool], item_limit: int = ITEM_LIMIT) -> None:
+        self.visible = mcp.as_visible(allowed)
+        self.item_limit = item_limit
+        self.raw: list[bytes] | None = []  # every byte while nothing has passed (for the fall-back)
+        self.out: list[bytes] = []  # what passed
+        self.removed = 0
+        self.value: dict[str, Any] = {}  # the message as it passes (the kept items' values)
+        self.reason = ""  # why it fell back or was cut
+        self._head = b""  # the first bytes, until the encoding is known
+        self._decoder: Any = None
+        self._buf = ""
+        self._pos = 0
+        self._pending: list[str] = []  # judged text not yet passed
+        self._state = self._start
+        self._tried = 0  # how much unread text the last step that wanted more had
+        self._result: dict[str, Any] | None = None
+        self._key = ""  # the list being read: its key in the result
+        self._listed: list[Any] = []
+        self._field, self._judge = "", self.visible.tool
+        self._lead = ""  # the text between a list's ``[`` and its first item
+        self._gap = ""  # the text since the last item (or the ``[``)
+        self._items = 0
+        self._kept = 0
+        self._held = ""  # the message's closing brace and what follows it
+        self._ended = False
+        self._final = False
+
+    @property
+    def sent(self) -> bool:
+        return self.raw is None
+
+    # -- the caller's side -----------------------------------------------------------------------------------
+    def feed(self, chunk: bytes) -> bytes:
+        if self.raw is not None:
+            self.raw.append(chunk)
+        self._read(self._decode(chunk, False), False)
+        return self._flush()
+
+    def finish(self) -> bytes:
+        self._read(self._decode(b"", True), True)
+        if not self._ended:
+            self._odd("the answer ended inside its JSON text")
+        self._pending.append(self._held)
+        if self.visible.observe is not None and ("result" in self.value or "error" in self.value):
+            self.visible.observe(self.value)
+        return self._flush()
+
+    def body(self) -> bytes:
+        """Everything that passed (once finished: the final body)."""
+        return b"".join(self.out)
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def _odd(self, reason: str) -> None:
+        self.reason = reason
+        raise (Cut if self.sent else Fallback)(reason)
+
+    def _decode(self, chunk: bytes, final: bool) -> str:
+        if self._decoder is None:
+            self._head += chunk
+            if len(self._head) < 4 and not final:
+                return ""
+            if json.detect_encoding(self._head) != "utf-8":
+                self._odd("the answer is not UTF-8 without a BOM")
+            self._decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+            chunk, self._head = self._head, b""
+        try:
+            return self._decoder.decode(chunk, final)  # type: ignore[no-any-return]
+        except UnicodeDecodeError:
+            self._odd("the answer is not UTF-8")
+            raise  # not reached
+
+    def _flush(self) -> bytes:
+        if not self._pending:
+            return b""
+        out = "".join(self._pending).encode("utf-8", "surrogatepass")
+        self._pending.clear()
+        if out:
+            self.raw = None
+            self.out.append(out)
+        return out
+
+    def _read(self, text: str, final: bool) -> None:
+        if self._pos:
+            self._buf = self._buf[self._pos:] + text
+            self._pos = 0
+        elif text:
+            self._buf += text
+        if len(self._buf) < 2 * self._tried and not final:
+            if len(self._buf) > 2 * self.item_limit:
+                self._odd(f"a member or item of the answer is over {self.item_limit} characters")
+            return  # a step wanted more: it is tried again once its text has doubled (linear in the answer)
+        self._final = final
+        try:
+            while not self._ended or self._pos < len(self._buf):
+                self._state()
+        except _More:
+            rest = len(self._buf) - self._pos
+            if final:
+                self._odd("the answer ended inside its JSON text")
+            if rest > self.item_limit or len(self._gap) > self.item_limit:
+                self._odd(f"a member or item of the answer is over {self.item_limit} characters")
+            self._tried = rest
+            return
+        self._tried = 0
+
+    def _ws(self, at: int | None = None) -> int:
+        """Past the whitespace at ``at`` (the read position) (``_More`` when the text ends there)."""
+        end = _WS.match(self._buf, self._pos if at is None else at).end()  # type: ignore[union-attr]
+        if end == len(self._buf):
+            raise _More
+        return end
+
+    def _pass(self, end: int) -> None:
+        self._pending.append(self._buf[self._pos:end])
+        self._pos = end
+
+    def _value(self, at: int) -> tuple[Any, int]:
+        """The JSON value at ``at``, read whole (it must be followed by something, or be the answer's last)."""
+        try:
+            value, end = _DECODER.raw_decode(self._buf, at)
+        except (ValueError, RecursionError):
+            if self._final:
+                self._odd("the answer is not JSON")
+            raise _More from None
+        if end == len(self._buf) and not self._final:
+            raise _More  # a number may go on in the next chunk
+        return value, end
+
+    def _start(self) -> None:
+        at = self._ws()
+        if self._buf[at] != "{":
+            self._odd("the answer is not one JSON-RPC message")
+        self._pass(at + 1)
+        self._state = self._first_key
+
+    def _first_key(self) -> None:
+        at = self._ws()
+        if self._buf[at] == "}":
+            self._close(at)
+        else:
+            self._state = self._member
+            self._member()
+
+    def _member(self) -> None:
+        """A member of the message (or, inside it, of its result): its key, then its value."""
+        in_result = self._result is not None
+        at = self._ws()
+        if self._buf[at] != '"':
+            self._odd("the answer is not JSON")
+        key, at = self._value(at)
+        at = self._ws(at)
+        if self._buf[at] != ":":
+            self._odd("the answer is not JSON")
+        at = self._ws(at + 1)
+        into = self._result if self._result is not None else self.value
+        if key in into:
+            self._odd(f"the answer names {key!r} twice")
+        if not in_result and key == "method":
+            self._odd("the answer is a message with a method")
+        if in_result and key == "inputRequests":
+            self._odd("the answer's result holds requests")
+        opens = self._buf[at]
+        if not in_result and key == "result" and opens == "{":
+            self._result = into[key] = {}
+            self._pass(at + 1)
+            self._state = self._first_key
+            return
+        if in_result and key in _LISTS and opens == "[":
+            self._field, kind = _LISTS[key]
+            self._judge = getattr(self.visible, kind)
+            self._key, self._listed, self._items, self._kept, self._gap = key, [], 0, 0, ""
+            into[key] = self._listed
+            self._pass(at + 1)
+            self._state = self._first_item
+            return
+        value, end = self._value(at)
+        # what loads_pieces walks of this member, checked as it checks it (mcp.splice: never a key twice)
+        if opens in "{[" and mcp.names_a_key_twice(self._buf[at:end], mcp.PIECES_DEPTH - (2 if in_result else 1)):
+            self._odd(f"the answer's {key!r} names a key twice")
+        into[key] = value
+        self._pass(end)
+        self._state = self._after_member
+
+    def _after_member(self) -> None:
+        at = self._ws()
+        c = self._buf[at]
+        if c == ",":
+            self._pass(at + 1)
+            self._state = self._member
+        elif c == "}":
+            self._close(at)
+        else:
+            self._odd("the answer is not JSON")
+
+    def _close(self, at: int) -> None:
+        """The result's closing brace passes; the message's is held until the answer has ended."""
+        if self._result is not None:
+            self._result = None
+            self._pass(at + 1)
+            self._state = self._after_member
+            return
+        self._pass(at)
+        self._held = "}"
+        self._pos = at + 1
+        self._ended = True
+        self._state = self._trailing
+
+    def _trailing(self) -> None:
+        end = _WS.match(self._buf, self._pos).end()  # type: ignore[union-attr]
+        self._held += self._buf[self._pos:end]
+        self._pos = end
+        if end < len(self._buf):
+            self._odd("the answer holds more than one JSON text")
+
+    def _skip_to_gap(self) -> int:
+        end = _WS.match(self._buf, self._pos).end()  # type: ignore[union-attr]
+        self._gap += self._buf[self._pos:end]
+        self._pos = end
+        if end == len(self._buf):
+            raise _More
+        return end
+
+    def _first_item(self) -> None:
+        at = self._skip_to_gap()
+        if self._buf[at] == "]":
+            self._end_list(at)
+        else:
+            self._lead = self._gap
+            self._state = self._item
+            self._item()
+
+    def _item(self) -> None:
+        at = self._skip_to_gap()
+        if self._buf[at] == "]":
+            self._odd("the answer is not JSON")  # a comma before the bracket
+        item, end = self._value(at)
+        field = item.get(self._field) if isinstance(item, dict) else None
+        if isinstance(field, str) and self._judge(field):
+            self._pending.append(self._gap if self._kept else self._lead)
+            self._pending.append(self._buf[at:end])
+            self._listed.append(item)
+            self._kept += 1
+        else:
+            self.removed += 1
+        self._items += 1
+        self._gap = ""
+        self._pos = end
+        self._state = self._after_item
+
+    def _after_item(self) -> None:
+        at = self._skip_to_gap()
+        c = self._buf[at]
+        if c == ",":
+            self._gap += ","
+            self._pos = at + 1
+            self._state = self._item
+        elif c == "]":
+            self._end_list(at)
+        else:
+            self._odd("the answer is not JSON")
+
+    def _end_list(self, at: int) -> None:
+        self._pending.append(self._gap)
+        self._gap = ""
+        self._pos = at
+        self._pass(at + 1)
+        self._state = self._after_member
+
+
+_LISTS = mcp._LISTS  # result key -> (the item's identifying field, which predicate of Visible judges it)
+
+
+def streamable(status: int, headers: Any, http_version: str) -> bool:
+    """An answer worth streaming and that can be: identity-coded, of a length not known to be small, to a client
+    that can read a body of unknown length."""
+    length = headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) < STREAM_FROM):
+        return False
+    coding = headers.get("content-encoding", "").strip().lower()
+    return coding in ("", "identity") and http_version in ("HTTP/1.1", "HTTP/2.0") and 200 <= status < 300
