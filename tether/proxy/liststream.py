@@ -31,6 +31,7 @@ from typing import Any
 from . import mcp
 
 ITEM_LIMIT = 4 << 20  # characters: the most of one unfinished member or list item held (else: not streamed)
+RETRY_FROM = 1 << 20  # characters: an object this large is tried again only once its text has grown by half
 STREAM_FROM = 64 * 1024  # bytes: an answer that says it is shorter is filtered whole (one read holds it)
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -66,7 +67,10 @@ class JsonListStream:
         self._pos = 0
         self._pending: list[str] = []  # judged text not yet passed
         self._state = self._start
-        self._tried = 0  # how much unread text the last step that wanted more had
+        self._tried = 0  # how much unread text the last try of a large object had
+        self._parts: list[str] = []  # text arrived since the last try
+        self._waiting = 0  # how much unread text there is
+        self._want = ""  # the next try waits for this character to arrive
         self._result: dict[str, Any] | None = None
         self._key = ""  # the list being read: its key in the result
         self._listed: list[Any] = []
@@ -134,16 +138,20 @@ class JsonListStream:
         return out
 
     def _read(self, text: str, final: bool) -> None:
-        if self._pos:
-            self._buf = self._buf[self._pos:] + text
-            self._pos = 0
-        elif text:
-            self._buf += text
-        if len(self._buf) < 2 * self._tried and not final:
-            if len(self._buf) > 2 * self.item_limit:
+        if text:
+            self._parts.append(text)
+            self._waiting += len(text)
+        if not final and self._want and (self._want not in text or self._waiting < self._tried * 3 // 2):
+            # An object whose end has not arrived: tried again once a closing brace has (and, past
+            # ``RETRY_FROM``, once its text has grown by half: linear in the answer whatever it holds).
+            if self._waiting > self.item_limit:
                 self._odd(f"a member or item of the answer is over {self.item_limit} characters")
-            return  # a step wanted more: it is tried again once its text has doubled (linear in the answer)
-        self._final = final
+            return
+        if self._parts:
+            self._buf = self._buf[self._pos:] + "".join(self._parts)
+            self._pos = 0
+            self._parts.clear()
+        self._final, self._want = final, ""
         try:
             while not self._ended or self._pos < len(self._buf):
                 self._state()
@@ -153,9 +161,10 @@ class JsonListStream:
                 self._odd("the answer ended inside its JSON text")
             if rest > self.item_limit or len(self._gap) > self.item_limit:
                 self._odd(f"a member or item of the answer is over {self.item_limit} characters")
-            self._tried = rest
+            self._waiting = rest
+            self._tried = rest if rest >= RETRY_FROM else 0
             return
-        self._tried = 0
+        self._waiting = self._tried = 0
 
     def _ws(self, at: int | None = None) -> int:
         """Past the whitespace at ``at`` (the read position) (``_More`` when the text ends there)."""
@@ -170,11 +179,15 @@ class JsonListStream:
 
     def _value(self, at: int) -> tuple[Any, int]:
         """The JSON value at ``at``, read whole (it must be followed by something, or be the answer's last)."""
+        if not self._final and self._buf.startswith("{", at) and self._buf.rfind("}", at) < 0:
+            self._want = "}"  # an object cannot end before a brace (and a failed try costs a look at all of it)
+            raise _More
         try:
             value, end = _DECODER.raw_decode(self._buf, at)
         except (ValueError, RecursionError):
             if self._final:
                 self._odd("the answer is not JSON")
+            self._want = "}" if self._buf.startswith("{", at) else ""  # an object cannot end before a brace
             raise _More from None
         if end == len(self._buf) and not self._final:
             raise _More  # a number may go on in the next chunk
