@@ -35,6 +35,7 @@ RETRY_FROM = 1 << 20  # characters: an object this large is tried again only onc
 STREAM_FROM = 64 * 1024  # bytes: an answer that says it is shorter is filtered whole (one read holds it)
 
 _WS = re.compile(r"[ \t\n\r]*")
+_NUMBER_GOES_ON = re.compile(r"[0-9.eE+\-]*")
 _DECODER = json.JSONDecoder()
 
 
@@ -82,6 +83,7 @@ class JsonListStream:
         self._held = ""  # the message's closing brace and what follows it
         self._ended = False
         self._final = False
+        self._may_pass = False  # nothing passes before a list's first item is judged (the envelope may be odd)
 
     @property
     def sent(self) -> bool:
@@ -99,6 +101,7 @@ class JsonListStream:
         if not self._ended:
             self._odd("the answer ended inside its JSON text")
         self._pending.append(self._held)
+        self._may_pass = True
         if self.visible.observe is not None and ("result" in self.value or "error" in self.value):
             self.visible.observe(self.value)
         return self._flush()
@@ -128,7 +131,7 @@ class JsonListStream:
             raise  # not reached
 
     def _flush(self) -> bytes:
-        if not self._pending:
+        if not self._pending or not self._may_pass:
             return b""
         out = "".join(self._pending).encode("utf-8", "surrogatepass")
         self._pending.clear()
@@ -189,8 +192,9 @@ class JsonListStream:
                 self._odd("the answer is not JSON")
             self._want = "}" if self._buf.startswith("{", at) else ""  # an object cannot end before a brace
             raise _More from None
-        if end == len(self._buf) and not self._final:
-            raise _More  # a number may go on in the next chunk
+        if not self._final and (end == len(self._buf) or (
+                isinstance(value, (int, float)) and _NUMBER_GOES_ON.fullmatch(self._buf, end))):
+            raise _More  # a number may go on in the next chunk (``12.`` then ``5e3``)
         return value, end
 
     def _start(self) -> None:
@@ -310,6 +314,7 @@ class JsonListStream:
         else:
             self.removed += 1
         self._items += 1
+        self._may_pass = True
         self._gap = ""
         self._pos = end
         self._state = self._after_item
