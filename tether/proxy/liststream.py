@@ -349,4 +349,4 @@ def streamable(status: int, headers: Any, http_version: str) -> bool:
     if length is not None and (not length.isdigit() or int(length) < STREAM_FROM):
         return False
     coding = headers.get("content-encoding", "").strip().lower()
-    return coding in ("", "identity") and http_version in ("HTTP/1.1", "HTTP/2.0") and 200 <= status < 300
+    return coding in ("", "identity") and http_version == "HTTP/1.1" and 200 <= status < 300
