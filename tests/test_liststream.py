@@ -227,3 +227,27 @@ def test_a_large_list_is_read_in_linear_time() -> None:
         return best
 
     assert cost(4096) < 4 * cost(1 << 20) + 0.02
+
+
+def test_a_long_string_item_is_not_read_again_per_chunk() -> None:
+    """A value with no closing brace to wait for (a 3 MB string) is tried again only as its text grows by half."""
+    import time
+    body = b'{"id": 1, "result": {"tools": [{"name": "add"}, "' + b"x" * (3 << 20) + b'"]}}'
+    pieces = chunked(body, list(range(0, len(body), 4096)))
+    assert agrees(body, pieces)[0] == "passed"
+
+    def cost() -> float:
+        began = time.process_time()
+        stream = liststream.JsonListStream(allowed)
+        for piece in pieces:
+            stream.feed(piece)
+        stream.finish()
+        return time.process_time() - began
+
+    try:
+        whole = cost()
+        liststream.RETRY_FROM = 1 << 40  # every chunk re-reads the string (8x the cost here)
+        again = cost()
+    finally:
+        liststream.RETRY_FROM = 1 << 20
+    assert whole < again / 3, (whole, again)

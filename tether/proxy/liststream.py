@@ -31,7 +31,7 @@ from typing import Any
 from . import mcp
 
 ITEM_LIMIT = 4 << 20  # characters: the most of one unfinished member or list item held (else: not streamed)
-RETRY_FROM = 1 << 20  # characters: an object this large is tried again only once its text has grown by half
+RETRY_FROM = 1 << 20  # characters: a value this large is tried again only once its text has grown by half
 STREAM_FROM = 64 * 1024  # bytes: an answer that says it is shorter is filtered whole (one read holds it)
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -144,9 +144,9 @@ class JsonListStream:
         if text:
             self._parts.append(text)
             self._waiting += len(text)
-        if not final and self._want and (self._want not in text or self._waiting < self._tried * 3 // 2):
-            # An object whose end has not arrived: tried again once a closing brace has (and, past
-            # ``RETRY_FROM``, once its text has grown by half: linear in the answer whatever it holds).
+        if not final and ((self._want and self._want not in text) or self._waiting < self._tried * 3 // 2):
+            # An object whose end has not arrived is tried again once a closing brace has, and any value past
+            # ``RETRY_FROM`` once its text has grown by half: linear in the answer, whatever it holds.
             if self._waiting > self.item_limit:
                 self._odd(f"a member or item of the answer is over {self.item_limit} characters")
             return
