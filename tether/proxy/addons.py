@@ -138,7 +138,8 @@ class McpFilter:
     resource is dropped; and a refused JSON-RPC request is answered the way a server answers (HTTP 200).
 
     Every answer from an MCP server is read before it reaches the agent: SSE streams event by event (any line
-    ending, decoded when the server compressed them), JSON answers to a request that lists items whole. An
+    ending, decoded when the server compressed them), JSON answers to a request that lists items whole, but a
+    large one to a POST of one list request, which is filtered item by item as it arrives (``liststream``). An
     answer to a list request that cannot be read (an unknown or broken Content-Encoding, a body that is neither
     JSON nor SSE) is replaced by a JSON-RPC error; it never passes unfiltered."""
 
