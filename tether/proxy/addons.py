@@ -237,10 +237,12 @@ class McpFilter:
         resp = flow.response
         if server is None or resp is None or state.refused is not None:
             return None
-        if isinstance(resp.stream, streamlayer.StreamedList):  # filtered as it passed; the body is what passed
-            if resp.raw_content is not None:
-                state.answer_parse = ParsedBody(resp.raw_content, resp.stream.stream.value)
-            return None
+        if isinstance(resp.stream, streamlayer.StreamedList):
+            if resp.stream.stream.finished:  # filtered as it passed; the body is what passed
+                if resp.raw_content is not None:
+                    state.answer_parse = ParsedBody(resp.raw_content, resp.stream.stream.value)
+                return None
+            resp.stream = False  # never streamed (its headers ended the answer): filtered whole below
         if resp.stream:
             sse = state.mcp_sse
             call = state.call

@@ -62,6 +62,7 @@ class JsonListStream:
         self.removed = 0
         self.value: dict[str, Any] = {}  # the message as it passes (the kept items' values)
         self.reason = ""  # why it fell back or was cut
+        self.finished = False  # read to its end, all of it judged
         self._head = b""  # the first bytes, until the encoding is known
         self._decoder: Any = None
         self._buf = ""
@@ -104,7 +105,9 @@ class JsonListStream:
         self._may_pass = True
         if self.visible.observe is not None and ("result" in self.value or "error" in self.value):
             self.visible.observe(self.value)
-        return self._flush()
+        out = self._flush()
+        self.finished = True
+        return out
 
     def body(self) -> bytes:
         """Everything that passed (once finished: the final body)."""
