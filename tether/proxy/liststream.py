@@ -110,8 +110,10 @@ class JsonListStream:
         return out
 
     def body(self) -> bytes:
-        """Everything that passed (once finished: the final body)."""
-        return b"".join(self.out)
+        """Everything that passed (once finished: the final body), held once."""
+        if len(self.out) > 1:
+            self.out[:] = [b"".join(self.out)]
+        return self.out[0] if self.out else b""
 
     # -- reading ---------------------------------------------------------------------------------------------
     def _odd(self, reason: str) -> None:

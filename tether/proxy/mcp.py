@@ -518,6 +518,7 @@ class SseListsFilter:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
         value, removed = filter_lists_message(value, self.allowed)
+        release(value)  # an SSE message is never spliced
         if not removed:
             return event, value
         self.removed += removed
@@ -642,7 +643,7 @@ class Spliced(jsonpieces.Verbatim):
 
     def __init__(self, source: Sourced) -> None:
         super().__init__()
-        self.source = source
+        self.source: Sourced | None = source  # released once the answer is written (``release``)
         self.keep: list[int] = []
 
 
@@ -784,10 +785,12 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
+            release(answer.value)
             return Filtered(answer.body, 0, sse, answer.value)
         if value is None:
             return Filtered(b"", removed, sse)
         spliced = None if answer.twice else splice(value, removed)
+        release(value)
         return Filtered(_encoded(value) if spliced is None else spliced, removed, sse, value)
     out, values = [], []
     for event, data, value in answer.events:
@@ -818,23 +821,36 @@ def splice(value: Any, removed: int) -> bytes | None:
     a list read whole): the answer is then encoded afresh (``_encoded``)."""
     lists: list[Spliced] = []
     _spliced_lists(value, PIECES_DEPTH, True, lists)
-    if not lists or sum(len(k.source) - len(k) for k in lists) != removed:
+    sources = [k.source for k in lists]
+    if not lists or None in sources or sum(len(s) - len(k) for k, s in zip(lists, sources, strict=True)) != removed:
         return None
-    text = lists[0].source.text
-    if any(k.source.text is not text for k in lists):
+    text = lists[0].source.text  # type: ignore[union-attr]
+    if any(k.source.text is not text for k in lists):  # type: ignore[union-attr]
         return None
     out, cursor = [], 0
-    for kept in sorted(lists, key=lambda k: k.source.open):
-        out.append(text[cursor:kept.source.open + 1])
+    for kept in sorted(lists, key=lambda k: k.source.open):  # type: ignore[union-attr]
+        source = kept.source
+        assert source is not None
+        out.append(text[cursor:source.open + 1])
         out.extend(_list_pieces(kept))
-        cursor = kept.source.close
+        cursor = source.close
     out.append(text[cursor:])
     return "".join(out).encode("utf-8", "surrogatepass")
+
+
+def release(value: Any) -> None:
+    """Let go of the texts the ``Spliced`` lists of a filtered value were read from (a 10 MB answer's, decoded),
+    once it is written: the value lives on for the capture, and so would they."""
+    lists: list[Spliced] = []
+    _spliced_lists(value, PIECES_DEPTH, True, lists)
+    for kept in lists:
+        kept.source = None
 
 
 def _list_pieces(kept: Spliced) -> Iterator[str]:
     """A ``Spliced`` list's text from after its ``[`` to before its ``]`` (see ``splice``)."""
     source = kept.source
+    assert source is not None
     text, spans = source.text, source.spans
     for n, (at, item_text) in enumerate(zip(kept.keep, kept.texts, strict=True)):
         # the first kept item: the text before the list's first item; a later one: the text before it
