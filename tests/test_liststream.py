@@ -251,3 +251,19 @@ def test_a_long_string_item_is_not_read_again_per_chunk() -> None:
     finally:
         liststream.RETRY_FROM = 1 << 20
     assert whole < again / 3, (whole, again)
+
+
+def test_a_filtered_answer_lets_go_of_the_text_it_was_read_from() -> None:
+    """The capture keeps the filtered value until it is written: the 10 MB decoded text must not live on with it."""
+    import gc
+    import weakref
+    for removed in (True, False):
+        names = ["add", "slow" if removed else "send_email"]
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"tools": [{"name": n} for n in names]}}).encode()
+        read = mcp.read_answer(body, False)
+        source = weakref.ref(read.value["result"]["tools"])
+        done = mcp.filtered(read, allowed)
+        del read
+        gc.collect()
+        assert source() is None, "the list read (and its text) outlive the filtered value"
+        assert json.loads(done.body)["result"]["tools"] == [{"name": n} for n in names if allowed(n)]
