@@ -15,9 +15,14 @@ byte has passed, these raise ``Fallback`` (the caller filters the whole answer, 
 met after, ``Cut`` (the caller cuts the answer: what passed is never a whole JSON text, as the message's closing
 brace is held until the answer has ended, so no client reads it as an answer, and no unjudged item passed).
 
-Memory: the unread rest of one member or item (at most ``ITEM_LIMIT``), what passed (``out``: the capture
-writes the final body, as for the buffered filter) and the kept items' values (``value``: the capture's
-redaction reads the body's keys off it, ``capture.ParsedBody``).
+Memory: the unread rest of one member or item (at most ``ITEM_LIMIT``; the envelope before a list's first item
+is held until that item is judged, and every byte until the first one passes, for the fall-back), what passed
+(``out``: the capture writes the final body, as for the buffered filter) and the kept items' values (``value``:
+the capture's redaction reads the body's keys off it, ``capture.ParsedBody``).
+
+Time: linear in the answer. A value is parsed again only when a piece that may end it has arrived (an object's
+closing brace) and, past ``RETRY_FROM``, once its unread text has grown by half; the pieces are judged on the
+event loop, each in about the time of its items' C parse (a 256 KiB piece: ~1 ms).
 """
 
 from __future__ import annotations
