@@ -95,6 +95,10 @@ class JsonListStream:
     def sent(self) -> bool:
         return self.raw is None
 
+    def pending_chars(self) -> int:
+        """How much arrived text is not read yet (what ``finish`` still has to read)."""
+        return self._waiting
+
     # -- the caller's side -----------------------------------------------------------------------------------
     def feed(self, chunk: bytes) -> bytes:
         if self.raw is not None:

@@ -40,7 +40,7 @@ from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_lay
 from .relay import direct_relay
 from .state import Call, SidecarState
 from .stdio import StdioRoutes, serves_stdio
-from .streamlayer import stream_lists
+from .streamlayer import ListPieces, stream_lists
 from .telemetry import call_tracing
 from .transparent import Transparent, serve_dns, serve_enclosure
 
@@ -185,6 +185,7 @@ def tether_addons(config: SidecarConfig, catalog: Catalog, state: SidecarState, 
                        CredentialRoutes(catalog),  # before an approval, a budget unit, a spooled start
                        mcp_calls, Holds(state, await_approval), Forwarder(state, spend, start),
                        Injector(catalog, credentials, state), McpFilter(catalog, state.tier, mcp_calls),
+                       ListPieces(),
                        Streamer(), WebsocketBound()]
     if config.capture:
         ours.append(Capture(capture, config.allow_uncaptured))

@@ -16,10 +16,13 @@ of its HTTP stream for an answer whose ``stream`` is a ``StreamedList`` (every o
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import http
+from mitmproxy.proxy import commands
 from mitmproxy.proxy.layers import http as http_layer
 from mitmproxy.proxy.layers.http import (
     ErrorCode,
@@ -46,9 +49,46 @@ class StreamedList:
         self.fell_back = False
         self.headers_sent = False
         self.cut: str | None = None
+        self.next: tuple[bytes, bool] | None = None  # the piece to judge, and whether it is the end
+        self.judged: tuple[bytes, Exception | None] | None = None  # what it gave (``judge``)
+
+    def run(self, piece: bytes, final: bool) -> tuple[bytes, Exception | None]:
+        try:
+            return (self.stream.finish() if final else self.stream.feed(piece)), None
+        except (Fallback, Cut) as exc:
+            return b"", exc
+
+    async def judge(self, piece: bytes, final: bool) -> None:
+        """Judge a piece away from the event loop when it is large (the hook ``ListPieceHook`` starts)."""
+        if len(piece) >= THREAD_BYTES or (final and self.stream.pending_chars() >= THREAD_BYTES):
+            self.judged = await asyncio.to_thread(self.run, piece, final)
+        else:
+            self.judged = self.run(piece, final)
 
     def __call__(self, chunk: bytes) -> list[bytes]:
         raise RuntimeError("a StreamedList is read by tether's stream steps only (streamlayer.stream_lists)")
+
+
+THREAD_BYTES = 64 * 1024  # a piece from this size on is judged in a worker thread
+
+
+@dataclass
+class ListPieceHook(commands.StartHook):
+    """A piece of a streamed list answer to judge (``StreamedList.judge``): the stream waits for it, the event
+    loop does not (other calls go on while a worker thread parses the piece's items)."""
+
+    name = "tether_list_piece"
+    flow: http.HTTPFlow  # its ``response.stream`` (a ``StreamedList``) holds the piece (``next``)
+
+
+class ListPieces:
+    """The addon that answers ``ListPieceHook`` (one stage of ``proxy.pipeline``)."""
+
+    def tether_list_piece(self, flow: http.HTTPFlow) -> Any:
+        held = flow.response.stream if flow.response is not None else None
+        if isinstance(held, StreamedList) and held.next is not None:
+            return held.judge(*held.next)
+        return None
 
 
 def installed() -> bool:
@@ -86,12 +126,16 @@ def stream_lists() -> None:
                 assert stream.raw is not None
                 stream.raw.append(event.data)
         else:
-            try:
-                out = stream.finish() if final else stream.feed(event.data)
-            except Fallback:
+            held.judged, held.next = None, (b"" if final else event.data, final)
+            yield ListPieceHook(self.flow)
+            held.next = None
+            if (yield from self.check_killed(True)) or self.flow.response is not resp:
+                return  # killed or replaced while it was judged (cut by tether): nothing more of this answer
+            out, failed = held.judged if held.judged is not None else held.run(b"" if final else event.data, final)
+            if isinstance(failed, Fallback):
                 held.fell_back = True
                 log.info("a list answer from %s is filtered whole: %s", self.flow.request.pretty_url, stream.reason)
-            except Cut:
+            elif isinstance(failed, Cut):
                 held.cut = stream.reason
                 log.warning("cutting a list answer from %s: %s", self.flow.request.pretty_url, stream.reason)
                 yield from self.handle_protocol_error(ResponseProtocolError(
