@@ -21,8 +21,8 @@ is held until that item is judged, and every byte until the first one passes, fo
 the capture's redaction reads the body's keys off it, ``capture.ParsedBody``).
 
 Time: linear in the answer. A value is parsed again only when a piece that may end it has arrived (an object's
-closing brace) and, past ``RETRY_FROM``, once its unread text has grown by half; the pieces are judged on the
-event loop, each in about the time of its items' C parse (a 256 KiB piece: ~1 ms).
+closing brace) and, past ``RETRY_FROM``, once its unread text has grown by half; a piece costs about its items'
+C parse (a 256 KiB piece: ~1 ms), in a worker thread when it is large (``streamlayer``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ mitmproxy sends a streamed answer's headers as soon as its ``responseheaders`` h
 of the body to ``flow.response.stream``, a function that must answer at once. ``stream_lists()`` changes two steps
 of its HTTP stream for an answer whose ``stream`` is a ``StreamedList`` (every other answer is untouched):
 
+* each piece is judged through a hook of tether's own (``ListPieceHook``, answered by ``ListPieces``, a stage of
+  ``proxy.pipeline``): mitmproxy's stream waits for it as for any hook, the event loop does not, as a piece of
+  ``THREAD_BYTES`` or more is judged in a worker thread (the items' C parse holds the interpreter an item at a
+  time, so other calls go on between items); without the addon the step judges the piece itself;
 * the headers wait for the first judged byte: until then the answer may still go to the buffered filter whole
   (``liststream.Fallback``: mitmproxy then reads it as any answer it holds, the response hook filters it), with
   the server's headers as they came. Once a byte passes they go, with no ``Content-Length`` (chunked on
