@@ -36,7 +36,8 @@ TOOLS = [tool("add", "a" * BIG)] + [tool(f"filler_{i:03d}", "f" * 8000) for i in
 
 class BigListMcp(ToolServer):
     """Enough of an MCP server for the SDK (initialize, notifications, tools/list), answering JSON; ``tools/list``
-    is written chunked in 8 KiB writes. The ``x-answer`` header picks another answer: ``pause`` (the list, which
+    is written chunked in 256 KiB writes (so the sidecar judges pieces of 64 KiB or more, in a worker thread), the
+    other answers in 8 KiB writes. The ``x-answer`` header picks another answer: ``pause`` (the list, which
     waits after its first tools until ``release`` is set), ``broken`` (a malformed item after the first ones,
     sent once released), ``html`` (100 KB that is not JSON, with a Content-Length)."""
 
@@ -71,10 +72,11 @@ class BigListMcp(ToolServer):
                 first = body.index(b'"filler_010"')  # the add tool (1 MiB) and ten others written
             elif answer == "broken":
                 first = len(body) - 40
-            for i in range(0, len(body), 8192):
+            step = 8192 if answer else 256 << 10  # the list itself in large writes: pieces judged in a thread
+            for i in range(0, len(body), step):
                 if i >= first and self.released_in_time is None:
                     self.released_in_time = await asyncio.to_thread(self.release.wait, 20)
-                await resp.write(body[i:i + 8192])
+                await resp.write(body[i:i + step])
             await resp.write_eof()
             return resp
 
