@@ -61,11 +61,13 @@ TARGET = 1.5  # tether's tools/list time against direct
 MAX_GRANTS = 200  # tool grants one link can carry (a link is a JWS of at most 8 KiB: tether.chain_invalid past it)
 KINDS = ("sse", "json")
 
-# The upstream in a process of its own. argv: port, tools, MB, piece. Prints "ready" once listening.
+# The upstream in a process of its own. argv: port, tools, MB, piece, rate (MB/s, 0: as fast as it can). Prints
+# "ready" once listening.
 UPSTREAM_CODE = r"""
-import asyncio, json, sys
+import asyncio, json, sys, time
 from aiohttp import web
 port, count, mb, piece = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+rate = float(sys.argv[5]) * 1e6
 pad = max(0, int(mb * 1024 * 1024 / count) - 120)
 tools = [{"name": "add", "description": "adds", "inputSchema": {"type": "object"}}]
 tools += [{"name": f"tool_{i:06d}", "description": f"tool {i} " + "x" * pad,
@@ -87,8 +89,11 @@ async def mcp(request):
     resp.content_length = len(body)
     await resp.prepare(request)
     view = memoryview(body)
+    began = time.monotonic()
     for i in range(0, len(body), piece):
         await resp.write(view[i:i + piece])
+        if rate:  # a slow upstream: the answer written at ``rate`` bytes a second
+            await asyncio.sleep(max(0.0, began + (i + piece) / rate - time.monotonic()))
     await resp.write_eof()
     return resp
 
@@ -100,9 +105,9 @@ web.run_app(app, host="127.0.0.1", port=port, print=lambda *_: print("ready", fl
 
 
 class Upstream:
-    def __init__(self, tools: int, mb: float, piece: int) -> None:
+    def __init__(self, tools: int, mb: float, piece: int, rate: float = 0.0) -> None:
         self.port = free_port()
-        self.args = [str(self.port), str(tools), str(mb), str(piece)]
+        self.args = [str(self.port), str(tools), str(mb), str(piece), str(rate)]
         self.proc: subprocess.Popen[str] | None = None
         self.size = 0
 
@@ -230,6 +235,8 @@ def main() -> int:
     parser.add_argument("--hide-every", type=int, default=10,
                         help="tether some hidden: every N-th listed tool is not granted")
     parser.add_argument("--piece", type=int, default=16384, help="bytes per write of the upstream")
+    parser.add_argument("--upstream-rate", type=float, default=0.0, metavar="MB_S",
+                        help="the upstream writes the answer at this many MB a second (0: as fast as it can)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", metavar="PYTHON:TREE",
                         help="also run each tether setup's sidecar from another checkout (the code before a change), "
@@ -245,7 +252,7 @@ def main() -> int:
           f"python {platform.python_version()}  load average {os.getloadavg()[0]:.2f}")
     work = Path(tempfile.mkdtemp(prefix="tether-bench-list-"))
     with ExitStack() as stack:
-        upstream = Upstream(args.tools, args.mb, args.piece).start()
+        upstream = Upstream(args.tools, args.mb, args.piece, args.upstream_rate).start()
         stack.callback(upstream.stop)
         ca = make_test_ca(work / "ca")
         cp = prepare_controlplane(work / "cp", free_port(), free_port(), upstream.port, lease_ttl=15.0)
@@ -283,7 +290,8 @@ def main() -> int:
                 **{k: v.proc.pid if v.proc else None for k, v in sidecars.items()}}
         print(f"  answer {upstream.size / 1e6:.1f} MB, {args.tools + 1} tools, granted (besides add): "
               f"{', '.join(f'{k} {len(v)}' for k, v in grants.items())}; "
-              f"upstream writes of {args.piece} bytes, {args.rounds} rounds")
+              f"upstream writes of {args.piece} bytes"
+              f"{f' at {args.upstream_rate:g} MB/s' if args.upstream_rate else ''}, {args.rounds} rounds")
         results: dict[tuple[str, str], list[dict[str, Any]]] = {(k, s): [] for k in kinds for s in setups}
         for r in range(args.rounds):
             for kind in kinds:

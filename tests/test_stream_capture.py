@@ -60,8 +60,9 @@ def test_sse_chunked_and_large_answers_are_in_the_capture_up_to_the_bound(world:
 
 
 class BigListServer(ToolServer):
-    """POST /mcp: ``tools/list`` answers about ``mb`` MB of JSON (one body, held whole by the sidecar's list
-    filter and so captured whole), each tool with a key redaction walks; anything else answers ``add`` at once."""
+    """POST /mcp: ``tools/list`` answers about ``mb`` MB of JSON (one body, filtered by the sidecar's list filter
+    as it arrives and captured whole), each tool with a key redaction walks; anything else answers ``add`` at
+    once."""
 
     def __init__(self, mb: int = 10) -> None:
         super().__init__()

@@ -21,7 +21,7 @@ from mitmproxy import http
 from tether.capability import errors as codes
 from tether.capability.catalog import Catalog
 
-from . import mcp
+from . import liststream, mcp, streamlayer
 from .capture import CaptureWriter, ParsedBody
 from .enforce import STREAM_THRESHOLD
 from .flowstate import call_of, refuse, state_of
@@ -138,7 +138,8 @@ class McpFilter:
     resource is dropped; and a refused JSON-RPC request is answered the way a server answers (HTTP 200).
 
     Every answer from an MCP server is read before it reaches the agent: SSE streams event by event (any line
-    ending, decoded when the server compressed them), JSON answers to a request that lists items whole. An
+    ending, decoded when the server compressed them), JSON answers to a request that lists items whole, but a
+    large one to a POST of one list request, which is filtered item by item as it arrives (``liststream``). An
     answer to a list request that cannot be read (an unknown or broken Content-Encoding, a body that is neither
     JSON nor SSE) is replaced by a JSON-RPC error; it never passes unfiltered."""
 
@@ -206,6 +207,12 @@ class McpFilter:
             return
         self._sessions(flow, server, resp)
         media = mcp.media_type(resp.headers.get("content-type", ""))
+        if mcp.is_json(media) and self._only_lists(flow) and streamlayer.installed() and liststream.streamable(
+                resp.status_code, resp.headers, flow.request.http_version):
+            # a large JSON list filtered as it arrives, item by item (tether/proxy/liststream.py); its headers
+            # wait for the first judged byte, and until then it may still be filtered whole (below)
+            resp.stream = streamlayer.StreamedList(liststream.JsonListStream(self._allowed(server, flow)))
+            return
         if media != mcp.SSE or self._only_lists(flow):
             if self._lists_items(flow) or is_listen(flow):
                 state.no_stream = True  # read whole and filtered in response()
@@ -230,6 +237,12 @@ class McpFilter:
         resp = flow.response
         if server is None or resp is None or state.refused is not None:
             return None
+        if isinstance(resp.stream, streamlayer.StreamedList):
+            if resp.stream.stream.finished:  # filtered as it passed; the body is what passed
+                if resp.raw_content is not None:
+                    state.answer_parse = ParsedBody(resp.raw_content, resp.stream.stream.value)
+                return None
+            resp.stream = False  # never streamed (its headers ended the answer): filtered whole below
         if resp.stream:
             sse = state.mcp_sse
             call = state.call
@@ -441,8 +454,10 @@ class Capture:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         resp = flow.response
-        if resp is not None and resp.stream and not isinstance(resp.stream, _Tee) and call_of(flow) is not None:
+        if resp is not None and resp.stream and not isinstance(resp.stream, (_Tee, streamlayer.StreamedList)) \
+                and call_of(flow) is not None:
             resp.stream = _Tee(resp.stream, self.stream_bytes)  # lives and goes with the flow
+        # (a StreamedList keeps what passed itself: the capture gets the whole final body, as when held)
 
     def request(self, flow: http.HTTPFlow) -> None:
         call = call_of(flow)

@@ -293,12 +293,13 @@ def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[A
     just as a whole answer with nothing removed passes as the server wrote it."""
     if not isinstance(listed, Sourced):
         return [e for e in listed if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])]
-    kept = jsonpieces.Verbatim()
+    kept = Spliced(listed)
     text, spans = listed.text, listed.spans
-    for e, (start, end) in zip(listed, spans, strict=True):
+    for at, (e, (start, end)) in enumerate(zip(listed, spans, strict=True)):
         if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field]):
             kept.append(e)
             kept.texts.append(text[start:end])
+            kept.keep.append(at)
     return kept
 
 
@@ -517,6 +518,7 @@ class SseListsFilter:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
         value, removed = filter_lists_message(value, self.allowed)
+        release(value)  # an SSE message is never spliced
         if not removed:
             return event, value
         self.removed += removed
@@ -565,32 +567,47 @@ def loads_pieces(raw: bytes | memoryview | str) -> Any:
     """What ``json.loads(raw)`` returns (and raises), read in pieces: objects key by key down to
     ``PIECES_DEPTH``, every array element by element. A view is decoded as its bytes would be, without a copy
     of them first."""
+    return loads_pieces_checked(raw)[0]
+
+
+def loads_pieces_checked(raw: bytes | memoryview | str) -> tuple[Any, bool]:
+    """``loads_pieces``, and whether an object it walked (down to ``PIECES_DEPTH``) names a key twice: JSON
+    keeps the last, a client may keep the first, so such an answer is never spliced (``splice``)."""
     if isinstance(raw, memoryview):
         raw = str(raw, json.detect_encoding(bytes(raw[:4])), "surrogatepass")
     elif isinstance(raw, bytes):
         raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
     if raw.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", raw, 0)
-    value, end = _piece(raw, _WS.match(raw, 0).end(), PIECES_DEPTH, top=True)  # type: ignore[union-attr]
+    twice: list[str] = []
+    value, end = _piece(raw, _WS.match(raw, 0).end(), PIECES_DEPTH, True, twice)  # type: ignore[union-attr]
     end = _WS.match(raw, end).end()  # type: ignore[union-attr]
     if end != len(raw):
         raise json.JSONDecodeError("Extra data", raw, end)
-    return value
+    return value, bool(twice)
+
+
+def names_a_key_twice(text: str, depth: int) -> bool:
+    """Whether the JSON value ``text`` (read whole already) names a key twice in an object ``loads_pieces``
+    would walk ``depth`` levels from it (``liststream`` asks of a message's members it reads whole)."""
+    twice: list[str] = []
+    _piece(text, 0, depth, False, twice)
+    return bool(twice)
 
 
 def _skip(text: str, i: int) -> int:
     return _WS.match(text, i).end()  # type: ignore[union-attr]
 
 
-def _piece(text: str, i: int, depth: int, top: bool = False) -> tuple[Any, int]:
+def _piece(text: str, i: int, depth: int, top: bool = False, twice: list[str] | None = None) -> tuple[Any, int]:
     if depth > 0 and text.startswith("{", i):
-        return _object(text, i, depth)
+        return _object(text, i, depth, twice)
     if depth > 0 and text.startswith("[", i):
-        return _array(text, i, depth, top)
+        return _array(text, i, depth, top, twice)
     return _DECODER.raw_decode(text, i)
 
 
-def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
+def _object(text: str, i: int, depth: int, twice: list[str] | None = None) -> tuple[dict[str, Any], int]:
     obj: dict[str, Any] = {}
     i = _skip(text, i + 1)
     if text.startswith("}", i):
@@ -602,7 +619,9 @@ def _object(text: str, i: int, depth: int) -> tuple[dict[str, Any], int]:
         i = _skip(text, i)
         if not text.startswith(":", i):
             raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-        obj[key], i = _piece(text, _skip(text, i + 1), depth - 1)
+        if twice is not None and key in obj:
+            twice.append(key)
+        obj[key], i = _piece(text, _skip(text, i + 1), depth - 1, False, twice)
         i, done = _after_member(text, i, "}")
         if done:
             return obj, i
@@ -616,18 +635,32 @@ class Sourced(list):  # type: ignore[type-arg]
         super().__init__()
         self.text = text
         self.spans: list[tuple[int, int]] = []
+        self.open = self.close = 0  # where its ``[`` and its ``]`` are in ``text``
 
 
-def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
+class Spliced(jsonpieces.Verbatim):
+    """What a filter kept of a ``Sourced`` list: the kept items' texts, and which of the list's items they are."""
+
+    def __init__(self, source: Sourced) -> None:
+        super().__init__()
+        self.source: Sourced | None = source  # released once the answer is written (``release``)
+        self.keep: list[int] = []
+
+
+def _array(text: str, i: int, depth: int, top: bool, twice: list[str] | None = None) -> tuple[list[Any], int]:
     """Each element read whole (one C call each), but a batch's (the top-level array's) messages, which are
     walked in turn to reach their lists. Below the top, where each element's text is is kept (``Sourced``)."""
     items: list[Any] = [] if top else Sourced(text)
+    if not top:
+        items.open = i  # type: ignore[attr-defined]
     i = _skip(text, i + 1)
     if text.startswith("]", i):
+        if not top:
+            items.close = i  # type: ignore[attr-defined]
         return items, i + 1
     while True:
         if top:
-            item, i = _piece(text, i, depth - 1)
+            item, i = _piece(text, i, depth - 1, False, twice)
         else:
             start = i
             item, i = _DECODER.raw_decode(text, i)
@@ -635,6 +668,8 @@ def _array(text: str, i: int, depth: int, top: bool) -> tuple[list[Any], int]:
         items.append(item)
         i, done = _after_member(text, i, "]")
         if done:
+            if not top:
+                items.close = i - 1  # type: ignore[attr-defined]
             return items, i
 
 
@@ -659,6 +694,7 @@ class ReadAnswer:
     sse: bool
     value: Any = None  # JSON: the body's value
     events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
+    twice: bool = False  # JSON: an object the parse walked names a key twice (the answer is never spliced)
 
 
 def whole_events(body: bytes) -> list[bytes]:
@@ -684,7 +720,8 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
     JSON."""
     if not sse:
         try:
-            return ReadAnswer(body, False, value=loads_pieces(body))
+            value, twice = loads_pieces_checked(body)
+            return ReadAnswer(body, False, value=value, twice=twice)
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise Unreadable("the answer is not JSON") from None
     events = []
@@ -748,10 +785,13 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
         if not removed:
+            release(answer.value)
             return Filtered(answer.body, 0, sse, answer.value)
         if value is None:
             return Filtered(b"", removed, sse)
-        return Filtered(_encoded(value), removed, sse, value)
+        spliced = None if answer.twice else splice(value, removed)
+        release(value)
+        return Filtered(_encoded(value) if spliced is None else spliced, removed, sse, value)
     out, values = [], []
     for event, data, value in answer.events:
         if data is None:
@@ -768,3 +808,65 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
 
 
 SseToolsFilter = SseListsFilter  # the name it had when it filtered only tools/list answers
+
+
+# -- a JSON answer with items removed: the server's text without them ---------------------------------------
+def splice(value: Any, removed: int) -> bytes | None:
+    """The answer's own text with the removed items cut out, when every item removed was removed from a list
+    ``loads_pieces`` read (a ``Sourced``, its text the answer's): what was not removed passes as the server
+    wrote it, the envelope included, so a filter that streams the answer (``liststream``) writes the same bytes
+    as this one, item by item. A list with items removed keeps the text before its first item and, before each
+    later kept item, the text that preceded that item (its comma and spacing), then the text after its last
+    item: nothing removed, that is the list's own text. None when something else was removed (a notification,
+    a list read whole): the answer is then encoded afresh (``_encoded``)."""
+    lists: list[Spliced] = []
+    _spliced_lists(value, PIECES_DEPTH, True, lists)
+    sources = [k.source for k in lists]
+    if not lists or None in sources or sum(len(s) - len(k) for k, s in zip(lists, sources, strict=True)) != removed:
+        return None
+    text = lists[0].source.text  # type: ignore[union-attr]
+    if any(k.source.text is not text for k in lists):  # type: ignore[union-attr]
+        return None
+    out, cursor = [], 0
+    for kept in sorted(lists, key=lambda k: k.source.open):  # type: ignore[union-attr]
+        source = kept.source
+        assert source is not None
+        out.append(text[cursor:source.open + 1])
+        out.extend(_list_pieces(kept))
+        cursor = source.close
+    out.append(text[cursor:])
+    return "".join(out).encode("utf-8", "surrogatepass")
+
+
+def release(value: Any) -> None:
+    """Let go of the texts the ``Spliced`` lists of a filtered value were read from (a 10 MB answer's, decoded),
+    once it is written: the value lives on for the capture, and so would they."""
+    lists: list[Spliced] = []
+    _spliced_lists(value, PIECES_DEPTH, True, lists)
+    for kept in lists:
+        kept.source = None
+
+
+def _list_pieces(kept: Spliced) -> Iterator[str]:
+    """A ``Spliced`` list's text from after its ``[`` to before its ``]`` (see ``splice``)."""
+    source = kept.source
+    assert source is not None
+    text, spans = source.text, source.spans
+    for n, (at, item_text) in enumerate(zip(kept.keep, kept.texts, strict=True)):
+        # the first kept item: the text before the list's first item; a later one: the text before it
+        yield text[source.open + 1:spans[0][0]] if n == 0 else text[spans[at - 1][1]:spans[at][0]]
+        yield item_text
+    yield text[spans[-1][1] if spans else source.open + 1:source.close]
+
+
+def _spliced_lists(value: Any, depth: int, top: bool, into: list[Spliced]) -> None:
+    """The ``Spliced`` lists in a filtered value, where ``loads_pieces`` may have read them (a short walk)."""
+    if isinstance(value, Spliced):
+        into.append(value)
+    elif isinstance(value, dict) and depth > 0:
+        for member in value.values():
+            if isinstance(member, (dict, list)):
+                _spliced_lists(member, depth - 1, False, into)
+    elif isinstance(value, list) and top and depth > 0:
+        for member in value:
+            _spliced_lists(member, depth - 1, False, into)

@@ -22,7 +22,7 @@ from mitmproxy import hooks
 log = logging.getLogger("tether.sidecar")
 
 HOOKS = ("http_connect", "tls_clienthello", "requestheaders", "request", "responseheaders", "response", "error",
-         "tcp_start", "udp_start", "websocket_message", "websocket_end")
+         "tcp_start", "udp_start", "websocket_message", "websocket_end", "tether_list_piece")
 
 Handler = Callable[..., Any]
 
@@ -58,6 +58,7 @@ class Pipeline:
     udp_start = _relay("udp_start")
     websocket_message = _relay("websocket_message")
     websocket_end = _relay("websocket_end")
+    tether_list_piece = _relay("tether_list_piece")  # proxy.streamlayer's own hook
 
     @staticmethod
     def _run(handlers: tuple[Handler, ...], flow: Any) -> Awaitable[None] | None:

@@ -40,6 +40,7 @@ from .mitmaddons import Master, block, core, disable_h2c, dns_resolver, next_lay
 from .relay import direct_relay
 from .state import Call, SidecarState
 from .stdio import StdioRoutes, serves_stdio
+from .streamlayer import ListPieces, stream_lists
 from .telemetry import call_tracing
 from .transparent import Transparent, serve_dns, serve_enclosure
 
@@ -174,6 +175,7 @@ def tether_addons(config: SidecarConfig, catalog: Catalog, state: SidecarState, 
     answer_early()  # refusals that must not wait for the request body (tether/proxy/framing.py)
     bulk_transfers()  # large bodies in pieces of 1 MiB, not 64 KiB (tether/proxy/framing.py)
     direct_relay()  # a body nobody inspects goes socket to socket (tether/proxy/relay.py)
+    stream_lists()  # a large JSON list answer filtered as it arrives (tether/proxy/streamlayer.py)
     spend = budgets.spend if budgets.active else None
     tracing = call_tracing(state.agent, run_id, resolved)
     mcp_calls = McpCalls(state, McpLedger())  # after the decision, before the hold and the forwarder
@@ -183,6 +185,7 @@ def tether_addons(config: SidecarConfig, catalog: Catalog, state: SidecarState, 
                        CredentialRoutes(catalog),  # before an approval, a budget unit, a spooled start
                        mcp_calls, Holds(state, await_approval), Forwarder(state, spend, start),
                        Injector(catalog, credentials, state), McpFilter(catalog, state.tier, mcp_calls),
+                       ListPieces(),
                        Streamer(), WebsocketBound()]
     if config.capture:
         ours.append(Capture(capture, config.allow_uncaptured))
