@@ -320,7 +320,7 @@ class JsonListStream:
             self._odd("the answer is not JSON")  # a comma before the bracket
         item, end = self._value(at)
         field = item.get(self._field) if isinstance(item, dict) else None
-        if isinstance(field, str) and self._judge(field):
+        if isinstance(field, str) and self._judge(field) and not mcp.names_twice(self._buf, at, end, self._field):
             self._pending.append(self._gap if self._kept else self._lead)
             self._pending.append(self._buf[at:end])
             self._listed.append(item)

@@ -296,11 +296,27 @@ def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[A
     kept = Spliced(listed)
     text, spans = listed.text, listed.spans
     for at, (e, (start, end)) in enumerate(zip(listed, spans, strict=True)):
-        if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field]):
+        if (isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])
+                and not names_twice(text, start, end, field)):
             kept.append(e)
             kept.texts.append(text[start:end])
             kept.keep.append(at)
     return kept
+
+
+def names_twice(text: str, start: int, end: int, field: str) -> bool:
+    """Whether the object ``text[start:end]`` (read already) names ``field`` twice at its top: JSON keeps the
+    last, a client may keep the first, so ``{"name": "hidden", "name": "granted"}`` is not the tool it was
+    judged to be, and is removed (fail closed). A second spelling of the key needs the key itself or a
+    ``\\u`` escape in the text, so an item with neither is not walked (most are not)."""
+    if text.find("\\u", start, end) < 0:
+        quoted = f'"{field}"'
+        at = text.find(quoted, start, end)
+        if at < 0 or text.find(quoted, at + len(quoted), end) < 0:
+            return False
+    twice: list[str] = []
+    _object(text, start, 1, twice)
+    return field in twice
 
 
 def _filter_tools_param(params: Any, visible: Visible) -> int:
@@ -502,24 +518,26 @@ class SseListsFilter:
             return event
         payload = data[2]
         try:
-            value = json.loads(payload if isinstance(payload, bytes) else bytes(payload))
+            value, twice = loads_pieces_checked(payload if isinstance(payload, bytes) else bytes(payload))
         except (ValueError, UnicodeDecodeError, RecursionError):
             self.dropped += 1
             return DROPPED
-        return self.rewrite_parsed(event, data, value)
+        return self.rewrite_value(event, data, value, twice)[0]
 
-    def rewrite_parsed(self, event: bytes, data: EventData, value: Any) -> bytes:
+    def rewrite_parsed(self, event: bytes, data: EventData, value: Any, twice: bool = False) -> bytes:
         """The event, its payload parsed already (``value``), with what the agent does not hold removed."""
-        return self.rewrite_value(event, data, value)[0]
+        return self.rewrite_value(event, data, value, twice)[0]
 
-    def rewrite_value(self, event: bytes, data: EventData, value: Any) -> tuple[bytes, Any]:
-        """``rewrite_parsed``, and the value of the event's data as it passes (None: the event is dropped)."""
+    def rewrite_value(self, event: bytes, data: EventData, value: Any, twice: bool = False) -> tuple[bytes, Any]:
+        """``rewrite_parsed``, and the value of the event's data as it passes (None: the event is dropped).
+        ``twice``: the payload names a key twice where the parse walked it (``two_ways``)."""
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
+        fresh = two_ways(twice)
         value, removed = filter_lists_message(value, self.allowed)
         release(value)  # an SSE message is never spliced
-        if not removed:
+        if not removed and not fresh:
             return event, value
         self.removed += removed
         if value is None:
@@ -694,7 +712,8 @@ class ReadAnswer:
     sse: bool
     value: Any = None  # JSON: the body's value
     events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
-    twice: bool = False  # JSON: an object the parse walked names a key twice (the answer is never spliced)
+    twice: bool = False  # JSON: an object the parse walked names a key twice (``two_ways``)
+    twice_events: frozenset[int] = frozenset()  # SSE: the events whose data names a key twice so
 
 
 def whole_events(body: bytes) -> list[bytes]:
@@ -724,17 +743,20 @@ def read_answer(body: bytes, sse: bool) -> ReadAnswer:
             return ReadAnswer(body, False, value=value, twice=twice)
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise Unreadable("the answer is not JSON") from None
-    events = []
-    for event in whole_events(body):
+    events, twice_events = [], set()
+    for n, event in enumerate(whole_events(body)):
         data = event_data(event)
         value: Any = None
         if data is not None:
             try:
-                value = loads_pieces(data[2])
+                value, twice = loads_pieces_checked(data[2])
             except (ValueError, UnicodeDecodeError, RecursionError):
                 value = UNREADABLE
+            else:
+                if twice:
+                    twice_events.add(n)
         events.append((event, data, value))
-    return ReadAnswer(body, True, events=tuple(events))
+    return ReadAnswer(body, True, events=tuple(events), twice_events=frozenset(twice_events))
 
 
 def dumps_pieces(value: Any) -> str:
@@ -766,6 +788,16 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
 NO_VALUE = object()  # ``Filtered.value`` of an answer whose bytes are not one JSON value (SSE, or nothing left)
 
 
+def two_ways(twice: bool) -> bool:
+    """Whether the server's text of a message may read differently to the agent's client than to the filter, so
+    it may not pass as written: an object the parse walked (the envelope, down to the lists) names a key twice
+    (``loads_pieces_checked``: Python's JSON keeps the last, some clients the first, so a second ``tools`` list
+    or ``result`` could show a client what was judged hidden). Such a message is encoded from what was judged,
+    its kept list items written as the server wrote them (``_encoded``): an item naming its judged field twice
+    is removed (``names_twice``), so what is left of an item reads one way."""
+    return twice
+
+
 @dataclass(frozen=True)
 class Filtered:
     """``filter_answer``'s outcome, with ``value``: the JSON value ``body`` encodes (a JSON answer's), or the list
@@ -784,23 +816,27 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
     sse = SseListsFilter(allowed)
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
+        if value is not None and two_ways(answer.twice):
+            body = _encoded(value)
+            release(value)
+            return Filtered(body, removed, sse, value)
         if not removed:
             release(answer.value)
             return Filtered(answer.body, 0, sse, answer.value)
         if value is None:
             return Filtered(b"", removed, sse)
-        spliced = None if answer.twice else splice(value, removed)
+        spliced = splice(value, removed)
         release(value)
         return Filtered(_encoded(value) if spliced is None else spliced, removed, sse, value)
     out, values = [], []
-    for event, data, value in answer.events:
+    for n, (event, data, value) in enumerate(answer.events):
         if data is None:
             out.append(event)
         elif value is UNREADABLE:
             sse.dropped += 1
             out.append(DROPPED)
         else:
-            passed, value = sse.rewrite_value(event, data, value)
+            passed, value = sse.rewrite_value(event, data, value, n in answer.twice_events)
             out.append(passed)
             if passed:
                 values.append(value)
