@@ -297,10 +297,24 @@ def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[A
     text, spans = listed.text, listed.spans
     for at, (e, (start, end)) in enumerate(zip(listed, spans, strict=True)):
         if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field]):
+            item = text[start:end]
+            if names_field_twice(item, field):
+                continue
             kept.append(e)
-            kept.texts.append(text[start:end])
+            kept.texts.append(item)
             kept.keep.append(at)
     return kept
+
+
+def names_field_twice(item: str, field: str) -> bool:
+    """Whether a kept item's text (an object, passed as the server wrote it) names its judged field twice: the
+    parse judged the last, a client may read the first (a hidden name), so such an item is removed. Only an
+    escape (``\\u``) or the key spelled twice can do it; else no second look."""
+    if item.count(f'"{field}"') < 2 and "\\u" not in item:
+        return False
+    twice: list[str] = []
+    _piece(item, 0, 1, False, twice)
+    return field in twice
 
 
 def _filter_tools_param(params: Any, visible: Visible) -> int:

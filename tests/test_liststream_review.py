@@ -1,0 +1,103 @@
+"""Review of the streamed list filter (branch ``review-ls``): an item that names its judged field twice, a judge
+that fails mid-piece, an item full of closing braces read in small pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from tether.proxy import liststream, mcp, streamlayer
+
+from .test_liststream import agrees, buffered, chunked
+
+HIDDEN = "delete_everything"
+
+
+@pytest.mark.parametrize("item", [
+    '{"name": "delete_everything", "name": "add"}',  # a client that keeps the first key reads the hidden name
+    '{"na\\u006de": "delete_everything", "name": "add"}',
+    '{"name": "add", "description": "x", "name": "add", "name\\u0000": 1}',
+])
+def test_an_item_that_names_its_field_twice_never_passes(item: str) -> None:
+    body = ('{"jsonrpc": "2.0", "id": 1, "result": {"tools": [{"name": "send_email"}, ' + item + ']}}').encode()
+    want = buffered(body)
+    assert want[0] == "passed" and want[2] == 1, want  # removed by the buffered filter
+    assert json.loads(want[1])["result"]["tools"] == [{"name": "send_email"}]
+    for edges in ([], list(range(0, len(body), 7))):
+        assert agrees(body, chunked(body, edges)) == want  # and by the stream, the same bytes
+
+
+def test_an_item_that_names_another_key_twice_passes_as_the_server_wrote_it() -> None:
+    body = b'{"id": 1, "result": {"tools": [{"name": "add", "d": 1, "d": 2}, {"name": "slow"}]}}'
+    want = buffered(body)
+    assert want[0] == "passed" and want[2] == 1 and b'"d": 1, "d": 2' in want[1]
+    assert agrees(body, [body]) == want
+
+
+def test_a_kept_sampling_tool_that_names_its_field_twice_is_removed() -> None:
+    value = mcp.loads_pieces('{"id": 1, "method": "sampling/createMessage", "params": {"tools": '
+                             '[{"name": "delete_everything", "name": "add"}, {"name": "add"}]}}')
+    value, removed = mcp.filter_lists_message(value, lambda name: name == "add")
+    assert removed == 1 and value["params"]["tools"] == [{"name": "add"}]
+
+
+def test_a_judge_that_fails_mid_piece_cuts_the_answer_and_never_reads_the_piece_twice() -> None:
+    """The hook's failure is logged and swallowed (``pipeline._finish``); the stream step then judges the piece
+    itself (``streamlayer``): the piece must not be read twice on a half-advanced reader, and a judge that cannot
+    decide must not let the answer go on (fail closed)."""
+    calls: list[str] = []
+
+    def judge(name: str) -> bool:
+        calls.append(name)
+        if name == "boom" and calls.count("boom") == 1:
+            raise RuntimeError("the catalog failed")
+        return name in ("add", "boom")
+
+    head = b'{"id": 1, "result": {"tools": [{"name": "add"}, '
+    held = streamlayer.StreamedList(liststream.JsonListStream(judge))
+    out = b""
+    for piece in (head, b'{"name": "boom"}, {"name": "x"}, ', b'{"name": "add"}]}}'):
+        held.judged, held.next = None, (piece, False)
+        try:
+            asyncio.run(held.judge(piece, False))
+        except RuntimeError:
+            pass  # as tether's pipeline does with a failing hook
+        got, failed = held.judged if held.judged is not None else held.run(piece, False)
+        if failed is not None:
+            assert isinstance(failed, liststream.Cut | liststream.Fallback)
+            return  # refused: the answer is cut (or filtered whole)
+        out += got
+    out += held.stream.finish()
+    pytest.fail(f"a judge that failed did not stop the answer: {out!r} (judged {calls})")
+
+
+class _Counting:
+    """``json.JSONDecoder`` counting the characters each ``raw_decode`` starts before."""
+
+    def __init__(self) -> None:
+        self.read = 0
+        self.inner = json.JSONDecoder()
+
+    def raw_decode(self, s: str, idx: int = 0) -> tuple[Any, int]:
+        self.read += len(s) - idx
+        return self.inner.raw_decode(s, idx)
+
+
+@pytest.mark.parametrize("size", [1 << 20, 48 << 10])
+def test_an_item_full_of_closing_braces_is_not_read_again_per_piece(size: int, monkeypatch: Any) -> None:
+    """Each small piece of a large item brings a ``}`` (an inputSchema's nested objects): a try per piece is
+    quadratic in the item (a 1 MB item in 4 KiB pieces: ~130 MB parsed on the event loop, pieces under
+    ``THREAD_BYTES`` are judged there)."""
+    schema = '{"a": {}}, ' * (size // 11)
+    body = ('{"id": 1, "result": {"tools": [{"name": "add", "inputSchema": [' + schema + '{}]}, '
+            + '{"name": "slow"}]}}').encode()
+    counting = _Counting()
+    monkeypatch.setattr(liststream, "_DECODER", counting)
+    for piece in (4096, 512):
+        counting.read = 0
+        pieces = chunked(body, list(range(0, len(body), piece)))
+        assert agrees(body, pieces) == buffered(body)
+        assert counting.read < 8 * len(body), (piece, counting.read / len(body))
