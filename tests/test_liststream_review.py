@@ -44,7 +44,9 @@ def test_a_kept_sampling_tool_that_names_its_field_twice_is_removed() -> None:
     assert removed == 1 and value["params"]["tools"] == [{"name": "add"}]
 
 
-def test_a_judge_that_fails_mid_piece_cuts_the_answer_and_never_reads_the_piece_twice() -> None:
+@pytest.mark.parametrize("head", [b'{"id": 1, "result": {"tools": [{"name": "add"}, ',
+                                  b'{"id": 1, "result": {"tools": ['])
+def test_a_judge_that_fails_mid_piece_refuses_the_answer_and_never_reads_the_piece_twice(head: bytes) -> None:
     """The hook's failure is logged and swallowed (``pipeline._finish``); the stream step then judges the piece
     itself (``streamlayer``): the piece must not be read twice on a half-advanced reader, and a judge that cannot
     decide must not let the answer go on (fail closed)."""
@@ -56,19 +58,23 @@ def test_a_judge_that_fails_mid_piece_cuts_the_answer_and_never_reads_the_piece_
             raise RuntimeError("the catalog failed")
         return name in ("add", "boom")
 
-    head = b'{"id": 1, "result": {"tools": [{"name": "add"}, '
     held = streamlayer.StreamedList(liststream.JsonListStream(judge))
     out = b""
-    for piece in (head, b'{"name": "boom"}, {"name": "x"}, ', b'{"name": "add"}]}}'):
+    pieces = (head, b'{"name": "boom"}, {"name": "x"}, ', b'{"name": "add"}]}}')
+    for n, piece in enumerate(pieces):
         held.judged, held.next = None, (piece, False)
         try:
             asyncio.run(held.judge(piece, False))
         except RuntimeError:
             pass  # as tether's pipeline does with a failing hook
         got, failed = held.judged if held.judged is not None else held.run(piece, False)
+        if isinstance(failed, liststream.Fallback):  # nothing passed: every byte, once, for the buffered filter
+            assert out == b"" and held.stream.raw is not None
+            assert b"".join(held.stream.raw + list(pieces[n + 1:])) == b"".join(pieces)
+            return
         if failed is not None:
-            assert isinstance(failed, liststream.Cut | liststream.Fallback)
-            return  # refused: the answer is cut (or filtered whole)
+            assert isinstance(failed, liststream.Cut) and out and held.run(b"", True)[1] is not None
+            return  # cut, and never judged again
         out += got
     out += held.stream.finish()
     pytest.fail(f"a judge that failed did not stop the answer: {out!r} (judged {calls})")

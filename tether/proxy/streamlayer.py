@@ -64,10 +64,10 @@ class StreamedList:
             return (self.stream.finish() if final else self.stream.feed(piece)), None
         except (Fallback, Cut) as exc:
             return b"", exc
-        except Exception as exc:  # a judge that cannot decide refuses (fail closed): the answer is cut
+        except Exception as exc:  # a judge that cannot decide refuses (fail closed): filtered whole, or cut
             self.failed = True
             self.stream.reason = f"the filter failed: {exc!r}"
-            return b"", Cut(self.stream.reason)
+            return b"", (Cut if self.stream.sent else Fallback)(self.stream.reason)
 
     async def judge(self, piece: bytes, final: bool) -> None:
         """Judge a piece away from the event loop when it is large (the hook ``ListPieceHook`` starts)."""
