@@ -107,3 +107,26 @@ def test_an_item_full_of_closing_braces_is_not_read_again_per_piece(size: int, m
         pieces = chunked(body, list(range(0, len(body), piece)))
         assert agrees(body, pieces) == buffered(body)
         assert counting.read < 8 * len(body), (piece, counting.read / len(body))
+
+
+def test_the_piece_that_ends_a_large_item_is_judged_off_the_event_loop(monkeypatch: Any) -> None:
+    """A large item dribbled in small pieces is parsed whole when its last (small) piece arrives: that parse (and
+    that of every other unread text) belongs in the worker thread, not on the sidecar's event loop."""
+    body = b'{"id": 1, "result": {"tools": [{"name": "add", "description": "' + b"d" * (2 << 20) + b'"}]}}'
+    threaded: list[int] = []
+    real = asyncio.to_thread
+
+    async def to_thread(func: Any, *args: Any) -> Any:
+        threaded.append(held.stream.pending_chars() + len(args[0]))
+        return await real(func, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    held = streamlayer.StreamedList(liststream.JsonListStream(lambda name: name == "add"))
+    out = b""
+    for piece in chunked(body, list(range(0, len(body), 16384))):
+        asyncio.run(held.judge(piece, False))
+        assert held.judged is not None and held.judged[1] is None
+        out += held.judged[0]
+        if out and not threaded:
+            pytest.fail("the 2 MB item was parsed on the event loop")
+    assert threaded and json.loads(out + held.stream.finish())["result"]["tools"][0]["name"] == "add"

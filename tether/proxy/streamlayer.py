@@ -71,7 +71,8 @@ class StreamedList:
 
     async def judge(self, piece: bytes, final: bool) -> None:
         """Judge a piece away from the event loop when it is large (the hook ``ListPieceHook`` starts)."""
-        if len(piece) >= THREAD_BYTES or (final and self.stream.pending_chars() >= THREAD_BYTES):
+        # a small piece may end a large item (read whole then), so what waits unread counts as well as the piece
+        if len(piece) + self.stream.pending_chars() >= THREAD_BYTES:
             self.judged = await asyncio.to_thread(self.run, piece, final)
         else:
             self.judged = self.run(piece, final)
