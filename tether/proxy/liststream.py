@@ -320,11 +320,11 @@ class JsonListStream:
         if self._buf[at] == "]":
             self._odd("the answer is not JSON")  # a comma before the bracket
         item, end = self._value(at)
-        field_key = self._field
-        field = item.get(field_key) if isinstance(item, dict) else None
-        if isinstance(field, str) and self._judge(field) and not mcp.names_field_twice(self._buf[at:end], field_key):
+        field = item.get(self._field) if isinstance(item, dict) else None
+        text = self._buf[at:end] if isinstance(field, str) and self._judge(field) else None
+        if text is not None and not mcp.names_field_twice(text, self._field):  # (mcp._kept: the same)
             self._pending.append(self._gap if self._kept else self._lead)
-            self._pending.append(self._buf[at:end])
+            self._pending.append(text)
             self._listed.append(item)
             self._kept += 1
         else:

@@ -308,13 +308,21 @@ def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[A
 
 def names_field_twice(item: str, field: str) -> bool:
     """Whether a kept item's text (an object, passed as the server wrote it) names its judged field twice: the
-    parse judged the last, a client may read the first (a hidden name), so such an item is removed. Only an
-    escape (``\\u``) or the key spelled twice can do it; else no second look."""
-    if item.count(f'"{field}"') < 2 and "\\u" not in item:
+    parse judged the last, a client may read the first (a hidden name), so such an item is removed. A second
+    name a client could read needs the key twice with a string value (``"name": "``) or a key spelled with a
+    ``\\u`` escape (the last escape of such a key is followed by plain characters, its quote and a colon);
+    else no second look (an inputSchema's ``"name": {`` properties are not one)."""
+    named = _NAMED.get(field) or re.compile(f'"{re.escape(field)}"[ \\t\\n\\r]*:[ \\t\\n\\r]*"')
+    if (item.count(f'"{field}"') < 2 or len(named.findall(item)) < 2) and (
+            "\\u" not in item or not _KEY_ESCAPE.search(item)):
         return False
     twice: list[str] = []
     _piece(item, 0, 1, False, twice)
     return field in twice
+
+
+_KEY_ESCAPE = re.compile(r'\\u[0-9a-fA-F]{4}[^"\\]*"[ \t\n\r]*:')  # a key with an escape in it
+_NAMED = {field: re.compile(f'"{field}"[ \t\n\r]*:[ \t\n\r]*"') for field, _ in _LISTS.values()}
 
 
 def _filter_tools_param(params: Any, visible: Visible) -> int:
