@@ -36,7 +36,8 @@ from typing import Any
 from . import mcp
 
 ITEM_LIMIT = 4 << 20  # characters: the most of one unfinished member or list item held (else: not streamed)
-RETRY_FROM = 1 << 20  # characters: a value this large is tried again only once its text has grown by half
+RETRY_FROM = 4096  # characters: a value this large is tried again only once its text has grown by half (a
+# piece may bring a closing brace each, an inputSchema's nested objects: a try per piece is quadratic)
 STREAM_FROM = 64 * 1024  # bytes: an answer that says it is shorter is filtered whole (one read holds it)
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -320,9 +321,10 @@ class JsonListStream:
             self._odd("the answer is not JSON")  # a comma before the bracket
         item, end = self._value(at)
         field = item.get(self._field) if isinstance(item, dict) else None
-        if isinstance(field, str) and self._judge(field) and not mcp.names_twice(self._buf, at, end, self._field):
+        text = self._buf[at:end] if isinstance(field, str) and self._judge(field) else None
+        if text is not None and not mcp.names_field_twice(text, self._field):  # (mcp._kept: the same)
             self._pending.append(self._gap if self._kept else self._lead)
-            self._pending.append(self._buf[at:end])
+            self._pending.append(text)
             self._listed.append(item)
             self._kept += 1
         else:

@@ -296,27 +296,33 @@ def _kept(listed: list[Any], field: str, judge: Callable[[str], bool]) -> list[A
     kept = Spliced(listed)
     text, spans = listed.text, listed.spans
     for at, (e, (start, end)) in enumerate(zip(listed, spans, strict=True)):
-        if (isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field])
-                and not names_twice(text, start, end, field)):
+        if isinstance(e, dict) and isinstance(e.get(field), str) and judge(e[field]):
+            item = text[start:end]
+            if names_field_twice(item, field):
+                continue
             kept.append(e)
-            kept.texts.append(text[start:end])
+            kept.texts.append(item)
             kept.keep.append(at)
     return kept
 
 
-def names_twice(text: str, start: int, end: int, field: str) -> bool:
-    """Whether the object ``text[start:end]`` (read already) names ``field`` twice at its top: JSON keeps the
-    last, a client may keep the first, so ``{"name": "hidden", "name": "granted"}`` is not the tool it was
-    judged to be, and is removed (fail closed). A second spelling of the key needs the key itself or a
-    ``\\u`` escape in the text, so an item with neither is not walked (most are not)."""
-    if text.find("\\u", start, end) < 0:
-        quoted = f'"{field}"'
-        at = text.find(quoted, start, end)
-        if at < 0 or text.find(quoted, at + len(quoted), end) < 0:
-            return False
+def names_field_twice(item: str, field: str) -> bool:
+    """Whether a kept item's text (an object, passed as the server wrote it) names its judged field twice: the
+    parse judged the last, a client may read the first (a hidden name), so such an item is removed. A second
+    name a client could read needs the key twice with a string value (``"name": "``) or a key spelled with a
+    ``\\u`` escape (the last escape of such a key is followed by plain characters, its quote and a colon);
+    else no second look (an inputSchema's ``"name": {`` properties are not one)."""
+    named = _NAMED.get(field) or re.compile(f'"{re.escape(field)}"[ \\t\\n\\r]*:[ \\t\\n\\r]*"')
+    if (item.count(f'"{field}"') < 2 or len(named.findall(item)) < 2) and (
+            "\\u" not in item or not _KEY_ESCAPE.search(item)):
+        return False
     twice: list[str] = []
-    _object(text, start, 1, twice)
+    _piece(item, 0, 1, False, twice)
     return field in twice
+
+
+_KEY_ESCAPE = re.compile(r'\\u[0-9a-fA-F]{4}[^"\\]*"[ \t\n\r]*:')  # a key with an escape in it
+_NAMED = {field: re.compile(f'"{field}"[ \t\n\r]*:[ \t\n\r]*"') for field, _ in _LISTS.values()}
 
 
 def _filter_tools_param(params: Any, visible: Visible) -> int:
@@ -794,7 +800,7 @@ def two_ways(twice: bool) -> bool:
     (``loads_pieces_checked``: Python's JSON keeps the last, some clients the first, so a second ``tools`` list
     or ``result`` could show a client what was judged hidden). Such a message is encoded from what was judged,
     its kept list items written as the server wrote them (``_encoded``): an item naming its judged field twice
-    is removed (``names_twice``), so what is left of an item reads one way."""
+    is removed (``names_field_twice``), so what is left of an item reads one way."""
     return twice
 
 

@@ -53,18 +53,26 @@ class StreamedList:
         self.fell_back = False
         self.headers_sent = False
         self.cut: str | None = None
+        self.failed = False  # the reader raised what it should not (``run``)
         self.next: tuple[bytes, bool] | None = None  # the piece to judge, and whether it is the end
         self.judged: tuple[bytes, Exception | None] | None = None  # what it gave (``judge``)
 
     def run(self, piece: bytes, final: bool) -> tuple[bytes, Exception | None]:
+        if self.failed:  # a failed judge left the reader half-advanced: the piece is never read twice
+            return b"", Cut(self.stream.reason)
         try:
             return (self.stream.finish() if final else self.stream.feed(piece)), None
         except (Fallback, Cut) as exc:
             return b"", exc
+        except Exception as exc:  # a judge that cannot decide refuses (fail closed): filtered whole, or cut
+            self.failed = True
+            self.stream.reason = f"the filter failed: {exc!r}"
+            return b"", (Cut if self.stream.sent else Fallback)(self.stream.reason)
 
     async def judge(self, piece: bytes, final: bool) -> None:
         """Judge a piece away from the event loop when it is large (the hook ``ListPieceHook`` starts)."""
-        if len(piece) >= THREAD_BYTES or (final and self.stream.pending_chars() >= THREAD_BYTES):
+        # a small piece may end a large item (read whole then), so what waits unread counts as well as the piece
+        if len(piece) + self.stream.pending_chars() >= THREAD_BYTES:
             self.judged = await asyncio.to_thread(self.run, piece, final)
         else:
             self.judged = self.run(piece, final)
