@@ -3,7 +3,7 @@
 JSON keeps the last of a key named twice; some clients keep the first. ``{"name": "hidden", "name": "granted"}``
 is judged ``granted``, and a client keeping the first would list ``hidden``: such an item is removed
 (``mcp.names_field_twice``). A message whose envelope names a key twice (two ``tools`` lists, two results) is written
-from what the filter judged (``mcp.two_ways``), its kept items as the server wrote them. In every path: a whole
+from what the filter judged (``mcp.ReadAnswer.twice``), its kept items as the server wrote them. In every path: a whole
 JSON answer, a batch, a whole SSE answer, an SSE stream, and the JSON list filtered as it arrives (``liststream``,
 which writes the whole-answer filter's bytes, and falls back to it for an envelope naming a key twice).
 """

@@ -536,14 +536,13 @@ class SseListsFilter:
 
     def rewrite_value(self, event: bytes, data: EventData, value: Any, twice: bool = False) -> tuple[bytes, Any]:
         """``rewrite_parsed``, and the value of the event's data as it passes (None: the event is dropped).
-        ``twice``: the payload names a key twice where the parse walked it (``two_ways``)."""
+        ``twice``: the payload names a key twice where the parse walked it (``ReadAnswer.twice``)."""
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and "method" not in item and ("result" in item or "error" in item):
                 self.answered.add(id_key(item.get("id")))
-        fresh = two_ways(twice)
         value, removed = filter_lists_message(value, self.allowed)
         release(value)  # an SSE message is never spliced
-        if not removed and not fresh:
+        if not removed and not twice:
             return event, value
         self.removed += removed
         if value is None:
@@ -718,7 +717,12 @@ class ReadAnswer:
     sse: bool
     value: Any = None  # JSON: the body's value
     events: tuple[tuple[bytes, EventData | None, Any], ...] = ()  # SSE: (event, its data, value or UNREADABLE)
-    twice: bool = False  # JSON: an object the parse walked names a key twice (``two_ways``)
+    # JSON: an object the parse walked (the envelope, down to the lists) names a key twice. Python's JSON keeps
+    # the last, some clients the first, so a second ``tools`` list or ``result`` could show a client what was
+    # judged hidden: such a message never passes as written, it is encoded from what was judged, its kept items
+    # as the server wrote them (``_encoded``; an item naming its judged field twice is removed,
+    # ``names_field_twice``, so what is left of an item reads one way).
+    twice: bool = False
     twice_events: frozenset[int] = frozenset()  # SSE: the events whose data names a key twice so
 
 
@@ -794,16 +798,6 @@ def filter_answer(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) 
 NO_VALUE = object()  # ``Filtered.value`` of an answer whose bytes are not one JSON value (SSE, or nothing left)
 
 
-def two_ways(twice: bool) -> bool:
-    """Whether the server's text of a message may read differently to the agent's client than to the filter, so
-    it may not pass as written: an object the parse walked (the envelope, down to the lists) names a key twice
-    (``loads_pieces_checked``: Python's JSON keeps the last, some clients the first, so a second ``tools`` list
-    or ``result`` could show a client what was judged hidden). Such a message is encoded from what was judged,
-    its kept list items written as the server wrote them (``_encoded``): an item naming its judged field twice
-    is removed (``names_field_twice``), so what is left of an item reads one way."""
-    return twice
-
-
 @dataclass(frozen=True)
 class Filtered:
     """``filter_answer``'s outcome, with ``value``: the JSON value ``body`` encodes (a JSON answer's), or the list
@@ -822,7 +816,7 @@ def filtered(answer: ReadAnswer, allowed: Visible | Callable[[str], bool]) -> Fi
     sse = SseListsFilter(allowed)
     if not answer.sse:
         value, removed = filter_lists_message(answer.value, sse.allowed)
-        if value is not None and two_ways(answer.twice):
+        if value is not None and answer.twice:  # read two ways: encoded from what was judged (``ReadAnswer``)
             body = _encoded(value)
             release(value)
             return Filtered(body, removed, sse, value)
